@@ -1,0 +1,1 @@
+"""Replay buffer: ingest, admission control, staleness, accounting, batch serving."""

@@ -1,0 +1,1 @@
+"""Resource pools (Ray placement groups), worker groups (typed fan-out), and the placement plan."""

@@ -1,0 +1,73 @@
+"""The placement plan: which process gets which CPU cores. Pure logic, printed by --dry-run.
+
+Generator engines take cores from the front, learner ranks follow; on a machine with fewer cores
+than asked for, assignments wrap around and the plan says it is oversubscribed. The buffer and the
+controller are light (I/O and control) and are not pinned.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from async_rl.config import Config
+
+
+class ProcessPlacement(msgspec.Struct, frozen=True):
+    role: str
+    cores: list[int]
+
+
+class PlacementPlan(msgspec.Struct, frozen=True):
+    num_cores: int
+    engines: list[ProcessPlacement]
+    learner_ranks: list[ProcessPlacement]
+    oversubscribed: bool
+
+    def render(self) -> str:
+        lines = [f"placement plan ({self.num_cores} cores{', OVERSUBSCRIBED' if self.oversubscribed else ''}):"]
+        for p in [*self.engines, *self.learner_ranks]:
+            lines.append(f"  {p.role:<18} cores {','.join(map(str, p.cores))}")
+        lines.append(f"  {'buffer':<18} unpinned (ZMQ I/O)")
+        lines.append(f"  {'controller':<18} unpinned (this process)")
+        return "\n".join(lines)
+
+
+def available_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def plan_placement(cfg: Config, cores: list[int] | None = None) -> PlacementPlan:
+    cores = cores if cores is not None else available_cores()
+    next_index = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal next_index
+        got = [cores[(next_index + i) % len(cores)] for i in range(n)]
+        next_index += n
+        return got
+
+    g = cfg.generators
+    engines = [ProcessPlacement(f"engine {i}", take(g.cpus_per_engine)) for i in range(g.num_engines)]
+    ranks = [
+        ProcessPlacement(f"learner rank {r}", take(cfg.learner.cpus_per_rank)) for r in range(cfg.learner.world_size)
+    ]
+    return PlacementPlan(
+        num_cores=len(cores), engines=engines, learner_ranks=ranks, oversubscribed=next_index > len(cores)
+    )
+
+
+def pin_current_process(cores: list[int]) -> None:
+    """Pin this process (and the threads it starts later) to `cores`; size torch's thread pool to match."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, len(cores)))
+    except ImportError:
+        pass

@@ -1,0 +1,108 @@
+"""ResourcePool over Ray placement groups, and WorkerGroup: R ranked actors with typed fan-out.
+
+Calls are ordinary actor methods passed as callables (`wg.call(lambda a: a.train_step.remote(k))`),
+never method names in strings.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from async_rl.errors import RunError
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+
+class ResourcePool:
+    """One placement group: a bundle per process, packed on one node or spread across nodes."""
+
+    def __init__(
+        self,
+        name: str,
+        bundles: list[dict[str, float]],
+        strategy: str = "PACK",
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.name = name
+        self.bundles = bundles
+        self.pg = placement_group(bundles, strategy=strategy, name=f"async_rl-{name}")
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise RunError(
+                f"resource pool '{name}' ({len(bundles)} x {bundles[0]}) could not be placed within "
+                f"{timeout_s:.0f}s; cluster has {ray.cluster_resources()}"
+            ) from None
+
+    def __len__(self) -> int:
+        return len(self.bundles)
+
+    def actor_options(self, index: int) -> dict[str, Any]:
+        bundle = self.bundles[index]
+        return {
+            "num_cpus": bundle.get("CPU", 0),
+            "num_gpus": bundle.get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=index
+            ),
+        }
+
+    def remove(self) -> None:
+        remove_placement_group(self.pg)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WorkerGroup(Generic[T]):
+    """R actors of one class in a ResourcePool, SPMD among themselves.
+
+    `make(rank, options)` creates rank `rank`'s actor handle with the pool's `options` (the caller
+    passes rank, world size and the rendezvous address to the constructor). Rank 0 is created first;
+    `rendezvous(actor0)` returns the address the other ranks are told.
+    """
+
+    def __init__(
+        self,
+        pool: ResourcePool,
+        make: Callable[[int, dict[str, Any], str], ActorHandle],
+        rendezvous: Callable[[ActorHandle], str],
+    ) -> None:
+        self.pool = pool
+        rank0 = make(0, pool.actor_options(0), "")
+        self.address = rendezvous(rank0)
+        self.actors: list[ActorHandle] = [rank0] + [
+            make(r, pool.actor_options(r), self.address) for r in range(1, len(pool))
+        ]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def call(self, fn: Callable[[ActorHandle], ray.ObjectRef], timeout_s: float | None = None) -> list[Any]:
+        """Call `fn(actor)` on every rank; collect results in rank order."""
+        return ray.get([fn(a) for a in self.actors], timeout=timeout_s)
+
+    def call_sharded(
+        self, fn: Callable[[ActorHandle, S], ray.ObjectRef], shards: Sequence[S], timeout_s: float | None = None
+    ) -> list[Any]:
+        """Call `fn(actor_r, shards[r])` on every rank r; collect results in rank order."""
+        if len(shards) != len(self.actors):
+            raise ValueError(f"{len(shards)} shards for {len(self.actors)} ranks")
+        return ray.get([fn(a, s) for a, s in zip(self.actors, shards)], timeout=timeout_s)
+
+    def kill(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)

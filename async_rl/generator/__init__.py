@@ -1,0 +1,1 @@
+"""Generator pool: GeneratorEngine actors that own a vLLM AsyncLLM, the worker extension, rewards."""

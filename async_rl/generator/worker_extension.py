@@ -1,0 +1,58 @@
+"""Runs inside every vLLM worker process (`worker_extension_cls`): the weight receiver.
+
+vLLM mixes this class into its worker, so `self.model_runner` is the worker's model runner. The
+methods are called through `collective_rpc` by the wrappers in `vllm_compat`; nothing else calls
+them. Kept free of vLLM imports at module level: it is imported by vLLM itself.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from async_rl.weight_sync.base import WeightGroupInfo, receive_update
+from async_rl.weight_sync.bucketing import Manifest
+from async_rl.weight_sync.checksum import checksum_of
+from async_rl.weight_sync.gloo import GlooGroup
+
+
+class WeightReceiverExtension:
+    _async_rl_group: GlooGroup | None = None
+    _async_rl_manifest: Manifest | None = None
+
+    def async_rl_join_weight_group(self, info_bytes: bytes, first_rank: int, manifest_bytes: bytes) -> None:
+        rank = first_rank + self.rank  # self.rank: this worker's rank inside its engine (TP rank)
+        info = msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo)
+        if self._async_rl_group is not None:
+            self._async_rl_group.close()
+        self._async_rl_manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
+        self._async_rl_group = GlooGroup(
+            info.host, info.port, rank, info.world_size, info.timeout_s, generation=info.generation
+        )
+
+    def async_rl_receive_weights(self, version: int, checksum: bool) -> bytes:
+        if self._async_rl_group is None or self._async_rl_manifest is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+
+        def load(named):
+            self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            _refresh_tied_cpu_gemm(self.model_runner.get_model())
+
+        receipt = receive_update(self._async_rl_group, self._async_rl_manifest, version, checksum, load)
+        return msgspec.msgpack.encode(receipt)
+
+    def async_rl_param_checksum(self) -> bytes:
+        model = self.model_runner.get_model()
+        return msgspec.msgpack.encode(checksum_of(p for _, p in model.named_parameters()))
+
+
+def _refresh_tied_cpu_gemm(model) -> None:
+    """vLLM CPU only: a module whose weight is shared with another one (the tied lm_head of
+    tie_word_embeddings models) keeps a oneDNN handle packed from the OLD weight after a reload, so
+    generation would silently use stale logits. Re-pack it from the new values."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead) and hasattr(module, "cpu_linear"):
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)

@@ -1,0 +1,147 @@
+"""python -m async_rl.launch CONFIG [section.key=value ...] [--dry-run] [--describe]
+
+Exit codes: 0 done, 1 runtime failure (one line naming it), 2 configuration error (one line
+naming the key), 130 interrupted. Every process the run started is stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from async_rl.cluster.placement import PlacementPlan, plan_placement
+from async_rl.config import Config, describe, load_config, to_dict, to_yaml
+from async_rl.errors import ConfigError, RunError
+from async_rl.models.tiny import PRESETS, resolve_model_path
+from async_rl.tasks.base import load_task
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m async_rl.launch", description=__doc__.splitlines()[0])
+    ap.add_argument("config", nargs="?", help="YAML config file (omit with --describe)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides, applied in order")
+    ap.add_argument("--dry-run", action="store_true", help="print the resolved config and placement plan, exit")
+    ap.add_argument("--describe", action="store_true", help="print every config key with default and meaning")
+    return ap.parse_args(argv)
+
+
+def check_inputs(cfg: Config) -> None:
+    """Fail before anything starts: model path and task must resolve (ConfigError, exit 2)."""
+    if cfg.model.path not in PRESETS:
+        resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    load_task(cfg.task.name)
+
+
+def make_run_dir(cfg: Config) -> Path:
+    name = cfg.logging.run_name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.logging.run_dir) / name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise RunError(f"logging.run_name: run directory '{run_dir}' already exists and is not empty")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def start_ray(cfg: Config, plan: PlacementPlan) -> None:
+    import ray
+
+    needed = cfg.generators.num_engines * cfg.generators.cpus_per_engine
+    needed += cfg.learner.world_size * cfg.learner.cpus_per_rank
+    env = {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "WANDB_SILENT": "true"}
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, log_to_driver=cfg.ray.actor_logs, runtime_env={"env_vars": env})
+        return
+    ray.init(
+        num_cpus=cfg.ray.num_cpus or max(needed, plan.num_cores),
+        include_dashboard=False,
+        log_to_driver=cfg.ray.actor_logs,
+        logging_level=logging.WARNING,
+        object_store_memory=200 << 20,  # Ray carries control messages only; bulk data never goes here
+        runtime_env={"env_vars": env},
+    )
+
+
+def _raise_interrupt(signum, frame):  # SIGTERM -> the same clean shutdown as Ctrl-C
+    raise KeyboardInterrupt
+
+
+def run(cfg: Config, plan: PlacementPlan) -> int:
+    import ray
+
+    from async_rl.controller import Controller
+    from async_rl.metrics import MetricsSink
+
+    run_dir = make_run_dir(cfg)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    print(f"run directory: {run_dir}", flush=True)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    print(f"model: {model_dir}", flush=True)
+    print(plan.render(), flush=True)
+    start_ray(cfg, plan)
+    controller = Controller(cfg, model_dir, run_dir, plan)
+    metrics = None
+    try:
+        print("starting buffer, generators (vLLM) and learner ...", flush=True)
+        metrics = MetricsSink(run_dir, cfg.logging.wandb, to_dict(cfg), cfg.train.total_steps)
+        summary = controller.run(metrics)
+        acc = summary.buffer.accounts
+        print(
+            f"done: {summary.steps} steps, policy v{summary.final_version}; mean reward "
+            f"{sum(summary.first_rewards) / len(summary.first_rewards):.3f} (first steps) -> "
+            f"{sum(summary.last_rewards) / len(summary.last_rewards):.3f} (last steps); "
+            f"samples trained {acc.trained}, dropped-stale {acc.dropped_stale}, filtered {acc.filtered}, "
+            f"lost {acc.lost}; metrics in {run_dir / 'metrics.jsonl'}",
+            flush=True,
+        )
+        return 0
+    finally:
+        controller.shutdown()
+        if metrics is not None:
+            metrics.close()
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.describe:
+        for key, default, desc in describe():
+            print(f"{key:<38} {default:<22} {desc}")
+        return 0
+    if args.config is None:
+        print("error: a CONFIG file is required (or --describe)", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_inputs(cfg)
+        plan = plan_placement(cfg)
+        if args.dry_run:
+            print(to_yaml(cfg), end="")
+            print(plan.render())
+            return 0
+        return run(cfg, plan)
+    except (ConfigError, RunError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: all processes stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        cause = getattr(exc, "cause", None)  # a RunError raised inside a Ray actor
+        if isinstance(cause, (RunError, ConfigError)):
+            print(f"error: {cause}", file=sys.stderr)
+            return cause.exit_code
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"async_rl-crash-{os.getpid()}.log"
+        log.write_text(traceback.format_exc())
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        print(f"error: {type(exc).__name__}: {last} (traceback in {log})", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Learner interface, backends, losses and advantage estimators."""

@@ -1,0 +1,1 @@
+"""Model presets and resolution of `model.path`."""

@@ -1,0 +1,95 @@
+"""A tiny random-init Qwen2-style model with a character-level tokenizer, created offline.
+
+Used by the quickstart and the tests: no hub download, a few hundred thousand parameters, head_dim 32
+(vLLM's CPU attention needs >= 32). Written to a temporary folder and renamed into place, so a
+crashed creation never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from async_rl.errors import ConfigError
+
+PRESETS = ("tiny-qwen2",)
+_PRESET_VERSION = "v1"
+
+# Characters the built-in tasks use; every one is its own token.
+CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?,. ")
+SPECIAL = ["<|endoftext|>", "<unk>", "<pad>"]
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>", pad_token="<pad>"
+    )
+
+
+def build_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).to(torch.float32)
+
+
+def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
+    """Return the folder of preset `name`, creating it (atomically) on first use."""
+    if name not in PRESETS:
+        raise ConfigError(f"model.path '{name}' is neither a built-in preset {PRESETS} nor a folder")
+    root = Path(cache_dir).expanduser()
+    target = root / f"{name}-{_PRESET_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        tokenizer = build_tokenizer()
+        model = build_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process created it first; theirs is complete (rename is atomic).
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_model_path(path: str, cache_dir: str) -> Path:
+    """`model.path` -> a local HF model folder; a preset is created offline on first use."""
+    if path in PRESETS:
+        return ensure_preset(path, cache_dir)
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"model.path '{path}' does not exist (not a folder, not a preset {PRESETS})")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model.path '{path}' has no config.json: not a Hugging Face model folder")
+    return p.resolve()

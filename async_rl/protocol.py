@@ -1,0 +1,212 @@
+"""Wire types shared by generator, buffer and learner.
+
+A trajectory message is a ZMQ multipart frame of three parts:
+
+  [0] msgpack header (`GroupsHeader`): schema version, run id, and per group/sample metadata
+  [1] int32 little-endian token ids: for each group its prompt tokens, then each completion's tokens
+  [2] float32 little-endian behaviour log-probs: one per completion token, in the same order
+
+Token ids and log-probs never travel as lists of Python numbers. The same framing carries groups
+from generators to the buffer and batches from the buffer to learner ranks. A frame that fails any
+check raises `FrameError` with a short reason that the receiver counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+# Outcome of the reward call of one sample; carried on the wire so the buffer can count it.
+REWARD_OK = 0
+REWARD_ERROR = 1
+REWARD_TIMEOUT = 2
+
+
+class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    completion_len: int
+    reward: float
+    version_first: int  # policy version when the first token was generated
+    version_last: int  # policy version when the last token was generated
+    reward_status: int = REWARD_OK
+
+
+class GroupMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    prompt_id: int
+    engine_id: int
+    prompt_len: int
+    samples: list[SampleMeta]
+
+
+class GroupsHeader(msgspec.Struct, forbid_unknown_fields=True):
+    schema: int
+    run_id: str
+    groups: list[GroupMeta]
+    step: int = -1  # the optimizer step a batch is for (-1 on generator -> buffer frames)
+
+
+class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Learner rank -> buffer: send me my shard of the batch for `step`."""
+
+    schema: int
+    run_id: str
+    step: int
+    rank: int
+    world_size: int
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    """One prompt leased to an engine. `answer` is what the task's reward function checks against."""
+
+    prompt_id: int
+    text: str
+    answer: str
+
+
+class FrameError(ValueError):
+    """A frame failed validation; `reason` is the counter it lands in."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class TrajectoryGroup:
+    """In-memory form of one prompt group: every completion of one prompt, with its log-probs."""
+
+    prompt_id: int
+    engine_id: int
+    prompt_tokens: np.ndarray  # int32 [prompt_len]
+    completions: list[np.ndarray]  # int32 [completion_len] each
+    logprobs: list[np.ndarray]  # float32 [completion_len] each, behaviour policy
+    rewards: list[float]
+    version_first: list[int]
+    version_last: list[int]
+    reward_status: list[int]
+
+    @property
+    def size(self) -> int:
+        return len(self.completions)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.version_first)
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(GroupsHeader)
+_request_decoder = msgspec.msgpack.Decoder(BatchRequest)
+
+
+def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) -> list[bytes]:
+    metas = []
+    token_parts: list[np.ndarray] = []
+    logprob_parts: list[np.ndarray] = []
+    for g in groups:
+        samples = []
+        token_parts.append(np.asarray(g.prompt_tokens, dtype=TOKEN_DTYPE))
+        for i, comp in enumerate(g.completions):
+            token_parts.append(np.asarray(comp, dtype=TOKEN_DTYPE))
+            logprob_parts.append(np.asarray(g.logprobs[i], dtype=LOGPROB_DTYPE))
+            samples.append(
+                SampleMeta(
+                    completion_len=len(comp),
+                    reward=float(g.rewards[i]),
+                    version_first=int(g.version_first[i]),
+                    version_last=int(g.version_last[i]),
+                    reward_status=int(g.reward_status[i]),
+                )
+            )
+        metas.append(GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples))
+    header = GroupsHeader(schema=SCHEMA_VERSION, run_id=run_id, groups=metas, step=step)
+    tokens = np.concatenate(token_parts) if token_parts else np.empty(0, TOKEN_DTYPE)
+    logprobs = np.concatenate(logprob_parts) if logprob_parts else np.empty(0, LOGPROB_DTYPE)
+    return [_header_encoder.encode(header), tokens.tobytes(), logprobs.tobytes()]
+
+
+def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) -> tuple[GroupsHeader, list[TrajectoryGroup]]:
+    """Decode and validate a groups frame; raises FrameError(reason) on anything malformed."""
+    if len(frames) != 3:
+        raise FrameError("frame_count", f"expected 3 parts, got {len(frames)}")
+    total = sum(len(f) for f in frames)
+    if total > max_bytes:
+        raise FrameError("too_large", f"{total} bytes > {max_bytes}")
+    try:
+        header = _header_decoder.decode(frames[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError("bad_header", str(exc)) from None
+    if header.schema != SCHEMA_VERSION:
+        raise FrameError("schema_version", f"got {header.schema}, want {SCHEMA_VERSION}")
+    if header.run_id != run_id:
+        raise FrameError("run_id", f"frame of run '{header.run_id}'")
+    if len(frames[1]) % TOKEN_DTYPE.itemsize or len(frames[2]) % LOGPROB_DTYPE.itemsize:
+        raise FrameError("buffer_size", "token or log-prob buffer is not a whole number of items")
+    tokens = np.frombuffer(frames[1], dtype=TOKEN_DTYPE)
+    logprobs = np.frombuffer(frames[2], dtype=LOGPROB_DTYPE)
+    want_tokens = sum(g.prompt_len + sum(s.completion_len for s in g.samples) for g in header.groups)
+    want_logprobs = sum(s.completion_len for g in header.groups for s in g.samples)
+    if want_tokens != len(tokens) or want_logprobs != len(logprobs):
+        raise FrameError(
+            "length_mismatch",
+            f"header says {want_tokens} tokens/{want_logprobs} logprobs, got {len(tokens)}/{len(logprobs)}",
+        )
+    groups: list[TrajectoryGroup] = []
+    t = 0
+    lp = 0
+    for g in header.groups:
+        if g.prompt_len < 0 or not g.samples or any(s.completion_len < 0 for s in g.samples):
+            raise FrameError("bad_value", f"prompt {g.prompt_id}: negative length or empty group")
+        for s in g.samples:
+            if not math.isfinite(s.reward) or s.version_first < 0 or s.version_last < s.version_first:
+                raise FrameError("bad_value", f"prompt {g.prompt_id}: reward or versions out of range")
+        prompt = tokens[t : t + g.prompt_len]
+        t += g.prompt_len
+        comps, lps = [], []
+        for s in g.samples:
+            comps.append(tokens[t : t + s.completion_len])
+            lps.append(logprobs[lp : lp + s.completion_len])
+            t += s.completion_len
+            lp += s.completion_len
+        groups.append(
+            TrajectoryGroup(
+                prompt_id=g.prompt_id,
+                engine_id=g.engine_id,
+                prompt_tokens=prompt,
+                completions=comps,
+                logprobs=lps,
+                rewards=[s.reward for s in g.samples],
+                version_first=[s.version_first for s in g.samples],
+                version_last=[s.version_last for s in g.samples],
+                reward_status=[s.reward_status for s in g.samples],
+            )
+        )
+    if tokens.size and int(tokens.min()) < 0:
+        raise FrameError("bad_value", "negative token id")
+    if logprobs.size and not bool(np.all(logprobs <= 1e-3)):
+        # NaN fails the comparison too; a log-probability is never positive.
+        raise FrameError("bad_value", "log-probs must be finite and <= 0")
+    return header, groups
+
+
+def encode_request(req: BatchRequest) -> bytes:
+    return _header_encoder.encode(req)
+
+
+def decode_request(frame: bytes, run_id: str) -> BatchRequest:
+    try:
+        req = _request_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError("bad_request", str(exc)) from None
+    if req.schema != SCHEMA_VERSION:
+        raise FrameError("schema_version", f"got {req.schema}")
+    if req.run_id != run_id:
+        raise FrameError("run_id", f"request of run '{req.run_id}'")
+    return req

@@ -1,0 +1,5 @@
+"""Verifiable tasks: a prompt stream and a reward function. Built-ins by name, user tasks by dotted path."""
+
+from async_rl.tasks.base import Task, load_task
+
+__all__ = ["Task", "load_task"]

@@ -1,0 +1,56 @@
+"""The Task interface and the loader for `task.name` (built-in name or 'pkg.module:factory')."""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable, Iterator
+
+from async_rl.errors import ConfigError
+from async_rl.protocol import Prompt
+
+
+class Task(abc.ABC):
+    """A verifiable task. `prompts` runs in the buffer (admission control leases them); `reward` runs
+    in every generator engine, off the event loop and under a timeout."""
+
+    name: str = "task"
+
+    @abc.abstractmethod
+    def prompts(self, seed: int) -> Iterator[Prompt]:
+        """An endless (or long) stream of prompts with unique `prompt_id`s."""
+
+    @abc.abstractmethod
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        """Score one completion of `prompt`; a finite float, higher is better."""
+
+
+def _builtin_factories() -> dict[str, Callable[[], Task]]:
+    from async_rl.tasks.modsum import ModSumTask
+    from async_rl.tasks.repeat import RepeatTask
+
+    return {"repeat": RepeatTask, "modsum": ModSumTask}
+
+
+BUILTIN_TASKS = ("repeat", "modsum")
+
+
+def load_task(name: str) -> Task:
+    """Built-in task by name, or a user task from 'pkg.module:factory' (factory() -> Task)."""
+    builtins = _builtin_factories()
+    if name in builtins:
+        return builtins[name]()
+    if ":" not in name:
+        raise ConfigError(f"task.name '{name}' is not a built-in task {BUILTIN_TASKS} nor 'pkg.module:factory'")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import can fail with any error; name it in one line
+        raise ConfigError(f"task.name '{name}' does not import: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ConfigError(f"task.name '{name}': module '{module_name}' has no callable '{attr}'")
+    task = factory()
+    if not isinstance(task, Task):
+        raise ConfigError(f"task.name '{name}': factory returned {type(task).__name__}, not an async_rl Task")
+    return task

@@ -1,0 +1,1 @@
+"""Learner -> generator weight broadcast: bucketing, sender/receiver interface, backends."""

@@ -1,0 +1,106 @@
+"""Pack named tensors into fixed-size contiguous byte buckets, described by a manifest.
+
+The manifest (names, shapes, dtypes, offsets) is sent once per group membership over the control
+plane; each update then moves only raw bucket bytes. Offsets are aligned so every tensor can be
+viewed in place inside its bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import msgspec
+import torch
+
+_ALIGN = 64
+
+
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    shape: list[int]
+    dtype: str  # torch dtype name without the 'torch.' prefix, e.g. 'float32'
+    offset: int  # bytes from the start of the bucket
+    nbytes: int
+
+
+class Bucket(msgspec.Struct, array_like=True, frozen=True):
+    nbytes: int
+    tensors: list[TensorSpec]
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    buckets: list[Bucket]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.tensors) for b in self.buckets)
+
+    def digest(self) -> str:
+        return hashlib.blake2b(msgspec.msgpack.encode(self), digest_size=16).hexdigest()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype '{name}' in weight manifest")
+    return dtype
+
+
+def build_manifest(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Manifest:
+    """Greedy packing in the given order; a tensor larger than `bucket_bytes` gets a bucket of its own."""
+    buckets: list[Bucket] = []
+    current: list[TensorSpec] = []
+    used = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        start = -(-used // _ALIGN) * _ALIGN
+        if current and start + nbytes > bucket_bytes:
+            buckets.append(Bucket(nbytes=used, tensors=current))
+            current, used, start = [], 0, 0
+        current.append(TensorSpec(name, list(t.shape), dtype_name(t.dtype), start, nbytes))
+        used = start + nbytes
+    if current:
+        buckets.append(Bucket(nbytes=used, tensors=current))
+    return Manifest(buckets=buckets)
+
+
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors into `out` (uint8, at least bucket.nbytes); returns the used slice."""
+    buf = out[: bucket.nbytes]
+    for spec in bucket.tensors:
+        src = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
+        buf[spec.offset : spec.offset + spec.nbytes].copy_(src)
+    return buf
+
+
+def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views into `buf` (uint8), one per tensor, with the manifest's shape and dtype."""
+    return [
+        (
+            spec.name,
+            buf[spec.offset : spec.offset + spec.nbytes].view(to_dtype(spec.dtype)).view(spec.shape),
+        )
+        for spec in bucket.tensors
+    ]
+
+
+class Digest:
+    """Running checksum over the bytes of an update (same bytes on sender and receiver)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+
+    def update(self, buf: torch.Tensor) -> None:
+        self._h.update(memoryview(buf.numpy()))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()

@@ -1,0 +1,56 @@
+"""Gloo broadcast group over a stateless TCPStore rendezvous.
+
+Never the global default process group: vLLM workers already own one, and so do learner ranks
+(their data-parallel group). The store is hosted by rank 0 (the sender).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from async_rl.errors import RunError
+from async_rl.weight_sync.base import BroadcastGroup
+
+_PREFIX = "async_rl/weights"
+
+
+def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0: start the rendezvous store (port 0 = any free port; read it back from `.port`)."""
+    try:
+        return dist.TCPStore(
+            host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as exc:
+        if "in use" in str(exc).lower():
+            raise RunError(f"weight_sync.port: port {port} on {host} is already in use") from None
+        raise RunError(f"weight_sync: cannot start the rendezvous store on {host}:{port}: {exc}") from None
+
+
+class GlooGroup(BroadcastGroup):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        store: dist.TCPStore | None = None,
+        generation: int = 0,
+    ) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        self._store = store
+        prefixed = dist.PrefixStore(f"{_PREFIX}/{generation}", store)
+        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        self.rank = rank
+        self.world_size = world_size
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        self._pg.broadcast(buf, 0).wait()
+
+    def close(self) -> None:
+        self._pg = None  # gloo tears its pairs down when the group is released
