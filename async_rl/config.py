@@ -127,6 +127,28 @@ class Config(_Section):
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads '1e-3' (no dot) as a string; accept it as the float users mean."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<name>[^`]+)`")
 
@@ -153,7 +175,7 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
     if not all(keys):
         raise ConfigError(f"override '{override}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override '{override}': value is not valid YAML ({exc.__class__.__name__})") from None
     node = tree
@@ -173,12 +195,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = _yaml(p.read_text())
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file '{p}' is not valid YAML: {str(exc).splitlines()[0]}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping of sections at the top level")
-        tree = loaded or {}
+        # An empty section ('learner:' with nothing under it) means "all defaults".
+        tree = {k: ({} if v is None else v) for k, v in (loaded or {}).items()}
     for override in overrides:
         apply_override(tree, override)
     try:

@@ -141,7 +141,7 @@ def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) ->
         raise FrameError("too_large", f"{total} bytes > {max_bytes}")
     try:
         header = _header_decoder.decode(frames[0])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise FrameError("bad_header", str(exc)) from None
     if header.schema != SCHEMA_VERSION:
         raise FrameError("schema_version", f"got {header.schema}, want {SCHEMA_VERSION}")
@@ -165,7 +165,12 @@ def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) ->
         if g.prompt_len < 0 or not g.samples or any(s.completion_len < 0 for s in g.samples):
             raise FrameError("bad_value", f"prompt {g.prompt_id}: negative length or empty group")
         for s in g.samples:
-            if not math.isfinite(s.reward) or s.version_first < 0 or s.version_last < s.version_first:
+            if (
+                not math.isfinite(s.reward)
+                or s.version_first < 0
+                or s.version_last < s.version_first
+                or s.reward_status not in (REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT)
+            ):
                 raise FrameError("bad_value", f"prompt {g.prompt_id}: reward or versions out of range")
         prompt = tokens[t : t + g.prompt_len]
         t += g.prompt_len
@@ -190,8 +195,8 @@ def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) ->
         )
     if tokens.size and int(tokens.min()) < 0:
         raise FrameError("bad_value", "negative token id")
-    if logprobs.size and not bool(np.all(logprobs <= 1e-3)):
-        # NaN fails the comparison too; a log-probability is never positive.
+    if logprobs.size and not bool(np.all(np.isfinite(logprobs) & (logprobs <= 1e-3))):
+        # A log-probability is finite and never positive (1e-3 allows float rounding).
         raise FrameError("bad_value", "log-probs must be finite and <= 0")
     return header, groups
 
@@ -203,10 +208,12 @@ def encode_request(req: BatchRequest) -> bytes:
 def decode_request(frame: bytes, run_id: str) -> BatchRequest:
     try:
         req = _request_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise FrameError("bad_request", str(exc)) from None
     if req.schema != SCHEMA_VERSION:
         raise FrameError("schema_version", f"got {req.schema}")
     if req.run_id != run_id:
         raise FrameError("run_id", f"request of run '{req.run_id}'")
+    if req.world_size < 1 or not 0 <= req.rank < req.world_size or req.step < 0:
+        raise FrameError("bad_request", f"rank {req.rank} of world {req.world_size}, step {req.step}")
     return req

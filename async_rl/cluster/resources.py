@@ -101,7 +101,7 @@ class WorkerGroup(Generic[T]):
         """Call `fn(actor_r, shards[r])` on every rank r; collect results in rank order."""
         if len(shards) != len(self.actors):
             raise ValueError(f"{len(shards)} shards for {len(self.actors)} ranks")
-        return ray.get([fn(a, s) for a, s in zip(self.actors, shards)], timeout=timeout_s)
+        return ray.get([fn(a, s) for a, s in zip(self.actors, shards, strict=True)], timeout=timeout_s)
 
     def kill(self) -> None:
         for a in self.actors:

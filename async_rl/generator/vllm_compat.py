@@ -35,7 +35,8 @@ def omp_bind(cores: list[int], tensor_parallel_size: int) -> str:
     per = max(1, len(cores) // tensor_parallel_size)
     lists = []
     for r in range(tensor_parallel_size):
-        chunk = cores[r * per : (r + 1) * per] or [cores[r % len(cores)]]
+        last = r == tensor_parallel_size - 1
+        chunk = cores[r * per : None if last else (r + 1) * per] or [cores[r % len(cores)]]
         lists.append(",".join(map(str, chunk)))
     return "|".join(lists)
 
@@ -90,7 +91,7 @@ async def generate(llm, prompt: str, params, request_id: str) -> tuple[list[int]
     completions = []
     for c in final.outputs:
         ids = list(c.token_ids)
-        lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids)] if c.logprobs else []
+        lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids, strict=True)] if c.logprobs else []
         if len(lps) != len(ids):
             raise RuntimeError(f"request {request_id}: {len(ids)} tokens but {len(lps)} log-probs")
         completions.append(Completion(token_ids=ids, logprobs=lps, text=c.text))

@@ -11,13 +11,14 @@ import msgspec
 
 from async_rl.weight_sync.base import WeightGroupInfo, receive_update
 from async_rl.weight_sync.bucketing import Manifest
-from async_rl.weight_sync.checksum import checksum_of
+from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from async_rl.weight_sync.gloo import GlooGroup
 
 
 class WeightReceiverExtension:
     _async_rl_group: GlooGroup | None = None
     _async_rl_manifest: Manifest | None = None
+    _async_rl_received: ParamChecksum | None = None
 
     def async_rl_join_weight_group(self, info_bytes: bytes, first_rank: int, manifest_bytes: bytes) -> None:
         rank = first_rank + self.rank  # self.rank: this worker's rank inside its engine (TP rank)
@@ -34,6 +35,8 @@ class WeightReceiverExtension:
             raise RuntimeError("receive_weights before join_weight_group")
 
         def load(named):
+            if checksum:
+                self._async_rl_received = checksum_of(t for _, t in named)
             self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
             _refresh_tied_cpu_gemm(self.model_runner.get_model())
 
@@ -41,8 +44,14 @@ class WeightReceiverExtension:
         return msgspec.msgpack.encode(receipt)
 
     def async_rl_param_checksum(self) -> bytes:
-        model = self.model_runner.get_model()
-        return msgspec.msgpack.encode(checksum_of(p for _, p in model.named_parameters()))
+        """Checksum of the parameters this worker received and loaded in the last update.
+
+        Not of `named_parameters()`: on CPU, vLLM repacks GEMM weights into oneDNN handles that are
+        no longer parameters. That the loaded model computes what the learner's does is checked by
+        the on-policy log-prob mismatch instead."""
+        if self._async_rl_received is None:
+            raise RuntimeError("no weight update with checksums received yet")
+        return msgspec.msgpack.encode(self._async_rl_received)
 
 
 def _refresh_tied_cpu_gemm(model) -> None:

@@ -13,9 +13,14 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """
     if rewards.shape[1] < 2:
         return torch.zeros_like(rewards)
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + eps)
+    # float64: in float32 a group of equal but inexact rewards (0.9, 0.9, ...) gets a mean one
+    # rounding step off and a tiny std, i.e. spurious non-zero advantages.
+    r = rewards.to(torch.float64)
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, keepdim=True)
+    adv = (r - mean) / (std + eps)
+    adv = torch.where(std > 1e-9 * (1.0 + mean.abs()), adv, torch.zeros_like(adv))
+    return adv.to(rewards.dtype)
 
 
 class LossStats(msgspec.Struct):

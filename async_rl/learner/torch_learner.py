@@ -27,7 +27,7 @@ class Collated:
     def __init__(self, groups: list[TrajectoryGroup], step: int) -> None:
         seqs, behav, starts, lengths, fresh = [], [], [], [], []
         for g in groups:
-            for comp, lp, v0, v1 in zip(g.completions, g.logprobs, g.version_first, g.version_last):
+            for comp, lp, v0, v1 in zip(g.completions, g.logprobs, g.version_first, g.version_last, strict=True):
                 seqs.append(np.concatenate([g.prompt_tokens, comp]))
                 behav.append(lp)
                 starts.append(len(g.prompt_tokens) - 1)
@@ -39,7 +39,7 @@ class Collated:
         self.attention_mask = torch.zeros(n, width, dtype=torch.long)
         self.behav_logp = torch.zeros(n, width - 1)
         self.loss_mask = torch.zeros(n, width - 1)
-        for i, (s, lp, start, length) in enumerate(zip(seqs, behav, starts, lengths)):
+        for i, (s, lp, start, length) in enumerate(zip(seqs, behav, starts, lengths, strict=True)):
             self.input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
             self.attention_mask[i, : len(s)] = 1
             self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))

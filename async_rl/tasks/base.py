@@ -50,7 +50,10 @@ def load_task(name: str) -> Task:
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise ConfigError(f"task.name '{name}': module '{module_name}' has no callable '{attr}'")
-    task = factory()
+    try:
+        task = factory()
+    except Exception as exc:
+        raise ConfigError(f"task.name '{name}': factory raised {type(exc).__name__}: {exc}") from None
     if not isinstance(task, Task):
         raise ConfigError(f"task.name '{name}': factory returned {type(task).__name__}, not an async_rl Task")
     return task

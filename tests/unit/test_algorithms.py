@@ -44,7 +44,7 @@ def test_grpo_groups_are_normalised_independently():
         [-0.5, -0.5, -0.5, 1.5],
         [-3 / s3, -1 / s3, 1 / s3, 3 / s3],
     ]
-    for got_row, want_row in zip(adv.tolist(), want):
+    for got_row, want_row in zip(adv.tolist(), want, strict=True):
         assert got_row == pytest.approx(want_row, abs=1e-5)
     assert adv.sum(dim=1).abs().max() < 1e-9
     assert adv.shape == (3, 4)
@@ -58,7 +58,7 @@ def test_grpo_uniform_group_is_zero():
 
 
 def test_grpo_uniform_group_of_inexact_float32_rewards_is_zero():
-    # BUG: async_rl/learner/algorithms.py grpo_advantages (lines 15-17): the docstring promises 0 for a
+    # BUG: async_rl/learner/algorithms.py grpo_advantages (lines 16-18): the docstring promises 0 for a
     # group whose rewards are all equal, but for float32 rewards that are not exact binary fractions
     # (0.9 * 8, as torch_learner.py line 47 builds them) the mean is off by one ulp and the std is
     # ~1e-8, so (r - mean) / (std + 1e-6) gives about -0.056 for every sample instead of 0: a

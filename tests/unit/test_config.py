@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from async_rl.config import Config, apply_override, describe, load_config, to_yaml
@@ -299,8 +300,6 @@ def test_max_tokens_must_be_below_max_model_len():
 
 
 def _leaf_keys(struct, prefix=""):
-    import msgspec
-
     keys = []
     for f in msgspec.structs.fields(type(struct)):
         value = getattr(struct, f.name)

