@@ -65,6 +65,9 @@ class TrainConfig(_Section):
     prompts_per_step: Annotated[int, _f("prompt groups per optimizer step (batch = this * group_size)", ge=1)] = 8
     max_lag: Annotated[int, _f("max policy versions a trained sample may lag (0 = synchronous on-policy)", ge=0)] = 1
     sync_every: Annotated[int, _f("optimizer steps between weight syncs to the generators", ge=1)] = 1
+    mismatch_probe_samples: Annotated[
+        int, _f("after each sync, samples scored by learner and vLLM to measure their log-prob mismatch", ge=0)
+    ] = 8
     seed: Annotated[int, _f("seed of the learner")] = 0
 
 

@@ -74,11 +74,13 @@ class Controller:
             t0 = time.perf_counter()
             per_rank: list[StepMetrics] = self.p.learner.call(lambda a, s=step: a.train_step.remote(s))
             self.version = step + 1
-            sync_s = 0.0
+            sync_s, mismatch = 0.0, None
             if self.version % self.cfg.train.sync_every == 0:
                 sync_s = self.sync_weights(self.version)
+                mismatch = self.logprob_mismatch()
             buffer: BufferStats = ray.get(self.p.buffer.stats.remote())
-            record = make_record(step, self.version, per_rank, buffer, time.perf_counter() - t0, sync_s, t_start)
+            elapsed = time.perf_counter() - t0
+            record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
             metrics.log(record)
             rewards.append(record.reward_mean)
         k = max(1, min(5, len(rewards) // 4))
@@ -109,6 +111,14 @@ class Controller:
         ray.get([e.resume.remote(version) for e in p.engines], timeout=SYNC_TIMEOUT_S)
         ray.get(p.buffer.set_generator_version.remote(version))
         return time.perf_counter() - t0
+
+    def logprob_mismatch(self) -> float | None:
+        """Right after a sync both sides hold the same version: score the same tokens on each."""
+        n = self.cfg.train.mismatch_probe_samples
+        if n == 0:
+            return None
+        probe = ray.get(self.p.learner.actors[0].probe_logprobs.remote(n))
+        return ray.get(self.p.engines[0].score.remote(probe), timeout=SYNC_TIMEOUT_S)
 
     def checksums(self) -> tuple[ParamChecksum, list[list[ParamChecksum]]]:
         """The learner's parameter checksum and every generator worker's (for tests and checks)."""
@@ -252,10 +262,10 @@ def make_record(
     buffer: BufferStats,
     step_s: float,
     sync_s: float,
+    mismatch: float | None,
     t_start: float,
 ) -> StepRecord:
     n = len(per_rank)
-    mismatches = [m.logprob_mismatch for m in per_rank if m.logprob_mismatch is not None]
     samples = sum(m.samples for m in per_rank)
     tokens = sum(m.tokens for m in per_rank)
     a = buffer.accounts
@@ -267,7 +277,7 @@ def make_record(
         loss=sum(m.loss for m in per_rank) / n,
         kl_behav=sum(m.kl_behav for m in per_rank) / n,
         logprob_abs_diff=sum(m.logprob_abs_diff for m in per_rank) / n,
-        logprob_mismatch=sum(mismatches) / len(mismatches) if mismatches else None,
+        logprob_mismatch=mismatch,
         grad_norm=per_rank[0].grad_norm,
         clip_frac=sum(m.clip_frac for m in per_rank) / n,
         tis_frac=sum(m.tis_frac for m in per_rank) / n,

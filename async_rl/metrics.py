@@ -20,7 +20,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     loss: float
     kl_behav: float
     logprob_abs_diff: float
-    logprob_mismatch: float | None
+    logprob_mismatch: float | None  # |vLLM - learner| on the same tokens, same version (after a sync)
     grad_norm: float
     clip_frac: float
     tis_frac: float

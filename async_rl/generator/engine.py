@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
+from async_rl.learner.base import Probe
 from async_rl.protocol import TOKEN_DTYPE, Prompt, TrajectoryGroup, encode_groups
 from async_rl.tasks.base import load_task
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -153,6 +154,16 @@ class GeneratorEngine:
 
     async def param_checksums(self) -> list[ParamChecksum]:
         return await vc.param_checksums(self._llm)
+
+    async def score(self, probe: Probe) -> float:
+        """Mean |vLLM - learner| log-prob over the probe's tokens, both at the current version."""
+        diffs: list[float] = []
+        for i, (ids, positions, learner_lps) in enumerate(
+            zip(probe.token_ids, probe.positions, probe.logprobs, strict=True)
+        ):
+            ours = await vc.score_tokens(self._llm, ids, f"e{self.s.engine_id}-probe-v{self.version}-{i}")
+            diffs.extend(abs(ours[p] - lp) for p, lp in zip(positions, learner_lps, strict=True))
+        return sum(diffs) / len(diffs) if diffs else 0.0
 
     def num_workers(self) -> int:
         return self.s.spec.tensor_parallel_size

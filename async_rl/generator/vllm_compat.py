@@ -55,6 +55,8 @@ def make_engine(spec: EngineSpec):
         max_num_seqs=spec.max_num_seqs,
         enforce_eager=True,
         enable_prefix_caching=False,
+        # Behaviour log-probs of the distribution actually sampled from (after temperature).
+        logprobs_mode="processed_logprobs",
         disable_log_stats=True,
         worker_extension_cls=EXTENSION_CLS,
     )
@@ -96,6 +98,19 @@ async def generate(llm, prompt: str, params, request_id: str) -> tuple[list[int]
             raise RuntimeError(f"request {request_id}: {len(ids)} tokens but {len(lps)} log-probs")
         completions.append(Completion(token_ids=ids, logprobs=lps, text=c.text))
     return list(final.prompt_token_ids), completions
+
+
+async def score_tokens(llm, token_ids: list[int], request_id: str) -> list[float]:
+    """vLLM's log-prob of every token of `token_ids` given the ones before it (first entry: nan)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+    final = None
+    async for out in llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+        final = out
+    plp = final.prompt_logprobs
+    return [float("nan")] + [plp[i][tok].logprob for i, tok in enumerate(token_ids) if i > 0]
 
 
 async def pause(llm, mode: str) -> None:

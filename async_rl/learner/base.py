@@ -38,8 +38,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     loss: float
     reward_mean: float
     kl_behav: float
-    logprob_abs_diff: float  # |learner - vLLM| over all tokens (includes policy lag)
-    logprob_mismatch: float | None  # same, only on samples made by the learner's current version
+    logprob_abs_diff: float  # |learner - vLLM| over all tokens before the update (includes policy lag)
     grad_norm: float
     clip_frac: float
     tis_frac: float
@@ -47,6 +46,14 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     tokens: int
     wait_s: float  # time spent waiting for the batch
     compute_s: float
+
+
+class Probe(msgspec.Struct):
+    """Token sequences and the learner's log-probs at `positions`, for the vLLM-vs-learner check."""
+
+    token_ids: list[list[int]]
+    positions: list[list[int]]
+    logprobs: list[list[float]]
 
 
 class LearnerRank(abc.ABC):
@@ -63,6 +70,10 @@ class LearnerRank(abc.ABC):
     @abc.abstractmethod
     def train_step(self, step: int) -> StepMetrics:
         """Fetch this rank's shard of batch `step` from the buffer and take one optimizer step."""
+
+    @abc.abstractmethod
+    def probe_logprobs(self, max_samples: int) -> Probe:
+        """Current-weight log-probs on up to `max_samples` sequences of the last batch."""
 
     @abc.abstractmethod
     def weight_manifest(self) -> Manifest: ...

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from async_rl.cluster.placement import pin_current_process
 from async_rl.learner.algorithms import grpo_advantages, ppo_clip_loss, token_logprobs
-from async_rl.learner.base import LearnerRank, LearnerSettings, StepMetrics
+from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
 from async_rl.learner.batch_client import BatchClient
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, send_update
@@ -24,15 +24,14 @@ from async_rl.weight_sync.gloo import GlooGroup, host_store
 class Collated:
     """A shard as padded tensors. Loss positions index the *targets* (input shifted by one)."""
 
-    def __init__(self, groups: list[TrajectoryGroup], step: int) -> None:
-        seqs, behav, starts, lengths, fresh = [], [], [], [], []
+    def __init__(self, groups: list[TrajectoryGroup]) -> None:
+        seqs, behav, starts, lengths = [], [], [], []
         for g in groups:
-            for comp, lp, v0, v1 in zip(g.completions, g.logprobs, g.version_first, g.version_last, strict=True):
+            for comp, lp in zip(g.completions, g.logprobs, strict=True):
                 seqs.append(np.concatenate([g.prompt_tokens, comp]))
                 behav.append(lp)
                 starts.append(len(g.prompt_tokens) - 1)
                 lengths.append(len(comp))
-                fresh.append(v0 == v1 == step)
         width = max(len(s) for s in seqs)
         n = len(seqs)
         self.input_ids = torch.zeros(n, width, dtype=torch.long)
@@ -47,7 +46,8 @@ class Collated:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         self.rewards = rewards
         self.advantages = grpo_advantages(rewards).reshape(-1, 1)
-        self.fresh = torch.tensor(fresh, dtype=torch.bool)
+        self.seqs = seqs
+        self.starts = starts
         self.tokens = int(sum(lengths))
 
 
@@ -100,7 +100,8 @@ class TorchLearnerRank(LearnerRank):
         t0 = time.perf_counter()
         groups = self.batches.fetch(step, self.s.batch_timeout_s)
         t1 = time.perf_counter()
-        b = Collated(groups, step)
+        b = Collated(groups)
+        self._last_batch = b
         logits = self.ddp(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
         logp = token_logprobs(logits, b.input_ids[:, 1:], self.s.temperature)
         loss, stats = ppo_clip_loss(
@@ -110,10 +111,6 @@ class TorchLearnerRank(LearnerRank):
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
         self.optimizer.step()
-        fresh_mask = b.loss_mask * b.fresh.unsqueeze(1)
-        mismatch = None
-        if fresh_mask.sum() > 0:
-            mismatch = float(((logp.detach() - b.behav_logp).abs() * fresh_mask).sum() / fresh_mask.sum())
         return StepMetrics(
             step=step,
             rank=self.rank,
@@ -121,7 +118,6 @@ class TorchLearnerRank(LearnerRank):
             reward_mean=float(b.rewards.mean()),
             kl_behav=stats.kl_behav,
             logprob_abs_diff=stats.logprob_abs_diff,
-            logprob_mismatch=mismatch,
             grad_norm=float(grad_norm),
             clip_frac=stats.clip_frac,
             tis_frac=stats.tis_frac,
@@ -130,6 +126,22 @@ class TorchLearnerRank(LearnerRank):
             wait_s=t1 - t0,
             compute_s=time.perf_counter() - t1,
         )
+
+    def probe_logprobs(self, max_samples: int) -> Probe:
+        """Log-probs of the current weights on completion tokens of the last batch (temperature 1, the
+        same convention as vLLM's prompt log-probs): compared with a generator scoring the same tokens."""
+        b = self._last_batch
+        n = min(max_samples, len(b.seqs))
+        with torch.no_grad():
+            logits = self.model(input_ids=b.input_ids[:n], attention_mask=b.attention_mask[:n]).logits[:, :-1]
+            logp = token_logprobs(logits, b.input_ids[:n, 1:])
+        token_ids, positions, values = [], [], []
+        for i in range(n):
+            cols = b.loss_mask[i].nonzero().flatten().tolist()
+            token_ids.append(b.seqs[i].tolist())
+            positions.append([c + 1 for c in cols])  # index of the scored token in the sequence
+            values.append(logp[i, cols].tolist())
+        return Probe(token_ids=token_ids, positions=positions, logprobs=values)
 
     # ---- weight sync (rank 0) -------------------------------------------------------------------
 
