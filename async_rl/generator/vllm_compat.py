@@ -114,7 +114,9 @@ async def score_tokens(llm, token_ids: list[int], request_id: str) -> list[float
 
 
 async def pause(llm, mode: str) -> None:
-    await llm.pause_generation(mode=mode, clear_cache=False)
+    # clear_cache=True: kept requests recompute their KV cache with the new weights on resume.
+    # With False they would continue on the old weights' cache and match neither policy.
+    await llm.pause_generation(mode=mode, clear_cache=True)
 
 
 async def resume(llm) -> None:
@@ -145,4 +147,5 @@ async def param_checksums(llm) -> list[ParamChecksum]:
 
 
 def shutdown(llm) -> None:
-    llm.shutdown()
+    # The default 5 s timeout SIGKILLs a busy engine core and leaves a zombie; give it time.
+    llm.shutdown(timeout=15)

@@ -11,14 +11,13 @@ import msgspec
 
 from async_rl.weight_sync.base import WeightGroupInfo, receive_update
 from async_rl.weight_sync.bucketing import Manifest
-from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
+from async_rl.weight_sync.checksum import checksum_of
 from async_rl.weight_sync.gloo import GlooGroup
 
 
 class WeightReceiverExtension:
     _async_rl_group: GlooGroup | None = None
     _async_rl_manifest: Manifest | None = None
-    _async_rl_received: ParamChecksum | None = None
 
     def async_rl_join_weight_group(self, info_bytes: bytes, first_rank: int, manifest_bytes: bytes) -> None:
         rank = first_rank + self.rank  # self.rank: this worker's rank inside its engine (TP rank)
@@ -35,8 +34,6 @@ class WeightReceiverExtension:
             raise RuntimeError("receive_weights before join_weight_group")
 
         def load(named):
-            if checksum:
-                self._async_rl_received = checksum_of(t for _, t in named)
             self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
             _refresh_tied_cpu_gemm(self.model_runner.get_model())
 
@@ -44,14 +41,8 @@ class WeightReceiverExtension:
         return msgspec.msgpack.encode(receipt)
 
     def async_rl_param_checksum(self) -> bytes:
-        """Checksum of the parameters this worker received and loaded in the last update.
-
-        Not of `named_parameters()`: on CPU, vLLM repacks GEMM weights into oneDNN handles that are
-        no longer parameters. That the loaded model computes what the learner's does is checked by
-        the on-policy log-prob mismatch instead."""
-        if self._async_rl_received is None:
-            raise RuntimeError("no weight update with checksums received yet")
-        return msgspec.msgpack.encode(self._async_rl_received)
+        """Checksum of the weights this worker computes with (see `loaded_weights`)."""
+        return msgspec.msgpack.encode(checksum_of(loaded_weights(self.model_runner.get_model())))
 
 
 def _refresh_tied_cpu_gemm(model) -> None:
@@ -65,3 +56,38 @@ def _refresh_tied_cpu_gemm(model) -> None:
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def loaded_weights(model):
+    """Every weight the model computes with, each shared tensor once.
+
+    On CPU, vLLM repacks linear weights into oneDNN handles and leaves an empty parameter behind;
+    the weight is recovered exactly as W = cpu_linear(I).T (a product with the identity is exact).
+    Vocabulary embeddings are padded: only the first `org_vocab_size` rows are real.
+    """
+    import torch
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                packed = hasattr(module, "cpu_linear") and name == "weight"
+                if isinstance(module, ParallelLMHead) and packed:
+                    # The output head has its own packed copy even when its weight is tied to the
+                    # embedding: check that copy, it is what the logits are computed with.
+                    w = module.cpu_linear(torch.eye(p.shape[1], dtype=p.dtype), p, None).T
+                    if id(p) in seen:
+                        if not torch.equal(w[: module.org_vocab_size], p[: module.org_vocab_size]):
+                            raise RuntimeError("tied lm_head computes with weights other than the embedding's")
+                        continue
+                    p = w
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if isinstance(module, VocabParallelEmbedding) and name == "weight":
+                    yield p[: module.org_vocab_size]
+                elif packed and p.numel() == 0:
+                    yield module.cpu_linear(torch.eye(module.input_size_per_partition, dtype=p.dtype), p, None).T
+                else:
+                    yield p
