@@ -67,7 +67,14 @@ class Controller:
     # ---- the training loop -----------------------------------------------------------------------
 
     def run(self, metrics: MetricsSink) -> RunSummary:
+        t_ready = time.perf_counter()
         self.p = self.start()
+        print(
+            f"ready in {time.perf_counter() - t_ready:.0f}s: {len(self.p.engines)} engine(s), "
+            f"{self.p.learner.world_size} learner rank(s); training",
+            file=metrics.stream,
+            flush=True,
+        )
         t_start = time.perf_counter()
         rewards: list[float] = []
         for step in range(self.cfg.train.total_steps):

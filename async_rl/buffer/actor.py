@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 
 import msgspec
@@ -58,6 +59,7 @@ class BufferStats(msgspec.Struct):
     last_batch_step: int
     last_batch_max_lag: int
     last_batch_mean_lag: float
+    prompts_exhausted: bool
 
 
 def bind(socket: zmq.Socket, host: str, port: int, field: str) -> str:
@@ -87,6 +89,7 @@ class ReplayBuffer:
         self._reward_errors = 0
         self._reward_timeouts = 0
         self._last_batch = (-1, 0, 0.0)
+        self._prompts_exhausted = False  # a finite task stream ran out
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
@@ -116,8 +119,10 @@ class ReplayBuffer:
                     await asyncio.wait_for(self._changed.wait(), remaining)
                 except asyncio.TimeoutError:
                     return []
-            granted = self.ledger.lease(max_groups)
-        prompts = [next(self._prompts) for _ in range(granted)]
+            prompts = list(itertools.islice(self._prompts, min(max_groups, self.ledger.capacity_groups())))
+            self.ledger.lease(len(prompts))
+            if not prompts:
+                self._prompts_exhausted = True
         for p in prompts:
             self._outstanding[p.prompt_id] = (engine_id, p)
         return prompts
@@ -154,6 +159,7 @@ class ReplayBuffer:
             last_batch_step=step,
             last_batch_max_lag=max_lag,
             last_batch_mean_lag=mean_lag,
+            prompts_exhausted=self._prompts_exhausted,
         )
 
     async def close(self) -> BufferStats:

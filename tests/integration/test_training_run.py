@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,12 +17,20 @@ from async_rl.models.tiny import resolve_model_path
 
 pytestmark = pytest.mark.integration
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def run_short(tmp_path, model_cache, overrides):
     cfg = load_config(None, [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *overrides])
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     plan = plan_placement(cfg)
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=200 << 20,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},  # actors import the test's user task
+    )
     controller = Controller(cfg, model_dir, tmp_path, plan)
     sink = MetricsSink(tmp_path, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
     try:
@@ -60,16 +69,28 @@ def check_common(cfg, summary, learner_ck, engine_cks, final, records):
     assert all(r["logprob_mismatch"] is not None and r["logprob_mismatch"] < 1e-4 for r in records)
 
 
-def test_async_run_one_step_off_policy(tmp_path, model_cache):
+def test_async_run_one_step_off_policy_with_flaky_user_task(tmp_path, model_cache):
     out = run_short(
         tmp_path,
         model_cache,
-        ["train.total_steps=6", "train.max_lag=1", "train.prompts_per_step=4", "generators.group_size=4"],
+        [
+            "train.total_steps=6",
+            "train.max_lag=1",
+            "train.prompts_per_step=4",
+            "generators.group_size=4",
+            "task.name=tests.integration._flaky_task:make_task",
+            "task.reward_timeout_s=0.2",
+            "task.reward_workers=8",
+        ],
     )
     check_common(*out)
     records = out[-1]
     # Asynchronous: after warm-up the learner trains on samples one version old.
     assert max(r["lag_max"] for r in records) == 1
+    # Rewards that raised or hung scored 0, were counted, and the run went on to the end.
+    final = out[4]
+    assert final.reward_errors > 0 and final.reward_timeouts > 0
+    assert final.reward_errors % 4 == 0 and final.reward_timeouts % 4 == 0  # whole groups of 4
 
 
 def test_sync_run_two_engines_two_ranks(tmp_path, model_cache):

@@ -1,0 +1,25 @@
+"""A user task (loaded by dotted path) whose reward function sometimes raises and sometimes hangs."""
+
+from __future__ import annotations
+
+import threading
+
+from async_rl.protocol import Prompt
+from async_rl.tasks.repeat import RepeatTask
+
+HANG_S = 1.0  # well past the test's task.reward_timeout_s
+
+
+class FlakyRepeatTask(RepeatTask):
+    name = "flaky_repeat"
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        if prompt.prompt_id % 5 == 1:
+            raise ValueError("reward service unavailable")
+        if prompt.prompt_id % 5 == 3:
+            threading.Event().wait(HANG_S)  # a reward that hangs; the runner must time it out
+        return super().reward(prompt, completion)
+
+
+def make_task() -> FlakyRepeatTask:
+    return FlakyRepeatTask()
