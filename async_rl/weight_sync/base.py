@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import torch
@@ -35,15 +36,32 @@ class UpdateReceipt(msgspec.Struct, frozen=True):
     seconds: float
 
 
+class Pending(Protocol):
+    def wait(self) -> object: ...
+
+
 class BroadcastGroup(abc.ABC):
     """A group where rank 0 broadcasts byte buffers to every other rank."""
 
     @abc.abstractmethod
+    def start_broadcast(self, buf: torch.Tensor) -> Pending:
+        """Rank 0: start sending `buf`; other ranks: start filling `buf`. Operations run in order."""
+
     def broadcast(self, buf: torch.Tensor) -> None:
-        """Rank 0: send `buf`; other ranks: fill `buf` in place."""
+        self.start_broadcast(buf).wait()
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+def _receipt(version: int, manifest: Manifest, digest: Digest | None, t0: float) -> UpdateReceipt:
+    return UpdateReceipt(
+        version=version,
+        manifest_digest=manifest.digest(),
+        checksum=digest.hexdigest() if digest else "",
+        nbytes=manifest.total_bytes,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def send_update(
@@ -56,19 +74,20 @@ def send_update(
     """Pack and broadcast every bucket of `manifest` from rank 0."""
     t0 = time.perf_counter()
     digest = Digest() if checksum else None
-    staging = torch.empty(max(b.nbytes for b in manifest.buckets), dtype=torch.uint8)
-    for bucket in manifest.buckets:
-        buf = pack(bucket, tensors, staging)
-        group.broadcast(buf)
+    size = max(b.nbytes for b in manifest.buckets)
+    # Double buffering: pack bucket k+1 (and checksum it) while bucket k is on the wire.
+    staging = [torch.empty(size, dtype=torch.uint8) for _ in range(min(2, len(manifest.buckets)))]
+    pending: Pending | None = None
+    for k, bucket in enumerate(manifest.buckets):
+        buf = pack(bucket, tensors, staging[k % len(staging)])
         if digest:
             digest.update(buf)
-    return UpdateReceipt(
-        version=version,
-        manifest_digest=manifest.digest(),
-        checksum=digest.hexdigest() if digest else "",
-        nbytes=manifest.total_bytes,
-        seconds=time.perf_counter() - t0,
-    )
+        if pending is not None:
+            pending.wait()
+        pending = group.start_broadcast(buf)
+    if pending is not None:
+        pending.wait()
+    return _receipt(version, manifest, digest, t0)
 
 
 def receive_update(
@@ -82,18 +101,14 @@ def receive_update(
     so a failure in the middle never leaves a model with a mix of old and new weights."""
     t0 = time.perf_counter()
     digest = Digest() if checksum else None
+    bufs = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+    # Post every receive up front (they complete in order); checksum each as soon as it lands.
+    works = [group.start_broadcast(buf) for buf in bufs]
     named: list[tuple[str, torch.Tensor]] = []
-    for bucket in manifest.buckets:
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-        group.broadcast(buf)
+    for bucket, buf, work in zip(manifest.buckets, bufs, works, strict=True):
+        work.wait()
         if digest:
             digest.update(buf)
         named.extend(unpack(bucket, buf))
     consume(named)
-    return UpdateReceipt(
-        version=version,
-        manifest_digest=manifest.digest(),
-        checksum=digest.hexdigest() if digest else "",
-        nbytes=manifest.total_bytes,
-        seconds=time.perf_counter() - t0,
-    )
+    return _receipt(version, manifest, digest, t0)

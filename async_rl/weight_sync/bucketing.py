@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import msgspec
 import torch
+import xxhash
 
 _ALIGN = 64
 
@@ -94,13 +95,16 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 class Digest:
-    """Running checksum over the bytes of an update (same bytes on sender and receiver)."""
+    """Running checksum over the bytes of an update (same bytes on sender and receiver).
+
+    xxh3-128: about 20 GB/s on one core here, against ~0.7 GB/s for blake2b, so checking every
+    update costs a few percent of a gloo transfer. It detects corruption, not tampering."""
 
     def __init__(self) -> None:
-        self._h = hashlib.blake2b(digest_size=16)
+        self._h = xxhash.xxh3_128()
 
     def update(self, buf: torch.Tensor) -> None:
-        self._h.update(memoryview(buf.numpy()))
+        self._h.update(memoryview(buf.cpu().numpy()))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

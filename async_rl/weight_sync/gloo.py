@@ -49,8 +49,9 @@ class GlooGroup(BroadcastGroup):
         self.rank = rank
         self.world_size = world_size
 
-    def broadcast(self, buf: torch.Tensor) -> None:
-        self._pg.broadcast(buf, 0).wait()
+    def start_broadcast(self, buf: torch.Tensor) -> dist.Work:
+        # Gloo runs the collective on its own threads: the caller can pack the next bucket meanwhile.
+        return self._pg.broadcast(buf, 0)
 
     def close(self) -> None:
         self._pg = None  # gloo tears its pairs down when the group is released

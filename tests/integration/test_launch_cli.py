@@ -47,6 +47,15 @@ class ProcessTree:
         except psutil.NoSuchProcess:
             pass
 
+    def names(self) -> list[str]:
+        out = []
+        for p in self.seen.values():
+            try:
+                out.append(f"{p.name()} {' '.join(p.cmdline())}")
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                pass
+        return out
+
     def survivors(self, timeout: float = 30.0) -> list[str]:
         _, alive = psutil.wait_procs(list(self.seen.values()), timeout=timeout)
         return [f"{p.pid} {p.name()}" for p in alive]
@@ -112,6 +121,24 @@ def test_port_in_use_is_one_line_exit_1_and_no_orphans(tmp_path, model_cache):
     last = err.strip().splitlines()[-1]
     assert "buffer.ingest_port" in last and str(port) in last and "in use" in last
     assert tree.seen, "the launcher started no process (Ray) before failing"
+    assert tree.survivors() == []
+
+
+def test_ctrl_c_during_start_up_stops_every_process(tmp_path, model_cache):
+    proc = launch(QUICKSTART, *base_overrides(tmp_path, model_cache))
+    tree = ProcessTree(proc.pid)
+    lines = watch(proc, tree, "starting buffer", timeout=120)
+    assert any("starting buffer" in line for line in lines), "".join(lines) + proc.stderr.read()
+    # Let Ray and the engine's vLLM start-up get under way, then interrupt.
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not any("VLLM" in n for n in tree.names()):
+        tree.poll()
+        time.sleep(0.2)
+    assert any("VLLM" in n for n in tree.names()), tree.names()  # vLLM's engine process is starting
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err
+    assert "step" not in out  # it was interrupted before training began
     assert tree.survivors() == []
 
 
