@@ -79,6 +79,7 @@ def _receiver(port: int, rank: int, world: int, shapes, manifest_bytes: bytes, r
             params[name].copy_(t)
 
     for _ in range(repeats):
+        group._pg.barrier().wait()  # matches the sender's "everyone ready" barrier
         receive_update(group, manifest, 1, checksum, load)
         group._pg.barrier().wait()
     group.close()
