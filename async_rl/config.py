@@ -93,7 +93,13 @@ class BufferConfig(_Section):
 
 
 class WeightSyncConfig(_Section):
-    backend: Annotated[Literal["auto", "gloo"], _f("broadcast backend (auto = gloo on CPU)")] = "auto"
+    backend: Annotated[
+        Literal["auto", "gloo", "shm"],
+        _f("weight transport: gloo (sockets, any host), shm (shared memory, one host); auto = shm on a local Ray"),
+    ] = "auto"
+    wire_dtype: Annotated[
+        Literal["", "float32", "bfloat16", "float16"], _f("cast floating weights to this dtype on the wire ('' = none)")
+    ] = ""
     bucket_mb: Annotated[int, _f("size of one broadcast bucket, MiB", ge=1)] = 64
     host: Annotated[str, _f("address of learner rank 0 for the broadcast group rendezvous")] = "127.0.0.1"
     port: Annotated[int, _f("rendezvous port of the broadcast group (0 = any free port)", ge=0, le=65535)] = 0

@@ -105,10 +105,9 @@ class Controller:
         """Pause engines (requests kept), broadcast from learner rank 0, verify, set version, resume."""
         p = self.p
         t0 = time.perf_counter()
-        checksum = self.cfg.weight_sync.checksum
         ray.get([e.pause.remote() for e in p.engines], timeout=SYNC_TIMEOUT_S)
         sent = p.learner.actors[0].broadcast_weights.remote(version)
-        received = [e.receive_weights.remote(version, checksum) for e in p.engines]
+        received = [e.receive_weights.remote(version) for e in p.engines]
         sender: UpdateReceipt = ray.get(sent, timeout=SYNC_TIMEOUT_S)
         for engine_id, receipts in enumerate(ray.get(received, timeout=SYNC_TIMEOUT_S)):
             for r in receipts:
@@ -236,7 +235,9 @@ class Controller:
             weight_sync_host=ws.host,
             weight_sync_port=ws.port,
             weight_sync_timeout_s=ws.timeout_s,
+            weight_sync_backend=resolve_backend(cfg),
             weight_checksum=ws.checksum,
+            wire_dtype=ws.wire_dtype,
         )
 
     def shutdown(self) -> BufferStats | None:
@@ -260,6 +261,13 @@ class Controller:
             pool.remove()
         self._engines, self._buffer, self._learner, self._pools = [], None, None, []
         return final
+
+
+def resolve_backend(cfg: Config) -> str:
+    """auto: shared memory when everything runs on this host (a local Ray), gloo across hosts."""
+    if cfg.weight_sync.backend != "auto":
+        return cfg.weight_sync.backend
+    return "gloo" if cfg.ray.address else "shm"
 
 
 def make_record(

@@ -5,8 +5,9 @@ over 300 tensors) of several sizes go from one sender process to 1 and 2 receive
 of which copies what it receives into its own preallocated parameters (as vLLM's load_weights
 does). Measured per method, size and receiver count, min/median/max over repetitions:
 
-  ours      async_rl.weight_sync (gloo group, buckets, double buffering, xxh3 checksum), timed from
-            the first bucket to a barrier after every receiver has copied everything
+  ours-gloo async_rl.weight_sync over a gloo group (buckets, double buffering, xxh3 checksum),
+            timed from the update header to a barrier after every receiver has copied everything
+  ours-shm  the same protocol, bucket bytes through one /dev/shm mapping (same host only)
   ray       one ray.put of the state dict, then every receiver ray.get()s it and copies it in
   memcpy    one torch copy_ of the same number of bytes in this process: the physical limit
 
@@ -62,57 +63,50 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
 # ---- ours ---------------------------------------------------------------------------------------
 
 
-def _receiver(port: int, rank: int, world: int, shapes, manifest_bytes: bytes, repeats: int, checksum: bool):
+def _receiver(info_bytes: bytes, rank: int, shapes, manifest_bytes: bytes, repeats: int):
     import msgspec
 
-    from async_rl.weight_sync.base import receive_update
+    from async_rl.weight_sync.base import WeightGroupInfo
     from async_rl.weight_sync.bucketing import Manifest
-    from async_rl.weight_sync.gloo import GlooGroup
+    from async_rl.weight_sync.transport import join_receiver
 
     torch.set_num_threads(1)
     params = make_state(shapes, fill=0.0)
     manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
-    group = GlooGroup("127.0.0.1", port, rank, world, 300)
+    receiver = join_receiver(msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo), rank, manifest)
 
     def load(named):
         for name, t in named:
             params[name].copy_(t)
 
-    for _ in range(repeats):
-        group._pg.barrier().wait()  # matches the sender's "everyone ready" barrier
-        receive_update(group, manifest, 1, checksum, load)
-        group._pg.barrier().wait()
-    group.close()
+    for v in range(repeats):
+        receiver.group.barrier()  # matches the sender's "everyone ready" barrier
+        receiver.receive(v, load)
+        receiver.group.barrier()
 
 
-def bench_ours(state, receivers: int, bucket_mb: int, repeats: int, checksum: bool = True) -> list[float]:
+def bench_ours(state, receivers: int, bucket_mb: int, repeats: int, backend: str, checksum: bool = True) -> list[float]:
     import msgspec
 
-    from async_rl.weight_sync.base import send_update
     from async_rl.weight_sync.bucketing import build_manifest
-    from async_rl.weight_sync.gloo import GlooGroup, host_store
+    from async_rl.weight_sync.transport import join_sender, open_membership
 
     world = receivers + 1
     manifest = build_manifest(state.items(), bucket_mb << 20)
-    store = host_store("127.0.0.1", 0, world, 300)
+    info, store = open_membership("127.0.0.1", 0, world, 300, backend, manifest, checksum, 1)
     shapes = [(n, tuple(t.shape)) for n, t in state.items()]
     ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_receiver,
-            args=(store.port, r, world, shapes, msgspec.msgpack.encode(manifest), repeats, checksum),
-        )
-        for r in range(1, world)
-    ]
+    args = (msgspec.msgpack.encode(info), shapes, msgspec.msgpack.encode(manifest), repeats)
+    procs = [ctx.Process(target=_receiver, args=(args[0], r, *args[1:])) for r in range(1, world)]
     for p in procs:
         p.start()
-    group = GlooGroup("127.0.0.1", store.port, 0, world, 300, store=store)
+    sender = join_sender(info, store, manifest)
     times = []
-    for _ in range(repeats):
-        group._pg.barrier().wait()  # everyone ready: time the transfer only
+    for v in range(repeats):
+        sender.group.barrier()  # everyone ready: time the transfer only
         t0 = time.perf_counter()
-        send_update(group, manifest, state, 1, checksum)
-        group._pg.barrier().wait()  # every receiver has copied everything
+        sender.send(state, v)
+        sender.group.barrier()  # every receiver has copied everything
         times.append(time.perf_counter() - t0)
     for p in procs:
         p.join()
@@ -198,6 +192,7 @@ def main() -> None:
     ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--backends", nargs="+", default=["gloo", "shm"])
     ap.add_argument("--sweep-size-mb", type=float, default=500)
     ap.add_argument("--sweep-buckets-mb", type=int, nargs="+", default=[4, 16, 64, 256])
     ap.add_argument("--out", default=str(RESULTS / "weight_sync.json"))
@@ -220,17 +215,19 @@ def main() -> None:
         size = nbytes(state)
         report(summarize("memcpy", size_mb, 0, size, bench_memcpy(size, args.repeats)))
         for receivers in args.receivers:
-            times = bench_ours(state, receivers, args.bucket_mb, args.repeats)
-            report(summarize("ours", size_mb, receivers, size, times, bucket_mb=args.bucket_mb, tensors=len(state)))
+            for backend in args.backends:
+                times = bench_ours(state, receivers, args.bucket_mb, args.repeats, backend)
+                report(summarize(f"ours-{backend}", size_mb, receivers, size, times, bucket_mb=args.bucket_mb))
             report(summarize("ray", size_mb, receivers, size, bench_ray(state, receivers, args.repeats)))
         del state
     state = make_state(transformer_shapes(args.sweep_size_mb))
     size = nbytes(state)
-    for bucket_mb in args.sweep_buckets_mb:
-        times = bench_ours(state, 1, bucket_mb, args.repeats)
-        report(summarize("ours", args.sweep_size_mb, 1, size, times, bucket_mb=bucket_mb, sweep=True))
-    times = bench_ours(state, 1, args.bucket_mb, args.repeats, checksum=False)
-    report(summarize("ours-nock", args.sweep_size_mb, 1, size, times, bucket_mb=args.bucket_mb))
+    for backend in args.backends:
+        for bucket_mb in args.sweep_buckets_mb:
+            times = bench_ours(state, 1, bucket_mb, args.repeats, backend)
+            report(summarize(f"ours-{backend}", args.sweep_size_mb, 1, size, times, bucket_mb=bucket_mb, sweep=True))
+        times = bench_ours(state, 1, args.bucket_mb, args.repeats, backend, checksum=False)
+        report(summarize(f"ours-{backend}-nock", args.sweep_size_mb, 1, size, times, bucket_mb=args.bucket_mb))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}

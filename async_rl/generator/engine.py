@@ -149,8 +149,8 @@ class GeneratorEngine:
     async def join_weight_group(self, info: WeightGroupInfo, first_rank: int, manifest: Manifest) -> None:
         await vc.join_weight_group(self._llm, info, first_rank, manifest)
 
-    async def receive_weights(self, version: int, checksum: bool) -> list[UpdateReceipt]:
-        return await vc.receive_weights(self._llm, version, checksum)
+    async def receive_weights(self, version: int) -> list[UpdateReceipt]:
+        return await vc.receive_weights(self._llm, version)
 
     async def param_checksums(self) -> list[ParamChecksum]:
         return await vc.param_checksums(self._llm)

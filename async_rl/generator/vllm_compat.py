@@ -136,8 +136,8 @@ async def join_weight_group(llm, info: WeightGroupInfo, first_rank: int, manifes
     )
 
 
-async def receive_weights(llm, version: int, checksum: bool) -> list[UpdateReceipt]:
-    raw = await llm.collective_rpc(_RECEIVE, args=(version, checksum))
+async def receive_weights(llm, version: int) -> list[UpdateReceipt]:
+    raw = await llm.collective_rpc(_RECEIVE, args=(version,))
     return [msgspec.msgpack.decode(r, type=UpdateReceipt) for r in raw]
 
 

@@ -9,36 +9,32 @@ from __future__ import annotations
 
 import msgspec
 
-from async_rl.weight_sync.base import WeightGroupInfo, receive_update
+from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import checksum_of
-from async_rl.weight_sync.gloo import GlooGroup
+from async_rl.weight_sync.transport import join_receiver
 
 
 class WeightReceiverExtension:
-    _async_rl_group: GlooGroup | None = None
-    _async_rl_manifest: Manifest | None = None
+    _async_rl_receiver: WeightReceiver | None = None
 
     def async_rl_join_weight_group(self, info_bytes: bytes, first_rank: int, manifest_bytes: bytes) -> None:
         rank = first_rank + self.rank  # self.rank: this worker's rank inside its engine (TP rank)
         info = msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo)
-        if self._async_rl_group is not None:
-            self._async_rl_group.close()
-        self._async_rl_manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
-        self._async_rl_group = GlooGroup(
-            info.host, info.port, rank, info.world_size, info.timeout_s, generation=info.generation
-        )
+        manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
+        self._async_rl_receiver = join_receiver(info, rank, manifest)
 
-    def async_rl_receive_weights(self, version: int, checksum: bool) -> bytes:
-        if self._async_rl_group is None or self._async_rl_manifest is None:
+    def async_rl_receive_weights(self, version: int) -> bytes:
+        if self._async_rl_receiver is None:
             raise RuntimeError("receive_weights before join_weight_group")
 
         def load(named):
-            self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            # Streams: buckets are loaded as they land; a CorruptUpdate raised mid-way propagates
+            # and the engine stays paused (it is never resumed on a failed update).
+            self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
             _refresh_tied_cpu_gemm(self.model_runner.get_model())
 
-        receipt = receive_update(self._async_rl_group, self._async_rl_manifest, version, checksum, load)
-        return msgspec.msgpack.encode(receipt)
+        return msgspec.msgpack.encode(self._async_rl_receiver.receive(version, load))
 
     def async_rl_param_checksum(self) -> bytes:
         """Checksum of the weights this worker computes with (see `loaded_weights`)."""

@@ -15,10 +15,10 @@ from async_rl.learner.algorithms import grpo_advantages, ppo_clip_loss, token_lo
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
 from async_rl.learner.batch_client import BatchClient
 from async_rl.protocol import TrajectoryGroup
-from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, send_update
+from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
 from async_rl.weight_sync.bucketing import Manifest, build_manifest
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
-from async_rl.weight_sync.gloo import GlooGroup, host_store
+from async_rl.weight_sync.transport import join_sender, open_membership
 
 
 class Collated:
@@ -59,8 +59,8 @@ class TorchLearnerRank(LearnerRank):
         self.world_size = world_size
         self.master = master
         self._store: dist.TCPStore | None = None
-        self._weight_group: GlooGroup | None = None
-        self._weight_world = 0
+        self._sender: WeightSender | None = None
+        self._weight_info: WeightGroupInfo | None = None
         self._weight_generation = 0
         self._manifest: Manifest | None = None
 
@@ -151,45 +151,34 @@ class TorchLearnerRank(LearnerRank):
 
     def weight_manifest(self) -> Manifest:
         if self._manifest is None:
-            self._manifest = build_manifest(self._named_tensors().items(), self.s.bucket_mb << 20)
+            wire = getattr(torch, self.s.wire_dtype) if self.s.wire_dtype else None
+            self._manifest = build_manifest(self._named_tensors().items(), self.s.bucket_mb << 20, wire)
         return self._manifest
 
     def open_weight_group(self, world_size: int) -> WeightGroupInfo:
-        if self._weight_group is not None:
-            self._weight_group.close()
-            self._weight_group = None
-        if self._store is None:
-            self._store = host_store(
-                self.s.weight_sync_host, self.s.weight_sync_port, world_size, self.s.weight_sync_timeout_s
-            )
-        self._weight_world = world_size
+        self._sender = None
         self._weight_generation += 1
-        return WeightGroupInfo(
-            host=self.s.weight_sync_host,
-            port=self._store.port,
-            generation=self._weight_generation,
-            world_size=world_size,
-            timeout_s=self.s.weight_sync_timeout_s,
+        self._weight_info, self._store = open_membership(
+            self.s.weight_sync_host,
+            self.s.weight_sync_port,
+            world_size,
+            self.s.weight_sync_timeout_s,
+            self.s.weight_sync_backend,
+            self.weight_manifest(),
+            self.s.weight_checksum,
+            self._weight_generation,
+            store=self._store,
         )
+        return self._weight_info
 
     def join_weight_group(self) -> None:
-        self._weight_group = GlooGroup(
-            self.s.weight_sync_host,
-            self._store.port,
-            0,
-            self._weight_world,
-            self.s.weight_sync_timeout_s,
-            store=self._store,
-            generation=self._weight_generation,
-        )
+        self._sender = join_sender(self._weight_info, self._store, self.weight_manifest())
 
     def broadcast_weights(self, version: int) -> UpdateReceipt:
-        if self._weight_group is None:
+        if self._sender is None:
             raise RuntimeError("broadcast_weights before join_weight_group")
         with torch.no_grad():
-            return send_update(
-                self._weight_group, self.weight_manifest(), self._named_tensors(), version, self.s.weight_checksum
-            )
+            return self._sender.send(self._named_tensors(), version)
 
     def param_checksum(self) -> ParamChecksum:
         return checksum_of(self._named_tensors().values())

@@ -1,15 +1,21 @@
 """The weight-sync process boundary: one sender (learner rank 0), many receivers (vLLM workers).
 
-A backend is a broadcast group over which the sender moves the manifest's buckets in order.
-`open` is non-blocking on the sender (it returns the rendezvous port); `join` blocks until every
-member is in. The manifest travels over the control plane, once per membership.
+Every update is the same sequence of operations on a control group shared by all members:
+
+    header   version and manifest digest        receivers check both before taking anything
+    buckets  the manifest's buckets, in order   moved by a `BucketChannel` (gloo bytes or shm)
+    trailer  checksum of every bucket byte      receivers compare with their own
+
+Receivers stream the update: each bucket's tensors are handed to the loader as soon as they land
+(vLLM's reload takes an iterator). A header, bucket or checksum that does not match raises
+`CorruptUpdate`; the engine then stays paused and reports, and never resumes on such weights.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import msgspec
@@ -19,21 +25,28 @@ from async_rl.weight_sync.bucketing import Digest, Manifest, pack, unpack
 
 
 class WeightGroupInfo(msgspec.Struct, frozen=True):
-    """Where and how receivers join the broadcast group; `generation` changes with membership."""
+    """Where and how receivers join; `generation` changes with every new membership."""
 
     host: str
     port: int
     generation: int
     world_size: int
     timeout_s: float
+    backend: str = "gloo"  # 'gloo' (bytes over the group) or 'shm' (a shared mapping, same host)
+    shm_path: str = ""
+    checksum: bool = True
 
 
 class UpdateReceipt(msgspec.Struct, frozen=True):
     version: int
     manifest_digest: str
-    checksum: str  # blake2b of all bucket bytes ('' when checksums are off)
+    checksum: str  # xxh3-128 of every bucket byte ('' when checksums are off)
     nbytes: int
     seconds: float
+
+
+class CorruptUpdate(RuntimeError):
+    """An update that failed verification; nothing of it may be served."""
 
 
 class Pending(Protocol):
@@ -41,17 +54,118 @@ class Pending(Protocol):
 
 
 class BroadcastGroup(abc.ABC):
-    """A group where rank 0 broadcasts byte buffers to every other rank."""
+    """A group where rank 0 broadcasts buffers to every other rank; operations run in order."""
 
     @abc.abstractmethod
     def start_broadcast(self, buf: torch.Tensor) -> Pending:
-        """Rank 0: start sending `buf`; other ranks: start filling `buf`. Operations run in order."""
+        """Rank 0: start sending `buf`; other ranks: start filling `buf`."""
 
     def broadcast(self, buf: torch.Tensor) -> None:
         self.start_broadcast(buf).wait()
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+class BucketChannel(abc.ABC):
+    """How one bucket's bytes get from the sender to every receiver."""
+
+    @abc.abstractmethod
+    def staging(self, k: int, nbytes: int) -> torch.Tensor:
+        """Sender: the buffer to pack bucket k into."""
+
+    @abc.abstractmethod
+    def start_send(self, k: int, buf: torch.Tensor) -> Pending:
+        """Sender: bucket k is packed in `buf`; make it available to the receivers."""
+
+    @abc.abstractmethod
+    def post_receive(self, k: int, nbytes: int) -> tuple[torch.Tensor, Pending]:
+        """Receiver: the buffer bucket k will be in, and what to wait on before reading it."""
+
+    def check(self, k: int) -> None:  # noqa: B027 - optional hook, most channels have nothing to check
+        """Receiver: called after the wait; raise CorruptUpdate if bucket k is not what arrived."""
+
+
+_HEADER_BYTES = 24  # int64 version + 16-byte manifest digest
+_TRAILER_BYTES = 16  # xxh3-128
+
+
+def _header(version: int, manifest: Manifest) -> torch.Tensor:
+    return torch.frombuffer(bytearray(version.to_bytes(8, "little", signed=True) + manifest.digest_bytes()), dtype=torch.uint8)
+
+
+class WeightSender:
+    def __init__(self, group: BroadcastGroup, channel: BucketChannel, manifest: Manifest, checksum: bool) -> None:
+        self.group, self.channel, self.manifest, self.checksum = group, channel, manifest, checksum
+
+    def send(self, tensors: dict[str, torch.Tensor], version: int) -> UpdateReceipt:
+        t0 = time.perf_counter()
+        self.group.broadcast(_header(version, self.manifest))
+        digest = Digest() if self.checksum else None
+        pending: Pending | None = None
+        for k, bucket in enumerate(self.manifest.buckets):
+            # Packing bucket k (and hashing it) overlaps the transfer of bucket k-1.
+            buf = pack(bucket, tensors, self.channel.staging(k, bucket.nbytes))
+            if digest:
+                digest.update(buf)
+            if pending is not None:
+                pending.wait()
+            pending = self.channel.start_send(k, buf)
+        if pending is not None:
+            pending.wait()
+        trailer = digest.digest_bytes() if digest else bytes(_TRAILER_BYTES)
+        self.group.broadcast(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+        return _receipt(version, self.manifest, digest, t0)
+
+
+class WeightReceiver:
+    def __init__(self, group: BroadcastGroup, channel: BucketChannel, manifest: Manifest, checksum: bool) -> None:
+        self.group, self.channel, self.manifest, self.checksum = group, channel, manifest, checksum
+        self.last_receipt: UpdateReceipt | None = None
+
+    def stream(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) bucket by bucket; verify the whole update at the end."""
+        t0 = time.perf_counter()
+        self.last_receipt = None
+        header = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
+        self.group.broadcast(header)
+        raw = header.numpy().tobytes()
+        got_version = int.from_bytes(raw[:8], "little", signed=True)
+        rejected = ""
+        if got_version != version:
+            rejected = f"update header says version {got_version}, expected {version}"
+        elif raw[8:] != self.manifest.digest_bytes():
+            rejected = "update was packed with another manifest (membership or model changed)"
+        if rejected:
+            # Take the rest of the update off the group without loading it, so the sender and the
+            # other receivers finish this update instead of timing out; then refuse it.
+            for k, b in enumerate(self.manifest.buckets):
+                self.channel.post_receive(k, b.nbytes)[1].wait()
+            self.group.broadcast(torch.empty(_TRAILER_BYTES, dtype=torch.uint8))
+            raise CorruptUpdate(rejected)
+        posted = [self.channel.post_receive(k, b.nbytes) for k, b in enumerate(self.manifest.buckets)]
+        trailer = torch.empty(_TRAILER_BYTES, dtype=torch.uint8)
+        trailer_pending = self.group.start_broadcast(trailer)
+        digest = Digest() if self.checksum else None
+        for k, (bucket, (buf, pending)) in enumerate(zip(self.manifest.buckets, posted, strict=True)):
+            pending.wait()
+            self.channel.check(k)
+            if digest:
+                digest.update(buf)
+            yield from unpack(bucket, buf)
+        trailer_pending.wait()
+        if digest and trailer.numpy().tobytes() != digest.digest_bytes():
+            raise CorruptUpdate(f"update v{version}: checksum mismatch, the bytes received are not the bytes sent")
+        self.last_receipt = _receipt(version, self.manifest, digest, t0)
+
+    def receive(self, version: int, consume: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> UpdateReceipt:
+        """Stream the update into `consume` (e.g. vLLM's reload); returns the verified receipt."""
+        it = self.stream(version)
+        consume(it)
+        for _ in it:  # a loader that stopped early still gets the update verified
+            pass
+        assert self.last_receipt is not None
+        return self.last_receipt
 
 
 def _receipt(version: int, manifest: Manifest, digest: Digest | None, t0: float) -> UpdateReceipt:
@@ -62,53 +176,3 @@ def _receipt(version: int, manifest: Manifest, digest: Digest | None, t0: float)
         nbytes=manifest.total_bytes,
         seconds=time.perf_counter() - t0,
     )
-
-
-def send_update(
-    group: BroadcastGroup,
-    manifest: Manifest,
-    tensors: dict[str, torch.Tensor],
-    version: int,
-    checksum: bool,
-) -> UpdateReceipt:
-    """Pack and broadcast every bucket of `manifest` from rank 0."""
-    t0 = time.perf_counter()
-    digest = Digest() if checksum else None
-    size = max(b.nbytes for b in manifest.buckets)
-    # Double buffering: pack bucket k+1 (and checksum it) while bucket k is on the wire.
-    staging = [torch.empty(size, dtype=torch.uint8) for _ in range(min(2, len(manifest.buckets)))]
-    pending: Pending | None = None
-    for k, bucket in enumerate(manifest.buckets):
-        buf = pack(bucket, tensors, staging[k % len(staging)])
-        if digest:
-            digest.update(buf)
-        if pending is not None:
-            pending.wait()
-        pending = group.start_broadcast(buf)
-    if pending is not None:
-        pending.wait()
-    return _receipt(version, manifest, digest, t0)
-
-
-def receive_update(
-    group: BroadcastGroup,
-    manifest: Manifest,
-    version: int,
-    checksum: bool,
-    consume: Callable[[list[tuple[str, torch.Tensor]]], None],
-) -> UpdateReceipt:
-    """Receive every bucket; hand the full list of (name, tensor) to `consume` only once all arrived,
-    so a failure in the middle never leaves a model with a mix of old and new weights."""
-    t0 = time.perf_counter()
-    digest = Digest() if checksum else None
-    bufs = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
-    # Post every receive up front (they complete in order); checksum each as soon as it lands.
-    works = [group.start_broadcast(buf) for buf in bufs]
-    named: list[tuple[str, torch.Tensor]] = []
-    for bucket, buf, work in zip(manifest.buckets, bufs, works, strict=True):
-        work.wait()
-        if digest:
-            digest.update(buf)
-        named.extend(unpack(bucket, buf))
-    consume(named)
-    return _receipt(version, manifest, digest, t0)

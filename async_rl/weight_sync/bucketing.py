@@ -41,8 +41,11 @@ class Manifest(msgspec.Struct, frozen=True):
     def num_tensors(self) -> int:
         return sum(len(b.tensors) for b in self.buckets)
 
+    def digest_bytes(self) -> bytes:
+        return hashlib.blake2b(msgspec.msgpack.encode(self), digest_size=16).digest()
+
     def digest(self) -> str:
-        return hashlib.blake2b(msgspec.msgpack.encode(self), digest_size=16).hexdigest()
+        return self.digest_bytes().hex()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -56,18 +59,23 @@ def to_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def build_manifest(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Manifest:
-    """Greedy packing in the given order; a tensor larger than `bucket_bytes` gets a bucket of its own."""
+def build_manifest(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, wire_dtype: torch.dtype | None = None
+) -> Manifest:
+    """Greedy packing in the given order; a tensor larger than `bucket_bytes` gets a bucket of its own.
+
+    `wire_dtype` casts floating-point tensors on the wire (e.g. an fp32 learner to bf16 generators)."""
     buckets: list[Bucket] = []
     current: list[TensorSpec] = []
     used = 0
     for name, t in named:
-        nbytes = t.numel() * t.element_size()
+        dtype = wire_dtype if wire_dtype is not None and t.is_floating_point() else t.dtype
+        nbytes = t.numel() * dtype.itemsize
         start = -(-used // _ALIGN) * _ALIGN
         if current and start + nbytes > bucket_bytes:
             buckets.append(Bucket(nbytes=used, tensors=current))
             current, used, start = [], 0, 0
-        current.append(TensorSpec(name, list(t.shape), dtype_name(t.dtype), start, nbytes))
+        current.append(TensorSpec(name, list(t.shape), dtype_name(dtype), start, nbytes))
         used = start + nbytes
     if current:
         buckets.append(Bucket(nbytes=used, tensors=current))
@@ -78,8 +86,9 @@ def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor) ->
     """Copy the bucket's tensors into `out` (uint8, at least bucket.nbytes); returns the used slice."""
     buf = out[: bucket.nbytes]
     for spec in bucket.tensors:
-        src = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
-        buf[spec.offset : spec.offset + spec.nbytes].copy_(src)
+        t = tensors[spec.name].detach()
+        dst = buf[spec.offset : spec.offset + spec.nbytes].view(to_dtype(spec.dtype)).view(t.shape)
+        dst.copy_(t)  # casts when the wire dtype differs
     return buf
 
 
@@ -108,3 +117,6 @@ class Digest:
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
+
+    def digest_bytes(self) -> bytes:
+        return self._h.digest()

@@ -1,4 +1,4 @@
-"""Gloo broadcast group over a stateless TCPStore rendezvous.
+"""Gloo broadcast group over a stateless TCPStore rendezvous, and the gloo bucket channel.
 
 Never the global default process group: vLLM workers already own one, and so do learner ranks
 (their data-parallel group). The store is hosted by rank 0 (the sender).
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.errors import RunError
-from async_rl.weight_sync.base import BroadcastGroup
+from async_rl.weight_sync.base import BroadcastGroup, BucketChannel, Pending
 
 _PREFIX = "async_rl/weights"
 
@@ -53,5 +53,30 @@ class GlooGroup(BroadcastGroup):
         # Gloo runs the collective on its own threads: the caller can pack the next bucket meanwhile.
         return self._pg.broadcast(buf, 0)
 
+    def barrier(self) -> None:
+        self._pg.barrier().wait()
+
     def close(self) -> None:
         self._pg = None  # gloo tears its pairs down when the group is released
+
+
+class GlooChannel(BucketChannel):
+    """Bucket bytes over the gloo group itself (works across hosts). Two staging buffers on the
+    sender, so bucket k+1 is packed while bucket k is on the wire."""
+
+    def __init__(self, group: GlooGroup, max_bucket_bytes: int) -> None:
+        self.group = group
+        self.max_bucket_bytes = max_bucket_bytes
+        self._staging: list[torch.Tensor] = []
+
+    def staging(self, k: int, nbytes: int) -> torch.Tensor:
+        if not self._staging:
+            self._staging = [torch.empty(self.max_bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+        return self._staging[k % 2][:nbytes]
+
+    def start_send(self, k: int, buf: torch.Tensor) -> Pending:
+        return self.group.start_broadcast(buf)
+
+    def post_receive(self, k: int, nbytes: int) -> tuple[torch.Tensor, Pending]:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf, self.group.start_broadcast(buf)

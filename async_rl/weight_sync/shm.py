@@ -1,0 +1,74 @@
+"""Shared-memory bucket channel for receivers on the sender's host.
+
+The sender packs every bucket into one file in /dev/shm that each receiver maps; the gloo group
+carries only a bucket index per bucket ("bucket k is ready"). A receiver's loader then copies
+straight out of the mapping: one copy on each side and no socket in the data path. The file is
+unlinked as soon as every receiver has mapped it, so nothing is left behind if a process dies.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+
+from async_rl.weight_sync.base import BroadcastGroup, BucketChannel, CorruptUpdate, Pending
+from async_rl.weight_sync.bucketing import Manifest
+
+SHM_DIR = "/dev/shm"
+
+
+def new_shm_path(tag: str) -> str:
+    return os.path.join(SHM_DIR, f"async_rl-{tag}-{uuid.uuid4().hex[:12]}")
+
+
+def _offsets(manifest: Manifest) -> list[int]:
+    offsets, total = [], 0
+    for b in manifest.buckets:
+        offsets.append(total)
+        total += -(-b.nbytes // 64) * 64
+    return offsets + [total]
+
+
+def create_region_file(path: str, manifest: Manifest) -> None:
+    """Sender: the file every member maps (sparse until the first update writes it)."""
+    with open(path, "wb") as f:
+        f.truncate(_offsets(manifest)[-1])
+
+
+class ShmChannel(BucketChannel):
+    def __init__(self, group: BroadcastGroup, manifest: Manifest, path: str) -> None:
+        self.group = group
+        self._offsets = _offsets(manifest)
+        self.region = torch.from_file(path, shared=True, size=self._offsets[-1], dtype=torch.uint8)
+        self.path = path
+        self._signals: list[torch.Tensor] = []
+
+    @staticmethod
+    def unlink(path: str) -> None:
+        """Sender, once every receiver mapped the file: the mappings outlive the name."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _slot(self, k: int, nbytes: int) -> torch.Tensor:
+        return self.region[self._offsets[k] : self._offsets[k] + nbytes]
+
+    def staging(self, k: int, nbytes: int) -> torch.Tensor:
+        return self._slot(k, nbytes)
+
+    def start_send(self, k: int, buf: torch.Tensor) -> Pending:
+        return self.group.start_broadcast(torch.tensor([k], dtype=torch.int64))
+
+    def post_receive(self, k: int, nbytes: int) -> tuple[torch.Tensor, Pending]:
+        if k == 0:
+            self._signals = []
+        signal = torch.full((1,), -1, dtype=torch.int64)
+        self._signals.append(signal)
+        return self._slot(k, nbytes), self.group.start_broadcast(signal)
+
+    def check(self, k: int) -> None:
+        if int(self._signals[k]) != k:
+            raise CorruptUpdate(f"shared-memory update out of order: bucket {int(self._signals[k])} announced as {k}")

@@ -1,0 +1,72 @@
+"""Build the sender (learner rank 0) and the receivers (vLLM workers) of one broadcast membership.
+
+The sender side is two calls, because receivers must join while the sender waits for them:
+`open_membership` (non-blocking: rendezvous store, shm file) then `join_sender` (blocks until every
+member is in). Receivers call `join_receiver` with the `WeightGroupInfo` the sender published.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver, WeightSender
+from async_rl.weight_sync.bucketing import Manifest
+from async_rl.weight_sync.gloo import GlooChannel, GlooGroup, host_store
+from async_rl.weight_sync.shm import ShmChannel, create_region_file, new_shm_path
+
+BACKENDS = ("gloo", "shm")
+
+
+def open_membership(
+    host: str,
+    port: int,
+    world_size: int,
+    timeout_s: float,
+    backend: str,
+    manifest: Manifest,
+    checksum: bool,
+    generation: int,
+    store: dist.TCPStore | None = None,
+) -> tuple[WeightGroupInfo, dist.TCPStore]:
+    if backend not in BACKENDS:
+        raise ValueError(f"weight_sync backend '{backend}' is not one of {BACKENDS}")
+    store = store or host_store(host, port, world_size, timeout_s)
+    shm_path = ""
+    if backend == "shm":
+        shm_path = new_shm_path(f"g{generation}")
+        create_region_file(shm_path, manifest)
+    info = WeightGroupInfo(
+        host=host,
+        port=store.port,
+        generation=generation,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        backend=backend,
+        shm_path=shm_path,
+        checksum=checksum,
+    )
+    return info, store
+
+
+def _channel(info: WeightGroupInfo, group: GlooGroup, manifest: Manifest):
+    if info.backend == "shm":
+        return ShmChannel(group, manifest, info.shm_path)
+    return GlooChannel(group, max(b.nbytes for b in manifest.buckets))
+
+
+def join_sender(info: WeightGroupInfo, store: dist.TCPStore, manifest: Manifest) -> WeightSender:
+    """Blocks until every receiver joined; then the shm file name is no longer needed."""
+    group = GlooGroup(info.host, info.port, 0, info.world_size, info.timeout_s, store=store, generation=info.generation)
+    sender = WeightSender(group, _channel(info, group, manifest), manifest, info.checksum)
+    if info.backend == "shm":
+        group.barrier()  # every receiver has mapped the file
+        ShmChannel.unlink(info.shm_path)
+    return sender
+
+
+def join_receiver(info: WeightGroupInfo, rank: int, manifest: Manifest) -> WeightReceiver:
+    group = GlooGroup(info.host, info.port, rank, info.world_size, info.timeout_s, generation=info.generation)
+    receiver = WeightReceiver(group, _channel(info, group, manifest), manifest, info.checksum)
+    if info.backend == "shm":
+        group.barrier()
+    return receiver
