@@ -78,7 +78,8 @@ class GeneratorEngine:
         self._failed = 0
         self._last_error = ""
 
-    async def start(self) -> None:
+    async def start(self, paused: bool = False) -> None:
+        """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
         self.task = load_task(self.s.task_name)
         self.rewards = RewardRunner(self.task, self.s.reward_timeout_s, self.s.reward_workers)
         self._llm = vc.make_engine(self.s.spec)
@@ -87,7 +88,8 @@ class GeneratorEngine:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(self.s.ingest_address)
         self._params = vc.sampling_params(self.s.group_size, self.s.max_tokens, self.s.temperature)
-        self._running.set()
+        if not paused:
+            self._running.set()
         self._loop_task = asyncio.create_task(self._generate_loop())
 
     async def _generate_loop(self) -> None:
@@ -139,7 +141,7 @@ class GeneratorEngine:
 
     async def pause(self) -> None:
         self._running.clear()
-        await vc.pause(self._llm, self.s.pause_mode)
+        await vc.pause(self._llm, self.s.pause_mode)  # also for a never-resumed engine: harmless
 
     async def resume(self, version: int) -> None:
         self.version = version

@@ -1,0 +1,130 @@
+"""The generator pool: engines that come and go, each in its own resource pool, and the weight
+broadcast membership that follows them.
+
+Adding or removing an engine marks the membership stale; the next weight sync first rebuilds the
+broadcast group (a new generation on the learner's rendezvous store, every engine rejoining) and
+then moves the weights, so the learner never restarts. An added engine starts paused and generates
+only after it received the current weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+from ray.actor import ActorHandle
+
+from async_rl.cluster.resources import ResourcePool
+from async_rl.errors import RunError
+from async_rl.generator.engine import EngineSettings, EngineStats, GeneratorEngine
+from async_rl.weight_sync.base import UpdateReceipt
+from async_rl.weight_sync.checksum import ParamChecksum
+
+TIMEOUT_S = 600.0
+
+
+@dataclass
+class EngineHandle:
+    engine_id: int
+    actor: ActorHandle
+    pool: ResourcePool
+
+
+class GeneratorPool:
+    def __init__(
+        self,
+        make_settings: Callable[[int], EngineSettings],
+        buffer: ActorHandle,
+        cpus_per_engine: int,
+        workers_per_engine: int,
+        weight_timeout_s: float,
+    ) -> None:
+        self.make_settings = make_settings
+        self.buffer = buffer
+        self.cpus_per_engine = cpus_per_engine
+        self.workers_per_engine = workers_per_engine
+        self.weight_timeout_s = weight_timeout_s
+        self.engines: dict[int, EngineHandle] = {}
+        self._next_id = 0
+        self.membership_stale = True
+
+    @property
+    def actors(self) -> list[ActorHandle]:
+        return [h.actor for h in self.engines.values()]
+
+    def add(self, count: int, paused: bool) -> list[int]:
+        """Start `count` engines (in parallel; vLLM start-up takes ~30 s each on CPU)."""
+        new: list[EngineHandle] = []
+        for _ in range(count):
+            engine_id, self._next_id = self._next_id, self._next_id + 1
+            pool = ResourcePool(f"engine-{engine_id}", [{"CPU": self.cpus_per_engine}])
+            actor = (
+                ray.remote(GeneratorEngine)
+                .options(**pool.actor_options(0), max_concurrency=1000)
+                .remote(self.make_settings(engine_id), self.buffer)
+            )
+            handle = EngineHandle(engine_id, actor, pool)
+            self.engines[engine_id] = handle  # registered first, so shutdown finds a half-started engine
+            new.append(handle)
+        ray.get([h.actor.start.remote(paused) for h in new], timeout=TIMEOUT_S)
+        self.membership_stale = True
+        return [h.engine_id for h in new]
+
+    def remove(self, engine_id: int) -> int:
+        """Stop one engine; its leased prompts are counted lost. Returns how many prompts that was."""
+        handle = self.engines.pop(engine_id)
+        self._stop(handle)
+        self.membership_stale = True
+        return ray.get(self.buffer.mark_lost.remote(engine_id, None))
+
+    def rebuild_membership(self, sender: ActorHandle) -> None:
+        """A new broadcast group: learner rank 0 plus every worker of every current engine."""
+        tp = self.workers_per_engine
+        info = ray.get(sender.open_weight_group.remote(1 + len(self.engines) * tp))
+        manifest = ray.get(sender.weight_manifest.remote())
+        joins = [h.actor.join_weight_group.remote(info, 1 + i * tp, manifest) for i, h in enumerate(self.engines.values())]
+        ray.get([sender.join_weight_group.remote(), *joins], timeout=self.weight_timeout_s)
+        self.membership_stale = False
+
+    def sync(self, sender: ActorHandle, version: int) -> float:
+        """Pause every engine (requests kept), broadcast, verify, set the version, resume."""
+        t0 = time.perf_counter()
+        if self.membership_stale:
+            self.rebuild_membership(sender)
+        actors = self.actors
+        ray.get([a.pause.remote() for a in actors], timeout=TIMEOUT_S)
+        sent = sender.broadcast_weights.remote(version)
+        received = [a.receive_weights.remote(version) for a in actors]
+        ours: UpdateReceipt = ray.get(sent, timeout=TIMEOUT_S)
+        try:
+            per_engine: list[list[UpdateReceipt]] = ray.get(received, timeout=TIMEOUT_S)
+        except ray.exceptions.RayTaskError as exc:
+            # A receiver refused the update (CorruptUpdate): its engine stays paused, never serving it.
+            raise RunError(f"weight update v{version} failed on a generator: {str(exc).splitlines()[-1]}") from None
+        for engine_id, receipts in zip(self.engines, per_engine, strict=True):
+            for r in receipts:
+                if (r.checksum, r.manifest_digest) != (ours.checksum, ours.manifest_digest):
+                    raise RunError(f"weight update v{version}: engine {engine_id} received a corrupt update")
+        ray.get([a.resume.remote(version) for a in actors], timeout=TIMEOUT_S)
+        return time.perf_counter() - t0
+
+    def stats(self) -> list[EngineStats]:
+        return ray.get([a.stats.remote() for a in self.actors])
+
+    def checksums(self) -> dict[int, list[ParamChecksum]]:
+        return dict(zip(self.engines, ray.get([a.param_checksums.remote() for a in self.actors]), strict=True))
+
+    def _stop(self, handle: EngineHandle) -> None:
+        try:
+            ray.get(handle.actor.shutdown.remote(), timeout=60)
+        except Exception:
+            pass  # a dead or wedged engine is killed below all the same
+        ray.kill(handle.actor, no_restart=True)
+        handle.pool.remove()
+
+    def shutdown(self) -> None:
+        for handle in list(self.engines.values()):
+            self._stop(handle)
+        self.engines.clear()

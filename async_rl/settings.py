@@ -1,0 +1,101 @@
+"""Per-process settings derived from the config: what each process is told when it starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from async_rl.buffer.actor import BufferSettings
+from async_rl.cluster.placement import PlacementPlan, available_cores
+from async_rl.config import Config
+from async_rl.generator import vllm_compat as vc
+from async_rl.generator.engine import EngineSettings
+from async_rl.learner.base import LearnerSettings
+
+BATCH_TIMEOUT_S = 600.0
+
+
+def resolve_backend(cfg: Config) -> str:
+    """auto: shared memory when everything runs on this host (a local Ray), gloo across hosts."""
+    if cfg.weight_sync.backend != "auto":
+        return cfg.weight_sync.backend
+    return "gloo" if cfg.ray.address else "shm"
+
+
+def buffer_settings(cfg: Config, run_id: str) -> BufferSettings:
+    return BufferSettings(
+        run_id=run_id,
+        host=cfg.buffer.host,
+        ingest_port=cfg.buffer.ingest_port,
+        serve_port=cfg.buffer.serve_port,
+        max_lag=cfg.train.max_lag,
+        prompts_per_step=cfg.train.prompts_per_step,
+        group_size=cfg.generators.group_size,
+        filter_uniform_groups=cfg.buffer.filter_uniform_groups,
+        max_frame_bytes=cfg.buffer.max_frame_mb << 20,
+        task_name=cfg.task.name,
+        task_seed=cfg.task.seed,
+    )
+
+
+def engine_cores(plan: PlacementPlan, engine_id: int, cpus_per_engine: int) -> list[int]:
+    """The planned cores; an engine added later wraps around the machine's cores."""
+    if engine_id < len(plan.engines):
+        return plan.engines[engine_id].cores
+    cores = available_cores()
+    return [cores[(engine_id * cpus_per_engine + i) % len(cores)] for i in range(cpus_per_engine)]
+
+
+def engine_settings(
+    cfg: Config, run_id: str, model_dir: Path, plan: PlacementPlan, engine_id: int, ingest: str
+) -> EngineSettings:
+    g = cfg.generators
+    return EngineSettings(
+        engine_id=engine_id,
+        run_id=run_id,
+        spec=vc.EngineSpec(
+            model_dir=str(model_dir),
+            dtype=cfg.model.dtype,
+            tensor_parallel_size=g.tensor_parallel_size,
+            max_model_len=g.max_model_len,
+            gpu_memory_utilization=g.gpu_memory_utilization,
+            seed=g.seed + engine_id,
+            max_num_seqs=g.max_inflight_prompts * g.group_size,
+        ),
+        cores=engine_cores(plan, engine_id, g.cpus_per_engine),
+        kv_cache_gib=g.kv_cache_gib,
+        group_size=g.group_size,
+        max_tokens=g.max_tokens,
+        temperature=g.temperature,
+        max_inflight_prompts=g.max_inflight_prompts,
+        pause_mode=g.pause_mode,
+        task_name=cfg.task.name,
+        reward_timeout_s=cfg.task.reward_timeout_s,
+        reward_workers=cfg.task.reward_workers,
+        ingest_address=ingest,
+    )
+
+
+def learner_settings(cfg: Config, run_id: str, model_dir: Path, serve: str) -> LearnerSettings:
+    lc, ws = cfg.learner, cfg.weight_sync
+    return LearnerSettings(
+        model_dir=str(model_dir),
+        dtype=cfg.model.dtype,
+        lr=lc.lr,
+        weight_decay=lc.weight_decay,
+        max_grad_norm=lc.max_grad_norm,
+        clip_eps_low=lc.clip_eps_low,
+        clip_eps_high=lc.clip_eps_high,
+        tis_cap=lc.tis_cap,
+        temperature=cfg.generators.temperature,
+        seed=cfg.train.seed,
+        run_id=run_id,
+        buffer_address=serve,
+        batch_timeout_s=BATCH_TIMEOUT_S,
+        bucket_mb=ws.bucket_mb,
+        weight_sync_host=ws.host,
+        weight_sync_port=ws.port,
+        weight_sync_timeout_s=ws.timeout_s,
+        weight_sync_backend=resolve_backend(cfg),
+        weight_checksum=ws.checksum,
+        wire_dtype=ws.wire_dtype,
+    )
