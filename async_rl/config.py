@@ -56,7 +56,11 @@ class GeneratorConfig(_Section):
     max_inflight_prompts: Annotated[int, _f("prompts an engine keeps in flight at once", ge=1)] = 16
     kv_cache_gib: Annotated[float, _f("KV cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE), GiB", gt=0)] = 1.0
     gpu_memory_utilization: Annotated[float, _f("fraction of GPU memory vLLM may use (GPU only)", gt=0, le=1)] = 0.5
-    pause_mode: Annotated[Literal["keep", "wait", "abort"], _f("how engines pause for a weight update")] = "keep"
+    pause_mode: Annotated[
+        Literal["keep", "wait", "abort"],
+        _f("weight update with requests in flight: keep (freeze, continue on new weights), "
+           "abort (cut, resubmit the rest), wait (finish them on the old weights first)"),
+    ] = "keep"
     seed: Annotated[int, _f("vLLM sampling seed")] = 0
 
 

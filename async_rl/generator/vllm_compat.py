@@ -63,7 +63,7 @@ def make_engine(spec: EngineSpec):
     return AsyncLLM.from_engine_args(args)
 
 
-def sampling_params(n: int, max_tokens: int, temperature: float, seed: int | None = None):
+def sampling_params(n: int, max_tokens: int, temperature: float, seed: int | None = None, ignore_eos: bool = False):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -73,6 +73,7 @@ def sampling_params(n: int, max_tokens: int, temperature: float, seed: int | Non
         temperature=temperature,
         logprobs=0,  # 0 = only the sampled token's log-prob
         seed=seed,
+        ignore_eos=ignore_eos,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
@@ -81,10 +82,11 @@ class Completion(msgspec.Struct):
     token_ids: list[int]
     logprobs: list[float]
     text: str
+    finish_reason: str  # 'length', 'stop', or 'abort' (cut by a pause in abort mode)
+    parts: int = 1  # requests it took: > 1 when an abort-mode pause cut it and it was resubmitted
 
 
-async def generate(llm, prompt: str, params, request_id: str) -> tuple[list[int], list[Completion]]:
-    """Run one request to completion; returns the prompt token ids and every completion."""
+async def _generate_once(llm, prompt, params, request_id: str) -> tuple[list[int], list[Completion]]:
     final = None
     async for out in llm.generate(prompt, params, request_id):
         final = out
@@ -93,11 +95,33 @@ async def generate(llm, prompt: str, params, request_id: str) -> tuple[list[int]
     completions = []
     for c in final.outputs:
         ids = list(c.token_ids)
-        lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids, strict=True)] if c.logprobs else []
+        lps = [step[tok].logprob for step, tok in zip(c.logprobs or [], ids, strict=False)]
         if len(lps) != len(ids):
             raise RuntimeError(f"request {request_id}: {len(ids)} tokens but {len(lps)} log-probs")
-        completions.append(Completion(token_ids=ids, logprobs=lps, text=c.text))
+        completions.append(Completion(ids, lps, c.text, c.finish_reason or "stop"))
     return list(final.prompt_token_ids), completions
+
+
+async def generate(llm, prompt, params, request_id: str) -> tuple[list[int], list[Completion]]:
+    """Run one request to completion; returns the prompt token ids and every completion.
+
+    A completion cut short by a pause in 'abort' mode is resubmitted from where it stopped (prompt +
+    its tokens so far, the remaining token budget); vLLM holds the continuation until the engine
+    resumes, so its remaining tokens come from the new weights. Tokens and log-probs are joined."""
+    prompt_ids, completions = await _generate_once(llm, prompt, params, request_id)
+    for i, c in enumerate(completions):
+        while c.finish_reason == "abort" and len(c.token_ids) < params.max_tokens:
+            from vllm.inputs import TokensPrompt
+
+            remaining = params.max_tokens - len(c.token_ids)
+            rest = sampling_params(1, remaining, params.temperature, params.seed, params.ignore_eos)
+            rid = f"{request_id}-s{i}-part{c.parts + 1}"
+            _, (more,) = await _generate_once(llm, TokensPrompt(prompt_token_ids=prompt_ids + c.token_ids), rest, rid)
+            c = Completion(
+                c.token_ids + more.token_ids, c.logprobs + more.logprobs, c.text + more.text, more.finish_reason, c.parts + 1
+            )
+        completions[i] = c
+    return prompt_ids, completions
 
 
 async def score_tokens(llm, token_ids: list[int], request_id: str) -> list[float]:
