@@ -129,6 +129,11 @@ class RayConfig(_Section):
 
 
 class Config(_Section):
+    placement: Annotated[
+        Literal["disaggregated", "colocated"],
+        _f("disaggregated: generators and learner on separate cores, asynchronous; colocated: they "
+           "share the cores and alternate (needs train.max_lag 0)"),
+    ] = "disaggregated"
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     generators: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
@@ -238,6 +243,8 @@ def validate(cfg: Config) -> None:
             f"train.prompts_per_step={t.prompts_per_step} is not divisible by learner.world_size="
             f"{cfg.learner.world_size}"
         )
+    if cfg.placement == "colocated" and t.max_lag != 0:
+        raise ConfigError(f"placement=colocated alternates generation and training: it needs train.max_lag=0, not {t.max_lag}")
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
 

@@ -22,6 +22,7 @@ from async_rl.buffer.actor import BufferStats, ReplayBuffer
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.cluster.resources import ResourcePool, WorkerGroup
 from async_rl.config import Config
+from async_rl.errors import RunError
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import StepMetrics
@@ -72,6 +73,8 @@ class Controller:
         rewards: list[float] = []
         for step in range(self.cfg.train.total_steps):
             t0 = time.perf_counter()
+            if self.cfg.placement == "colocated":
+                self.take_turns()
             per_rank: list[StepMetrics] = self.learner.call(lambda a, s=step: a.train_step.remote(s))
             self.version = step + 1
             sync_s, mismatch = 0.0, None
@@ -95,6 +98,13 @@ class Controller:
             buffer=ray.get(self.buffer.stats.remote()),
             engines=self.generators.stats(),
         )
+
+    def take_turns(self) -> None:
+        """Colocated: once the batch is generated, the engines sleep and the learner gets the cores
+        (on GPU, vLLM's memory too); the next weight sync wakes them."""
+        if not ray.get(self.buffer.wait_for_batch.remote(START_TIMEOUT_S)):
+            raise RunError(f"no full batch within {START_TIMEOUT_S:.0f}s: the generators produce nothing")
+        self.generators.sleep()
 
     def sync_weights(self, version: int) -> float:
         """Weights of `version` from learner rank 0 into every engine; then admission may use them."""

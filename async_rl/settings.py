@@ -60,6 +60,7 @@ def engine_settings(
             gpu_memory_utilization=g.gpu_memory_utilization,
             seed=g.seed + engine_id,
             max_num_seqs=g.max_inflight_prompts * g.group_size,
+            sleep_mode=cfg.placement == "colocated",
         ),
         cores=engine_cores(plan, engine_id, g.cpus_per_engine),
         kv_cache_gib=g.kv_cache_gib,

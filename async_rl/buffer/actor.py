@@ -147,6 +147,18 @@ class ReplayBuffer:
             self._changed.notify_all()
         return len(gone)
 
+    async def wait_for_batch(self, timeout_s: float) -> bool:
+        """Block until a full batch of groups is waiting (colocated placement: generation must finish
+        before the engines sleep and the learner takes the cores). False on timeout."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: len(self._waiting) >= self.s.prompts_per_step), timeout_s
+                )
+            except asyncio.TimeoutError:
+                return False
+        return True
+
     def stats(self) -> BufferStats:
         step, max_lag, mean_lag = self._last_batch
         return BufferStats(

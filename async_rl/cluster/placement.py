@@ -24,9 +24,12 @@ class PlacementPlan(msgspec.Struct, frozen=True):
     engines: list[ProcessPlacement]
     learner_ranks: list[ProcessPlacement]
     oversubscribed: bool
+    colocated: bool = False
 
     def render(self) -> str:
-        lines = [f"placement plan ({self.num_cores} cores{', OVERSUBSCRIBED' if self.oversubscribed else ''}):"]
+        note = ", OVERSUBSCRIBED" if self.oversubscribed else ""
+        note += ", colocated: generators and learner alternate on the same cores" if self.colocated else ""
+        lines = [f"placement plan ({self.num_cores} cores{note}):"]
         for p in [*self.engines, *self.learner_ranks]:
             lines.append(f"  {p.role:<18} cores {','.join(map(str, p.cores))}")
         lines.append(f"  {'buffer':<18} unpinned (ZMQ I/O)")
@@ -52,12 +55,19 @@ def plan_placement(cfg: Config, cores: list[int] | None = None) -> PlacementPlan
         return got
 
     g = cfg.generators
+    colocated = cfg.placement == "colocated"
     engines = [ProcessPlacement(f"engine {i}", take(g.cpus_per_engine)) for i in range(g.num_engines)]
+    if colocated:
+        next_index = 0  # the learner takes the same cores; the two sides take turns
     ranks = [
         ProcessPlacement(f"learner rank {r}", take(cfg.learner.cpus_per_rank)) for r in range(cfg.learner.world_size)
     ]
     return PlacementPlan(
-        num_cores=len(cores), engines=engines, learner_ranks=ranks, oversubscribed=next_index > len(cores)
+        num_cores=len(cores),
+        engines=engines,
+        learner_ranks=ranks,
+        oversubscribed=next_index > len(cores),
+        colocated=colocated,
     )
 
 

@@ -77,6 +77,7 @@ class GeneratorEngine:
         self._idle_s = 0.0
         self._failed = 0
         self._last_error = ""
+        self._asleep = False
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
@@ -141,7 +142,15 @@ class GeneratorEngine:
 
     async def pause(self) -> None:
         self._running.clear()
+        if self._asleep:  # weights must be back in place before an update loads into them
+            await vc.wake_up(self._llm)
+            self._asleep = False
         await vc.pause(self._llm, self.s.pause_mode)  # also for a never-resumed engine: harmless
+
+    async def sleep(self) -> None:
+        """Colocated placement: pause, and on GPU release vLLM's memory to the learner."""
+        await self.pause()
+        self._asleep = await vc.sleep(self._llm)
 
     async def resume(self, version: int) -> None:
         self.version = version

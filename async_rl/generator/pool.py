@@ -88,13 +88,17 @@ class GeneratorPool:
         ray.get([sender.join_weight_group.remote(), *joins], timeout=self.weight_timeout_s)
         self.membership_stale = False
 
+    def sleep(self) -> None:
+        """Colocated placement: stop generating while the learner trains (woken by the next sync)."""
+        ray.get([a.sleep.remote() for a in self.actors], timeout=TIMEOUT_S)
+
     def sync(self, sender: ActorHandle, version: int) -> float:
         """Pause every engine (requests kept), broadcast, verify, set the version, resume."""
         t0 = time.perf_counter()
         if self.membership_stale:
             self.rebuild_membership(sender)
         actors = self.actors
-        ray.get([a.pause.remote() for a in actors], timeout=TIMEOUT_S)
+        ray.get([a.pause.remote() for a in actors], timeout=TIMEOUT_S)  # also wakes a sleeping engine
         sent = sender.broadcast_weights.remote(version)
         received = [a.receive_weights.remote(version) for a in actors]
         ours: UpdateReceipt = ray.get(sent, timeout=TIMEOUT_S)

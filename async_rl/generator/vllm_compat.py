@@ -28,6 +28,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     gpu_memory_utilization: float
     seed: int
     max_num_seqs: int
+    sleep_mode: bool = False  # colocated placement on GPU: free memory while the learner trains
 
 
 def omp_bind(cores: list[int], tensor_parallel_size: int) -> str:
@@ -42,6 +43,7 @@ def omp_bind(cores: list[int], tensor_parallel_size: int) -> str:
 
 
 def make_engine(spec: EngineSpec):
+    import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -59,6 +61,7 @@ def make_engine(spec: EngineSpec):
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
         worker_extension_cls=EXTENSION_CLS,
+        enable_sleep_mode=spec.sleep_mode and torch.cuda.is_available(),  # a no-op on CPU
     )
     return AsyncLLM.from_engine_args(args)
 
@@ -141,6 +144,21 @@ async def pause(llm, mode: str) -> None:
     # clear_cache=True: kept requests recompute their KV cache with the new weights on resume.
     # With False they would continue on the old weights' cache and match neither policy.
     await llm.pause_generation(mode=mode, clear_cache=True)
+
+
+async def sleep(llm) -> bool:
+    """Release the engine's accelerator memory (level 1: weights offloaded, KV cache dropped).
+    vLLM's sleep mode does nothing on CPU, so there it is skipped; returns whether it slept."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    await llm.sleep(level=1, mode="keep")
+    return True
+
+
+async def wake_up(llm) -> None:
+    await llm.wake_up()
 
 
 async def resume(llm) -> None:

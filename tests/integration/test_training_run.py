@@ -135,3 +135,21 @@ def test_engines_join_and_leave_mid_run(tmp_path, model_cache):
     final = out[4]
     assert final.accounts.lost == 4 * lost_prompts[0]
     assert [e.engine_id for e in out[1].engines] == [1]
+
+
+def test_colocated_run_alternates_on_shared_cores(tmp_path, model_cache):
+    out = run_short(
+        tmp_path,
+        model_cache,
+        [
+            "placement=colocated",
+            "train.total_steps=3",
+            "train.max_lag=0",
+            "train.prompts_per_step=4",
+            "generators.group_size=4",
+            "generators.cpus_per_engine=2",
+            "learner.cpus_per_rank=2",
+        ],
+    )
+    check_common(*out)
+    assert all(r["lag_max"] == 0 for r in out[-1])
