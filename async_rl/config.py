@@ -98,8 +98,9 @@ class BufferConfig(_Section):
 
 class WeightSyncConfig(_Section):
     backend: Annotated[
-        Literal["auto", "gloo", "shm"],
-        _f("weight transport: gloo (sockets, any host), shm (shared memory, one host); auto = shm on a local Ray"),
+        Literal["auto", "gloo", "shm", "nccl"],
+        _f("weight transport: gloo (sockets, any host), shm (shared memory, one host), nccl (CuPy, "
+           "CUDA tensors); auto = shm on a local Ray, else gloo"),
     ] = "auto"
     wire_dtype: Annotated[
         Literal["", "float32", "bfloat16", "float16"], _f("cast floating weights to this dtype on the wire ('' = none)")

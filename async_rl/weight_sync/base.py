@@ -32,9 +32,10 @@ class WeightGroupInfo(msgspec.Struct, frozen=True):
     generation: int
     world_size: int
     timeout_s: float
-    backend: str = "gloo"  # 'gloo' (bytes over the group) or 'shm' (a shared mapping, same host)
+    backend: str = "gloo"  # 'gloo' (bytes over the group), 'shm' (a shared mapping), 'nccl' (GPUs)
     shm_path: str = ""
     checksum: bool = True
+    nccl_id: bytes = b""  # the NCCL communicator's unique id (backend 'nccl')
 
 
 class UpdateReceipt(msgspec.Struct, frozen=True):

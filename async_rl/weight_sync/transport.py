@@ -14,7 +14,7 @@ from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.gloo import GlooChannel, GlooGroup, host_store
 from async_rl.weight_sync.shm import ShmChannel, create_region_file, new_shm_path
 
-BACKENDS = ("gloo", "shm")
+BACKENDS = ("gloo", "shm", "nccl")
 
 
 def open_membership(
@@ -31,7 +31,11 @@ def open_membership(
     if backend not in BACKENDS:
         raise ValueError(f"weight_sync backend '{backend}' is not one of {BACKENDS}")
     store = store or host_store(host, port, world_size, timeout_s)
-    shm_path = ""
+    shm_path, nccl_id = "", b""
+    if backend == "nccl":
+        from async_rl.weight_sync.nccl import new_unique_id
+
+        nccl_id = new_unique_id()
     if backend == "shm":
         shm_path = new_shm_path(f"g{generation}")
         create_region_file(shm_path, manifest)
@@ -44,14 +48,20 @@ def open_membership(
         backend=backend,
         shm_path=shm_path,
         checksum=checksum,
+        nccl_id=nccl_id,
     )
     return info, store
 
 
 def _channel(info: WeightGroupInfo, group: GlooGroup, manifest: Manifest):
+    largest = max(b.nbytes for b in manifest.buckets)
     if info.backend == "shm":
         return ShmChannel(group, manifest, info.shm_path)
-    return GlooChannel(group, max(b.nbytes for b in manifest.buckets))
+    if info.backend == "nccl":
+        from async_rl.weight_sync.nccl import NcclChannel
+
+        return NcclChannel(info.nccl_id, group.rank, info.world_size, largest)
+    return GlooChannel(group, largest)
 
 
 def join_sender(info: WeightGroupInfo, store: dist.TCPStore, manifest: Manifest) -> WeightSender:

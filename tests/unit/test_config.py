@@ -347,3 +347,10 @@ def test_exit_codes():
     assert RunError("x").exit_code == 1
     assert issubclass(ConfigError, Exception) and issubclass(RunError, Exception)
     assert not issubclass(ConfigError, RunError) and not issubclass(RunError, ConfigError)
+
+
+def test_colocated_needs_synchronous_training():
+    msg = config_error(None, ["placement=colocated", "train.max_lag=1"])
+    assert "placement=colocated" in msg and "train.max_lag" in msg
+    assert load_config(None, ["placement=colocated", "train.max_lag=0"]).placement == "colocated"
+    assert "placement" in config_error(None, ["placement=hybrid"])

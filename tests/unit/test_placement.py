@@ -108,3 +108,13 @@ def test_importing_vllm_compat_does_not_import_vllm():
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_colocated_learner_takes_the_engines_cores():
+    plan = plan_placement(
+        cfg("placement=colocated", "train.max_lag=0", "generators.cpus_per_engine=2", "learner.cpus_per_rank=2"),
+        cores=[0, 1],
+    )
+    assert plan.colocated and not plan.oversubscribed
+    assert plan.engines[0].cores == [0, 1] and plan.learner_ranks[0].cores == [0, 1]
+    assert "alternate on the same cores" in plan.render()
