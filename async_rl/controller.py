@@ -177,6 +177,10 @@ class Controller:
                 pass
             ray.kill(self.buffer, no_restart=True)
         if self.learner is not None:
+            try:
+                self.learner.call(lambda a: a.shutdown.remote(), timeout_s=30)
+            except Exception:
+                pass  # a dead or wedged rank is killed below all the same
             self.learner.kill()
         for pool in self._pools:
             pool.remove()

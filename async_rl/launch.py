@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return run(cfg, plan)
     except (ConfigError, RunError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # Raised inside a Ray actor, the error is a RayTaskError subclass whose text is the remote
+        # traceback; the one line is its cause's.
+        cause = getattr(exc, "cause", None)
+        print(f"error: {cause if isinstance(cause, (ConfigError, RunError)) else exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted: all processes stopped", file=sys.stderr)

@@ -73,9 +73,10 @@ class Prompt(msgspec.Struct, frozen=True):
 class FrameError(ValueError):
     """A frame failed validation; `reason` is the counter it lands in."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", header: GroupsHeader | None = None) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.header = header  # set when the header itself decoded (the frame names its prompts)
 
 
 @dataclass(slots=True)
@@ -136,9 +137,8 @@ def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) ->
     """Decode and validate a groups frame; raises FrameError(reason) on anything malformed."""
     if len(frames) != 3:
         raise FrameError("frame_count", f"expected 3 parts, got {len(frames)}")
-    total = sum(len(f) for f in frames)
-    if total > max_bytes:
-        raise FrameError("too_large", f"{total} bytes > {max_bytes}")
+    if len(frames[0]) > max_bytes:
+        raise FrameError("too_large", f"header of {len(frames[0])} bytes > {max_bytes}")
     try:
         header = _header_decoder.decode(frames[0])
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
@@ -147,6 +147,17 @@ def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) ->
         raise FrameError("schema_version", f"got {header.schema}, want {SCHEMA_VERSION}")
     if header.run_id != run_id:
         raise FrameError("run_id", f"frame of run '{header.run_id}'")
+    try:
+        return header, _decode_body(header, frames, max_bytes)
+    except FrameError as exc:
+        exc.header = header  # the receiver may release the prompts this frame names
+        raise
+
+
+def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> list[TrajectoryGroup]:
+    total = sum(len(f) for f in frames)
+    if total > max_bytes:
+        raise FrameError("too_large", f"{total} bytes > {max_bytes}")
     if len(frames[1]) % TOKEN_DTYPE.itemsize or len(frames[2]) % LOGPROB_DTYPE.itemsize:
         raise FrameError("buffer_size", "token or log-prob buffer is not a whole number of items")
     tokens = np.frombuffer(frames[1], dtype=TOKEN_DTYPE)
@@ -198,7 +209,7 @@ def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) ->
     if logprobs.size and not bool(np.all(np.isfinite(logprobs) & (logprobs <= 1e-3))):
         # A log-probability is finite and never positive (1e-3 allows float rounding).
         raise FrameError("bad_value", "log-probs must be finite and <= 0")
-    return header, groups
+    return groups
 
 
 def encode_request(req: BatchRequest) -> bytes:

@@ -121,10 +121,12 @@ class ReplayBuffer:
                     return []
             prompts = list(itertools.islice(self._prompts, min(max_groups, self.ledger.capacity_groups())))
             self.ledger.lease(len(prompts))
-            if not prompts:
-                self._prompts_exhausted = True
-        for p in prompts:
-            self._outstanding[p.prompt_id] = (engine_id, p)
+            for p in prompts:
+                self._outstanding[p.prompt_id] = (engine_id, p)
+        if not prompts:
+            # A finite task ran out: say so, and do not let engines spin on empty leases.
+            self._prompts_exhausted = True
+            await asyncio.sleep(wait_s)
         return prompts
 
     async def set_generator_version(self, version: int) -> None:
@@ -135,17 +137,19 @@ class ReplayBuffer:
     async def mark_lost(self, engine_id: int, prompt_ids: list[int] | None = None) -> int:
         """Leased prompts that will never come back (failed request, dead engine; None = all of the
         engine's) are counted lost. Returns how many prompts."""
-        gone = [
-            pid
-            for pid, (eid, _) in self._outstanding.items()
-            if eid == engine_id and (prompt_ids is None or pid in prompt_ids)
-        ]
-        async with self._changed:
-            for pid in gone:
-                del self._outstanding[pid]
-                self.ledger.lost(self.s.group_size)
+        async with self._changed:  # the ingest loop accepts under the same lock: no double count
+            gone = self._forget(engine_id, prompt_ids)
             self._changed.notify_all()
         return len(gone)
+
+    def _forget(self, engine_id: int, prompt_ids: list[int] | None) -> list[int]:
+        """Caller holds the lock: drop the engine's outstanding prompts (all, or these), count them lost."""
+        wanted = None if prompt_ids is None else set(prompt_ids)
+        gone = [pid for pid, (eid, _) in self._outstanding.items() if eid == engine_id and (wanted is None or pid in wanted)]
+        for pid in gone:
+            del self._outstanding[pid]
+            self.ledger.lost(self.s.group_size)
+        return gone
 
     async def wait_for_batch(self, timeout_s: float) -> bool:
         """Block until a full batch of groups is waiting (colocated placement: generation must finish
@@ -192,19 +196,39 @@ class ReplayBuffer:
     async def _ingest_loop(self) -> None:
         while True:
             frames = await self._pull.recv_multipart()
-            try:
-                _, groups = decode_groups(frames, self.s.run_id, self.s.max_frame_bytes)
-                for g in groups:
-                    self._check_group(g)
-            except FrameError as exc:
-                self._rejected[exc.reason] += 1
-                continue
-            async with self._changed:
+            async with self._changed:  # check and accept atomically with respect to mark_lost
+                try:
+                    header, groups = decode_groups(frames, self.s.run_id, self.s.max_frame_bytes)
+                    seen: set[int] = set()
+                    try:
+                        for g in groups:
+                            self._check_group(g, seen)
+                    except FrameError as exc:
+                        exc.header = header
+                        raise
+                except FrameError as exc:
+                    self._rejected[exc.reason] += 1
+                    self._release_rejected(exc)
+                    self._changed.notify_all()
+                    continue
                 for g in groups:
                     self._accept(g)
                 self._changed.notify_all()
 
-    def _check_group(self, g: TrajectoryGroup) -> None:
+    def _release_rejected(self, exc: FrameError) -> None:
+        """A rejected frame whose header named leased prompts of its own engine: those samples will
+        never arrive in a usable form, so they are counted lost (and admission capacity freed)."""
+        if exc.header is None:
+            return
+        for meta in exc.header.groups:
+            owner = self._outstanding.get(meta.prompt_id)
+            if owner is not None and owner[0] == meta.engine_id:
+                self._forget(meta.engine_id, [meta.prompt_id])
+
+    def _check_group(self, g: TrajectoryGroup, seen: set[int]) -> None:
+        if g.prompt_id in seen:
+            raise FrameError("duplicate_prompt", f"prompt {g.prompt_id} twice in one frame")
+        seen.add(g.prompt_id)
         owner = self._outstanding.get(g.prompt_id)
         if owner is None:
             raise FrameError("unknown_prompt", f"prompt {g.prompt_id} is not leased (late or duplicate)")

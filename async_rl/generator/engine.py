@@ -96,18 +96,25 @@ class GeneratorEngine:
     async def _generate_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stop:
-            await self._running.wait()
-            free = self.s.max_inflight_prompts - len(self._inflight)
-            if free <= 0:
-                await asyncio.wait(list(self._inflight.values()), return_when=asyncio.FIRST_COMPLETED)
-                continue
-            t0 = loop.time()
-            prompts: list[Prompt] = await self.buffer.lease.remote(self.s.engine_id, free, 0.5)
-            if not self._inflight and not prompts:
-                self._idle_s += loop.time() - t0
-            for p in prompts:
-                rid = f"e{self.s.engine_id}-p{p.prompt_id}"
-                self._inflight[rid] = asyncio.create_task(self._run_prompt(p, rid))
+            try:
+                await self._running.wait()
+                free = self.s.max_inflight_prompts - len(self._inflight)
+                if free <= 0:
+                    await asyncio.wait(list(self._inflight.values()), return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                t0 = loop.time()
+                prompts: list[Prompt] = await self.buffer.lease.remote(self.s.engine_id, free, 0.5)
+                if not self._inflight and not prompts:
+                    self._idle_s += loop.time() - t0
+                for p in prompts:
+                    rid = f"e{self.s.engine_id}-p{p.prompt_id}"
+                    self._inflight[rid] = asyncio.create_task(self._run_prompt(p, rid))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a failed lease call must not end generation silently
+                self._last_error = f"lease: {type(exc).__name__}: {exc}"
+                self._failed += 1
+                await asyncio.sleep(1.0)
 
     async def _run_prompt(self, prompt: Prompt, request_id: str) -> None:
         try:
@@ -134,7 +141,10 @@ class GeneratorEngine:
         except Exception as exc:  # one bad request must not stop the engine; the buffer counts it lost
             self._failed += 1
             self._last_error = f"{type(exc).__name__}: {exc}"
-            await self.buffer.mark_lost.remote(self.s.engine_id, [prompt.prompt_id])
+            try:
+                await self.buffer.mark_lost.remote(self.s.engine_id, [prompt.prompt_id])
+            except Exception as lost_exc:
+                self._last_error += f"; mark_lost failed: {lost_exc}"
         finally:
             self._inflight.pop(request_id, None)
 

@@ -93,3 +93,7 @@ class LearnerRank(abc.ABC):
 
     @abc.abstractmethod
     def param_checksum(self) -> ParamChecksum: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release what the rank holds outside its process (process groups, shared memory)."""

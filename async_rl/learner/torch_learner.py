@@ -18,6 +18,7 @@ from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
 from async_rl.weight_sync.bucketing import Manifest, build_manifest
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
+from async_rl.weight_sync.shm import ShmChannel
 from async_rl.weight_sync.transport import join_sender, open_membership
 
 
@@ -184,5 +185,7 @@ class TorchLearnerRank(LearnerRank):
         return checksum_of(self._named_tensors().values())
 
     def shutdown(self) -> None:
+        if self._weight_info is not None and self._weight_info.shm_path:
+            ShmChannel.unlink(self._weight_info.shm_path)  # opened but never joined
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -66,11 +66,16 @@ def _channel(info: WeightGroupInfo, group: GlooGroup, manifest: Manifest):
 
 def join_sender(info: WeightGroupInfo, store: dist.TCPStore, manifest: Manifest) -> WeightSender:
     """Blocks until every receiver joined; then the shm file name is no longer needed."""
-    group = GlooGroup(info.host, info.port, 0, info.world_size, info.timeout_s, store=store, generation=info.generation)
-    sender = WeightSender(group, _channel(info, group, manifest), manifest, info.checksum)
-    if info.backend == "shm":
-        group.barrier()  # every receiver has mapped the file
-        ShmChannel.unlink(info.shm_path)
+    try:
+        group = GlooGroup(
+            info.host, info.port, 0, info.world_size, info.timeout_s, store=store, generation=info.generation
+        )
+        sender = WeightSender(group, _channel(info, group, manifest), manifest, info.checksum)
+        if info.backend == "shm":
+            group.barrier()  # every receiver has mapped the file
+    finally:
+        if info.backend == "shm":
+            ShmChannel.unlink(info.shm_path)  # also when the join failed: never leave it in /dev/shm
     return sender
 
 

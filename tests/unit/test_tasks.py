@@ -258,3 +258,23 @@ def test_many_rewards_concurrently():
         assert asyncio.run(main()) == [(i / 10, REWARD_OK) for i in range(10)]
     finally:
         runner.close()
+
+
+def test_reward_timeout_does_not_count_time_queued_for_a_worker():
+    import threading
+
+    def takes_a_tenth(prompt, completion):
+        threading.Event().wait(0.1)
+        return 1.0
+
+    runner = RewardRunner(FnTask(takes_a_tenth), timeout_s=0.35, workers=1)
+
+    async def main():
+        return await asyncio.gather(*(runner.score(P, "x") for _ in range(6)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        runner.close()
+    # Six 0.1 s calls on one worker take 0.6 s in all; each is within its own 0.35 s budget.
+    assert results == [(1.0, REWARD_OK)] * 6
