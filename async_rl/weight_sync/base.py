@@ -14,6 +14,7 @@ Receivers stream the update: each bucket's tensors are handed to the loader as s
 from __future__ import annotations
 
 import abc
+import collections
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
@@ -87,6 +88,7 @@ class BucketChannel(abc.ABC):
         """Receiver: called after the wait; raise CorruptUpdate if bucket k is not what arrived."""
 
 
+RECEIVE_WINDOW = 2  # buckets a receiver has posted ahead of its loader
 _HEADER_BYTES = 24  # int64 version + 16-byte manifest digest
 _TRAILER_BYTES = 16  # xxh3-128
 
@@ -144,15 +146,32 @@ class WeightReceiver:
                 self.channel.post_receive(k, b.nbytes)[1].wait()
             self.group.broadcast(torch.empty(_TRAILER_BYTES, dtype=torch.uint8))
             raise CorruptUpdate(rejected)
-        posted = [self.channel.post_receive(k, b.nbytes) for k, b in enumerate(self.manifest.buckets)]
+        # Receives are posted a few buckets ahead, not all at once: a receiver holds at most
+        # RECEIVE_WINDOW buckets beyond what its loader has taken (not a second copy of the model).
+        # Posting order (buckets, then trailer) matches the sender's, as the group requires.
+        buckets = self.manifest.buckets
         trailer = torch.empty(_TRAILER_BYTES, dtype=torch.uint8)
-        trailer_pending = self.group.start_broadcast(trailer)
+        posted: collections.deque[tuple[torch.Tensor, Pending]] = collections.deque()
+        trailer_pending: Pending | None = None
+        next_k = 0
+
+        def post_ahead() -> None:
+            nonlocal next_k, trailer_pending
+            while len(posted) < RECEIVE_WINDOW and next_k < len(buckets):
+                posted.append(self.channel.post_receive(next_k, buckets[next_k].nbytes))
+                next_k += 1
+            if next_k == len(buckets) and trailer_pending is None:
+                trailer_pending = self.group.start_broadcast(trailer)
+
+        post_ahead()
         digest = Digest() if self.checksum else None
-        for k, (bucket, (buf, pending)) in enumerate(zip(self.manifest.buckets, posted, strict=True)):
+        for k, bucket in enumerate(buckets):
+            buf, pending = posted.popleft()
             pending.wait()
             self.channel.check(k)
             if digest:
                 digest.update(buf)
+            post_ahead()
             yield from unpack(bucket, buf)
         trailer_pending.wait()
         if digest and trailer.numpy().tobytes() != digest.digest_bytes():
