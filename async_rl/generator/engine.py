@@ -186,9 +186,6 @@ class GeneratorEngine:
             diffs.extend(abs(ours[p] - lp) for p, lp in zip(positions, learner_lps, strict=True))
         return sum(diffs) / len(diffs) if diffs else 0.0
 
-    def num_workers(self) -> int:
-        return self.s.spec.tensor_parallel_size
-
     def stats(self) -> EngineStats:
         return EngineStats(
             engine_id=self.s.engine_id,

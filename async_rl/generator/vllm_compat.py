@@ -165,11 +165,6 @@ async def resume(llm) -> None:
     await llm.resume_generation()
 
 
-async def abort_all(llm, request_ids: list[str]) -> None:
-    if request_ids:
-        await llm.abort(request_ids)
-
-
 async def join_weight_group(llm, info: WeightGroupInfo, first_rank: int, manifest: Manifest) -> None:
     """Every worker of this engine joins; worker w takes rank first_rank + w (its TP rank)."""
     await llm.collective_rpc(

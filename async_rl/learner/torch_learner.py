@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 
@@ -11,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from async_rl.cluster.placement import pin_current_process
+from async_rl.cluster.resources import free_port
 from async_rl.learner.algorithms import grpo_advantages, ppo_clip_loss, token_logprobs
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
 from async_rl.learner.batch_client import BatchClient
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
-from async_rl.weight_sync.bucketing import Manifest, build_manifest
+from async_rl.weight_sync.bucketing import Manifest, build_manifest, to_dtype
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from async_rl.weight_sync.shm import ShmChannel
 from async_rl.weight_sync.transport import join_sender, open_membership
@@ -48,7 +48,6 @@ class Collated:
         self.rewards = rewards
         self.advantages = grpo_advantages(rewards).reshape(-1, 1)
         self.seqs = seqs
-        self.starts = starts
         self.tokens = int(sum(lengths))
 
 
@@ -66,10 +65,7 @@ class TorchLearnerRank(LearnerRank):
         self._manifest: Manifest | None = None
 
     def rendezvous_address(self) -> str:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.master = f"127.0.0.1:{port}"
+        self.master = f"127.0.0.1:{free_port()}"
         return self.master
 
     def setup(self) -> int:
@@ -152,7 +148,7 @@ class TorchLearnerRank(LearnerRank):
 
     def weight_manifest(self) -> Manifest:
         if self._manifest is None:
-            wire = getattr(torch, self.s.wire_dtype) if self.s.wire_dtype else None
+            wire = to_dtype(self.s.wire_dtype) if self.s.wire_dtype else None
             self._manifest = build_manifest(self._named_tensors().items(), self.s.bucket_mb << 20, wire)
         return self._manifest
 
