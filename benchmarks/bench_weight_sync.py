@@ -5,9 +5,12 @@ over 300 tensors) of several sizes go from one sender process to 1 and 2 receive
 of which copies what it receives into its own preallocated parameters (as vLLM's load_weights
 does). Measured per method, size and receiver count, min/median/max over repetitions:
 
-  ours-gloo async_rl.weight_sync over a gloo group (buckets, double buffering, xxh3 checksum),
-            timed from the update header to a barrier after every receiver has copied everything
-  ours-shm  the same protocol, bucket bytes through one /dev/shm mapping (same host only)
+  ours-gloo async_rl.weight_sync over a gloo group (buckets, double buffering, 'sampled' chunk
+            checksum), timed from the update header to a barrier after every receiver has copied
+            everything
+  ours-shm  the same protocol, bucket bytes through one /dev/shm mapping (same host only); the
+            sender's tensors live in the mapping (as the learner's parameters do), so only the
+            receivers copy. Rows -ckfull/-ckoff: other checksum modes; -packed: sender packs
   ray       one ray.put of the state dict, then every receiver ray.get()s it and copies it in
   memcpy    one torch copy_ of the same number of bytes in this process: the physical limit
 
@@ -85,7 +88,11 @@ def _receiver(info_bytes: bytes, rank: int, shapes, manifest_bytes: bytes, repea
         receiver.group.barrier()
 
 
-def bench_ours(state, receivers: int, bucket_mb: int, repeats: int, backend: str, checksum: bool = True) -> list[float]:
+def bench_ours(
+    state, receivers: int, bucket_mb: int, repeats: int, backend: str, checksum: str = "sampled", adopt: bool = True
+) -> list[float]:
+    """`adopt`: the sender's tensors move into the channel first, as the learner's parameters do
+    (shm only; other channels have nothing resident, so it changes nothing there)."""
     import msgspec
 
     from async_rl.weight_sync.bucketing import build_manifest
@@ -101,6 +108,8 @@ def bench_ours(state, receivers: int, bucket_mb: int, repeats: int, backend: str
     for p in procs:
         p.start()
     sender = join_sender(info, store, manifest)
+    if adopt:
+        sender.adopt(state)
     times = []
     for v in range(repeats):
         sender.group.barrier()  # everyone ready: time the transfer only
@@ -226,8 +235,13 @@ def main() -> None:
         for bucket_mb in args.sweep_buckets_mb:
             times = bench_ours(state, 1, bucket_mb, args.repeats, backend)
             report(summarize(f"ours-{backend}", args.sweep_size_mb, 1, size, times, bucket_mb=bucket_mb, sweep=True))
-        times = bench_ours(state, 1, args.bucket_mb, args.repeats, backend, checksum=False)
-        report(summarize(f"ours-{backend}-nock", args.sweep_size_mb, 1, size, times, bucket_mb=args.bucket_mb))
+        # The cost of the update checksum ('sampled' is the default in the rows above).
+        for mode in ("full", "off"):
+            times = bench_ours(state, 1, args.bucket_mb, args.repeats, backend, checksum=mode)
+            report(summarize(f"ours-{backend}-ck{mode}", args.sweep_size_mb, 1, size, times, bucket_mb=args.bucket_mb))
+        if backend == "shm":  # what keeping the learner's parameters in the mapping saves
+            times = bench_ours(state, 1, args.bucket_mb, args.repeats, backend, adopt=False)
+            report(summarize("ours-shm-packed", args.sweep_size_mb, 1, size, times, bucket_mb=args.bucket_mb))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}

@@ -170,6 +170,8 @@ class TorchLearnerRank(LearnerRank):
 
     def join_weight_group(self) -> None:
         self._sender = join_sender(self._weight_info, self._store, self.weight_manifest())
+        # shm: the parameters move into the shared mapping, so an update needs no packing copy.
+        self._sender.adopt(self._named_tensors())
 
     def broadcast_weights(self, version: int) -> UpdateReceipt:
         if self._sender is None:

@@ -4,7 +4,7 @@ Every update is the same sequence of operations on a control group shared by all
 
     header   version and manifest digest        receivers check both before taking anything
     buckets  the manifest's buckets, in order   moved by a `BucketChannel` (gloo bytes or shm)
-    trailer  checksum of every bucket byte      receivers compare with their own
+    trailer  xxh3-64 of every MiB of the update receivers compare the chunks they hashed
 
 Receivers stream the update: each bucket's tensors are handed to the loader as soon as they land
 (vLLM's reload takes an iterator). A header, bucket or checksum that does not match raises
@@ -22,7 +22,15 @@ from typing import Protocol
 import msgspec
 import torch
 
-from async_rl.weight_sync.bucketing import Digest, Manifest, pack, unpack
+from async_rl.weight_sync.bucketing import (
+    CHECKSUM_MODES,
+    ChunkChecker,
+    ChunkTable,
+    Manifest,
+    pack,
+    to_dtype,
+    unpack,
+)
 
 
 class WeightGroupInfo(msgspec.Struct, frozen=True):
@@ -35,16 +43,17 @@ class WeightGroupInfo(msgspec.Struct, frozen=True):
     timeout_s: float
     backend: str = "gloo"  # 'gloo' (bytes over the group), 'shm' (a shared mapping), 'nccl' (GPUs)
     shm_path: str = ""
-    checksum: bool = True
+    checksum: str = "sampled"  # 'full', 'sampled' or 'off' (see bucketing.ChunkTable)
     nccl_id: bytes = b""  # the NCCL communicator's unique id (backend 'nccl')
 
 
 class UpdateReceipt(msgspec.Struct, frozen=True):
     version: int
     manifest_digest: str
-    checksum: str  # xxh3-128 of every bucket byte ('' when checksums are off)
+    checksum: str  # xxh3-128 of the sender's chunk table ('' when checksums are off)
     nbytes: int
     seconds: float
+    chunks_checked: int = 0  # chunks this member hashed (all of them on the sender)
 
 
 class CorruptUpdate(RuntimeError):
@@ -64,6 +73,10 @@ class BroadcastGroup(abc.ABC):
 
     def broadcast(self, buf: torch.Tensor) -> None:
         self.start_broadcast(buf).wait()
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return once every member has called it."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -87,49 +100,92 @@ class BucketChannel(abc.ABC):
     def check(self, k: int) -> None:  # noqa: B027 - optional hook, most channels have nothing to check
         """Receiver: called after the wait; raise CorruptUpdate if bucket k is not what arrived."""
 
+    def resident_slot(self, k: int, nbytes: int) -> torch.Tensor | None:
+        """Sender: a buffer that is bucket k's for the whole membership, if the channel has one (shm).
+        Parameters that live there need no packing: an update reads them where they are."""
+        return None
+
 
 RECEIVE_WINDOW = 2  # buckets a receiver has posted ahead of its loader
 _HEADER_BYTES = 24  # int64 version + 16-byte manifest digest
-_TRAILER_BYTES = 16  # xxh3-128
 
 
 def _header(version: int, manifest: Manifest) -> torch.Tensor:
     return torch.frombuffer(bytearray(version.to_bytes(8, "little", signed=True) + manifest.digest_bytes()), dtype=torch.uint8)
 
 
+def _check_mode(mode: str) -> str:
+    if mode not in CHECKSUM_MODES:
+        raise ValueError(f"weight checksum mode '{mode}' is not one of {CHECKSUM_MODES}")
+    return mode
+
+
 class WeightSender:
-    def __init__(self, group: BroadcastGroup, channel: BucketChannel, manifest: Manifest, checksum: bool) -> None:
-        self.group, self.channel, self.manifest, self.checksum = group, channel, manifest, checksum
+    def __init__(self, group: BroadcastGroup, channel: BucketChannel, manifest: Manifest, checksum: str) -> None:
+        self.group, self.channel, self.manifest = group, channel, manifest
+        self.checksum = _check_mode(checksum)
+
+    def adopt(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Move tensors (e.g. the learner's parameters) into the channel's resident buffers, in place
+        (`t.data` is re-pointed), so that `send` skips their packing copy. Only tensors whose wire
+        dtype is their own and that are plain contiguous CPU tensors qualify. Returns how many moved.
+
+        The caller must not change them while an update is being read: the controller runs a sync
+        only between training steps and waits for every receiver before the next step."""
+        moved = 0
+        for k, bucket in enumerate(self.manifest.buckets):
+            slot = self.channel.resident_slot(k, bucket.nbytes)
+            if slot is None:
+                return moved
+            for spec in bucket.tensors:
+                t = tensors[spec.name]
+                if type(t.data) is not torch.Tensor or t.device.type != "cpu" or not t.is_contiguous():
+                    continue
+                if t.dtype != to_dtype(spec.dtype):
+                    continue
+                view = slot[spec.offset : spec.offset + spec.nbytes].view(t.dtype).view(t.shape)
+                if view.data_ptr() != t.data_ptr():
+                    view.copy_(t.detach())
+                    t.data = view
+                moved += 1
+        return moved
 
     def send(self, tensors: dict[str, torch.Tensor], version: int) -> UpdateReceipt:
         t0 = time.perf_counter()
         self.group.broadcast(_header(version, self.manifest))
-        digest = Digest() if self.checksum else None
+        table = ChunkTable(self.manifest)
         pending: Pending | None = None
         for k, bucket in enumerate(self.manifest.buckets):
-            # Packing bucket k (and hashing it) overlaps the transfer of bucket k-1.
+            # Packing bucket k overlaps the transfer of bucket k-1; hashing it overlaps its own.
             buf = pack(bucket, tensors, self.channel.staging(k, bucket.nbytes))
-            if digest:
-                digest.update(buf)
             if pending is not None:
                 pending.wait()
             pending = self.channel.start_send(k, buf)
+            if self.checksum != "off":
+                table.hash_bucket(k, buf)
         if pending is not None:
             pending.wait()
-        trailer = digest.digest_bytes() if digest else bytes(_TRAILER_BYTES)
-        self.group.broadcast(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
-        return _receipt(version, self.manifest, digest, t0)
+        self.group.broadcast(torch.frombuffer(bytearray(table.to_bytes()), dtype=torch.uint8))
+        # Every receiver has loaded (or refused) the update: only now may the caller change the
+        # tensors, which matters when they live in the channel itself (`adopt`).
+        self.group.barrier()
+        checked = len(table.hashes) if self.checksum != "off" else 0
+        return _receipt(version, self.manifest, table if checked else None, t0, checked)
 
 
 class WeightReceiver:
-    def __init__(self, group: BroadcastGroup, channel: BucketChannel, manifest: Manifest, checksum: bool) -> None:
-        self.group, self.channel, self.manifest, self.checksum = group, channel, manifest, checksum
+    def __init__(self, group: BroadcastGroup, channel: BucketChannel, manifest: Manifest, checksum: str) -> None:
+        self.group, self.channel, self.manifest = group, channel, manifest
+        self.checksum = _check_mode(checksum)
+        self.trailer_bytes = ChunkTable(manifest).nbytes
         self.last_receipt: UpdateReceipt | None = None
+        self._trailer_received = False
 
     def stream(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) bucket by bucket; verify the whole update at the end."""
         t0 = time.perf_counter()
         self.last_receipt = None
+        self._trailer_received = False
         header = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
         self.group.broadcast(header)
         raw = header.numpy().tobytes()
@@ -144,13 +200,14 @@ class WeightReceiver:
             # other receivers finish this update instead of timing out; then refuse it.
             for k, b in enumerate(self.manifest.buckets):
                 self.channel.post_receive(k, b.nbytes)[1].wait()
-            self.group.broadcast(torch.empty(_TRAILER_BYTES, dtype=torch.uint8))
+            self.group.broadcast(torch.empty(self.trailer_bytes, dtype=torch.uint8))
+            self._trailer_received = True
             raise CorruptUpdate(rejected)
         # Receives are posted a few buckets ahead, not all at once: a receiver holds at most
         # RECEIVE_WINDOW buckets beyond what its loader has taken (not a second copy of the model).
         # Posting order (buckets, then trailer) matches the sender's, as the group requires.
         buckets = self.manifest.buckets
-        trailer = torch.empty(_TRAILER_BYTES, dtype=torch.uint8)
+        trailer = torch.empty(self.trailer_bytes, dtype=torch.uint8)
         posted: collections.deque[tuple[torch.Tensor, Pending]] = collections.deque()
         trailer_pending: Pending | None = None
         next_k = 0
@@ -164,35 +221,46 @@ class WeightReceiver:
                 trailer_pending = self.group.start_broadcast(trailer)
 
         post_ahead()
-        digest = Digest() if self.checksum else None
+        checker = ChunkChecker(self.manifest, self.checksum) if self.checksum != "off" else None
         for k, bucket in enumerate(buckets):
             buf, pending = posted.popleft()
             pending.wait()
             self.channel.check(k)
-            if digest:
-                digest.update(buf)
+            if checker:
+                checker.hash_bucket(k, buf)
             post_ahead()
             yield from unpack(bucket, buf)
         trailer_pending.wait()
-        if digest and trailer.numpy().tobytes() != digest.digest_bytes():
-            raise CorruptUpdate(f"update v{version}: checksum mismatch, the bytes received are not the bytes sent")
-        self.last_receipt = _receipt(version, self.manifest, digest, t0)
+        self._trailer_received = True
+        table = ChunkTable.from_bytes(self.manifest, trailer.numpy().tobytes()) if checker else None
+        if checker and (bad := checker.bad_chunks(table)):
+            k, j = bad[0]
+            raise CorruptUpdate(
+                f"update v{version}: checksum mismatch in {len(bad)} of {checker.chunks_checked} chunks checked "
+                f"(first: bucket {k}, MiB {j}), the bytes received are not the bytes sent"
+            )
+        self.last_receipt = _receipt(version, self.manifest, table, t0, checker.chunks_checked if checker else 0)
 
     def receive(self, version: int, consume: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> UpdateReceipt:
         """Stream the update into `consume` (e.g. vLLM's reload); returns the verified receipt."""
         it = self.stream(version)
-        consume(it)
-        for _ in it:  # a loader that stopped early still gets the update verified
-            pass
+        try:
+            consume(it)
+            for _ in it:  # a loader that stopped early still gets the update verified
+                pass
+        finally:
+            if self._trailer_received:  # the whole update went by: tell the sender we are done with it
+                self.group.barrier()
         assert self.last_receipt is not None
         return self.last_receipt
 
 
-def _receipt(version: int, manifest: Manifest, digest: Digest | None, t0: float) -> UpdateReceipt:
+def _receipt(version: int, manifest: Manifest, table: ChunkTable | None, t0: float, checked: int) -> UpdateReceipt:
     return UpdateReceipt(
         version=version,
         manifest_digest=manifest.digest(),
-        checksum=digest.hexdigest() if digest else "",
+        checksum=table.digest() if table else "",
         nbytes=manifest.total_bytes,
         seconds=time.perf_counter() - t0,
+        chunks_checked=checked,
     )

@@ -24,7 +24,7 @@ def open_membership(
     timeout_s: float,
     backend: str,
     manifest: Manifest,
-    checksum: bool,
+    checksum: str,
     generation: int,
     store: dist.TCPStore | None = None,
 ) -> tuple[WeightGroupInfo, dist.TCPStore]:

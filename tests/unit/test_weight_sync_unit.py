@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 import torch
 
 from async_rl.weight_sync.bucketing import (
+    CHUNK_BYTES,
     Bucket,
-    Digest,
+    ChunkChecker,
+    ChunkTable,
     Manifest,
     TensorSpec,
     build_manifest,
@@ -167,17 +171,45 @@ def test_dtype_names():
         to_dtype("nn")  # an attribute of torch that is not a dtype
 
 
-def test_bucket_digest_matches_on_same_bytes():
-    a, b, c = Digest(), Digest(), Digest()
-    x = torch.arange(100, dtype=torch.uint8)
-    a.update(x[:50])
-    a.update(x[50:])
-    b.update(x)
-    y = x.clone()
-    y[99] = 0
-    c.update(y)
-    assert a.hexdigest() == b.hexdigest()
-    assert a.hexdigest() != c.hexdigest()
+def chunked_manifest() -> Manifest:
+    # bucket 0: 2.5 MiB (3 chunks, the last short), bucket 1: 1 MiB (1 chunk)
+    return build_manifest([("a", torch.zeros(5 << 17)), ("b", torch.zeros(1 << 18))], bucket_bytes=3 << 20)
+
+
+def test_chunk_table_hashes_every_mib_and_round_trips():
+    manifest = chunked_manifest()
+    assert [b.nbytes for b in manifest.buckets] == [5 << 19, 1 << 20]
+    table = ChunkTable(manifest)
+    assert table.counts == [3, 1] and table.nbytes == 32
+    bufs = [torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8) for b in manifest.buckets]
+    for k, buf in enumerate(bufs):
+        table.hash_bucket(k, buf)
+    back = ChunkTable.from_bytes(manifest, table.to_bytes())
+    assert back.hashes == table.hashes and back.digest() == table.digest()
+    checker = ChunkChecker(manifest, "full")
+    for k, buf in enumerate(bufs):
+        checker.hash_bucket(k, buf)
+    assert checker.chunks_checked == 4 and checker.bad_chunks(table) == []
+    bufs[0][2 * CHUNK_BYTES + 5] ^= 1  # one bit in the short last chunk of bucket 0
+    checker = ChunkChecker(manifest, "full")
+    for k, buf in enumerate(bufs):
+        checker.hash_bucket(k, buf)
+    assert checker.bad_chunks(table) == [(0, 2)]
+
+
+def test_chunk_table_of_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="checksum table of 8 bytes, expected 32"):
+        ChunkTable.from_bytes(chunked_manifest(), bytes(8))
+
+
+def test_sampled_checker_always_takes_each_buckets_last_chunk_and_about_1_in_32_of_the_rest():
+    manifest = build_manifest([("w", torch.zeros(64 << 18))], bucket_bytes=64 << 20)  # 64 chunks
+    checker = ChunkChecker(manifest, "sampled", rng=random.Random(0))
+    picks = [checker.chosen(0) for _ in range(2000)]
+    assert all(p[-1] == 63 for p in picks)
+    others = sum(len(p) - 1 for p in picks) / (2000 * 63)
+    assert 0.8 / 32 < others < 1.2 / 32
+    assert ChunkChecker(manifest, "full").chosen(0) == list(range(64))
 
 
 # ---------------------------------------------------------------- ParamChecksum
