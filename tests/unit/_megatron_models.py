@@ -28,3 +28,36 @@ def tiny_llama(tie: bool = False):
     )
     torch.manual_seed(2)
     return LlamaForCausalLM(cfg).float()
+
+
+def fixed_batch(vocab: int, seed: int = 5):
+    """Two prompt groups of four completions with varied rewards (so GRPO advantages are non-zero)."""
+    import numpy as np
+
+    from async_rl.learner.torch_learner import Collated
+    from async_rl.protocol import REWARD_OK, TrajectoryGroup
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(2):
+        lens = [3, 5, 4, 6]
+        groups.append(
+            TrajectoryGroup(
+                prompt_id=g,
+                engine_id=0,
+                prompt_tokens=rng.integers(3, vocab, size=4).astype(np.int32),
+                completions=[rng.integers(3, vocab, size=n).astype(np.int32) for n in lens],
+                logprobs=[np.zeros(n, dtype=np.float32) for n in lens],  # replaced by the policy's own below
+                rewards=[1.0, 0.0, 0.5, 0.0],
+                version_first=[0] * 4,
+                version_last=[0] * 4,
+                reward_status=[REWARD_OK] * 4,
+            )
+        )
+    return Collated(groups)
+
+
+def on_policy_loss(b) -> float:
+    """PPO loss at ratio 1: -(token mean of the advantages) over the loss mask."""
+    adv = b.advantages.expand_as(b.loss_mask)
+    return float(-(adv * b.loss_mask).sum() / b.loss_mask.sum())

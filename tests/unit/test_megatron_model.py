@@ -21,7 +21,7 @@ from async_rl.cluster.resources import free_port  # noqa: E402
 from async_rl.learner import megatron_convert as mcv  # noqa: E402
 from async_rl.learner import megatron_model as mm  # noqa: E402
 from async_rl.learner.algorithms import token_logprobs  # noqa: E402
-from tests.unit._megatron_models import tiny_llama, tiny_qwen2  # noqa: E402
+from tests.unit._megatron_models import fixed_batch, on_policy_loss, tiny_llama, tiny_qwen2  # noqa: E402
 
 
 class _NoCudaRngTracker:
@@ -159,33 +159,6 @@ def test_megatron_unavailable_env_is_not_needed_for_import():
     assert out.stdout.strip() == "False"
 
 
-def fixed_batch(vocab: int, seed: int = 5):
-    """Two prompt groups of four completions with varied rewards (so GRPO advantages are non-zero)."""
-    import numpy as np
-
-    from async_rl.learner.torch_learner import Collated
-    from async_rl.protocol import REWARD_OK, TrajectoryGroup
-
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(2):
-        lens = [3, 5, 4, 6]
-        groups.append(
-            TrajectoryGroup(
-                prompt_id=g,
-                engine_id=0,
-                prompt_tokens=rng.integers(3, vocab, size=4).astype(np.int32),
-                completions=[rng.integers(3, vocab, size=n).astype(np.int32) for n in lens],
-                logprobs=[np.zeros(n, dtype=np.float32) for n in lens],  # replaced by the policy's own below
-                rewards=[1.0, 0.0, 0.5, 0.0],
-                version_first=[0] * 4,
-                version_last=[0] * 4,
-                reward_status=[REWARD_OK] * 4,
-            )
-        )
-    return Collated(groups)
-
-
 class CpuAdamOnMainGrads:
     """Stand-in for megatron's optimizer on CPU (its code allocates on 'cuda' unconditionally): Adam
     over the gradients megatron's DDP accumulated in `param.main_grad`, clipped like megatron's."""
@@ -244,15 +217,9 @@ def test_policy_steps_lower_the_loss_and_export_what_it_trained(model_parallel, 
         after = policy.logprobs(b.input_ids)
         exported = policy.hf_state_dict()
     assert losses[-1] < losses[0] - 1e-3, losses
-    assert abs(losses[0] - stats_on_policy_loss(b)) < 1e-5
+    assert abs(losses[0] - on_policy_loss(b)) < 1e-5
     assert not torch.equal(exported["model.embed_tokens.weight"], hf.model.embed_tokens.weight)
     hf.load_state_dict(exported, strict=False)  # tied lm_head follows the embedding
     with torch.no_grad():
         ref = token_logprobs(hf(input_ids=b.input_ids).logits[:, :-1], b.input_ids[:, 1:])
     assert torch.allclose(after, ref, atol=1e-5), (after - ref).abs().max()
-
-
-def stats_on_policy_loss(b) -> float:
-    """PPO loss at ratio 1: -(token mean of the advantages) over the loss mask."""
-    adv = b.advantages.expand_as(b.loss_mask)
-    return float(-(adv * b.loss_mask).sum() / b.loss_mask.sum())
