@@ -75,9 +75,30 @@ class TrainConfig(_Section):
     seed: Annotated[int, _f("seed of the learner")] = 0
 
 
+class MegatronConfig(_Section):
+    tensor_parallel_size: Annotated[int, _f("megatron: tensor-parallel ranks per model replica", ge=1)] = 1
+    pipeline_parallel_size: Annotated[int, _f("megatron: pipeline stages per model replica", ge=1)] = 1
+    micro_batches: Annotated[
+        int, _f("megatron: micro-batches per rank and step (gradients accumulate; must divide the shard)", ge=1)
+    ] = 1
+    distributed_optimizer: Annotated[
+        bool, _f("megatron: shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)")
+    ] = True
+    transformer_engine: Annotated[
+        Literal["auto", "on", "off"],
+        _f("megatron layer spec: Transformer Engine (fused kernels) or the local spec; auto = TE if importable"),
+    ] = "auto"
+
+
 class LearnerConfig(_Section):
-    backend: Annotated[Literal["torch"], _f("learner implementation")] = "torch"
-    world_size: Annotated[int, _f("learner ranks (data parallel)", ge=1)] = 1
+    backend: Annotated[
+        Literal["torch", "megatron"],
+        _f("learner implementation: torch (HF model, DDP; CPU and GPU) or megatron (megatron-core GPTModel "
+           "with TP/PP/DP; needs CUDA and the gpu extra; Llama and Qwen2 checkpoints)"),
+    ] = "torch"
+    world_size: Annotated[
+        int, _f("learner ranks (torch: data parallel; megatron: tensor x pipeline x data parallel)", ge=1)
+    ] = 1
     cpus_per_rank: Annotated[int, _f("CPU cores pinned to each learner rank", ge=1)] = 1
     lr: Annotated[float, _f("AdamW learning rate", gt=0)] = 2e-3
     weight_decay: Annotated[float, _f("AdamW weight decay", ge=0)] = 0.0
@@ -86,6 +107,7 @@ class LearnerConfig(_Section):
     clip_eps_high: Annotated[float, _f("PPO clip: ratio upper bound is 1 + this", ge=0)] = 0.2
     tis_cap: Annotated[float, _f("truncated importance sampling: cap on pi/mu in the unclipped term", gt=1)] = 2.0
     advantage: Annotated[Literal["grpo"], _f("advantage estimator")] = "grpo"
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
 
 
 class BufferConfig(_Section):
@@ -243,15 +265,40 @@ def validate(cfg: Config) -> None:
             f"train.max_lag={t.max_lag} is below train.sync_every-1={t.sync_every - 1}: "
             "the learner would wait for samples no generator may produce"
         )
-    if t.prompts_per_step % cfg.learner.world_size:
+    if t.prompts_per_step % cfg.learner.world_size and cfg.learner.backend == "torch":
         raise ConfigError(
             f"train.prompts_per_step={t.prompts_per_step} is not divisible by learner.world_size="
             f"{cfg.learner.world_size}"
         )
+    if cfg.learner.backend == "megatron":
+        _validate_megatron(cfg)
     if cfg.placement == "colocated" and t.max_lag != 0:
         raise ConfigError(f"placement=colocated alternates generation and training: it needs train.max_lag=0, not {t.max_lag}")
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
+
+
+def _validate_megatron(cfg: Config) -> None:
+    """Megatron splits learner.world_size into TP x PP x DP; the buffer shards a step over DP."""
+    m, world = cfg.learner.megatron, cfg.learner.world_size
+    model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size
+    if world % model_parallel:
+        raise ConfigError(
+            f"learner.world_size={world} is not a multiple of learner.megatron.tensor_parallel_size x "
+            f"pipeline_parallel_size = {model_parallel}"
+        )
+    dp = world // model_parallel
+    if cfg.train.prompts_per_step % dp:
+        raise ConfigError(
+            f"train.prompts_per_step={cfg.train.prompts_per_step} is not divisible by the megatron "
+            f"data-parallel size {dp} (learner.world_size / (tensor x pipeline parallel))"
+        )
+    shard = cfg.train.prompts_per_step // dp * cfg.generators.group_size
+    if shard % m.micro_batches:
+        raise ConfigError(
+            f"learner.megatron.micro_batches={m.micro_batches} does not divide a rank's {shard} sequences "
+            "(train.prompts_per_step / data-parallel size x generators.group_size)"
+        )
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -149,12 +149,21 @@ class Controller:
             cfg.generators.tensor_parallel_size,
             cfg.weight_sync.timeout_s,
         )
-        learner_pool = ResourcePool("learner", [{"CPU": cfg.learner.cpus_per_rank}] * cfg.learner.world_size)
+        rank_bundle = {"CPU": cfg.learner.cpus_per_rank}
+        if cfg.learner.backend == "megatron":
+            rank_bundle["GPU"] = 1  # megatron-core needs CUDA: one GPU per rank
+        learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
         self._pools.append(learner_pool)
         learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, addresses.serve)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
+            if cfg.learner.backend == "megatron":
+                from async_rl.learner.megatron_learner import MegatronLearnerRank
+
+                return ray.remote(MegatronLearnerRank).options(**options).remote(
+                    learner_settings, settings.megatron_settings(cfg), rank, world, master, ranks[rank].cores
+                )
             return ray.remote(TorchLearnerRank).options(**options).remote(
                 learner_settings, rank, world, master, ranks[rank].cores
             )

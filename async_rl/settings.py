@@ -10,6 +10,7 @@ from async_rl.config import Config
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSettings
+from async_rl.learner.megatron_learner import MegatronSettings
 
 BATCH_TIMEOUT_S = 600.0
 
@@ -99,4 +100,16 @@ def learner_settings(cfg: Config, run_id: str, model_dir: Path, serve: str) -> L
         weight_sync_backend=resolve_backend(cfg),
         weight_checksum=ws.checksum,
         wire_dtype=ws.wire_dtype,
+    )
+
+
+def megatron_settings(cfg: Config) -> MegatronSettings:
+    m = cfg.learner.megatron
+    return MegatronSettings(
+        tensor_parallel_size=m.tensor_parallel_size,
+        pipeline_parallel_size=m.pipeline_parallel_size,
+        micro_batches=m.micro_batches,
+        distributed_optimizer=m.distributed_optimizer,
+        transformer_engine=m.transformer_engine,
+        probe_samples=cfg.train.mismatch_probe_samples,
     )

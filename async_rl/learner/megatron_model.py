@@ -1,0 +1,293 @@
+"""Megatron-core GPTModel for a HF Llama/Qwen2 checkpoint: build, load, per-token log-probs, export.
+
+Everything here imports megatron-core inside the functions that need it, so importing this module
+is cheap and works where megatron-core is not installed. `parallel_state` must be initialised
+(`initialize_model_parallel`) before `build_model`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from async_rl.learner import megatron_convert as mcv
+from async_rl.learner.megatron_convert import HFArch
+
+
+def load_arch(model_dir: str | Path) -> HFArch:
+    from transformers import AutoConfig
+
+    return mcv.arch_from_hf_config(AutoConfig.from_pretrained(str(model_dir)))
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipeline: int) -> Any:
+    """Megatron's TransformerConfig for `arch`: RMSNorm, SwiGLU, GQA, RoPE, no dropout, no fusions
+    that need Apex/TE kernels (Transformer Engine, when used, brings its own)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # RL compares the learner's log-probs with vLLM's token by token: keep the softmax in fp32.
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype if pipeline > 1 else None,
+        use_cpu_initialization=cpu_init,
+        tensor_model_parallel_size=_tp_size(),
+        pipeline_model_parallel_size=pipeline,
+    )
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool) -> Any:
+    """This rank's GPTModel (its TP shard of its pipeline stage), randomly initialised."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    mcv.check_parallel_layout(arch, tp, pp)
+    if te_spec:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(
+        config=transformer_config(arch, dtype, cpu_init, pp),
+        transformer_layer_spec=spec,
+        vocab_size=mcv.padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        rope_scaling=arch.rope_scaling_factor > 0,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        parallel_output=True,  # logits stay vocab-parallel; the loss uses vocab-parallel CE
+    )
+
+
+def parameters_by_name(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Named parameters without wrapper prefixes (Megatron's DDP wraps the model as `module.`)."""
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+        inner = inner.module
+    return dict(inner.named_parameters())
+
+
+def load_hf_weights(
+    model: torch.nn.Module, hf: Mapping[str, torch.Tensor], arch: HFArch, te_spec: bool
+) -> None:
+    """Copy this rank's shard of the HF weights into `model`; every parameter must be covered."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    full = mcv.hf_to_megatron_full(hf, arch, tp, pp, stage, te_spec)
+    params = parameters_by_name(model)
+    missing, unused = sorted(set(params) - set(full)), sorted(set(full) - set(params))
+    if missing or unused:
+        raise RuntimeError(f"HF->Megatron conversion mismatch: missing {missing[:4]}, unused {unused[:4]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            part = mcv.shard(full[name], mcv.shard_kind(name), tp_rank, tp)
+            if part.shape != p.shape:
+                raise RuntimeError(f"{name}: converted shard {tuple(part.shape)} != parameter {tuple(p.shape)}")
+            p.copy_(part)
+
+
+class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
+    """A HF safetensors checkpoint read tensor by tensor (a rank loads only what its shard needs)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        root = Path(model_dir)
+        index = root / "model.safetensors.index.json"
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.is_file()
+            else ["model.safetensors"]
+        )
+        self._handles = [safe_open(str(root / f), framework="pt") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"checkpoint has no tensor '{name}'")
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+# ---- forward and log-probs ------------------------------------------------------------------------
+
+
+def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """Megatron's default causal mask is created on 'cuda'; elsewhere pass an explicit one
+    (True = masked). Right-padded batches need nothing else: padding only follows real tokens."""
+    if device.type == "cuda":
+        return None
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits [B, T, V/tp] on the last stage (hidden states elsewhere)."""
+    b, t = input_ids.shape
+    positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, -1)
+    return model(input_ids, positions, causal_mask(t, input_ids.device))
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(target) from vocab-parallel logits [B, T, V/tp] (targets [B, T]) -> [B, T] float32.
+
+    Megatron's vocab-parallel cross entropy reduces max and sum over the TP group, so no rank ever
+    holds full-vocabulary logits; logp = -CE. Padding columns (vocab rounded up to a TP multiple) are
+    masked out so the distribution is the HF model's. The CE kernel writes into its input: it gets a
+    fresh float32 tensor.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    per_rank = x.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+    if start + per_rank > vocab_size:
+        pad = torch.arange(start, start + per_rank, device=x.device) >= vocab_size
+        x = x.masked_fill(pad, float("-inf"))
+    elif x.data_ptr() == logits.data_ptr():
+        x = x.clone()
+    return -tensor_parallel.vocab_parallel_cross_entropy(x, targets)
+
+
+# ---- export under HF names ------------------------------------------------------------------------
+
+
+def gathered_stage_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's full Megatron tensors: every TP shard all-gathered (collective over the TP group)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for name, p in parameters_by_name(model).items():
+        kind = mcv.shard_kind(name)
+        if tp == 1 or kind is mcv.ShardKind.REPLICATED:
+            out[name] = p.detach()
+            continue
+        parts = [torch.empty_like(p) for _ in range(tp)]
+        dist.all_gather(parts, p.detach().contiguous(), group=group)
+        out[name] = mcv.gather(parts, kind)
+    return out
+
+
+def hf_param_shapes(arch: HFArch, pp: int, stage: int) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes a pipeline stage exports (what the receiving rank allocates)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if stage == 0:
+        shapes["model.embed_tokens.weight"] = (arch.vocab_size, h)
+    for i in mcv.stage_layers(arch.num_layers, pp, stage):
+        a = f"model.layers.{i}.self_attn."
+        for proj, heads in (("q_proj", arch.num_heads), ("k_proj", arch.num_kv_heads), ("v_proj", arch.num_kv_heads)):
+            shapes[a + proj + ".weight"] = (heads * hd, h)
+            if arch.qkv_bias:
+                shapes[a + proj + ".bias"] = (heads * hd,)
+        shapes[a + "o_proj.weight"] = (h, arch.num_heads * hd)
+        m = f"model.layers.{i}.mlp."
+        shapes[m + "gate_proj.weight"] = (arch.ffn_hidden_size, h)
+        shapes[m + "up_proj.weight"] = (arch.ffn_hidden_size, h)
+        shapes[m + "down_proj.weight"] = (h, arch.ffn_hidden_size)
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (h,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (h,)
+    if stage == pp - 1:
+        shapes["model.norm.weight"] = (h,)
+        if not arch.tie_embeddings:
+            shapes["lm_head.weight"] = (arch.vocab_size, h)
+    return shapes
+
+
+def hf_state_dict(model: torch.nn.Module, arch: HFArch, te_spec: bool, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The full model under HF names on global rank `dst` (None elsewhere). Collective: every rank of
+    the model-parallel group that holds `dst` calls it (TP all-gathers, then each later pipeline
+    stage's TP rank 0 sends its tensors to `dst`, in the order of `hf_param_shapes`)."""
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    mine = dict(mcv.megatron_full_to_hf(gathered_stage_tensors(model), arch, pp, stage, te_spec))
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if pp == 1:
+        return mine if me == dst else None
+    pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    if dst not in pp_ranks:
+        return None  # another data-parallel replica (or TP rank) holds what `dst` receives
+    out: dict[str, torch.Tensor] | None = dict(mine) if me == dst else None
+    for s in range(1, pp):
+        src = pp_ranks[s]
+        if me == src and tp_rank == 0:
+            for name in hf_param_shapes(arch, pp, s):
+                dist.send(mine[name].contiguous(), dst)
+        elif me == dst:
+            like = next(iter(mine.values()))
+            for name, shape in hf_param_shapes(arch, pp, s).items():
+                t = torch.empty(shape, dtype=like.dtype, device=like.device)
+                dist.recv(t, src)
+                out[name] = t
+    if out is None:
+        return None
+    order = [n for s in range(pp) for n in hf_param_shapes(arch, pp, s)]
+    return {n: out[n] for n in order}

@@ -1,0 +1,67 @@
+"""Learner rank 0's side of weight sync, for any backend that can list its weights under HF names.
+
+Holds the broadcast membership (store, sender, generation) across syncs; the backend supplies
+`named_tensors()` (full parameters, HF names, the same names and shapes every call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from async_rl.learner.base import LearnerSettings
+from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
+from async_rl.weight_sync.bucketing import Manifest, build_manifest, to_dtype
+from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
+from async_rl.weight_sync.shm import ShmChannel
+from async_rl.weight_sync.transport import join_sender, open_membership
+
+
+class WeightSource:
+    def __init__(self, settings: LearnerSettings, named_tensors: Callable[[], dict[str, torch.Tensor]]) -> None:
+        self.s = settings
+        self._named_tensors = named_tensors
+        self._store = None
+        self._sender: WeightSender | None = None
+        self._info: WeightGroupInfo | None = None
+        self._generation = 0
+        self._manifest: Manifest | None = None
+
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            wire = to_dtype(self.s.wire_dtype) if self.s.wire_dtype else None
+            self._manifest = build_manifest(self._named_tensors().items(), self.s.bucket_mb << 20, wire)
+        return self._manifest
+
+    def open(self, world_size: int) -> WeightGroupInfo:
+        self._sender = None
+        self._generation += 1
+        self._info, self._store = open_membership(
+            self.s.weight_sync_host,
+            self.s.weight_sync_port,
+            world_size,
+            self.s.weight_sync_timeout_s,
+            self.s.weight_sync_backend,
+            self.manifest(),
+            self.s.weight_checksum,
+            self._generation,
+            store=self._store,
+        )
+        return self._info
+
+    def join(self) -> None:
+        self._sender = join_sender(self._info, self._store, self.manifest())
+
+    def broadcast(self, version: int) -> UpdateReceipt:
+        if self._sender is None:
+            raise RuntimeError("broadcast_weights before join_weight_group")
+        with torch.no_grad():
+            return self._sender.send(self._named_tensors(), version)
+
+    def checksum(self) -> ParamChecksum:
+        return checksum_of(self._named_tensors().values())
+
+    def close(self) -> None:
+        if self._info is not None and self._info.shm_path:
+            ShmChannel.unlink(self._info.shm_path)  # opened but never joined

@@ -1,0 +1,63 @@
+"""Tiny random-init HF models of the two families the Megatron backend converts (built offline)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_qwen2():
+    from async_rl.models.tiny import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    return build_model(len(tok), tok.eos_token_id, tok.pad_token_id, seed=1)
+
+
+def tiny_llama(tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=50,  # not a multiple of 4: TP=4 pads the vocabulary
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        rope_theta=500000.0,
+    )
+    torch.manual_seed(2)
+    return LlamaForCausalLM(cfg).float()
+
+
+def fixed_batch(vocab: int, seed: int = 5):
+    """Two prompt groups of four completions with varied rewards (so GRPO advantages are non-zero)."""
+    import numpy as np
+
+    from async_rl.learner.torch_learner import Collated
+    from async_rl.protocol import REWARD_OK, TrajectoryGroup
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(2):
+        lens = [3, 5, 4, 6]
+        groups.append(
+            TrajectoryGroup(
+                prompt_id=g,
+                engine_id=0,
+                prompt_tokens=rng.integers(3, vocab, size=4).astype(np.int32),
+                completions=[rng.integers(3, vocab, size=n).astype(np.int32) for n in lens],
+                logprobs=[np.zeros(n, dtype=np.float32) for n in lens],  # replaced by the policy's own below
+                rewards=[1.0, 0.0, 0.5, 0.0],
+                version_first=[0] * 4,
+                version_last=[0] * 4,
+                reward_status=[REWARD_OK] * 4,
+            )
+        )
+    return Collated(groups)
+
+
+def on_policy_loss(b) -> float:
+    """PPO loss at ratio 1: -(token mean of the advantages) over the loss mask."""
+    adv = b.advantages.expand_as(b.loss_mask)
+    return float(-(adv * b.loss_mask).sum() / b.loss_mask.sum())

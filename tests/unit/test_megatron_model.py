@@ -1,0 +1,225 @@
+"""Megatron-core GPTModel on CPU: construction with use_cpu_initialization (gloo, world size 1,
+TP=PP=1), an exact HF -> Megatron -> HF round trip of the weights, and log-probs against the HF model.
+
+megatron-core allocates a few things on 'cuda' unconditionally (the RoPE frequencies, the CUDA RNG
+tracker's fork around attention dropout, a token counter in the pipeline schedules); `megatron_on_cpu`
+redirects exactly those for the forward/backward tests. Its optimizer is CUDA-only throughout. The GPU tier runs the same comparison without it (tests/gpu/test_megatron_gpu.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+
+from async_rl.cluster.resources import free_port  # noqa: E402
+from async_rl.learner import megatron_convert as mcv  # noqa: E402
+from async_rl.learner import megatron_model as mm  # noqa: E402
+from async_rl.learner.algorithms import token_logprobs  # noqa: E402
+from tests.unit._megatron_models import fixed_batch, on_policy_loss, tiny_llama, tiny_qwen2  # noqa: E402
+
+
+class _NoCudaRngTracker:
+    def fork(self, name: str = "") -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # dropout is 0: there is no randomness to track
+
+
+class _TorchOnCpu:
+    """`torch` as megatron's pipeline schedules see it: `zeros(..., device="cuda")` lands on the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device=None if device == "cuda" else device, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        mp.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoCudaRngTracker())
+        mp.setattr(schedules, "torch", _TorchOnCpu())
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_parallel():
+    """A one-rank gloo group and Megatron's parallel state with TP=PP=1."""
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pair(request, model_parallel):
+    """(HF model, arch, Megatron GPTModel loaded with the HF weights)."""
+    hf = MODELS[request.param]().eval()
+    arch = mcv.arch_from_hf_config(hf.config)
+    torch.manual_seed(0)
+    model = mm.build_model(arch, torch.float32, cpu_init=True, te_spec=False)
+    mm.load_hf_weights(model, dict(hf.named_parameters()), arch, te_spec=False)
+    return hf, arch, model.eval()
+
+
+def test_construction_on_cpu_has_the_local_spec_parameters(pair):
+    hf, arch, model = pair
+    names = set(mm.parameters_by_name(model))
+    assert "decoder.layers.0.input_layernorm.weight" in names  # local spec: separate norms
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" not in names
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in names) == arch.qkv_bias
+    assert ("output_layer.weight" in names) == (not arch.tie_embeddings)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters())
+
+
+def test_hf_to_megatron_to_hf_round_trip_is_exact(pair):
+    hf, arch, model = pair
+    back = mm.hf_state_dict(model, arch, te_spec=False)
+    ref = dict(hf.named_parameters())
+    assert list(back) == list(ref)
+    for name, t in ref.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_loading_refuses_a_checkpoint_that_does_not_cover_the_model(pair):
+    hf, arch, model = pair
+    weights = dict(hf.named_parameters())
+    weights.pop("model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(KeyError, match="down_proj"):
+        mm.load_hf_weights(model, weights, arch, te_spec=False)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_megatron_logprobs_match_the_hf_model_on_cpu(pair, temperature):
+    hf, arch, model = pair
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, arch.vocab_size, (3, 17), generator=gen)
+    with torch.no_grad():
+        ref = token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:], temperature)
+        with megatron_on_cpu():
+            logits = mm.forward_logits(model, ids)
+        got = mm.vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], arch.vocab_size, temperature)
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+    # a wrong layout (say K and V swapped) would not be this close: prove the test can tell
+    assert (got - token_logprobs(torch.zeros_like(logits[:, :-1]), ids[:, 1:])).abs().max() > 1e-2
+
+
+def test_padded_vocabulary_columns_do_not_change_logprobs(model_parallel):
+    """TP pads the vocabulary: the extra columns must get no probability mass."""
+    logits = torch.randn(2, 5, 48)
+    targets = torch.randint(0, 48, (2, 5))
+    padded = torch.cat([logits, torch.full((2, 5, 4), 30.0)], dim=-1)  # large junk logits in padding
+    got = mm.vocab_parallel_logprobs(padded, targets, vocab_size=48)
+    assert torch.allclose(got, token_logprobs(logits, targets), atol=1e-6)
+    before = padded.clone()
+    mm.vocab_parallel_logprobs(padded, targets, vocab_size=52)
+    assert torch.equal(padded, before)  # megatron's CE writes into its input: ours is a copy
+
+
+def test_safetensors_checkpoint_reads_a_saved_model(tmp_path):
+    hf = tiny_qwen2()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ckpt = mm.SafetensorsCheckpoint(tmp_path)
+    for name, t in hf.named_parameters():
+        assert torch.equal(ckpt[name], t.detach()), name
+    with pytest.raises(KeyError, match="no tensor 'nope'"):
+        ckpt["nope"]
+
+
+def test_megatron_unavailable_env_is_not_needed_for_import():
+    # the backend modules import megatron lazily: importing them must not pull it in by itself
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import async_rl.learner.megatron_model, async_rl.learner.megatron_convert; "
+        "import async_rl.learner.megatron_learner; print('megatron' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
+    assert out.stdout.strip() == "False"
+
+
+class CpuAdamOnMainGrads:
+    """Stand-in for megatron's optimizer on CPU (its code allocates on 'cuda' unconditionally): Adam
+    over the gradients megatron's DDP accumulated in `param.main_grad`, clipped like megatron's."""
+
+    def __init__(self, ddp: torch.nn.Module, lr: float, max_grad_norm: float) -> None:
+        self.params = list(ddp.parameters())
+        self.max_grad_norm = max_grad_norm
+        self.adam = torch.optim.Adam(self.params, lr=lr, betas=(0.9, 0.99))
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def zero_grad(self) -> None:
+        self.adam.zero_grad(set_to_none=True)
+
+    def step(self) -> tuple[bool, float, None]:
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.adam.step()
+        return True, float(norm), None
+
+
+@pytest.mark.parametrize("distributed_optimizer", [True, False])
+def test_policy_steps_lower_the_loss_and_export_what_it_trained(model_parallel, distributed_optimizer):
+    """MegatronPolicy on CPU: megatron's DDP grad buffers (laid out for the distributed optimizer or
+    not), the no-pipelining schedule with two micro-batches, our loss through vocab-parallel CE; a
+    few steps on a fixed on-policy batch lower the PPO loss, and the weights exported under HF names
+    give an HF model the same log-probs as the trained Megatron model. Megatron's own optimizer needs
+    CUDA: tests/gpu/test_megatron_gpu.py runs this with it."""
+    from async_rl.learner.megatron_learner import MegatronPolicy
+
+    hf = tiny_qwen2()
+    arch = mcv.arch_from_hf_config(hf.config)
+    with megatron_on_cpu():
+        policy = MegatronPolicy(
+            arch,
+            dict(hf.named_parameters()),
+            dtype=torch.float32,
+            lr=3e-3,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            distributed_optimizer=distributed_optimizer,
+            te_spec=False,
+            cpu_init=True,
+            make_optimizer=lambda ddp: CpuAdamOnMainGrads(ddp, lr=3e-3, max_grad_norm=1.0),
+        )
+        b = fixed_batch(arch.vocab_size)
+        start = policy.logprobs(b.input_ids)
+        b.behav_logp = start.detach() * b.loss_mask  # on-policy: the loss starts at -mean(A)
+        losses = []
+        for _ in range(4):
+            stats, grad_norm = policy.train_batch(b, 2, 1.0, 0.2, 0.2, 2.0)
+            losses.append(stats.loss)
+            assert grad_norm > 0
+        after = policy.logprobs(b.input_ids)
+        exported = policy.hf_state_dict()
+    assert losses[-1] < losses[0] - 1e-3, losses
+    assert abs(losses[0] - on_policy_loss(b)) < 1e-5
+    assert not torch.equal(exported["model.embed_tokens.weight"], hf.model.embed_tokens.weight)
+    hf.load_state_dict(exported, strict=False)  # tied lm_head follows the embedding
+    with torch.no_grad():
+        ref = token_logprobs(hf(input_ids=b.input_ids).logits[:, :-1], b.input_ids[:, 1:])
+    assert torch.allclose(after, ref, atol=1e-5), (after - ref).abs().max()
