@@ -120,9 +120,12 @@ class BufferConfig(_Section):
 
 class WeightSyncConfig(_Section):
     backend: Annotated[
-        Literal["auto", "gloo", "shm", "nccl"],
+        Literal["auto", "gloo", "shm", "nccl", "cuda_ipc"],
         _f("weight transport: gloo (sockets, any host), shm (shared memory, one host), nccl (CuPy, "
-           "CUDA tensors); auto = shm on a local Ray, else gloo"),
+           "CUDA tensors), cuda_ipc (one GPU region mapped by learner and generators on the same GPU; "
+           "its CPU-side checksum costs a device-to-host copy of the update, checksum=off avoids it); "
+           "auto = cuda_ipc when colocated with a CUDA learner (megatron), else shm on a local Ray, "
+           "else gloo"),
     ] = "auto"
     wire_dtype: Annotated[
         Literal["", "float32", "bfloat16", "float16"], _f("cast floating weights to this dtype on the wire ('' = none)")

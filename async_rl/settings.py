@@ -15,10 +15,18 @@ from async_rl.learner.megatron_learner import MegatronSettings
 BATCH_TIMEOUT_S = 600.0
 
 
+def learner_on_cuda(cfg: Config) -> bool:
+    """The megatron learner trains on CUDA; the torch learner on CPU."""
+    return cfg.learner.backend == "megatron"
+
+
 def resolve_backend(cfg: Config) -> str:
-    """auto: shared memory when everything runs on this host (a local Ray), gloo across hosts."""
+    """auto: CUDA IPC when learner and generators share the GPU (colocated with a CUDA learner);
+    otherwise shared memory when everything runs on this host (a local Ray), gloo across hosts."""
     if cfg.weight_sync.backend != "auto":
         return cfg.weight_sync.backend
+    if cfg.placement == "colocated" and learner_on_cuda(cfg):
+        return "cuda_ipc"
     return "gloo" if cfg.ray.address else "shm"
 
 

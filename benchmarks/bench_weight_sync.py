@@ -14,7 +14,22 @@ does). Measured per method, size and receiver count, min/median/max over repetit
   ray       one ray.put of the state dict, then every receiver ray.get()s it and copies it in
   memcpy    one torch copy_ of the same number of bytes in this process: the physical limit
 
+With `--device cuda` the sender's tensors and every receiver's parameters are CUDA tensors on one
+GPU (a colocated learner and its generators), and the rows are:
+
+  ours-cuda_ipc   the protocol through one CUDA region mapped by every receiver (IPC handle at join,
+                  "bucket k ready" over gloo); the sender's tensors adopted into it. -ckoff: no
+                  checksum (the CPU-side checksum copies every bucket to the host on the sender)
+  ours-nccl       the NCCL (CuPy) channel; NCCL refuses two ranks on one GPU, so with one GPU the
+                  row records that error instead of times
+  ours-shm        the protocol through /dev/shm: pack is a device-to-host copy, load a host-to-device one
+  pinned-staging  the Ray-style baseline without Ray's serialisation: the sender copies every tensor
+                  into one shared host buffer registered as pinned (cudaHostRegister), receivers copy
+                  it into their GPU parameters
+  device-memcpy   one torch copy_ of the same number of bytes on the GPU: the physical limit
+
     .venv/bin/python benchmarks/bench_weight_sync.py [--sizes-mb 50 500 2000] [--repeats 3]
+    .venv/bin/python benchmarks/bench_weight_sync.py --device cuda --sizes-mb 500 2000 --receivers 1
 """
 
 from __future__ import annotations
@@ -52,11 +67,18 @@ def transformer_shapes(total_mb: float) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def make_state(shapes, fill: float | None = None) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
+def make_state(shapes, fill: float | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(0)
     return {
-        n: (torch.full(s, fill) if fill is not None else torch.randn(s, generator=g)) for n, s in shapes
+        n: (torch.full(s, fill, device=device) if fill is not None else torch.randn(s, generator=g, device=device))
+        for n, s in shapes
     }
+
+
+def synchronize(device: str) -> None:
+    """Copies on a GPU are asynchronous: a timing ends when the device has done them."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -66,7 +88,7 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
 # ---- ours ---------------------------------------------------------------------------------------
 
 
-def _receiver(info_bytes: bytes, rank: int, shapes, manifest_bytes: bytes, repeats: int):
+def _receiver(info_bytes: bytes, rank: int, shapes, manifest_bytes: bytes, repeats: int, device: str):
     import msgspec
 
     from async_rl.weight_sync.base import WeightGroupInfo
@@ -74,9 +96,12 @@ def _receiver(info_bytes: bytes, rank: int, shapes, manifest_bytes: bytes, repea
     from async_rl.weight_sync.transport import join_receiver
 
     torch.set_num_threads(1)
-    params = make_state(shapes, fill=0.0)
+    info = msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo)
+    if device == "cuda":  # the sender's GPU (colocated), but an NCCL rank needs a GPU of its own
+        torch.cuda.set_device(rank % torch.cuda.device_count() if info.backend == "nccl" else 0)
+    params = make_state(shapes, fill=0.0, device=device)
     manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
-    receiver = join_receiver(msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo), rank, manifest)
+    receiver = join_receiver(info, rank, manifest)
 
     def load(named):
         for name, t in named:
@@ -85,11 +110,19 @@ def _receiver(info_bytes: bytes, rank: int, shapes, manifest_bytes: bytes, repea
     for v in range(repeats):
         receiver.group.barrier()  # matches the sender's "everyone ready" barrier
         receiver.receive(v, load)
+        synchronize(device)
         receiver.group.barrier()
 
 
 def bench_ours(
-    state, receivers: int, bucket_mb: int, repeats: int, backend: str, checksum: str = "sampled", adopt: bool = True
+    state,
+    receivers: int,
+    bucket_mb: int,
+    repeats: int,
+    backend: str,
+    checksum: str = "sampled",
+    adopt: bool = True,
+    device: str = "cpu",
 ) -> list[float]:
     """`adopt`: the sender's tensors move into the channel first, as the learner's parameters do
     (shm only; other channels have nothing resident, so it changes nothing there)."""
@@ -103,22 +136,27 @@ def bench_ours(
     info, store = open_membership("127.0.0.1", 0, world, 300, backend, manifest, checksum, 1)
     shapes = [(n, tuple(t.shape)) for n, t in state.items()]
     ctx = mp.get_context("spawn")
-    args = (msgspec.msgpack.encode(info), shapes, msgspec.msgpack.encode(manifest), repeats)
+    args = (msgspec.msgpack.encode(info), shapes, msgspec.msgpack.encode(manifest), repeats, device)
     procs = [ctx.Process(target=_receiver, args=(args[0], r, *args[1:])) for r in range(1, world)]
     for p in procs:
         p.start()
-    sender = join_sender(info, store, manifest)
-    if adopt:
-        sender.adopt(state)
-    times = []
-    for v in range(repeats):
-        sender.group.barrier()  # everyone ready: time the transfer only
-        t0 = time.perf_counter()
-        sender.send(state, v)
-        sender.group.barrier()  # every receiver has copied everything
-        times.append(time.perf_counter() - t0)
-    for p in procs:
-        p.join()
+    try:
+        sender = join_sender(info, store, manifest)
+        if adopt:
+            sender.adopt(state)
+        times = []
+        for v in range(repeats):
+            sender.group.barrier()  # everyone ready: time the transfer only
+            synchronize(device)
+            t0 = time.perf_counter()
+            sender.send(state, v)
+            sender.group.barrier()  # every receiver has copied everything
+            times.append(time.perf_counter() - t0)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():  # the sender failed (e.g. NCCL refused the group): do not wait forever
+                p.terminate()
     return times
 
 
@@ -179,6 +217,100 @@ def bench_memcpy(size: int, repeats: int) -> list[float]:
     return times
 
 
+# ---- CUDA baselines ---------------------------------------------------------------------------------
+
+
+def bench_device_memcpy(size: int, repeats: int) -> list[float]:
+    src = torch.ones(size, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _host_layout(shapes, dtype_size: int = 4) -> tuple[list[tuple[str, tuple[int, ...], int]], int]:
+    layout, used = [], 0
+    for name, shape in shapes:
+        layout.append((name, shape, used))
+        used += -(-math.prod(shape) * dtype_size // 64) * 64
+    return layout, used
+
+
+def _map_host(path: str, size: int, pinned: bool) -> tuple[torch.Tensor, bool]:
+    """The shared host buffer, registered with CUDA (pinned) when asked and possible."""
+    region = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    region[:: os.sysconf("SC_PAGE_SIZE")].zero_()
+    if pinned:
+        pinned = int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), size, 1)) == 0  # Portable
+    return region, pinned
+
+
+def _host_views(region: torch.Tensor, layout) -> dict[str, torch.Tensor]:
+    return {n: region[o : o + math.prod(s) * 4].view(torch.float32).view(s) for n, s, o in layout}
+
+
+def _staging_receiver(path: str, shapes, repeats: int, pinned: bool, barrier) -> None:
+    torch.cuda.set_device(0)
+    layout, size = _host_layout(shapes)
+    region, pinned = _map_host(path, size, pinned)
+    host = _host_views(region, layout)
+    params = make_state(shapes, fill=0.0, device="cuda")
+    barrier.wait()  # mapped
+    for _ in range(repeats):
+        barrier.wait()  # start
+        barrier.wait()  # the sender's copy to the host is complete
+        for name, t in host.items():
+            params[name].copy_(t, non_blocking=pinned)
+        torch.cuda.synchronize()
+        barrier.wait()  # done
+
+
+def bench_pinned_staging(state, receivers: int, repeats: int) -> tuple[list[float], bool]:
+    """Returns the times and whether the host buffer really was pinned in the sender."""
+    from async_rl.weight_sync.shm import new_shm_path
+
+    shapes = [(n, tuple(t.shape)) for n, t in state.items()]
+    layout, size = _host_layout(shapes)
+    path = new_shm_path("bench-staging")
+    with open(path, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, size)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(receivers + 1)
+    procs = [ctx.Process(target=_staging_receiver, args=(path, shapes, repeats, True, barrier)) for _ in range(receivers)]
+    for p in procs:
+        p.start()
+    try:
+        region, pinned = _map_host(path, size, True)
+        host = _host_views(region, layout)
+        barrier.wait(timeout=300)
+        os.unlink(path)
+        times = []
+        for _ in range(repeats):
+            barrier.wait()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for name, t in state.items():
+                host[name].copy_(t, non_blocking=pinned)
+            torch.cuda.synchronize()
+            barrier.wait()
+            barrier.wait()
+            times.append(time.perf_counter() - t0)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    return times, pinned
+
+
 def summarize(method: str, size_mb: float, receivers: int, size: int, times: list[float], **extra) -> dict:
     gbps = [size / t / 1e9 for t in times]
     return {
@@ -195,30 +327,7 @@ def summarize(method: str, size_mb: float, receivers: int, size: int, times: lis
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[50, 500, 2000])
-    ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=int, default=64)
-    ap.add_argument("--backends", nargs="+", default=["gloo", "shm"])
-    ap.add_argument("--sweep-size-mb", type=float, default=500)
-    ap.add_argument("--sweep-buckets-mb", type=int, nargs="+", default=[4, 16, 64, 256])
-    ap.add_argument("--out", default=str(RESULTS / "weight_sync.json"))
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    rows = []
-
-    def report(row):
-        rows.append(row)
-        print(
-            f"{row['method']:<10} {row['size_mb']:>7.0f} MB {row['receivers']:>2} recv"
-            f" {row.get('bucket_mb', ''):>5} {row['seconds_min']:8.3f} {row['seconds_median']:8.3f}"
-            f" {row['seconds_max']:8.3f} s  {row['gbps_per_receiver_median']:6.2f} GB/s",
-            flush=True,
-        )
-
-    print(f"{'method':<10} {'size':>10} {'':>7} {'bucket':>5} {'min':>8} {'median':>8} {'max':>8}      GB/s/receiver")
+def run_cpu(args, report) -> None:
     for size_mb in args.sizes_mb:
         state = make_state(transformer_shapes(size_mb))
         size = nbytes(state)
@@ -242,10 +351,86 @@ def main() -> None:
         if backend == "shm":  # what keeping the learner's parameters in the mapping saves
             times = bench_ours(state, 1, args.bucket_mb, args.repeats, backend, adopt=False)
             report(summarize("ours-shm-packed", args.sweep_size_mb, 1, size, times, bucket_mb=args.bucket_mb))
-    out = Path(args.out)
+
+
+def run_cuda(args, report, failed) -> None:
+    """One GPU: the sender in this process, receivers in processes of their own on the same device."""
+    torch.cuda.set_device(0)
+    for size_mb in args.sizes_mb:
+        state = make_state(transformer_shapes(size_mb), device="cuda")
+        size = nbytes(state)
+        report(summarize("device-memcpy", size_mb, 0, size, bench_device_memcpy(size, args.repeats)))
+        for receivers in args.receivers:
+            for backend in args.backends:
+                method = f"ours-{backend}"
+                try:
+                    times = bench_ours(state, receivers, args.bucket_mb, args.repeats, backend, device="cuda")
+                except Exception as e:  # noqa: BLE001 - e.g. NCCL with two ranks on one GPU: record it
+                    failed(method, size_mb, receivers, e)
+                    continue
+                report(summarize(method, size_mb, receivers, size, times, bucket_mb=args.bucket_mb))
+                if backend == "cuda_ipc":  # what the CPU-side checksum costs on a GPU
+                    times = bench_ours(
+                        state, receivers, args.bucket_mb, args.repeats, backend, checksum="off", device="cuda"
+                    )
+                    report(summarize(f"{method}-ckoff", size_mb, receivers, size, times, bucket_mb=args.bucket_mb))
+            times, pinned = bench_pinned_staging(state, receivers, args.repeats)
+            report(summarize("pinned-staging", size_mb, receivers, size, times, pinned=pinned))
+        del state
+        torch.cuda.empty_cache()
+    if "cuda_ipc" in args.backends:
+        state = make_state(transformer_shapes(args.sweep_size_mb), device="cuda")
+        size = nbytes(state)
+        for bucket_mb in args.sweep_buckets_mb:
+            times = bench_ours(state, 1, bucket_mb, args.repeats, "cuda_ipc", checksum="off", device="cuda")
+            report(summarize("ours-cuda_ipc-ckoff", args.sweep_size_mb, 1, size, times, bucket_mb=bucket_mb, sweep=True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the tensors live")
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[50, 500, 2000])
+    ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--backends", nargs="+", help="default: gloo shm (cpu); cuda_ipc nccl shm (cuda)")
+    ap.add_argument("--sweep-size-mb", type=float, default=500)
+    ap.add_argument("--sweep-buckets-mb", type=int, nargs="+", default=[4, 16, 64, 256])
+    ap.add_argument("--out", help="default: results/weight_sync.json (cpu), results/weight_sync_cuda.json (cuda)")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    args.backends = args.backends or (["cuda_ipc", "nccl", "shm"] if cuda else ["gloo", "shm"])
+    torch.set_num_threads(1)
+    rows = []
+
+    def report(row):
+        rows.append(row)
+        print(
+            f"{row['method']:<20} {row['size_mb']:>7.0f} MB {row['receivers']:>2} recv"
+            f" {row.get('bucket_mb', ''):>5} {row['seconds_min']:8.3f} {row['seconds_median']:8.3f}"
+            f" {row['seconds_max']:8.3f} s  {row['gbps_per_receiver_median']:6.2f} GB/s",
+            flush=True,
+        )
+
+    def failed(method: str, size_mb: float, receivers: int, error: Exception) -> None:
+        rows.append({"method": method, "size_mb": size_mb, "receivers": receivers, "error": repr(error)})
+        print(f"{method:<20} {size_mb:>7.0f} MB {receivers:>2} recv  failed: {error!r}", flush=True)
+
+    print(f"{'method':<20} {'size':>10} {'':>7} {'bucket':>5} {'min':>8} {'median':>8} {'max':>8}      GB/s/receiver")
+    if cuda:
+        run_cuda(args, report, failed)
+    else:
+        run_cpu(args, report)
+    out = Path(args.out or RESULTS / ("weight_sync_cuda.json" if cuda else "weight_sync.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
-    out.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "rows": rows}, indent=2))
+    if cuda:
+        machine.update(device=torch.cuda.get_device_name(0), cuda=torch.version.cuda, gpus=torch.cuda.device_count())
+    out.write_text(
+        json.dumps({"machine": machine, "device": args.device, "repeats": args.repeats, "rows": rows}, indent=2)
+    )
     print(f"wrote {out}")
 
 

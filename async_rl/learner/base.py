@@ -29,7 +29,7 @@ class LearnerSettings(msgspec.Struct, frozen=True):
     weight_sync_host: str
     weight_sync_port: int
     weight_sync_timeout_s: float
-    weight_sync_backend: str  # resolved: 'gloo' or 'shm'
+    weight_sync_backend: str  # resolved: 'gloo', 'shm', 'nccl' or 'cuda_ipc'
     weight_checksum: str
     wire_dtype: str  # '' = the learner's dtype
 

@@ -3,7 +3,7 @@
 Every update is the same sequence of operations on a control group shared by all members:
 
     header   version and manifest digest        receivers check both before taking anything
-    buckets  the manifest's buckets, in order   moved by a `BucketChannel` (gloo bytes or shm)
+    buckets  the manifest's buckets, in order   moved by a `BucketChannel` (gloo, shm, nccl, cuda_ipc)
     trailer  xxh3-64 of every MiB of the update receivers compare the chunks they hashed
 
 Receivers stream the update: each bucket's tensors are handed to the loader as soon as they land
@@ -41,7 +41,8 @@ class WeightGroupInfo(msgspec.Struct, frozen=True):
     generation: int
     world_size: int
     timeout_s: float
-    backend: str = "gloo"  # 'gloo' (bytes over the group), 'shm' (a shared mapping), 'nccl' (GPUs)
+    backend: str = "gloo"  # 'gloo' (bytes over the group), 'shm' (a shared mapping), 'nccl' (GPUs),
+    # 'cuda_ipc' (one CUDA allocation mapped by every member; its handle goes through the store at join)
     shm_path: str = ""
     checksum: str = "sampled"  # 'full', 'sampled' or 'off' (see bucketing.ChunkTable)
     nccl_id: bytes = b""  # the NCCL communicator's unique id (backend 'nccl')
@@ -100,6 +101,11 @@ class BucketChannel(abc.ABC):
     def check(self, k: int) -> None:  # noqa: B027 - optional hook, most channels have nothing to check
         """Receiver: called after the wait; raise CorruptUpdate if bucket k is not what arrived."""
 
+    def finish_receive(self) -> None:  # noqa: B027 - optional hook
+        """Receiver: the loader has taken (or refused) every bucket of the update; called before the
+        end barrier, after which the sender may overwrite the buckets. A channel whose buckets are read
+        by asynchronous copies (CUDA) waits for those copies here."""
+
     def resident_slot(self, k: int, nbytes: int) -> torch.Tensor | None:
         """Sender: a buffer that is bucket k's for the whole membership, if the channel has one (shm).
         Parameters that live there need no packing: an update reads them where they are."""
@@ -128,7 +134,8 @@ class WeightSender:
     def adopt(self, tensors: dict[str, torch.Tensor]) -> int:
         """Move tensors (e.g. the learner's parameters) into the channel's resident buffers, in place
         (`t.data` is re-pointed), so that `send` skips their packing copy. Only tensors whose wire
-        dtype is their own and that are plain contiguous CPU tensors qualify. Returns how many moved.
+        dtype is their own and that are plain contiguous tensors on the channel's device (CPU for shm,
+        the GPU for cuda_ipc) qualify. Returns how many moved.
 
         The caller must not change them while an update is being read: the controller runs a sync
         only between training steps and waits for every receiver before the next step."""
@@ -139,7 +146,7 @@ class WeightSender:
                 return moved
             for spec in bucket.tensors:
                 t = tensors[spec.name]
-                if type(t.data) is not torch.Tensor or t.device.type != "cpu" or not t.is_contiguous():
+                if type(t.data) is not torch.Tensor or t.device != slot.device or not t.is_contiguous():
                     continue
                 if t.dtype != to_dtype(spec.dtype):
                     continue
@@ -250,6 +257,7 @@ class WeightReceiver:
                 pass
         finally:
             if self._trailer_received:  # the whole update went by: tell the sender we are done with it
+                self.channel.finish_receive()
                 self.group.barrier()
         assert self.last_receipt is not None
         return self.last_receipt

@@ -141,6 +141,11 @@ class ChunkTable:
         return 8 * len(self.hashes)
 
     def hash_bucket(self, k: int, buf: torch.Tensor) -> None:
+        # A GPU bucket is hashed on the CPU: one device-to-host copy of the whole bucket (a single
+        # large DMA) rather than one per MiB. It is the sender's full D2H of the update, and on a
+        # colocated GPU it costs far more than the update itself (see weight_sync.cuda_ipc).
+        if buf.device.type != "cpu":
+            buf = buf.cpu()
         for j in range(self.counts[k]):
             self.hashes[self.starts[k] + j] = _hash_chunk(buf, j)
 

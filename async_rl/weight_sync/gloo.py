@@ -46,6 +46,7 @@ class GlooGroup(BroadcastGroup):
         self._store = store
         prefixed = dist.PrefixStore(f"{_PREFIX}/{generation}", store)
         self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        self._values = dist.PrefixStore("async_rl/values", prefixed)  # apart from gloo's own keys
         self.rank = rank
         self.world_size = world_size
 
@@ -55,6 +56,14 @@ class GlooGroup(BroadcastGroup):
 
     def barrier(self) -> None:
         self._pg.barrier().wait()
+
+    def publish(self, key: str, value: bytes) -> None:
+        """Rank 0: membership-time data for every member to `fetch` (e.g. a CUDA IPC handle)."""
+        self._values.set(key, value)
+
+    def fetch(self, key: str) -> bytes:
+        """What rank 0 published under `key` in this membership; waits for it up to the group's timeout."""
+        return self._values.get(key)
 
     def close(self) -> None:
         self._pg = None  # gloo tears its pairs down when the group is released

@@ -4,6 +4,9 @@ The sender packs every bucket into one file in /dev/shm that each receiver maps;
 carries only a bucket index per bucket ("bucket k is ready"). A receiver's loader then copies
 straight out of the mapping: one copy on each side and no socket in the data path. The file is
 unlinked as soon as every receiver has mapped it, so nothing is left behind if a process dies.
+
+`RegionChannel` is that signalling over any region every member sees; `cuda_ipc` reuses it with a
+CUDA allocation in place of the file.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ def new_shm_path(tag: str) -> str:
     return os.path.join(SHM_DIR, f"async_rl-{tag}-{uuid.uuid4().hex[:12]}")
 
 
-def _offsets(manifest: Manifest) -> list[int]:
+def region_offsets(manifest: Manifest) -> list[int]:
+    """Start of every bucket's slot in the region (64-byte aligned), then the region's size."""
     offsets, total = [], 0
     for b in manifest.buckets:
         offsets.append(total)
@@ -35,31 +39,22 @@ def create_region_file(path: str, manifest: Manifest) -> None:
     """Sender: the file every member maps. Its pages are allocated now, at membership time, so the
     first update does not pay for allocating gigabytes of shared memory page by page."""
     with open(path, "wb") as f:
-        os.posix_fallocate(f.fileno(), 0, _offsets(manifest)[-1])
+        os.posix_fallocate(f.fileno(), 0, region_offsets(manifest)[-1])
 
 
-class ShmChannel(BucketChannel):
-    def __init__(self, group: BroadcastGroup, manifest: Manifest, path: str) -> None:
+class RegionChannel(BucketChannel):
+    """Every bucket has its own slot in one region that all members see for the whole membership;
+    per bucket only its index goes over the group, as the "bucket k is ready" signal."""
+
+    kind = "shared-memory"  # names the region in errors
+
+    def __init__(self, group: BroadcastGroup, manifest: Manifest, region: torch.Tensor) -> None:
         self.group = group
-        self._offsets = _offsets(manifest)
-        self.region = torch.from_file(path, shared=True, size=self._offsets[-1], dtype=torch.uint8)
-        self.path = path
+        self._offsets = region_offsets(manifest)
+        if region.numel() < self._offsets[-1]:
+            raise ValueError(f"weight region of {region.numel()} bytes, the manifest needs {self._offsets[-1]}")
+        self.region = region
         self._signals: list[torch.Tensor] = []
-        # Fault every page into this process now, at membership time, not inside the first update
-        # (~1 us per 4 KiB page: a quarter second per GB). The sender writes, receivers only read.
-        pages = self.region[:: os.sysconf("SC_PAGE_SIZE")]
-        if group.rank == 0:
-            pages.zero_()
-        else:
-            int(pages.sum())
-
-    @staticmethod
-    def unlink(path: str) -> None:
-        """Sender, once every receiver mapped the file: the mappings outlive the name."""
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     def _slot(self, k: int, nbytes: int) -> torch.Tensor:
         return self.region[self._offsets[k] : self._offsets[k] + nbytes]
@@ -82,4 +77,26 @@ class ShmChannel(BucketChannel):
 
     def check(self, k: int) -> None:
         if int(self._signals[k]) != k:
-            raise CorruptUpdate(f"shared-memory update out of order: bucket {int(self._signals[k])} announced as {k}")
+            raise CorruptUpdate(f"{self.kind} update out of order: bucket {int(self._signals[k])} announced as {k}")
+
+
+class ShmChannel(RegionChannel):
+    def __init__(self, group: BroadcastGroup, manifest: Manifest, path: str) -> None:
+        size = region_offsets(manifest)[-1]
+        super().__init__(group, manifest, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+        self.path = path
+        # Fault every page into this process now, at membership time, not inside the first update
+        # (~1 us per 4 KiB page: a quarter second per GB). The sender writes, receivers only read.
+        pages = self.region[:: os.sysconf("SC_PAGE_SIZE")]
+        if group.rank == 0:
+            pages.zero_()
+        else:
+            int(pages.sum())
+
+    @staticmethod
+    def unlink(path: str) -> None:
+        """Sender, once every receiver mapped the file: the mappings outlive the name."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -14,7 +14,9 @@ from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.gloo import GlooChannel, GlooGroup, host_store
 from async_rl.weight_sync.shm import ShmChannel, create_region_file, new_shm_path
 
-BACKENDS = ("gloo", "shm", "nccl")
+BACKENDS = ("gloo", "shm", "nccl", "cuda_ipc")
+# Channels whose members map one region at join: the sender waits until every receiver has.
+_MAPPED = ("shm", "cuda_ipc")
 
 
 def open_membership(
@@ -61,6 +63,10 @@ def _channel(info: WeightGroupInfo, group: GlooGroup, manifest: Manifest):
         from async_rl.weight_sync.nccl import NcclChannel
 
         return NcclChannel(info.nccl_id, group.rank, info.world_size, largest)
+    if info.backend == "cuda_ipc":
+        from async_rl.weight_sync.cuda_ipc import CudaIpcChannel
+
+        return CudaIpcChannel(group, manifest)  # the region's handle goes through the group's store
     return GlooChannel(group, largest)
 
 
@@ -71,8 +77,8 @@ def join_sender(info: WeightGroupInfo, store: dist.TCPStore, manifest: Manifest)
             info.host, info.port, 0, info.world_size, info.timeout_s, store=store, generation=info.generation
         )
         sender = WeightSender(group, _channel(info, group, manifest), manifest, info.checksum)
-        if info.backend == "shm":
-            group.barrier()  # every receiver has mapped the file
+        if info.backend in _MAPPED:
+            group.barrier()  # every receiver has mapped the file or region
     finally:
         if info.backend == "shm":
             ShmChannel.unlink(info.shm_path)  # also when the join failed: never leave it in /dev/shm
@@ -82,6 +88,6 @@ def join_sender(info: WeightGroupInfo, store: dist.TCPStore, manifest: Manifest)
 def join_receiver(info: WeightGroupInfo, rank: int, manifest: Manifest) -> WeightReceiver:
     group = GlooGroup(info.host, info.port, rank, info.world_size, info.timeout_s, generation=info.generation)
     receiver = WeightReceiver(group, _channel(info, group, manifest), manifest, info.checksum)
-    if info.backend == "shm":
+    if info.backend in _MAPPED:
         group.barrier()
     return receiver

@@ -25,7 +25,7 @@ def cuda_state() -> dict[str, torch.Tensor]:
 def test_sender_alone_runs_the_whole_protocol_on_cuda():
     state = cuda_state()
     manifest = build_manifest(state.items(), bucket_bytes=16384)
-    info, store = open_membership("127.0.0.1", 0, 1, 60, "nccl", manifest, True, 1)
+    info, store = open_membership("127.0.0.1", 0, 1, 60, "nccl", manifest, "sampled", 1)
     assert info.nccl_id
     sender = join_sender(info, store, manifest)
     receipt = sender.send(state, 3)
@@ -45,7 +45,7 @@ def test_two_gpu_broadcast_matches():
     torch.cuda.set_device(0)
     state = cuda_state()
     manifest = build_manifest(state.items(), bucket_bytes=16384)
-    info, store = open_membership("127.0.0.1", 0, 2, 60, "nccl", manifest, True, 1)
+    info, store = open_membership("127.0.0.1", 0, 2, 60, "nccl", manifest, "sampled", 1)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_receive, args=(info, manifest, out))
