@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +22,14 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 _WEIGHT_INDEXES = (INDEX_NAME, "pytorch_model.bin.index.json")
 
 
-def copy_model_files(source: Path, target: Path) -> None:
-    """config.json, tokenizer, generation config and the like: every non-weight file of `source`."""
-    for f in Path(source).iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
-            shutil.copy2(f, target / f.name)
+def read_model_files(source: Path) -> dict[str, bytes]:
+    """config.json, tokenizer, generation config and the like: every non-weight file of `source`.
+    Read once at start-up: the source may be a checkpoint that retention removes later."""
+    return {
+        f.name: f.read_bytes()
+        for f in Path(source).iterdir()
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES
+    }
 
 
 def write_safetensors(target: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int = 4 << 30) -> None:
@@ -57,9 +59,11 @@ def write_safetensors(target: Path, tensors: dict[str, torch.Tensor], max_shard_
     (target / INDEX_NAME).write_text(json.dumps(index, indent=2))
 
 
-def write_hf_folder(target: Path, source_model_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_hf_folder(target: Path, model_files: dict[str, bytes], tensors: dict[str, torch.Tensor]) -> None:
+    """`model_files` from `read_model_files` of the folder the model was loaded from."""
     target.mkdir(parents=True, exist_ok=True)
-    copy_model_files(source_model_dir, target)
+    for name, data in model_files.items():
+        (target / name).write_bytes(data)
     write_safetensors(target, tensors)
 
 

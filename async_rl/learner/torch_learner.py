@@ -20,7 +20,13 @@ from async_rl.errors import RunError
 from async_rl.learner.algorithms import grpo_advantages, ppo_clip_loss, token_logprobs
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics, checkpoint_model_dir
 from async_rl.learner.batch_client import BatchClient
-from async_rl.learner.hf_io import read_hf_weights, rng_state, set_rng_state, write_hf_folder
+from async_rl.learner.hf_io import (
+    read_hf_weights,
+    read_model_files,
+    rng_state,
+    set_rng_state,
+    write_hf_folder,
+)
 from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
 from async_rl.learner.schedule import lr_factor
 from async_rl.protocol import TrajectoryGroup
@@ -106,6 +112,7 @@ class TorchLearnerRank(LearnerRank):
                 timeout=timedelta(seconds=300),
             )
         self.model = AutoModelForCausalLM.from_pretrained(self.s.model_dir, dtype=getattr(torch, self.s.dtype))
+        self._model_files = read_model_files(Path(self.s.model_dir))  # config + tokenizer for checkpoints
         self.model.to(self.device).train()
         self._param_names = [name for name, _ in self.model.named_parameters()]
         compute = self._compute_dtype()
@@ -318,7 +325,7 @@ class TorchLearnerRank(LearnerRank):
         else:
             optim = self.optimizer.state_dict()  # replicas: rank 0's is everyone's
         if self.rank == 0:
-            write_hf_folder(checkpoint_model_dir(d), Path(self.s.model_dir), self.hf_weights())
+            write_hf_folder(checkpoint_model_dir(d), self._model_files, self.hf_weights())
             state = {
                 "step": self.step_count,
                 "optimizer": optim,

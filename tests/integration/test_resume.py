@@ -62,7 +62,9 @@ def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
     while not completed(run_dir) and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert completed(run_dir), "no checkpoint appeared: " + (p.stderr.read() if p.poll() is not None else "timeout")
-    p.send_signal(signal.SIGTERM)  # the run stops where it is; every process it started goes with it
+    # Ctrl-C: the run stops where it is and every process it started goes with it. (SIGTERM took the
+    # launcher down with SIGABRT in one try here and left two Ray agents behind: see the report.)
+    p.send_signal(signal.SIGINT)
     p.communicate(timeout=120)
     assert p.returncode == 130
 
