@@ -87,7 +87,8 @@ def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
     m = re.search(r"resumed at step (\d+): .*checksum total=(\S+) sum_sq=(\S+) count=(\d+)", out)
     assert m and int(m.group(1)) == n
     got = ParamChecksum(total=float(m.group(2)), sum_sq=float(m.group(3)), count=int(m.group(4)))
-    assert got == expected
+    # Same tensors summed in another order (file order vs parameter order): equal to the last bits.
+    assert got.count == expected.count and got.close_to(expected, rtol=1e-13)
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(TOTAL))  # steps continue from n, none twice
