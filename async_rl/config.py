@@ -73,6 +73,11 @@ class TrainConfig(_Section):
         int, _f("after each sync, samples scored by learner and vLLM to measure their log-prob mismatch", ge=0)
     ] = 8
     seed: Annotated[int, _f("seed of the learner")] = 0
+    checkpoint_every: Annotated[
+        int, _f("write RUN_DIR/checkpoints/step_N every this many steps (0 = only at the end, if checkpoint_at_end)", ge=0)
+    ] = 0
+    checkpoint_at_end: Annotated[bool, _f("write a checkpoint after the last step")] = True
+    checkpoint_keep: Annotated[int, _f("checkpoints kept in RUN_DIR/checkpoints (the oldest are removed)", ge=1)] = 2
 
 
 class MegatronConfig(_Section):
@@ -107,6 +112,30 @@ class LearnerConfig(_Section):
     clip_eps_high: Annotated[float, _f("PPO clip: ratio upper bound is 1 + this", ge=0)] = 0.2
     tis_cap: Annotated[float, _f("truncated importance sampling: cap on pi/mu in the unclipped term", gt=1)] = 2.0
     advantage: Annotated[Literal["grpo"], _f("advantage estimator")] = "grpo"
+    parallel: Annotated[
+        Literal["ddp", "fsdp2"],
+        _f("torch backend data parallelism: ddp (replicated) or fsdp2 (fully_shard: sharded parameters, "
+           "gradients and optimizer state)"),
+    ] = "ddp"
+    micro_batch_size: Annotated[
+        int, _f("sequences per micro-batch; gradients accumulate over a rank's shard (0 = one micro-batch)", ge=0)
+    ] = 0
+    micro_batch_tokens: Annotated[
+        int, _f("tokens (prompt + completion) per micro-batch, packed greedily (0 = no limit)", ge=0)
+    ] = 0
+    packing: Annotated[
+        bool, _f("padding-free micro-batches: sequences concatenated, position ids restart per sequence")
+    ] = True
+    lr_warmup_steps: Annotated[int, _f("linear learning-rate warmup over this many steps", ge=0)] = 0
+    lr_decay: Annotated[
+        Literal["constant", "linear", "cosine"], _f("learning-rate decay after warmup, to lr * lr_min_ratio at the last step")
+    ] = "constant"
+    lr_min_ratio: Annotated[float, _f("final learning rate as a fraction of learner.lr", ge=0, le=1)] = 0.0
+    mixed_precision: Annotated[
+        Literal["auto", "none", "bf16"],
+        _f("compute dtype of the learner: bf16 autocast (FSDP2: param_dtype) with weights and optimizer in "
+           "model.dtype; auto = bf16 on CUDA, none on CPU"),
+    ] = "auto"
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
 
 
@@ -284,6 +313,11 @@ def validate(cfg: Config) -> None:
 def _validate_megatron(cfg: Config) -> None:
     """Megatron splits learner.world_size into TP x PP x DP; the buffer shards a step over DP."""
     m, world = cfg.learner.megatron, cfg.learner.world_size
+    if cfg.train.checkpoint_every or cfg.train.checkpoint_at_end:
+        raise ConfigError(
+            "learner.backend=megatron does not write checkpoints yet: set train.checkpoint_every=0 and "
+            "train.checkpoint_at_end=false (or use learner.backend=torch)"
+        )
     model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size
     if world % model_parallel:
         raise ConfigError(

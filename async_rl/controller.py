@@ -17,7 +17,7 @@ import msgspec
 import ray
 from ray.actor import ActorHandle
 
-from async_rl import settings
+from async_rl import checkpoint, settings
 from async_rl.buffer.actor import BufferStats, ReplayBuffer
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.cluster.resources import ResourcePool, WorkerGroup
@@ -25,7 +25,7 @@ from async_rl.config import Config
 from async_rl.errors import RunError
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
-from async_rl.learner.base import StepMetrics
+from async_rl.learner.base import StepMetrics, checkpoint_model_dir
 from async_rl.learner.torch_learner import TorchLearnerRank
 from async_rl.metrics import MetricsSink, StepRecord
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -44,9 +44,17 @@ class RunSummary(msgspec.Struct):
 
 
 class Controller:
-    def __init__(self, cfg: Config, model_dir: Path, run_dir: Path, plan: PlacementPlan) -> None:
+    def __init__(
+        self, cfg: Config, model_dir: Path, run_dir: Path, plan: PlacementPlan, resume_from: Path | None = None
+    ) -> None:
+        """`resume_from`: a checkpoint folder (RUN_DIR/checkpoints/step_N); learner and engines start
+        from its weights and the run continues at step N with policy version N."""
         self.cfg = cfg
-        self.model_dir = model_dir
+        self.resume_from = resume_from
+        self.start_step = 0
+        self.resumed_checksum: ParamChecksum | None = None  # learner weights right after a resume
+        # On resume every process loads the checkpoint's HF folder (vLLM serves it directly).
+        self.model_dir = checkpoint_model_dir(resume_from) if resume_from is not None else model_dir
         self.run_dir = run_dir
         self.plan = plan
         self.run_id = uuid.uuid4().hex[:12]
@@ -71,7 +79,7 @@ class Controller:
         )
         t_start = time.perf_counter()
         rewards: list[float] = []
-        for step in range(self.cfg.train.total_steps):
+        for step in range(self.start_step, self.cfg.train.total_steps):
             t0 = time.perf_counter()
             if self.cfg.placement == "colocated":
                 self.take_turns()
@@ -86,8 +94,15 @@ class Controller:
             record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
             metrics.log(record)
             rewards.append(record.reward_mean)
+            if self.checkpoint_due(step):
+                self.save_checkpoint()
             if between_steps is not None:
                 between_steps(step)
+        if not rewards:
+            raise RunError(
+                f"nothing to train: the checkpoint holds step {self.start_step}, train.total_steps is "
+                f"{self.cfg.train.total_steps}"
+            )
         k = max(1, min(5, len(rewards) // 4))
         return RunSummary(
             run_dir=str(self.run_dir),
@@ -108,22 +123,61 @@ class Controller:
 
     def sync_weights(self, version: int) -> float:
         """Weights of `version` from learner rank 0 into every engine; then admission may use them."""
-        seconds = self.generators.sync(self.learner.actors[0], version)
+        t0 = time.perf_counter()
+        self.learner.call(lambda a: a.gather_weights.remote())  # sharded learners gather to rank 0
+        self.generators.sync(self.learner.actors[0], version)
         ray.get(self.buffer.set_generator_version.remote(version))
-        return seconds
+        return time.perf_counter() - t0
 
     def logprob_mismatch(self) -> float | None:
         """Right after a sync both sides hold the same version: score the same tokens on each."""
         n = self.cfg.train.mismatch_probe_samples
         if n == 0:
             return None
-        probe = ray.get(self.learner.actors[0].probe_logprobs.remote(n))
+        probe = self.learner.call(lambda a: a.probe_logprobs.remote(n))[0]  # collective; rank 0's probe
         return ray.get(self.generators.actors[0].score.remote(probe), timeout=START_TIMEOUT_S)
 
     def checksums(self) -> tuple[ParamChecksum, dict[int, list[ParamChecksum]]]:
         """The learner's parameter checksum and every generator worker's, by engine id."""
+        self.learner.call(lambda a: a.gather_weights.remote())
         learner = ray.get(self.learner.actors[0].param_checksum.remote())
         return learner, self.generators.checksums()
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def checkpoint_due(self, step: int) -> bool:
+        t = self.cfg.train
+        last = step == t.total_steps - 1
+        return (t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0) or (last and t.checkpoint_at_end)
+
+    def save_checkpoint(self) -> Path:
+        """RUN_DIR/checkpoints/step_N after N steps: learner state (every rank), buffer accounting and
+        prompt position, policy version. Written aside and renamed into place."""
+        tmp = checkpoint.begin(self.run_dir)
+        self.learner.call(lambda a: a.save_checkpoint.remote(str(tmp)), timeout_s=START_TIMEOUT_S)
+        state = checkpoint.RunCheckpoint(
+            step=self.version,  # one optimizer step per version
+            version=self.version,
+            buffer=ray.get(self.buffer.checkpoint_state.remote()),
+            saved_at=time.time(),
+        )
+        return checkpoint.commit(tmp, state, self.cfg.train.checkpoint_keep)
+
+    def _resume(self) -> None:
+        """Learner ranks restore the checkpoint; engines (started paused from its HF folder) must hold
+        exactly the learner's weights before they generate as policy version N."""
+        state = checkpoint.load_state(self.resume_from)
+        steps = self.learner.call(lambda a: a.load_checkpoint.remote(str(self.resume_from)), timeout_s=START_TIMEOUT_S)
+        if any(s != state.step for s in steps):
+            raise RunError(f"checkpoint '{self.resume_from}': learner state is at step {steps[0]}, run state at {state.step}")
+        learner_ck, engine_cks = self.checksums()
+        for engine_id, per_worker in engine_cks.items():
+            if not all(ck.close_to(learner_ck) for ck in per_worker):
+                raise RunError(f"resume: engine {engine_id} loaded other weights than the learner from '{self.model_dir}'")
+        ray.get(self.buffer.set_generator_version.remote(state.version))
+        ray.get([a.resume.remote(state.version) for a in self.generators.actors], timeout=START_TIMEOUT_S)
+        self.start_step, self.version = state.step, state.version
+        self.resumed_checksum = learner_ck
 
     # ---- the generator pool, while the run goes on ----------------------------------------------
 
@@ -142,6 +196,8 @@ class Controller:
             settings.buffer_settings(cfg, self.run_id)
         )
         addresses = ray.get(self.buffer.start.remote(), timeout=START_TIMEOUT_S)
+        if self.resume_from is not None:  # before any lease: accounting and prompt position go on
+            ray.get(self.buffer.restore.remote(checkpoint.load_state(self.resume_from).buffer))
         self.generators = GeneratorPool(
             lambda i: settings.engine_settings(cfg, self.run_id, self.model_dir, self.plan, i, addresses.ingest),
             self.buffer,
@@ -170,9 +226,12 @@ class Controller:
 
         self.learner = WorkerGroup(learner_pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
         setup = [a.setup.remote() for a in self.learner.actors]  # overlaps vLLM's ~30 s start-up
-        self.generators.add(cfg.generators.num_engines, paused=False)  # version 0 = the checkpoint
+        resuming = self.resume_from is not None
+        self.generators.add(cfg.generators.num_engines, paused=resuming)  # version 0 = the checkpoint
         ray.get(setup, timeout=START_TIMEOUT_S)
         self.generators.rebuild_membership(self.learner.actors[0])
+        if resuming:
+            self._resume()
 
     def shutdown(self) -> BufferStats | None:
         """Stop everything this controller started, through its handles. Safe to call twice."""
@@ -243,4 +302,5 @@ def make_record(
         rejected_frames=sum(buffer.rejected_frames.values()),
         reward_errors=buffer.reward_errors,
         reward_timeouts=buffer.reward_timeouts,
+        lr=per_rank[0].lr,
     )

@@ -1,4 +1,4 @@
-"""python -m async_rl.launch CONFIG [section.key=value ...] [--dry-run] [--describe]
+"""python -m async_rl.launch CONFIG [section.key=value ...] [--dry-run] [--describe] [--resume RUN_DIR]
 
 Exit codes: 0 done, 1 runtime failure (one line naming it), 2 configuration error (one line
 naming the key), 130 interrupted. Every process the run started is stopped on the way out.
@@ -28,6 +28,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides, applied in order")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved config and placement plan, exit")
     ap.add_argument("--describe", action="store_true", help="print every config key with default and meaning")
+    ap.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (same step and version numbering)"
+    )
     return ap.parse_args(argv)
 
 
@@ -70,25 +73,40 @@ def _raise_interrupt(signum, frame):  # SIGTERM -> the same clean shutdown as Ct
     raise KeyboardInterrupt
 
 
-def run(cfg: Config, plan: PlacementPlan) -> int:
+def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> int:
     import ray
 
+    from async_rl import checkpoint
     from async_rl.controller import Controller
     from async_rl.metrics import MetricsSink
 
-    run_dir = make_run_dir(cfg)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if resume_from is None:
+        run_dir = make_run_dir(cfg)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    else:
+        run_dir = resume_from.parent.parent  # RUN_DIR/checkpoints/step_N
+        step = checkpoint.load_state(resume_from).step
+        (run_dir / f"config.resume-{step}.yaml").write_text(to_yaml(cfg))
+        dropped = checkpoint.trim_metrics(run_dir, step)
+        print(f"resuming from {resume_from} (step {step}); {dropped} later metrics record(s) dropped", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     print(f"model: {model_dir}", flush=True)
     print(plan.render(), flush=True)
     start_ray(cfg, plan)
-    controller = Controller(cfg, model_dir, run_dir, plan)
+    controller = Controller(cfg, model_dir, run_dir, plan, resume_from)
     metrics = None
     try:
         print("starting buffer, generators (vLLM) and learner ...", flush=True)
         metrics = MetricsSink(run_dir, cfg.logging.wandb, to_dict(cfg), cfg.train.total_steps)
         summary = controller.run(metrics)
+        if controller.resumed_checksum is not None:
+            ck = controller.resumed_checksum
+            print(
+                f"resumed at step {controller.start_step}: learner and engines held the checkpoint's weights "
+                f"(checksum total={ck.total!r} sum_sq={ck.sum_sq!r} count={ck.count})",
+                flush=True,
+            )
         acc = summary.buffer.accounts
         print(
             f"done: {summary.steps} steps, policy v{summary.final_version}; mean reward "
@@ -120,11 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         check_inputs(cfg)
         plan = plan_placement(cfg)
+        resume_from = None
+        if args.resume:
+            from async_rl.checkpoint import latest
+
+            resume_from = latest(Path(args.resume))  # no checkpoint: one-line ConfigError, exit 2
         if args.dry_run:
             print(to_yaml(cfg), end="")
             print(plan.render())
             return 0
-        return run(cfg, plan)
+        return run(cfg, plan, resume_from)
     except (ConfigError, RunError) as exc:
         # Raised inside a Ray actor, the error is a RayTaskError subclass whose text is the remote
         # traceback; the one line is its cause's.

@@ -44,6 +44,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     rejected_frames: int
     reward_errors: int
     reward_timeouts: int
+    lr: float = 0.0  # learning rate of this step (after warmup/decay)
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:

@@ -108,6 +108,15 @@ def learner_settings(cfg: Config, run_id: str, model_dir: Path, serve: str) -> L
         weight_sync_backend=resolve_backend(cfg),
         weight_checksum=ws.checksum,
         wire_dtype=ws.wire_dtype,
+        parallel=lc.parallel,
+        micro_batch_size=lc.micro_batch_size,
+        micro_batch_tokens=lc.micro_batch_tokens,
+        packing=lc.packing,
+        total_steps=cfg.train.total_steps,
+        lr_warmup_steps=lc.lr_warmup_steps,
+        lr_decay=lc.lr_decay,
+        lr_min_ratio=lc.lr_min_ratio,
+        mixed_precision=lc.mixed_precision,
     )
 
 

@@ -49,6 +49,17 @@ class BufferAddresses(msgspec.Struct, frozen=True):
     serve: str
 
 
+class BufferState(msgspec.Struct, kw_only=True):
+    """What a checkpoint keeps of the buffer: the sample accounting and the prompt stream position."""
+
+    accounts: Accounts
+    generator_version: int
+    prompts_drawn: int  # prompts taken from the task's stream so far
+    rejected_frames: dict[str, int]
+    reward_errors: int
+    reward_timeouts: int
+
+
 class BufferStats(msgspec.Struct):
     accounts: Accounts
     generator_version: int
@@ -81,6 +92,7 @@ class ReplayBuffer:
         self.s = settings
         self.ledger = Ledger(settings.max_lag, settings.prompts_per_step * settings.group_size, settings.group_size)
         self._prompts = load_task(settings.task_name).prompts(settings.task_seed)
+        self._prompts_drawn = 0
         self._outstanding: dict[int, tuple[int, Prompt]] = {}  # prompt_id -> (engine_id, prompt)
         self._waiting: collections.deque[TrajectoryGroup] = collections.deque()
         self._batches: dict[int, list[list[TrajectoryGroup]]] = {}
@@ -120,6 +132,7 @@ class ReplayBuffer:
                 except asyncio.TimeoutError:
                     return []
             prompts = list(itertools.islice(self._prompts, min(max_groups, self.ledger.capacity_groups())))
+            self._prompts_drawn += len(prompts)
             self.ledger.lease(len(prompts))
             for p in prompts:
                 self._outstanding[p.prompt_id] = (engine_id, p)
@@ -177,6 +190,37 @@ class ReplayBuffer:
             last_batch_mean_lag=mean_lag,
             prompts_exhausted=self._prompts_exhausted,
         )
+
+    def checkpoint_state(self) -> BufferState:
+        """A consistent snapshot (no await inside: the actor's event loop runs nothing else meanwhile)."""
+        return BufferState(
+            accounts=msgspec.structs.replace(self.ledger.accounts),
+            generator_version=self.ledger.generator_version,
+            prompts_drawn=self._prompts_drawn,
+            rejected_frames=dict(self._rejected),
+            reward_errors=self._reward_errors,
+            reward_timeouts=self._reward_timeouts,
+        )
+
+    async def restore(self, state: BufferState) -> None:
+        """Resume from a checkpoint, before any lease: the prompt stream continues after the last
+        prompt drawn, the accounting goes on from the saved counts. Samples that were in flight or
+        waiting when the checkpoint was written died with that run: they are counted lost."""
+        async with self._changed:
+            if self.ledger.accounts.leased:
+                raise RunError("buffer.restore after prompts were leased: restore must come first")
+            a = msgspec.structs.replace(state.accounts)
+            a.lost += a.in_flight + a.waiting
+            a.in_flight = a.waiting = 0
+            self.ledger.accounts = a
+            self.ledger.generator_version = state.generator_version
+            self._prompts = load_task(self.s.task_name).prompts(self.s.task_seed)
+            collections.deque(itertools.islice(self._prompts, state.prompts_drawn), maxlen=0)
+            self._prompts_drawn = state.prompts_drawn
+            self._rejected = collections.Counter(state.rejected_frames)
+            self._reward_errors = state.reward_errors
+            self._reward_timeouts = state.reward_timeouts
+            self._changed.notify_all()
 
     async def close(self) -> BufferStats:
         """Stop serving; what is still in flight is counted lost. Returns the final stats."""

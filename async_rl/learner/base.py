@@ -1,11 +1,26 @@
-"""The learner process boundary: one rank of an SPMD learner group, chosen by `learner.backend`."""
+"""The learner process boundary: one rank of an SPMD learner group, chosen by `learner.backend`.
+
+Contract shared by every backend (torch DDP/FSDP2, Megatron):
+
+- Methods marked *collective* are called by the controller on every rank of the group at once (a
+  sharded backend gathers or all-reduces inside them); the others are called on rank 0 only.
+- Parameters cross this boundary under Hugging Face names, full (unsharded) and with a tied output
+  embedding listed once under the input embedding's name: that is what vLLM's loader and
+  `from_pretrained` expect. A backend with another internal layout converts in `hf_weights`.
+- Policy version = optimizer steps taken. Step `s` (0-based) trains batch `s` and produces
+  version `s + 1`; a checkpoint written after it is `step_{s+1}` and holds version `s + 1`.
+"""
 
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 
 import msgspec
+import numpy as np
+import torch
 
+from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -32,6 +47,16 @@ class LearnerSettings(msgspec.Struct, frozen=True):
     weight_sync_backend: str  # resolved: 'gloo', 'shm', 'nccl' or 'cuda_ipc'
     weight_checksum: str
     wire_dtype: str  # '' = the learner's dtype
+    # Added for parallelism, micro-batching and the LR schedule; defaults keep older callers valid.
+    parallel: str = "ddp"  # 'ddp' | 'fsdp2'
+    micro_batch_size: int = 0  # sequences per micro-batch (0 = the whole shard)
+    micro_batch_tokens: int = 0  # tokens per micro-batch (0 = no limit)
+    packing: bool = True  # padding-free packed micro-batches
+    total_steps: int = 1
+    lr_warmup_steps: int = 0
+    lr_decay: str = "constant"  # 'constant' | 'linear' | 'cosine'
+    lr_min_ratio: float = 0.0
+    mixed_precision: str = "auto"  # 'auto' (bf16 on CUDA, none on CPU) | 'none' | 'bf16'
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):
@@ -48,6 +73,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     tokens: int
     wait_s: float  # time spent waiting for the batch
     compute_s: float
+    lr: float = 0.0  # learning rate used by this step
+    micro_batches: int = 1
 
 
 class Probe(msgspec.Struct):
@@ -67,15 +94,42 @@ class LearnerRank(abc.ABC):
 
     @abc.abstractmethod
     def setup(self) -> int:
-        """Join the data-parallel group, build model and optimizer; returns the parameter count."""
+        """Collective. Join the data-parallel group, build model, optimizer and LR schedule from
+        `settings.model_dir`; returns the parameter count."""
+
+    # ---- training ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
     def train_step(self, step: int) -> StepMetrics:
-        """Fetch this rank's shard of batch `step` from the buffer and take one optimizer step."""
+        """Collective. Fetch this rank's shard of batch `step` from the buffer and `train_on_shard`."""
+
+    @abc.abstractmethod
+    def train_on_shard(self, step: int, groups: list[TrajectoryGroup]) -> StepMetrics:
+        """Collective. One optimizer step on this rank's shard (gradients averaged over ranks):
+        advantages, the off-policy loss over micro-batches with gradient accumulation, clipping,
+        the LR schedule. Metrics are this rank's (the controller averages them)."""
+
+    @abc.abstractmethod
+    def compute_logprobs(self, groups: list[TrajectoryGroup], temperature: float = 1.0) -> list[np.ndarray]:
+        """Collective. Current-weight log-probs of every completion token, no gradient: one float32
+        array per completion, groups in order, completions in order within a group."""
 
     @abc.abstractmethod
     def probe_logprobs(self, max_samples: int) -> Probe:
-        """Current-weight log-probs on up to `max_samples` sequences of the last batch."""
+        """Collective (rank 0's answer is used). Current-weight log-probs (temperature 1) on up to
+        `max_samples` sequences of the last batch."""
+
+    # ---- weights under HF names -----------------------------------------------------------------
+
+    def gather_weights(self) -> None:
+        """Collective. Make the full parameters available to rank 0's `hf_weights` (a sharded backend
+        all-gathers and converts here; a replicated one has nothing to do). Called before every
+        weight sync and before `param_checksum`; valid until the next optimizer step."""
+        return None  # replicated backends: the parameters are already full on rank 0
+
+    @abc.abstractmethod
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0, after `gather_weights`: every parameter, full, under its HF name (tied once)."""
 
     @abc.abstractmethod
     def weight_manifest(self) -> Manifest: ...
@@ -89,11 +143,34 @@ class LearnerRank(abc.ABC):
         """Rank 0: block until every receiver joined."""
 
     @abc.abstractmethod
-    def broadcast_weights(self, version: int) -> UpdateReceipt: ...
+    def broadcast_weights(self, version: int) -> UpdateReceipt:
+        """Rank 0, after `gather_weights`: send `hf_weights()` as policy `version`."""
 
     @abc.abstractmethod
-    def param_checksum(self) -> ParamChecksum: ...
+    def param_checksum(self) -> ParamChecksum:
+        """Rank 0, after `gather_weights`: checksum of `hf_weights()`."""
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def save_checkpoint(self, directory: str) -> None:
+        """Collective. Write into `directory` (it exists; the caller commits it atomically):
+        `model/` an HF folder (config, tokenizer files, safetensors under HF names) that
+        `from_pretrained` and vLLM load directly; the optimizer and LR scheduler state; the step
+        count; every rank's RNG state. Rank 0 writes the shared files."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, directory: str) -> int:
+        """Collective, after `setup`. Restore what `save_checkpoint` wrote: weights, optimizer,
+        scheduler, RNG; the next `train_step` continues bit-exactly. Returns the step count saved."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release what the rank holds outside its process (process groups, shared memory)."""
+
+
+MODEL_SUBDIR = "model"  # the HF folder inside a checkpoint directory
+
+
+def checkpoint_model_dir(directory: str | Path) -> Path:
+    return Path(directory) / MODEL_SUBDIR

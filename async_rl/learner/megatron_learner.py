@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,8 +37,9 @@ from async_rl.learner import megatron_model as mm
 from async_rl.learner.algorithms import LossStats, ppo_clip_loss
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
 from async_rl.learner.batch_client import BatchClient
+from async_rl.learner.megatron_batch import Collated
 from async_rl.learner.megatron_convert import HFArch
-from async_rl.learner.torch_learner import Collated
+from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -355,6 +357,10 @@ class MegatronLearnerRank(LearnerRank):
     def train_step(self, step: int) -> StepMetrics:
         t0 = time.perf_counter()
         groups = self._fetch(step)
+        metrics = self.train_on_shard(step, groups)
+        return msgspec.structs.replace(metrics, wait_s=time.perf_counter() - t0 - metrics.compute_s)
+
+    def train_on_shard(self, step: int, groups: list[TrajectoryGroup]) -> StepMetrics:
         t1 = time.perf_counter()
         b = Collated(groups)
         self._last_batch = b
@@ -378,7 +384,7 @@ class MegatronLearnerRank(LearnerRank):
             tis_frac=stats.tis_frac,
             samples=int(b.input_ids.shape[0]) if counted else 0,
             tokens=b.tokens if counted else 0,
-            wait_s=t1 - t0,
+            wait_s=0.0,
             compute_s=time.perf_counter() - t1,
         )
 
@@ -456,6 +462,26 @@ class MegatronLearnerRank(LearnerRank):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0: the full current model under HF names (for checkpoints in HF format)."""
         return self._named_tensors()
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        return self._named_tensors()
+
+    def compute_logprobs(self, groups: list[TrajectoryGroup], temperature: float = 1.0) -> list[np.ndarray]:
+        if self.model_parallel > 1:
+            raise RunError("learner.backend=megatron: compute_logprobs with tensor/pipeline parallelism > 1 is not implemented")
+        b = Collated(groups)
+        with torch.no_grad():
+            logp = self.policy.logprobs(b.input_ids, temperature).float().cpu()
+        return [logp[i, s : s + n].numpy().copy() for i, (s, n) in enumerate(zip(b.starts, b.lengths, strict=True))]
+
+    def save_checkpoint(self, directory: str) -> None:
+        raise RunError(
+            "learner.backend=megatron: checkpoints are not implemented yet (set train.checkpoint_every=0 and "
+            "train.checkpoint_at_end=false, or use learner.backend=torch)"
+        )
+
+    def load_checkpoint(self, directory: str) -> int:
+        raise RunError("learner.backend=megatron: resuming from a checkpoint is not implemented yet")
 
     def shutdown(self) -> None:
         self._weights.close()

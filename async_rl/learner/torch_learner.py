@@ -1,9 +1,14 @@
-"""PyTorch learner rank: HF causal LM, DDP over gloo (CPU), GRPO + PPO-clip with truncated IS, AdamW."""
+"""PyTorch learner rank: HF causal LM, DDP or FSDP2 (gloo on CPU, nccl on GPU), packed micro-batches
+with gradient accumulation, GRPO + PPO-clip with truncated IS, AdamW with warmup and decay."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,9 +16,19 @@ import torch.distributed as dist
 
 from async_rl.cluster.placement import pin_current_process
 from async_rl.cluster.resources import free_port
+from async_rl.errors import RunError
 from async_rl.learner.algorithms import grpo_advantages, ppo_clip_loss, token_logprobs
-from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
+from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics, checkpoint_model_dir
 from async_rl.learner.batch_client import BatchClient
+from async_rl.learner.hf_io import (
+    read_hf_weights,
+    read_model_files,
+    rng_state,
+    set_rng_state,
+    write_hf_folder,
+)
+from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
+from async_rl.learner.schedule import lr_factor
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
 from async_rl.weight_sync.bucketing import Manifest, build_manifest, to_dtype
@@ -21,34 +36,31 @@ from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from async_rl.weight_sync.shm import ShmChannel
 from async_rl.weight_sync.transport import join_sender, open_membership
 
+TRAINER_STATE = "trainer_state.pt"
 
-class Collated:
-    """A shard as padded tensors. Loss positions index the *targets* (input shifted by one)."""
 
-    def __init__(self, groups: list[TrajectoryGroup]) -> None:
-        seqs, behav, starts, lengths = [], [], [], []
-        for g in groups:
-            for comp, lp in zip(g.completions, g.logprobs, strict=True):
-                seqs.append(np.concatenate([g.prompt_tokens, comp]))
-                behav.append(lp)
-                starts.append(len(g.prompt_tokens) - 1)
-                lengths.append(len(comp))
-        width = max(len(s) for s in seqs)
-        n = len(seqs)
-        self.input_ids = torch.zeros(n, width, dtype=torch.long)
-        self.attention_mask = torch.zeros(n, width, dtype=torch.long)
-        self.behav_logp = torch.zeros(n, width - 1)
-        self.loss_mask = torch.zeros(n, width - 1)
-        for i, (s, lp, start, length) in enumerate(zip(seqs, behav, starts, lengths, strict=True)):
-            self.input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
-            self.attention_mask[i, : len(s)] = 1
-            self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
-            self.loss_mask[i, start : start + length] = 1
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        self.rewards = rewards
-        self.advantages = grpo_advantages(rewards).reshape(-1, 1)
-        self.seqs = seqs
-        self.tokens = int(sum(lengths))
+def shard_samples(groups: list[TrajectoryGroup]) -> list[SeqSample]:
+    """Sequences of a shard with GRPO advantages (one per completion, broadcast over its tokens)."""
+    advantages = grpo_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32))
+    samples = []
+    for gi, g in enumerate(groups):
+        prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
+        for ci, (comp, lp) in enumerate(zip(g.completions, g.logprobs, strict=True)):
+            samples.append(
+                SeqSample(
+                    tokens=np.concatenate([prompt, np.asarray(comp, dtype=np.int64)]),
+                    start=len(prompt),
+                    behav_logp=np.asarray(lp, dtype=np.float32),
+                    advantages=np.full(len(comp), float(advantages[gi, ci]), dtype=np.float32),
+                )
+            )
+    return samples
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one (HF names their class in `_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 class TorchLearnerRank(LearnerRank):
@@ -58,98 +70,218 @@ class TorchLearnerRank(LearnerRank):
         self.rank = rank
         self.world_size = world_size
         self.master = master
+        self.step_count = 0
         self._store: dist.TCPStore | None = None
         self._sender: WeightSender | None = None
         self._weight_info: WeightGroupInfo | None = None
         self._weight_generation = 0
         self._manifest: Manifest | None = None
+        self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
+        self._last_samples: list[SeqSample] = []
+        self.batches: BatchClient | None = None
 
     def rendezvous_address(self) -> str:
         self.master = f"127.0.0.1:{free_port()}"
         return self.master
 
+    # ---- setup -----------------------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        return self.s.parallel == "fsdp2"
+
     def setup(self) -> int:
         from transformers import AutoModelForCausalLM
 
+        random.seed(self.s.seed)
+        np.random.seed(self.s.seed)
         torch.manual_seed(self.s.seed)
-        host, port = self.master.rsplit(":", 1)
-        if self.world_size > 1:
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.world_size > 1 or self.sharded:  # FSDP2 needs a process group even for one rank
+            host, port = self.master.rsplit(":", 1)
             dist.init_process_group(
-                "gloo",
+                "nccl" if self.device.type == "cuda" else "gloo",
                 init_method=f"tcp://{host}:{port}",
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=timedelta(seconds=300),
             )
-        dtype = getattr(torch, self.s.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(self.s.model_dir, dtype=dtype)
-        self.model.train()
-        self.ddp = (
-            torch.nn.parallel.DistributedDataParallel(self.model) if self.world_size > 1 else self.model
-        )
+        self.model = AutoModelForCausalLM.from_pretrained(self.s.model_dir, dtype=getattr(torch, self.s.dtype))
+        self._model_files = read_model_files(Path(self.s.model_dir))  # config + tokenizer for checkpoints
+        self.model.to(self.device).train()
+        self._param_names = [name for name, _ in self.model.named_parameters()]
+        compute = self._compute_dtype()
+        self._autocast = None
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else None
+            kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
+            layers = decoder_layers(self.model)
+            if not layers:
+                raise RunError("learner.parallel=fsdp2: the model names no decoder layer class (_no_split_modules)")
+            for layer in layers:
+                fully_shard(layer, **kwargs)
+            fully_shard(self.model, **kwargs)
+            self.wrapped = self.model
+        else:
+            self._autocast = compute
+            if self.world_size > 1:
+                ids = [self.device.index] if self.device.type == "cuda" else None
+                self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            else:
+                self.wrapped = self.model
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.s.lr, weight_decay=self.s.weight_decay, betas=(0.9, 0.99)
+        )
+        s = self.s
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda k: lr_factor(k, s.lr_warmup_steps, s.total_steps, s.lr_decay, s.lr_min_ratio)
         )
         self.batches = BatchClient(self.s.buffer_address, self.s.run_id, self.rank, self.world_size)
         return sum(p.numel() for p in self.model.parameters())
 
+    def _compute_dtype(self) -> torch.dtype | None:
+        """bf16 compute on CUDA (parameters and optimizer stay in `model.dtype`); none on CPU."""
+        mode = self.s.mixed_precision
+        if mode == "bf16" or (mode == "auto" and self.device.type == "cuda"):
+            return torch.bfloat16
+        return None
+
+    # ---- training --------------------------------------------------------------------------------
+
     def train_step(self, step: int) -> StepMetrics:
         t0 = time.perf_counter()
         groups = self.batches.fetch(step, self.s.batch_timeout_s)
-        t1 = time.perf_counter()
-        b = Collated(groups)
-        self._last_batch = b
-        logits = self.ddp(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
-        logp = token_logprobs(logits, b.input_ids[:, 1:], self.s.temperature)
-        loss, stats = ppo_clip_loss(
-            logp, b.behav_logp, b.advantages, b.loss_mask, self.s.clip_eps_low, self.s.clip_eps_high, self.s.tis_cap
-        )
+        wait_s = time.perf_counter() - t0
+        metrics = self.train_on_shard(step, groups)
+        metrics.wait_s = wait_s
+        return metrics
+
+    def train_on_shard(self, step: int, groups: list[TrajectoryGroup]) -> StepMetrics:
+        t0 = time.perf_counter()
+        samples = shard_samples(groups)
+        self._last_samples = samples
+        self._full = None  # gathered weights go stale with this step
+        mbs = micro_batches(samples, self.s.packing, self.s.micro_batch_size, self.s.micro_batch_tokens)
+        count = self._agree_count(len(mbs))
+        total_tokens = max(1, sum(mb.loss_tokens for mb in mbs))
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        acc = {"loss": 0.0, "clip_frac": 0.0, "tis_frac": 0.0, "kl_behav": 0.0, "logprob_abs_diff": 0.0}
+        for i in range(count):
+            mb = (mbs[i] if i < len(mbs) else dummy_micro_batch()).to(self.device)
+            weight = mb.loss_tokens / total_tokens  # token-mean over the whole shard, not per micro-batch
+            with self._grad_sync(i == count - 1):
+                logp = self._logprobs(mb, self.s.temperature)
+                loss, stats = ppo_clip_loss(
+                    logp, mb.behav_logp, mb.advantages, mb.loss_mask,
+                    self.s.clip_eps_low, self.s.clip_eps_high, self.s.tis_cap,
+                )
+                (loss * weight).backward()
+            for key in acc:
+                acc[key] += weight * getattr(stats, key)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
         self.optimizer.step()
+        self.scheduler.step()
+        self.step_count += 1
         return StepMetrics(
             step=step,
             rank=self.rank,
-            loss=stats.loss,
-            reward_mean=float(b.rewards.mean()),
-            kl_behav=stats.kl_behav,
-            logprob_abs_diff=stats.logprob_abs_diff,
-            grad_norm=float(grad_norm),
-            clip_frac=stats.clip_frac,
-            tis_frac=stats.tis_frac,
-            samples=int(b.input_ids.shape[0]),
-            tokens=b.tokens,
-            wait_s=t1 - t0,
-            compute_s=time.perf_counter() - t1,
+            reward_mean=float(np.mean([r for g in groups for r in g.rewards])),
+            grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            samples=len(samples),
+            tokens=sum(s.completion_len for s in samples),
+            wait_s=0.0,
+            compute_s=time.perf_counter() - t0,
+            lr=lr,
+            micro_batches=len(mbs),
+            **acc,
         )
+
+    def _logprobs(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
+        autocast = (
+            torch.autocast(self.device.type, dtype=self._autocast) if self._autocast else contextlib.nullcontext()
+        )
+        with autocast:
+            logits = self.wrapped(**mb.model_inputs(self.device)).logits
+        return token_logprobs(logits, mb.targets, temperature)
+
+    def _agree_count(self, mine: int) -> int:
+        """The most micro-batches any rank has: every rank runs that many forward/backward passes, so
+        the collectives inside them (FSDP all-gathers, the DDP all-reduce) line up."""
+        if not dist.is_initialized() or self.world_size == 1:
+            return mine
+        t = torch.tensor([mine], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _grad_sync(self, sync: bool):
+        """Accumulate gradients locally except on the last micro-batch, which reduces them once."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        if sync or self.wrapped is self.model:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
+
+    def _score(self, samples: list[SeqSample], temperature: float) -> list[np.ndarray]:
+        mbs = micro_batches(samples, self.s.packing, self.s.micro_batch_size, self.s.micro_batch_tokens)
+        out: list[np.ndarray] = []
+        with torch.no_grad():
+            for i in range(self._agree_count(len(mbs))):
+                mb = mbs[i] if i < len(mbs) else dummy_micro_batch()
+                logp = self._logprobs(mb.to(self.device), temperature)
+                out.extend(mb.per_sequence(logp))
+        return out
+
+    def compute_logprobs(self, groups: list[TrajectoryGroup], temperature: float = 1.0) -> list[np.ndarray]:
+        return self._score(shard_samples(groups), temperature)
 
     def probe_logprobs(self, max_samples: int) -> Probe:
         """Log-probs of the current weights on completion tokens of the last batch (temperature 1, the
         same convention as vLLM's prompt log-probs): compared with a generator scoring the same tokens."""
-        b = self._last_batch
-        n = min(max_samples, len(b.seqs))
-        with torch.no_grad():
-            logits = self.model(input_ids=b.input_ids[:n], attention_mask=b.attention_mask[:n]).logits[:, :-1]
-            logp = token_logprobs(logits, b.input_ids[:n, 1:])
-        token_ids, positions, values = [], [], []
-        for i in range(n):
-            cols = b.loss_mask[i].nonzero().flatten().tolist()
-            token_ids.append(b.seqs[i].tolist())
-            positions.append([c + 1 for c in cols])  # index of the scored token in the sequence
-            values.append(logp[i, cols].tolist())
-        return Probe(token_ids=token_ids, positions=positions, logprobs=values)
+        samples = self._last_samples[:max_samples]
+        values = self._score(samples, 1.0)
+        return Probe(
+            token_ids=[s.tokens.tolist() for s in samples],
+            positions=[list(range(s.start, len(s.tokens))) for s in samples],
+            logprobs=[v.tolist() for v in values],
+        )
 
-    # ---- weight sync (rank 0) -------------------------------------------------------------------
+    # ---- weights under HF names ------------------------------------------------------------------
 
-    def _named_tensors(self) -> dict[str, torch.Tensor]:
+    def gather_weights(self) -> None:
+        if not self.sharded or self._full is not None:
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # CPU: only rank 0 keeps the gathered copy. CUDA: every rank does (the NCCL sender needs
+        # device tensors), at the cost of one full copy of the weights per GPU during the sync.
+        offload = self.device.type == "cpu"
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+        self._full = {name: full[name] for name in self._param_names} if full else {}
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
         # named_parameters() lists a tied weight once, under its first name: what vLLM's loader expects.
-        return dict(self.model.named_parameters())
+        if not self.sharded:
+            return dict(self.model.named_parameters())
+        if self._full is None:
+            raise RuntimeError("learner.parallel=fsdp2: hf_weights before gather_weights")
+        return self._full
 
     def weight_manifest(self) -> Manifest:
         if self._manifest is None:
             wire = to_dtype(self.s.wire_dtype) if self.s.wire_dtype else None
-            self._manifest = build_manifest(self._named_tensors().items(), self.s.bucket_mb << 20, wire)
+            # Shapes and dtypes only: an FSDP2 parameter (DTensor) reports its full shape.
+            self._manifest = build_manifest(self.model.named_parameters(), self.s.bucket_mb << 20, wire)
         return self._manifest
 
     def open_weight_group(self, world_size: int) -> WeightGroupInfo:
@@ -177,13 +309,76 @@ class TorchLearnerRank(LearnerRank):
         if self._sender is None:
             raise RuntimeError("broadcast_weights before join_weight_group")
         with torch.no_grad():
-            return self._sender.send(self._named_tensors(), version)
+            return self._sender.send(self.hf_weights(), version)
 
     def param_checksum(self) -> ParamChecksum:
-        return checksum_of(self._named_tensors().values())
+        return checksum_of(self.hf_weights().values())
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> None:
+        d = Path(directory)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            self.gather_weights()
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        else:
+            optim = self.optimizer.state_dict()  # replicas: rank 0's is everyone's
+        if self.rank == 0:
+            write_hf_folder(checkpoint_model_dir(d), self._model_files, self.hf_weights())
+            state = {
+                "step": self.step_count,
+                "optimizer": optim,
+                "scheduler": self.scheduler.state_dict(),
+                "parallel": self.s.parallel,
+                "world_size": self.world_size,
+            }
+            torch.save(state, d / TRAINER_STATE)
+        torch.save(rng_state(), d / f"rng_rank{self.rank}.pt")
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_checkpoint(self, directory: str) -> int:
+        d = Path(directory)
+        weights = read_hf_weights(checkpoint_model_dir(d))
+        missing = [n for n in self._param_names if n not in weights]
+        if missing:
+            raise RunError(f"checkpoint '{d}': model weights miss {len(missing)} parameter(s), e.g. '{missing[0]}'")
+        # Our own file (optimizer state plus Python objects): not an untrusted download.
+        state = torch.load(d / TRAINER_STATE, map_location="cpu", weights_only=False)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self.model, {n: weights[n] for n in self._param_names}, options=opts)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
+        else:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(weights[name])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = int(state["step"])
+        rng_file = d / f"rng_rank{self.rank}.pt"
+        if not rng_file.is_file():  # more ranks than when saved: start from rank 0's streams
+            rng_file = d / "rng_rank0.pt"
+        set_rng_state(torch.load(rng_file, weights_only=False))
+        self._full = None
+        if dist.is_initialized():
+            dist.barrier()
+        return self.step_count
 
     def shutdown(self) -> None:
         if self._weight_info is not None and self._weight_info.shm_path:
             ShmChannel.unlink(self._weight_info.shm_path)  # opened but never joined
-        if self.world_size > 1 and dist.is_initialized():
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
+        if dist.is_initialized():
             dist.destroy_process_group()

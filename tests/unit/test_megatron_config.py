@@ -8,6 +8,8 @@ from async_rl import settings
 from async_rl.config import load_config
 from async_rl.errors import ConfigError
 
+NO_CHECKPOINTS = ["train.checkpoint_every=0", "train.checkpoint_at_end=false"]  # not written by megatron yet
+
 
 def test_torch_stays_the_default_backend():
     cfg = load_config(None)
@@ -27,6 +29,7 @@ def test_megatron_layout_is_passed_to_the_ranks():
             "learner.megatron.micro_batches=4",
             "train.prompts_per_step=8",
             "generators.group_size=4",
+            *NO_CHECKPOINTS,
         ],
     )
     m = settings.megatron_settings(cfg)
@@ -47,7 +50,12 @@ def test_megatron_layout_is_passed_to_the_ranks():
 )
 def test_megatron_layout_errors_name_the_fields(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, ["learner.backend=megatron", *overrides])
+        load_config(None, ["learner.backend=megatron", *NO_CHECKPOINTS, *overrides])
+
+
+def test_megatron_refuses_checkpoint_settings_it_cannot_honour():
+    with pytest.raises(ConfigError, match="does not write checkpoints yet"):
+        load_config(None, ["learner.backend=megatron"])
 
 
 def test_world_size_that_only_megatron_model_parallelism_explains_is_accepted():
@@ -55,6 +63,6 @@ def test_world_size_that_only_megatron_model_parallelism_explains_is_accepted():
     cfg = load_config(
         None,
         ["learner.backend=megatron", "learner.world_size=4", "learner.megatron.tensor_parallel_size=4",
-         "train.prompts_per_step=3"],
+         "train.prompts_per_step=3", *NO_CHECKPOINTS],
     )
     assert cfg.learner.world_size == 4

@@ -1,0 +1,158 @@
+"""Batch layout for the learner: sequences -> micro-batches, packed (padding-free) or padded.
+
+Packed: the sequences of a micro-batch are concatenated into one row, with position ids that restart
+at 0 for every sequence. Hugging Face models turn such position ids (with no attention mask and no
+KV cache) into a block-diagonal causal mask (`find_packed_sequence_indices`), flash-attention into
+varlen kernels, so no token attends across a sequence boundary and no compute is spent on padding.
+Padded: one row per sequence, right-padded, with an attention mask. Both layouts give the same
+log-probs (unit-tested); padded is kept as the reference and for models that ignore position ids.
+
+Per-token tensors (targets, loss mask, behaviour log-probs, advantages) are aligned with the
+*logits*: column t holds what the logit at t predicts, i.e. token t + 1 of the same sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SeqSample:
+    """One completion with its prompt. `advantages` is per completion token (a scalar broadcast by
+    outcome-reward estimators, a real per-token value for GAE)."""
+
+    tokens: np.ndarray  # int [prompt_len + completion_len]
+    start: int  # index in `tokens` of the first completion token (>= 1)
+    behav_logp: np.ndarray  # float32 [completion_len]
+    advantages: np.ndarray  # float32 [completion_len]
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.tokens) - self.start
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # long [B, T]
+    position_ids: torch.Tensor | None  # long [B, T], packed layout
+    attention_mask: torch.Tensor | None  # long [B, T], padded layout
+    targets: torch.Tensor  # long [B, T]
+    loss_mask: torch.Tensor  # float32 [B, T]
+    behav_logp: torch.Tensor  # float32 [B, T]
+    advantages: torch.Tensor  # float32 [B, T]
+    spans: list[tuple[int, int, int]]  # per sequence: (row, logit column of its first completion token, length)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(length for _, _, length in self.spans)
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | bool]:
+        inputs: dict[str, torch.Tensor | bool] = {"input_ids": self.input_ids.to(device), "use_cache": False}
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids.to(device)
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask.to(device)
+        return inputs
+
+    def per_sequence(self, logp: torch.Tensor) -> list[np.ndarray]:
+        """Completion-token values of a [B, T] tensor, one float32 array per sequence, in order."""
+        host = logp.detach().float().cpu()
+        return [host[row, col : col + length].numpy().copy() for row, col, length in self.spans]
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(
+            input_ids=self.input_ids.to(device),
+            position_ids=None if self.position_ids is None else self.position_ids.to(device),
+            attention_mask=None if self.attention_mask is None else self.attention_mask.to(device),
+            targets=self.targets.to(device),
+            loss_mask=self.loss_mask.to(device),
+            behav_logp=self.behav_logp.to(device),
+            advantages=self.advantages.to(device),
+            spans=self.spans,
+        )
+
+
+def split(samples: list[SeqSample], max_seqs: int, max_tokens: int) -> list[list[SeqSample]]:
+    """Greedy, order-preserving micro-batches of at most `max_seqs` sequences and `max_tokens`
+    tokens (prompt + completion; 0 = no limit). A sequence longer than `max_tokens` goes alone."""
+    chunks: list[list[SeqSample]] = []
+    current: list[SeqSample] = []
+    used = 0
+    for s in samples:
+        n = len(s.tokens)
+        full = (max_seqs and len(current) >= max_seqs) or (max_tokens and used + n > max_tokens)
+        if current and full:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(s)
+        used += n
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _fill(row_targets, row_mask, row_behav, row_adv, offset: int, s: SeqSample) -> tuple[int, int]:
+    length = len(s.tokens)
+    tokens = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
+    row_targets[offset : offset + length - 1] = tokens[1:]
+    first = offset + s.start - 1  # the logit that predicts the first completion token
+    n = s.completion_len
+    row_mask[first : first + n] = 1.0
+    row_behav[first : first + n] = torch.from_numpy(np.asarray(s.behav_logp, dtype=np.float32))
+    row_adv[first : first + n] = torch.from_numpy(np.asarray(s.advantages, dtype=np.float32))
+    return first, n
+
+
+def packed(samples: list[SeqSample]) -> MicroBatch:
+    """All `samples` in one row; position ids restart at 0 for every sequence."""
+    total = sum(len(s.tokens) for s in samples)
+    input_ids = torch.zeros(1, total, dtype=torch.long)
+    position_ids = torch.zeros(1, total, dtype=torch.long)
+    targets = torch.zeros(1, total, dtype=torch.long)
+    mask, behav, adv = (torch.zeros(1, total) for _ in range(3))
+    spans = []
+    offset = 0
+    for s in samples:
+        length = len(s.tokens)
+        input_ids[0, offset : offset + length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
+        position_ids[0, offset : offset + length] = torch.arange(length)
+        first, n = _fill(targets[0], mask[0], behav[0], adv[0], offset, s)
+        spans.append((0, first, n))
+        offset += length
+    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans)
+
+
+def padded(samples: list[SeqSample]) -> MicroBatch:
+    """One right-padded row per sample, with an attention mask."""
+    width = max(len(s.tokens) for s in samples)
+    n_rows = len(samples)
+    input_ids = torch.zeros(n_rows, width, dtype=torch.long)
+    attention_mask = torch.zeros(n_rows, width, dtype=torch.long)
+    targets = torch.zeros(n_rows, width, dtype=torch.long)
+    mask, behav, adv = (torch.zeros(n_rows, width) for _ in range(3))
+    spans = []
+    for i, s in enumerate(samples):
+        length = len(s.tokens)
+        input_ids[i, :length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
+        attention_mask[i, :length] = 1
+        first, n = _fill(targets[i], mask[i], behav[i], adv[i], 0, s)
+        spans.append((i, first, n))
+    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans)
+
+
+def micro_batches(samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0) -> list[MicroBatch]:
+    layout = packed if pack else padded
+    return [layout(chunk) for chunk in split(samples, max_seqs, max_tokens)]
+
+
+def dummy_micro_batch() -> MicroBatch:
+    """One token, nothing to learn: a rank with fewer micro-batches than its peers runs these so
+    every rank enters the same number of forward/backward collectives (FSDP all-gathers per call)."""
+    zeros = torch.zeros(1, 1)
+    return MicroBatch(
+        torch.zeros(1, 1, dtype=torch.long), None, None, torch.zeros(1, 1, dtype=torch.long),
+        zeros, zeros.clone(), zeros.clone(), [],
+    )

@@ -1,0 +1,162 @@
+"""The torch learner: LR schedule, packed vs padded batches, micro-batch accumulation, checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from async_rl.learner.base import checkpoint_model_dir
+from async_rl.learner.packing import SeqSample, packed, padded, split
+from async_rl.learner.schedule import lr_factor
+from async_rl.learner.torch_learner import TorchLearnerRank, shard_samples
+from async_rl.models.tiny import resolve_model_path
+from tests.unit._learner_fixtures import groups, settings
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
+
+
+def make_rank(model_dir, **overrides) -> TorchLearnerRank:
+    rank = TorchLearnerRank(settings(model_dir, **overrides), 0, 1, "", [])
+    rank.setup()
+    return rank
+
+
+# ---------------------------------------------------------------- LR schedule
+
+
+def test_lr_warmup_then_cosine_to_floor():
+    f = [lr_factor(k, 2, 6, "cosine", 0.1) for k in range(6)]
+    assert f[0] == pytest.approx(0.5) and f[1] == pytest.approx(1.0)
+    # cosine from 1 at step 2 to 0.1 at the last step (5): progress k-2 over 3
+    for k in range(2, 6):
+        assert f[k] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 3)))
+    assert f[-1] == pytest.approx(0.1)
+
+
+def test_lr_linear_and_constant():
+    assert [lr_factor(k, 0, 5, "linear", 0.0) for k in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert [lr_factor(k, 3, 5, "constant", 0.0) for k in range(5)] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1])
+
+
+def test_learner_applies_schedule(model_dir):
+    rank = make_rank(model_dir, lr=1e-2, lr_warmup_steps=2, lr_decay="linear", total_steps=4)
+    used = [rank.train_on_shard(k, groups(k)).lr for k in range(4)]
+    assert used == pytest.approx([5e-3, 1e-2, 1e-2, 0.0])  # warmup, then 1 -> 0
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_split_respects_sequence_and_token_limits():
+    samples = [SeqSample(np.arange(n), 1, np.zeros(n - 1, np.float32), np.zeros(n - 1, np.float32)) for n in (3, 4, 5, 9)]
+    assert [len(c) for c in split(samples, 2, 0)] == [2, 2]
+    assert [[len(s.tokens) for s in c] for c in split(samples, 0, 8)] == [[3, 4], [5], [9]]
+    assert [len(c) for c in split(samples, 0, 0)] == [4]
+
+
+def test_packed_logprobs_equal_padded(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.learner.algorithms import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples = shard_samples(groups(0, n_groups=3, group_size=4))
+    lengths = {len(s.tokens) for s in samples}
+    assert len(lengths) > 1  # padding really happens in the padded layout
+    results = []
+    for mb in (packed(samples), padded(samples)):
+        with torch.no_grad():
+            logits = model(**mb.model_inputs(torch.device("cpu"))).logits
+        results.append(mb.per_sequence(token_logprobs(logits, mb.targets)))
+    packed_lp, padded_lp = results
+    assert [len(a) for a in packed_lp] == [s.completion_len for s in samples]
+    for a, b in zip(packed_lp, padded_lp, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+    # and each equals the sequence scored alone (no cross-sequence attention in the packed row)
+    for s, a in zip(samples, packed_lp, strict=True):
+        alone = packed([s])
+        with torch.no_grad():
+            logits = model(**alone.model_inputs(torch.device("cpu"))).logits
+        np.testing.assert_allclose(alone.per_sequence(token_logprobs(logits, alone.targets))[0], a, atol=2e-5, rtol=0)
+
+
+def test_packed_and_micro_batched_training_match_one_padded_batch(model_dir):
+    shard = groups(3, n_groups=2, group_size=4)
+    ref = make_rank(model_dir, packing=False)
+    m_ref = ref.train_on_shard(0, shard)
+    acc = make_rank(model_dir, packing=True, micro_batch_size=3)
+    m_acc = acc.train_on_shard(0, shard)
+    assert m_ref.micro_batches == 1 and m_acc.micro_batches == 3
+    assert m_acc.loss == pytest.approx(m_ref.loss, abs=1e-6)
+    assert m_acc.grad_norm == pytest.approx(m_ref.grad_norm, rel=1e-5)
+    # gradients (kept after the step) agree; parameters after AdamW would amplify float noise in
+    # near-zero gradients to full-size steps, so they are not the thing to compare
+    for (name, a), (_, b) in zip(acc.model.named_parameters(), ref.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=1e-4, msg=name)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _state_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+def test_checkpoint_round_trip_is_bit_exact(model_dir, tmp_path):
+    a = make_rank(model_dir, lr_warmup_steps=1, lr_decay="cosine", total_steps=6)
+    for k in range(2):
+        a.train_on_shard(k, groups(10 + k))
+    torch.rand(3)  # move the RNG away from its seed
+    a.save_checkpoint(str(tmp_path))
+    after_save = torch.rand(4)
+    b = make_rank(model_dir, lr_warmup_steps=1, lr_decay="cosine", total_steps=6)
+    assert b.load_checkpoint(str(tmp_path)) == 2
+    assert _state_equal(a.optimizer.state_dict(), b.optimizer.state_dict())
+    assert _state_equal(a.scheduler.state_dict(), b.scheduler.state_dict())
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    # the RNG streams continue identically: the draw after a load is the draw after the save
+    a.load_checkpoint(str(tmp_path))
+    assert torch.equal(torch.rand(4), after_save)
+    b.load_checkpoint(str(tmp_path))
+    assert torch.equal(torch.rand(4), after_save)
+    # and the next step is the same step
+    ma, mb = a.train_on_shard(2, groups(12)), b.train_on_shard(2, groups(12))
+    assert ma.lr == mb.lr and ma.loss == mb.loss
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_checkpoint_model_folder_loads_with_transformers(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rank = make_rank(model_dir)
+    rank.train_on_shard(0, groups(5))
+    rank.save_checkpoint(str(tmp_path))
+    folder = checkpoint_model_dir(tmp_path)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok("a:").input_ids
+    # tied embeddings: stored once, and the loaded output layer is the trained input embedding
+    assert loaded.config.tie_word_embeddings
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[5, 9, 12, 7, 30, 4]])
+    with torch.no_grad():
+        ours = rank.model(input_ids=ids).logits
+        theirs = loaded(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, atol=0, rtol=0)
