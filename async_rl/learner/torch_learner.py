@@ -302,8 +302,10 @@ class TorchLearnerRank(LearnerRank):
 
     def join_weight_group(self) -> None:
         self._sender = join_sender(self._weight_info, self._store, self.weight_manifest())
-        # shm: the parameters move into the shared mapping, so an update needs no packing copy.
-        self._sender.adopt(self._named_tensors())
+        if not self.sharded:
+            # shm: the parameters move into the shared mapping, so an update needs no packing copy
+            # (FSDP2 gathers fresh full tensors for every sync: nothing to keep there).
+            self._sender.adopt(self.hf_weights())
 
     def broadcast_weights(self, version: int) -> UpdateReceipt:
         if self._sender is None:
