@@ -6,6 +6,7 @@ import abc
 
 import msgspec
 
+from async_rl.config import AlgorithmConfig
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -17,9 +18,8 @@ class LearnerSettings(msgspec.Struct, frozen=True):
     lr: float
     weight_decay: float
     max_grad_norm: float
-    clip_eps_low: float
-    clip_eps_high: float
-    tis_cap: float
+    algorithm: AlgorithmConfig
+    max_tokens: int  # generators.max_tokens: Dr.GRPO's loss normaliser
     temperature: float
     seed: int
     run_id: str
@@ -48,6 +48,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     tokens: int
     wait_s: float  # time spent waiting for the batch
     compute_s: float
+    masked_frac: float = 0.0  # completion tokens masked out for an extreme importance ratio
+    kl_ref: float = 0.0  # KL estimate to the frozen reference (0 without algorithm.kl_coef)
+    value_loss: float = 0.0  # ppo: the critic's value loss
 
 
 class Probe(msgspec.Struct):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from async_rl.cluster.placement import pin_current_process
 from async_rl.cluster.resources import free_port
-from async_rl.learner.algorithms import grpo_advantages, ppo_clip_loss, token_logprobs
+from async_rl.learner.algorithms import Algorithm, token_logprobs
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
 from async_rl.learner.batch_client import BatchClient
 from async_rl.protocol import TrajectoryGroup
@@ -44,9 +44,7 @@ class Collated:
             self.attention_mask[i, : len(s)] = 1
             self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
             self.loss_mask[i, start : start + length] = 1
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        self.rewards = rewards
-        self.advantages = grpo_advantages(rewards).reshape(-1, 1)
+        self.rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         self.seqs = seqs
         self.tokens = int(sum(lengths))
 
@@ -90,6 +88,16 @@ class TorchLearnerRank(LearnerRank):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.s.lr, weight_decay=self.s.weight_decay, betas=(0.9, 0.99)
         )
+        self.algo = Algorithm(
+            self.s.algorithm,
+            max_tokens=self.s.max_tokens,
+            temperature=self.s.temperature,
+            model_dir=self.s.model_dir,
+            dtype=dtype,
+            hidden_size=self.model.config.hidden_size,
+            seed=self.s.seed,
+            max_grad_norm=self.s.max_grad_norm,
+        )
         self.batches = BatchClient(self.s.buffer_address, self.s.run_id, self.rank, self.world_size)
         return sum(p.numel() for p in self.model.parameters())
 
@@ -99,11 +107,10 @@ class TorchLearnerRank(LearnerRank):
         t1 = time.perf_counter()
         b = Collated(groups)
         self._last_batch = b
+        prepared = self.algo.prepare(b, self.model)
         logits = self.ddp(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
         logp = token_logprobs(logits, b.input_ids[:, 1:], self.s.temperature)
-        loss, stats = ppo_clip_loss(
-            logp, b.behav_logp, b.advantages, b.loss_mask, self.s.clip_eps_low, self.s.clip_eps_high, self.s.tis_cap
-        )
+        loss, stats = self.algo.loss(prepared, logp)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
@@ -118,6 +125,9 @@ class TorchLearnerRank(LearnerRank):
             grad_norm=float(grad_norm),
             clip_frac=stats.clip_frac,
             tis_frac=stats.tis_frac,
+            masked_frac=stats.masked_frac,
+            kl_ref=stats.kl_ref,
+            value_loss=stats.value_loss,
             samples=int(b.input_ids.shape[0]),
             tokens=b.tokens,
             wait_s=t1 - t0,
