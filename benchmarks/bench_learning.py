@@ -22,17 +22,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 CURVE_FIELDS = (
-    "step", "trained", "elapsed_s", "reward_mean", "lag_mean", "lag_max", "logprob_mismatch",
-    "logprob_abs_diff", "kl_behav", "clip_frac",
+    "step",
+    "trained",
+    "elapsed_s",
+    "reward_mean",
+    "lag_mean",
+    "lag_max",
+    "logprob_mismatch",
+    "logprob_abs_diff",
+    "kl_behav",
+    "clip_frac",
 )
 
 
 def run(max_lag: int, steps: int, workdir: Path, overrides: list[str]) -> list[dict]:
     name = f"lag{max_lag}"
     cmd = [
-        sys.executable, "-m", "async_rl.launch", str(REPO / "configs" / "quickstart.yaml"),
-        f"train.max_lag={max_lag}", f"train.total_steps={steps}",
-        f"logging.run_dir={workdir}", f"logging.run_name={name}", "logging.wandb.mode=disabled", *overrides,
+        sys.executable,
+        "-m",
+        "async_rl.launch",
+        str(REPO / "configs" / "quickstart.yaml"),
+        f"train.max_lag={max_lag}",
+        f"train.total_steps={steps}",
+        f"logging.run_dir={workdir}",
+        f"logging.run_name={name}",
+        "logging.wandb.mode=disabled",
+        *overrides,
     ]
     print(f"running max_lag={max_lag}: {' '.join(cmd[2:])}", flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
@@ -107,20 +122,30 @@ def main() -> None:
     png = RESULTS / f"{args.tag}.png"
     plot(curves, png, smooth=max(1, args.final_steps // 2))
     summary = RESULTS / f"{args.tag}.json"
-    summary.write_text(json.dumps({"steps": args.steps, "final_steps": args.final_steps,
-                                   "overrides": args.overrides, "rows": rows}, indent=2))
-    print(f"\n{'max_lag':>7} {'samples':>8} {'first':>7} {'final':>7} {'vs lag ' + str(args.lags[0]):>10} "
-          f"{'mean lag':>9} {'wall s':>7} {'mismatch mean/max':>20}")
+    summary.write_text(
+        json.dumps(
+            {"steps": args.steps, "final_steps": args.final_steps, "overrides": args.overrides, "rows": rows},
+            indent=2,
+        )
+    )
+    print(
+        f"\n{'max_lag':>7} {'samples':>8} {'first':>7} {'final':>7} {'vs lag ' + str(args.lags[0]):>10} "
+        f"{'mean lag':>9} {'wall s':>7} {'mismatch mean/max':>20}"
+    )
     for r in rows:
-        mm = (f"{r['mismatch_mean']:.1e}/{r['mismatch_max']:.1e}" if r["mismatch_mean"] is not None else "n/a")
+        mm = f"{r['mismatch_mean']:.1e}/{r['mismatch_max']:.1e}" if r["mismatch_mean"] is not None else "n/a"
         ratio = f"{r['final_vs_baseline']:.3f}" if r["final_vs_baseline"] is not None else "n/a"
-        print(f"{r['max_lag']:>7} {r['samples']:>8} {r['first_reward']:7.3f} {r['final_reward']:7.3f} {ratio:>10} "
-              f"{r['lag_mean']:9.2f} {r['wall_s']:7.0f} {mm:>20}")
+        print(
+            f"{r['max_lag']:>7} {r['samples']:>8} {r['first_reward']:7.3f} {r['final_reward']:7.3f} {ratio:>10} "
+            f"{r['lag_mean']:9.2f} {r['wall_s']:7.0f} {mm:>20}"
+        )
     for r in rows[1:]:
         if r["final_vs_baseline"] is not None:
             within = abs(r["final_vs_baseline"] - 1) <= 0.05
-            print(f"max_lag {r['max_lag']} final reward is {r['final_vs_baseline']:.1%} of max_lag {args.lags[0]}'s "
-                  f"({'within' if within else 'NOT within'} 5%)")
+            print(
+                f"max_lag {r['max_lag']} final reward is {r['final_vs_baseline']:.1%} of max_lag {args.lags[0]}'s "
+                f"({'within' if within else 'NOT within'} 5%)"
+            )
     print(f"\nwrote {jsonl}\nwrote {png}\nwrote {summary}")
 
 

@@ -110,7 +110,9 @@ class Algorithm:
         self.temperature = temperature
         self.reference = ReferencePolicy(model_dir, dtype) if cfg.kl_coef > 0 else None
         self.critic = (
-            Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm) if cfg.name == "ppo" else None
+            Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm)
+            if cfg.name == "ppo"
+            else None
         )
 
     def prepare(self, b: TokenBatch, policy: torch.nn.Module) -> Prepared:
@@ -136,7 +138,9 @@ class Algorithm:
         else:
             rewards = token_rewards(b.rewards.reshape(-1), mask, kl_tokens, c.kl_coef)
             if c.name == "reinforce_pp":
-                advantages = masked_whiten(discounted_returns(rewards, mask, c.gamma), mask, data_parallel_sum)
+                advantages = masked_whiten(
+                    discounted_returns(rewards, mask, c.gamma), mask, data_parallel_sum
+                )
             else:  # ppo
                 values = self.critic.values(hidden)
                 raw, returns = gae(rewards, values, mask, c.gamma, c.gae_lambda)

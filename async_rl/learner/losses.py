@@ -66,7 +66,9 @@ def policy_loss(
     is_log_ratio = anchor - behav_logp
     extreme = extreme_ratio_mask(is_log_ratio, ratio_mask_low, ratio_mask_high).to(logp.dtype) * mask
     kept = mask - extreme
-    denom = torch.as_tensor(denominator if denominator is not None else kept.sum(), dtype=logp.dtype).clamp(min=1.0)
+    denom = torch.as_tensor(denominator if denominator is not None else kept.sum(), dtype=logp.dtype).clamp(
+        min=1.0
+    )
     if prox_logp is None:
         ratio = torch.exp(logp - behav_logp)
         unclipped = torch.clamp(ratio, max=tis_cap) * advantages
@@ -108,12 +110,18 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
 
 
 def kl_penalty(
-    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str, denominator: float | None = None
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str,
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The KL loss term (before its coefficient): sum over mask / denominator (default: token mean).
     Returns (term, its value as a float)."""
     mask = mask.to(logp.dtype)
-    denom = torch.as_tensor(denominator if denominator is not None else mask.sum(), dtype=logp.dtype).clamp(min=1.0)
+    denom = torch.as_tensor(denominator if denominator is not None else mask.sum(), dtype=logp.dtype).clamp(
+        min=1.0
+    )
     term = (kl_estimate(logp, ref_logp, estimator) * mask).sum() / denom
     return term, float(term.detach())
 

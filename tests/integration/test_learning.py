@@ -70,8 +70,12 @@ def ray_cluster():
 
 
 def train(run_dir: Path, model_cache: str, overrides: list[str]) -> list[dict]:
-    cfg = load_config(None, [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *BASE, *overrides])
-    controller = Controller(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir), run_dir, plan_placement(cfg))
+    cfg = load_config(
+        None, [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *BASE, *overrides]
+    )
+    controller = Controller(
+        cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir), run_dir, plan_placement(cfg)
+    )
     sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
     try:
         controller.run(sink)
@@ -86,7 +90,9 @@ def test_algorithm_raises_the_reward(name, tmp_path, model_cache, ray_cluster):
     records = train(tmp_path, model_cache, CASES[name])
     rewards = [r["reward_mean"] for r in records]
     first, last = statistics.mean(rewards[:K]), statistics.mean(rewards[-K:])
-    assert last > first + MARGIN, f"{name}: reward {first:.3f} over the first {K} steps -> {last:.3f} over the last {K}"
+    assert last > first + MARGIN, (
+        f"{name}: reward {first:.3f} over the first {K} steps -> {last:.3f} over the last {K}"
+    )
     assert all(r["accounting_balanced"] for r in records)
     batch = 8 * 8
     assert [r["trained"] for r in records] == [batch * (i + 1) for i in range(STEPS)]

@@ -138,9 +138,9 @@ def test_kl_in_reward_changes_token_rewards(model_dir, policy):
     b = make_batch(policy)
     b.behav_logp = (b.behav_logp - 0.2) * b.loss_mask  # the sampler drifted from the reference
     plain = algorithm(model_dir, name="reinforce_pp").prepare(b, policy)
-    penalised = algorithm(model_dir, name="reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1").prepare(
-        b, policy
-    )
+    penalised = algorithm(
+        model_dir, name="reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1"
+    ).prepare(b, policy)
     assert penalised.ref_logp is None  # in the reward, not in the loss
     assert penalised.kl_ref == pytest.approx(-0.2, abs=1e-5)  # k1 of mu against ref = mu - ref
     assert not torch.allclose(plain.advantages, penalised.advantages)

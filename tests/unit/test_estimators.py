@@ -136,7 +136,9 @@ def test_masked_whiten_uses_global_statistics():
 def decoupled(logp_vals, prox_vals, behav_vals, adv_vals, mask_vals, **kw):
     logp = t(logp_vals).requires_grad_(True)
     args = {**KW, **kw}
-    loss, kept, stats = policy_loss(logp, t(behav_vals), t(adv_vals), t(mask_vals), prox_logp=t(prox_vals), **args)
+    loss, kept, stats = policy_loss(
+        logp, t(behav_vals), t(adv_vals), t(mask_vals), prox_logp=t(prox_vals), **args
+    )
     loss.backward()
     return loss, logp.grad, kept, stats
 
@@ -199,7 +201,9 @@ def test_extreme_ratio_tokens_are_dropped_and_counted():
 def test_decoupled_masks_on_prox_over_behaviour():
     # pi_prox / mu = 10 is extreme even though pi = pi_prox
     lp = [[math.log(0.5), math.log(0.5)]]
-    loss, _, kept, stats = decoupled(lp, lp, [[math.log(0.05), math.log(0.5)]], [[1.0]], [[1, 1]], ratio_mask_high=5.0)
+    loss, _, kept, stats = decoupled(
+        lp, lp, [[math.log(0.05), math.log(0.5)]], [[1.0]], [[1, 1]], ratio_mask_high=5.0
+    )
     assert kept.tolist() == [[0.0, 1.0]]
     assert stats.masked_frac == 0.5
     assert loss.item() == pytest.approx(-1.0)
