@@ -93,13 +93,17 @@ class AlgorithmConfig(_Section):
            "(leave-one-out baseline), reinforce_pp (REINFORCE++: batch-normalised returns), ppo (critic + GAE)"),
     ] = "grpo"
     clip_eps_low: Annotated[float, _f("PPO clip: ratio lower bound is 1 - this", ge=0)] = 0.2
-    clip_eps_high: Annotated[float, _f("PPO clip: ratio upper bound is 1 + this (above clip_eps_low = DAPO clip-higher)", ge=0)] = 0.2
+    clip_eps_high: Annotated[
+        float, _f("PPO clip: ratio upper bound is 1 + this (above clip_eps_low = DAPO clip-higher)", ge=0)
+    ] = 0.2
     objective: Annotated[
         Literal["behaviour", "decoupled"],
         _f("behaviour: PPO-clip on pi/mu (mu = vLLM's log-probs), truncated IS in the unclipped term; decoupled: "
            "learner recomputes proximal log-probs, clips pi/pi_prox, weights by truncated pi_prox/mu (AReaL)"),
     ] = "behaviour"
-    tis_cap: Annotated[float, _f("truncated importance sampling: cap on the importance ratio against vLLM's policy", gt=1)] = 2.0
+    tis_cap: Annotated[
+        float, _f("truncated importance sampling: cap on the importance ratio against vLLM's policy", gt=1)
+    ] = 2.0
     ratio_mask_low: Annotated[
         float, _f("tokens whose importance ratio against vLLM's policy is below this are masked out (0 = off)", ge=0)
     ] = 0.0
@@ -110,7 +114,9 @@ class AlgorithmConfig(_Section):
         bool, _f("DAPO dynamic sampling: drop (count as filtered) groups whose rewards are all equal and keep "
                  "sampling until the batch is full")
     ] = False
-    kl_coef: Annotated[float, _f("KL penalty against a frozen copy of the initial weights (0 = no reference model)", ge=0)] = 0.0
+    kl_coef: Annotated[
+        float, _f("KL penalty against a frozen copy of the initial weights (0 = no reference model)", ge=0)
+    ] = 0.0
     kl_estimator: Annotated[
         Literal["k1", "k3"], _f("KL estimator per token: k1 = log pi - log ref, k3 = exp(ref - pi) - (ref - pi) - 1")
     ] = "k3"
@@ -120,7 +126,9 @@ class AlgorithmConfig(_Section):
     gamma: Annotated[float, _f("discount over completion tokens (reinforce_pp returns, ppo GAE)", ge=0, le=1)] = 1.0
     gae_lambda: Annotated[float, _f("ppo: GAE lambda", ge=0, le=1)] = 0.95
     critic_lr: Annotated[float, _f("ppo: learning rate of the value head (own AdamW)", gt=0)] = 1e-3
-    critic_hidden: Annotated[int, _f("ppo: hidden width of the value head MLP on the policy's last hidden states", ge=1)] = 64
+    critic_hidden: Annotated[
+        int, _f("ppo: hidden width of the value head MLP on the policy's last hidden states", ge=1)
+    ] = 64
 
 
 class BufferConfig(_Section):
