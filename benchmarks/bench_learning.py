@@ -7,6 +7,7 @@ their ratio, and the vLLM-vs-learner log-prob mismatch measured after every weig
 
     .venv/bin/python benchmarks/bench_learning.py [--steps 100] [--lags 0 2] [--final-steps 10]
     .venv/bin/python benchmarks/bench_learning.py --quick      # 20 steps: checks the script, not learning
+    .venv/bin/python benchmarks/bench_learning.py --replot     # summary and PNG again from the curves JSONL
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def run(max_lag: int, steps: int, workdir: Path, overrides: list[str]) -> list[d
     return [{"max_lag": max_lag, **{k: r[k] for k in CURVE_FIELDS}} for r in records]
 
 
+def samples_to(curve: list[dict], level: float, window: int) -> int | None:
+    """Samples trained when the `window`-step mean reward first reaches `level` (None: never)."""
+    for i in range(window - 1, len(curve)):
+        if statistics.mean(r["reward_mean"] for r in curve[i - window + 1 : i + 1]) >= level:
+            return curve[i]["trained"]
+    return None
+
+
 def summarize(curve: list[dict], final_steps: int) -> dict:
     mismatch = [r["logprob_mismatch"] for r in curve if r["logprob_mismatch"] is not None]
     return {
@@ -63,6 +72,7 @@ def summarize(curve: list[dict], final_steps: int) -> dict:
         "samples": curve[-1]["trained"],
         "first_reward": statistics.mean(r["reward_mean"] for r in curve[:final_steps]),
         "final_reward": statistics.mean(r["reward_mean"] for r in curve[-final_steps:]),
+        "samples_to_0.9": samples_to(curve, 0.9, final_steps),
         "lag_mean": statistics.mean(r["lag_mean"] for r in curve),
         "wall_s": curve[-1]["elapsed_s"],
         "mismatch_mean": statistics.mean(mismatch) if mismatch else None,
@@ -101,24 +111,35 @@ def main() -> None:
     ap.add_argument("--final-steps", type=int, default=10, help="steps averaged for the final reward")
     ap.add_argument("--quick", action="store_true", help="20 steps, final reward over 5: checks the script")
     ap.add_argument("--tag", default="learning", help="results file name stem")
+    ap.add_argument(
+        "--replot", action="store_true", help="no runs: summary and PNG from the tag's curves JSONL"
+    )
     ap.add_argument("overrides", nargs="*", help="extra section.key=value config overrides for every run")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.final_steps, args.tag = 20, 5, args.tag + "_quick"
+    jsonl = RESULTS / f"{args.tag}_curves.jsonl"
     curves: dict[int, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for lag in args.lags:
-            curves[lag] = run(lag, args.steps, Path(tmp), args.overrides)
+    if args.replot:
+        for line in jsonl.read_text().splitlines():
+            r = json.loads(line)
+            curves.setdefault(r["max_lag"], []).append(r)
+        args.lags = list(curves)
+        args.steps = len(curves[args.lags[0]])
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for lag in args.lags:
+                curves[lag] = run(lag, args.steps, Path(tmp), args.overrides)
     rows = [summarize(c, args.final_steps) for c in curves.values()]
     base = rows[0]["final_reward"]
     for r in rows:
         r["final_vs_baseline"] = r["final_reward"] / base if base else None
     RESULTS.mkdir(parents=True, exist_ok=True)
-    jsonl = RESULTS / f"{args.tag}_curves.jsonl"
-    with jsonl.open("w") as f:
-        for c in curves.values():
-            for r in c:
-                f.write(json.dumps(r) + "\n")
+    if not args.replot:
+        with jsonl.open("w") as f:
+            for c in curves.values():
+                for r in c:
+                    f.write(json.dumps(r) + "\n")
     png = RESULTS / f"{args.tag}.png"
     plot(curves, png, smooth=max(1, args.final_steps // 2))
     summary = RESULTS / f"{args.tag}.json"
@@ -130,14 +151,15 @@ def main() -> None:
     )
     print(
         f"\n{'max_lag':>7} {'samples':>8} {'first':>7} {'final':>7} {'vs lag ' + str(args.lags[0]):>10} "
-        f"{'mean lag':>9} {'wall s':>7} {'mismatch mean/max':>20}"
+        f"{'to 0.9':>8} {'mean lag':>9} {'wall s':>7} {'mismatch mean/max':>20}"
     )
     for r in rows:
         mm = f"{r['mismatch_mean']:.1e}/{r['mismatch_max']:.1e}" if r["mismatch_mean"] is not None else "n/a"
         ratio = f"{r['final_vs_baseline']:.3f}" if r["final_vs_baseline"] is not None else "n/a"
+        reach = str(r["samples_to_0.9"]) if r["samples_to_0.9"] is not None else "never"
         print(
             f"{r['max_lag']:>7} {r['samples']:>8} {r['first_reward']:7.3f} {r['final_reward']:7.3f} {ratio:>10} "
-            f"{r['lag_mean']:9.2f} {r['wall_s']:7.0f} {mm:>20}"
+            f"{reach:>8} {r['lag_mean']:9.2f} {r['wall_s']:7.0f} {mm:>20}"
         )
     for r in rows[1:]:
         if r["final_vs_baseline"] is not None:
