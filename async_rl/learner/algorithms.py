@@ -53,16 +53,34 @@ class AlgoStats(msgspec.Struct, kw_only=True):
 
 @dataclass
 class Prepared:
-    """What `loss` needs besides the trained log-probs, for one shard."""
+    """What `loss` needs besides the trained log-probs, for one shard (or a slice of its rows)."""
 
     behav_logp: torch.Tensor
     mask: torch.Tensor
     advantages: torch.Tensor  # [B, T] or [B, 1]
     prox_logp: torch.Tensor | None  # decoupled objective only
     ref_logp: torch.Tensor | None  # KL penalty as a loss term only
-    denominator: float | None  # None = token mean
+    denominator: float  # the shard's: its completion tokens (token mean) or Dr.GRPO's constant
     kl_ref: float
     value_loss: float
+
+    def rows(self, sl: slice) -> Prepared:
+        """A micro-batch of the shard's rows. The denominator stays the shard's, so the losses of the
+        slices add up to the shard's loss: accumulate their gradients by summing, not averaging."""
+
+        def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[sl]
+
+        return Prepared(
+            behav_logp=self.behav_logp[sl],
+            mask=self.mask[sl],
+            advantages=self.advantages[sl],
+            prox_logp=cut(self.prox_logp),
+            ref_logp=cut(self.ref_logp),
+            denominator=self.denominator,
+            kl_ref=self.kl_ref,
+            value_loss=self.value_loss,
+        )
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -153,8 +171,10 @@ class Algorithm:
             prox_logp=prox if c.objective == "decoupled" else None,
             ref_logp=None if c.kl_in_reward else ref,
             # Dr.GRPO: sum over tokens / (sequences * max completion length), the same constant for every
-            # batch, so a long completion is not down-weighted per token.
-            denominator=float(mask.shape[0] * self.max_tokens) if c.name == "dr_grpo" else None,
+            # batch, so a long completion is not down-weighted per token. Otherwise the token mean over
+            # the shard's completion tokens; tokens masked for an extreme ratio add 0 but still count,
+            # so the loss of the shard is the sum of its micro-batches' losses.
+            denominator=float(mask.shape[0] * self.max_tokens) if c.name == "dr_grpo" else float(mask.sum()),
             kl_ref=kl_ref,
             value_loss=vloss,
         )

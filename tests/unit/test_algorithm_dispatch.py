@@ -80,11 +80,11 @@ def test_group_estimators_per_sequence(model_dir, policy, name, estimator):
     p = algo.prepare(b, policy)
     assert torch.equal(p.advantages, estimator(b.rewards).reshape(-1, 1))
     assert p.prox_logp is None and p.ref_logp is None  # no extra passes by default
-    assert p.denominator == (4 * MAX_TOKENS if name == "dr_grpo" else None)
+    assert p.denominator == (4 * MAX_TOKENS if name == "dr_grpo" else 13)  # 3 + 4 + 2 + 4 tokens
     loss, stats = algo.loss(p, trained_logp(policy, b))
     # on-policy, r = 1: loss = -sum(A over tokens) / denominator
     tokens = b.loss_mask.sum(dim=1)
-    want = -(p.advantages.flatten() * tokens).sum() / (p.denominator or tokens.sum())
+    want = -(p.advantages.flatten() * tokens).sum() / p.denominator
     assert loss.item() == pytest.approx(want.item(), abs=1e-5)
     assert stats.clip_frac == 0.0 and stats.masked_frac == 0.0 and stats.value_loss == 0.0
 
@@ -159,3 +159,18 @@ def test_ppo_critic_learns_the_returns(model_dir, policy):
     p = algo.prepare(b, policy)
     assert (p.advantages * b.loss_mask).sum().item() == pytest.approx(0.0, abs=1e-4)  # whitened
     assert set(algo.state_dict()) == {"critic"}
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "reinforce_pp"])
+def test_micro_batch_losses_add_up_to_the_shard_loss(model_dir, policy, name):
+    b = make_batch(policy)
+    b.behav_logp = (
+        b.behav_logp + 0.3 * torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    ) * b.loss_mask
+    algo = algorithm(model_dir, name=name, kl_coef=0.1, ratio_mask_low=0.8, ratio_mask_high=1.25)
+    p = algo.prepare(b, policy)
+    logp = trained_logp(policy, b)
+    whole, stats = algo.loss(p, logp)
+    assert stats.masked_frac > 0  # some tokens are dropped for their ratio, and still the parts add up
+    parts = [algo.loss(p.rows(sl), logp[sl])[0] for sl in (slice(0, 1), slice(1, 3), slice(3, 4))]
+    assert sum(parts).item() == pytest.approx(whole.item(), abs=1e-6)
