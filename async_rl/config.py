@@ -108,10 +108,6 @@ class LearnerConfig(_Section):
     lr: Annotated[float, _f("AdamW learning rate", gt=0)] = 2e-3
     weight_decay: Annotated[float, _f("AdamW weight decay", ge=0)] = 0.0
     max_grad_norm: Annotated[float, _f("gradient clipping norm", gt=0)] = 1.0
-    clip_eps_low: Annotated[float, _f("PPO clip: ratio lower bound is 1 - this", ge=0)] = 0.2
-    clip_eps_high: Annotated[float, _f("PPO clip: ratio upper bound is 1 + this", ge=0)] = 0.2
-    tis_cap: Annotated[float, _f("truncated importance sampling: cap on pi/mu in the unclipped term", gt=1)] = 2.0
-    advantage: Annotated[Literal["grpo"], _f("advantage estimator")] = "grpo"
     parallel: Annotated[
         Literal["ddp", "fsdp2"],
         _f("torch backend data parallelism: ddp (replicated) or fsdp2 (fully_shard: sharded parameters, "
@@ -139,11 +135,57 @@ class LearnerConfig(_Section):
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
 
 
+class AlgorithmConfig(_Section):
+    """The RL algorithm: advantage estimator, policy loss, off-policy corrections, KL, critic."""
+
+    name: Annotated[
+        Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"],
+        _f("grpo (group mean/std), dr_grpo (group mean, loss summed over tokens / a constant), rloo "
+           "(leave-one-out baseline), reinforce_pp (REINFORCE++: batch-normalised returns), ppo (critic + GAE)"),
+    ] = "grpo"
+    clip_eps_low: Annotated[float, _f("PPO clip: ratio lower bound is 1 - this", ge=0)] = 0.2
+    clip_eps_high: Annotated[
+        float, _f("PPO clip: ratio upper bound is 1 + this (above clip_eps_low = DAPO clip-higher)", ge=0)
+    ] = 0.2
+    objective: Annotated[
+        Literal["behaviour", "decoupled"],
+        _f("behaviour: PPO-clip on pi/mu (mu = vLLM's log-probs), truncated IS in the unclipped term; decoupled: "
+           "learner recomputes proximal log-probs, clips pi/pi_prox, weights by truncated pi_prox/mu (AReaL)"),
+    ] = "behaviour"
+    tis_cap: Annotated[
+        float, _f("truncated importance sampling: cap on the importance ratio against vLLM's policy", gt=1)
+    ] = 2.0
+    ratio_mask_low: Annotated[
+        float, _f("tokens whose importance ratio against vLLM's policy is below this are masked out (0 = off)", ge=0)
+    ] = 0.0
+    ratio_mask_high: Annotated[
+        float, _f("tokens whose importance ratio against vLLM's policy is above this are masked out (0 = off)", ge=0)
+    ] = 0.0
+    dynamic_sampling: Annotated[
+        bool, _f("DAPO dynamic sampling: drop (count as filtered) groups whose rewards are all equal and keep "
+                 "sampling until the batch is full")
+    ] = False
+    kl_coef: Annotated[
+        float, _f("KL penalty against a frozen copy of the initial weights (0 = no reference model)", ge=0)
+    ] = 0.0
+    kl_estimator: Annotated[
+        Literal["k1", "k3"], _f("KL estimator per token: k1 = log pi - log ref, k3 = exp(ref - pi) - (ref - pi) - 1")
+    ] = "k3"
+    kl_in_reward: Annotated[
+        bool, _f("apply the KL penalty per token in the reward (reinforce_pp, ppo) instead of as a loss term")
+    ] = False
+    gamma: Annotated[float, _f("discount over completion tokens (reinforce_pp returns, ppo GAE)", ge=0, le=1)] = 1.0
+    gae_lambda: Annotated[float, _f("ppo: GAE lambda", ge=0, le=1)] = 0.95
+    critic_lr: Annotated[float, _f("ppo: learning rate of the value head (own AdamW)", gt=0)] = 1e-3
+    critic_hidden: Annotated[
+        int, _f("ppo: hidden width of the value head MLP on the policy's last hidden states", ge=1)
+    ] = 64
+
+
 class BufferConfig(_Section):
     host: Annotated[str, _f("interface the buffer's ZMQ sockets bind to")] = "127.0.0.1"
     ingest_port: Annotated[int, _f("ZMQ PULL port for trajectories (0 = any free port)", ge=0, le=65535)] = 0
     serve_port: Annotated[int, _f("ZMQ ROUTER port serving batches to learner ranks (0 = any free)", ge=0, le=65535)] = 0
-    filter_uniform_groups: Annotated[bool, _f("drop (count as filtered) groups whose rewards are all equal")] = False
     max_frame_mb: Annotated[int, _f("largest accepted trajectory frame, MiB", ge=1)] = 64
 
 
@@ -198,6 +240,7 @@ class Config(_Section):
     generators: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
@@ -308,11 +351,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"placement=colocated alternates generation and training: it needs train.max_lag=0, not {t.max_lag}")
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
+    validate_algorithm(cfg.algorithm)
+
+
+def validate_algorithm(a: AlgorithmConfig) -> None:
+    if a.kl_in_reward and a.name not in ("reinforce_pp", "ppo"):
+        raise ConfigError(
+            f"algorithm.kl_in_reward needs a token-level estimator (reinforce_pp or ppo), not algorithm.name={a.name}"
+        )
+    if a.kl_in_reward and a.kl_coef == 0:
+        raise ConfigError("algorithm.kl_in_reward is set but algorithm.kl_coef is 0")
+    if a.ratio_mask_high and a.ratio_mask_high <= max(1.0, a.ratio_mask_low):
+        raise ConfigError(
+            f"algorithm.ratio_mask_high={a.ratio_mask_high} must be above 1 and above algorithm.ratio_mask_low"
+        )
+    if a.ratio_mask_low >= 1:
+        raise ConfigError(f"algorithm.ratio_mask_low={a.ratio_mask_low} must be below 1 (it masks ratios under it)")
 
 
 def _validate_megatron(cfg: Config) -> None:
     """Megatron splits learner.world_size into TP x PP x DP; the buffer shards a step over DP."""
     m, world = cfg.learner.megatron, cfg.learner.world_size
+    a = cfg.algorithm
+    if a.name != "grpo" or a.objective != "behaviour" or a.kl_coef or a.ratio_mask_low or a.ratio_mask_high:
+        raise ConfigError(
+            "learner.backend=megatron supports algorithm.name=grpo with algorithm.objective=behaviour, no KL "
+            "and no ratio masking so far (the other algorithms run on learner.backend=torch)"
+        )
     if cfg.train.checkpoint_every or cfg.train.checkpoint_at_end:
         raise ConfigError(
             "learner.backend=megatron does not write checkpoints yet: set train.checkpoint_every=0 and "

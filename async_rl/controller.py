@@ -303,4 +303,8 @@ def make_record(
         reward_errors=buffer.reward_errors,
         reward_timeouts=buffer.reward_timeouts,
         lr=per_rank[0].lr,
+        masked_frac=sum(m.masked_frac for m in per_rank) / n,
+        kl_ref=sum(m.kl_ref for m in per_rank) / n,
+        value_loss=sum(m.value_loss for m in per_rank) / n,
+        filtered_groups=buffer.last_batch_filtered_groups,
     )

@@ -45,6 +45,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
     reward_errors: int
     reward_timeouts: int
     lr: float = 0.0  # learning rate of this step (after warmup/decay)
+    masked_frac: float = 0.0  # completion tokens masked out for an extreme importance ratio
+    kl_ref: float = 0.0  # KL estimate to the frozen reference model
+    value_loss: float = 0.0  # ppo: the critic's value loss
+    filtered_groups: int = 0  # groups dropped by dynamic sampling while this step's batch was collected
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:

@@ -71,6 +71,7 @@ class BufferStats(msgspec.Struct):
     last_batch_max_lag: int
     last_batch_mean_lag: float
     prompts_exhausted: bool
+    last_batch_filtered_groups: int = 0  # groups filtered (dynamic sampling) since the batch before it
 
 
 def bind(socket: zmq.Socket, host: str, port: int, field: str) -> str:
@@ -102,6 +103,8 @@ class ReplayBuffer:
         self._reward_timeouts = 0
         self._last_batch = (-1, 0, 0.0)
         self._prompts_exhausted = False  # a finite task stream ran out
+        self._filtered_groups = 0  # groups dropped by dynamic sampling, ever
+        self._filtered_at_batch = (0, 0)  # (_filtered_groups at the last batch, the last batch's share)
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
@@ -189,6 +192,7 @@ class ReplayBuffer:
             last_batch_max_lag=max_lag,
             last_batch_mean_lag=mean_lag,
             prompts_exhausted=self._prompts_exhausted,
+            last_batch_filtered_groups=self._filtered_at_batch[1],
         )
 
     def checkpoint_state(self) -> BufferState:
@@ -287,6 +291,7 @@ class ReplayBuffer:
         self._reward_timeouts += sum(1 for s in g.reward_status if s == REWARD_TIMEOUT)
         if self.s.filter_uniform_groups and len(set(g.rewards)) == 1:
             self.ledger.arrived_filtered(g.size)
+            self._filtered_groups += 1
         else:
             self.ledger.arrived(g.size)
             self._waiting.append(g)
@@ -327,5 +332,6 @@ class ReplayBuffer:
             self._changed.notify_all()
         lags = [step - g.oldest_version for g in batch]
         self._last_batch = (step, max(lags), sum(lags) / len(lags))
+        self._filtered_at_batch = (self._filtered_groups, self._filtered_groups - self._filtered_at_batch[0])
         per_rank = need // world_size
         return [batch[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]

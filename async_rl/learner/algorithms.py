@@ -1,72 +1,86 @@
-"""Advantage estimators and the off-policy policy loss. Pure tensor functions, unit-tested by hand."""
+"""The RL algorithm chosen by the `algorithm` config section, as two calls a learner backend makes per
+step: `prepare` (advantages, and the extra no-grad passes the algorithm needs) before its forward
+pass, and `loss` on the log-probs of that forward pass. The math lives in advantages.py and losses.py.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import msgspec
 import torch
+import torch.distributed as dist
+
+from async_rl.config import AlgorithmConfig
+from async_rl.learner.advantages import (
+    discounted_returns,
+    dr_grpo_advantages,
+    gae,
+    grpo_advantages,
+    masked_whiten,
+    rloo_advantages,
+    token_rewards,
+)
+from async_rl.learner.critic import Critic
+from async_rl.learner.losses import kl_estimate, kl_penalty, policy_loss
+from async_rl.learner.reference import ReferencePolicy
+
+GROUP_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
 
 
-def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: normalise each group's rewards by its mean and (unbiased) std. rewards: [groups, n].
+class TokenBatch(Protocol):
+    """A learner shard as padded tensors; loss positions index the targets (inputs shifted by one)."""
 
-    A group whose rewards are all equal has no signal: its advantages are 0. So is a group of one.
-    """
-    if rewards.shape[1] < 2:
-        return torch.zeros_like(rewards)
-    # float64: in float32 a group of equal but inexact rewards (0.9, 0.9, ...) gets a mean one
-    # rounding step off and a tiny std, i.e. spurious non-zero advantages.
-    r = rewards.to(torch.float64)
-    mean = r.mean(dim=1, keepdim=True)
-    std = r.std(dim=1, keepdim=True)
-    adv = (r - mean) / (std + eps)
-    adv = torch.where(std > 1e-9 * (1.0 + mean.abs()), adv, torch.zeros_like(adv))
-    return adv.to(rewards.dtype)
+    input_ids: torch.Tensor  # [B, T + 1]
+    attention_mask: torch.Tensor  # [B, T + 1]
+    behav_logp: torch.Tensor  # [B, T] vLLM's log-probs at completion positions
+    loss_mask: torch.Tensor  # [B, T] 1 on completion positions
+    rewards: torch.Tensor  # [groups, n], groups in row order (B = groups * n)
 
 
-class LossStats(msgspec.Struct):
-    loss: float
-    clip_frac: float  # fraction of tokens where the clipped term was active
-    tis_frac: float  # fraction of tokens whose ratio hit the truncation cap
-    kl_behav: float  # k3 estimate of KL(behaviour || current) on the sampled tokens
-    logprob_abs_diff: float  # mean |logp_learner - logp_vllm| before the update
+class AlgoStats(msgspec.Struct, kw_only=True):
+    loss: float  # the total loss (policy + KL term)
+    policy_loss: float
+    clip_frac: float
+    tis_frac: float
+    masked_frac: float
+    kl_behav: float
+    logprob_abs_diff: float
+    kl_ref: float  # mean per-token KL estimate to the reference (0 without one)
+    value_loss: float  # ppo: the critic's loss before its step (0 otherwise)
 
 
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    behav_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    tis_cap: float,
-) -> tuple[torch.Tensor, LossStats]:
-    """PPO-clip on the behaviour policy with a truncated importance ratio; token-mean over `mask`.
+@dataclass
+class Prepared:
+    """What `loss` needs besides the trained log-probs, for one shard (or a slice of its rows)."""
 
-    ratio r = pi/mu (mu = vLLM's behaviour log-probs). Per token:
-        loss = -min(min(r, C) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
-    Truncating r at C bounds the loss of negative-advantage tokens whose ratio has exploded (for
-    A > 0 the clip already bounds it), which keeps stale or mismatched samples from dominating.
-    All inputs are [batch, tokens]; `advantages` is broadcast per sequence by the caller.
-    """
-    mask = mask.to(logp.dtype)
-    denom = mask.sum().clamp(min=1.0)
-    log_ratio = logp - behav_logp
-    ratio = torch.exp(log_ratio)
-    truncated = torch.clamp(ratio, max=tis_cap)
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    surrogate = torch.minimum(truncated * advantages, clipped * advantages)
-    loss = -(surrogate * mask).sum() / denom
-    with torch.no_grad():
-        clip_active = (clipped * advantages < truncated * advantages).to(logp.dtype)
-        lr = log_ratio.detach()
-        stats = LossStats(
-            loss=float(loss.detach()),
-            clip_frac=float((clip_active * mask).sum() / denom),
-            tis_frac=float(((ratio > tis_cap).to(logp.dtype) * mask).sum() / denom),
-            kl_behav=float(((torch.exp(lr) - 1 - lr) * mask).sum() / denom),
-            logprob_abs_diff=float((lr.abs() * mask).sum() / denom),
+    behav_logp: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor  # [B, T] or [B, 1]
+    prox_logp: torch.Tensor | None  # decoupled objective only
+    ref_logp: torch.Tensor | None  # KL penalty as a loss term only
+    denominator: float  # the shard's: its completion tokens (token mean) or Dr.GRPO's constant
+    kl_ref: float
+    value_loss: float
+
+    def rows(self, sl: slice) -> Prepared:
+        """A micro-batch of the shard's rows. The denominator stays the shard's, so the losses of the
+        slices add up to the shard's loss: accumulate their gradients by summing, not averaging."""
+
+        def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[sl]
+
+        return Prepared(
+            behav_logp=self.behav_logp[sl],
+            mask=self.mask[sl],
+            advantages=self.advantages[sl],
+            prox_logp=cut(self.prox_logp),
+            ref_logp=cut(self.ref_logp),
+            denominator=self.denominator,
+            kl_ref=self.kl_ref,
+            value_loss=self.value_loss,
         )
-    return loss, stats
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -75,3 +89,131 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     if temperature != 1.0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def score_tokens(
+    model: torch.nn.Module, b: TokenBatch, temperature: float, with_hidden: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No-grad log-probs [B, T] (and last hidden states [B, T, H] aligned with them) of `model`."""
+    with torch.no_grad():
+        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, output_hidden_states=with_hidden)
+        logp = token_logprobs(out.logits[:, :-1], b.input_ids[:, 1:], temperature)
+        hidden = out.hidden_states[-1][:, :-1] if with_hidden else None
+    return logp, hidden
+
+
+def data_parallel_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the learner's data-parallel ranks (identity on one rank)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+class Algorithm:
+    def __init__(
+        self,
+        cfg: AlgorithmConfig,
+        *,
+        max_tokens: int,
+        temperature: float,
+        model_dir: str,
+        dtype: torch.dtype,
+        hidden_size: int,
+        seed: int,
+        max_grad_norm: float,
+    ) -> None:
+        self.cfg = cfg
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.reference = ReferencePolicy(model_dir, dtype) if cfg.kl_coef > 0 else None
+        self.critic = (
+            Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm)
+            if cfg.name == "ppo"
+            else None
+        )
+
+    def prepare(self, b: TokenBatch, policy: torch.nn.Module) -> Prepared:
+        """Advantages for the shard, and the no-grad passes the algorithm needs: the proximal log-probs
+        (decoupled objective: the current weights, before this update), the reference log-probs (KL),
+        the policy's hidden states for the critic (ppo, whose value head takes its step here)."""
+        c = self.cfg
+        mask = b.loss_mask
+        prox = hidden = ref = None
+        if c.objective == "decoupled" or self.critic is not None:
+            prox, hidden = score_tokens(policy, b, self.temperature, with_hidden=self.critic is not None)
+        if self.reference is not None:
+            ref, _ = score_tokens(self.reference.model, b, self.temperature)
+        kl_ref, vloss = 0.0, 0.0
+        kl_tokens = None
+        if ref is not None and c.kl_in_reward:
+            # KL of the policy that sampled (the proximal one when recomputed) to the reference.
+            old = prox if prox is not None else b.behav_logp
+            kl_tokens = kl_estimate(old, ref, c.kl_estimator)
+            kl_ref = float((kl_tokens * mask).sum() / mask.sum().clamp(min=1.0))
+        if c.name in GROUP_ESTIMATORS:
+            advantages = GROUP_ESTIMATORS[c.name](b.rewards).reshape(-1, 1)
+        else:
+            rewards = token_rewards(b.rewards.reshape(-1), mask, kl_tokens, c.kl_coef)
+            if c.name == "reinforce_pp":
+                advantages = masked_whiten(
+                    discounted_returns(rewards, mask, c.gamma), mask, data_parallel_sum
+                )
+            else:  # ppo
+                values = self.critic.values(hidden)
+                raw, returns = gae(rewards, values, mask, c.gamma, c.gae_lambda)
+                vloss = self.critic.update(hidden, returns, mask)
+                advantages = masked_whiten(raw, mask, data_parallel_sum)
+        return Prepared(
+            behav_logp=b.behav_logp,
+            mask=mask,
+            advantages=advantages,
+            prox_logp=prox if c.objective == "decoupled" else None,
+            ref_logp=None if c.kl_in_reward else ref,
+            # Dr.GRPO: sum over tokens / (sequences * max completion length), the same constant for every
+            # batch, so a long completion is not down-weighted per token. Otherwise the token mean over
+            # the shard's completion tokens; tokens masked for an extreme ratio add 0 but still count,
+            # so the loss of the shard is the sum of its micro-batches' losses.
+            denominator=float(mask.shape[0] * self.max_tokens) if c.name == "dr_grpo" else float(mask.sum()),
+            kl_ref=kl_ref,
+            value_loss=vloss,
+        )
+
+    def loss(self, p: Prepared, logp: torch.Tensor) -> tuple[torch.Tensor, AlgoStats]:
+        c = self.cfg
+        total, kept, st = policy_loss(
+            logp,
+            p.behav_logp,
+            p.advantages,
+            p.mask,
+            eps_low=c.clip_eps_low,
+            eps_high=c.clip_eps_high,
+            tis_cap=c.tis_cap,
+            prox_logp=p.prox_logp,
+            ratio_mask_low=c.ratio_mask_low,
+            ratio_mask_high=c.ratio_mask_high,
+            denominator=p.denominator,
+        )
+        kl_ref = p.kl_ref
+        if p.ref_logp is not None:
+            term, kl_ref = kl_penalty(logp, p.ref_logp, kept, c.kl_estimator, p.denominator)
+            total = total + c.kl_coef * term
+        return total, AlgoStats(
+            loss=float(total.detach()),
+            policy_loss=st.loss,
+            clip_frac=st.clip_frac,
+            tis_frac=st.tis_frac,
+            masked_frac=st.masked_frac,
+            kl_behav=st.kl_behav,
+            logprob_abs_diff=st.logprob_abs_diff,
+            kl_ref=kl_ref,
+            value_loss=p.value_loss,
+        )
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep besides the policy and its optimizer: the critic (ppo)."""
+        return {"critic": self.critic.state_dict()} if self.critic is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])

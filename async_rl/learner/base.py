@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import torch
 
+from async_rl.config import AlgorithmConfig
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -32,9 +33,8 @@ class LearnerSettings(msgspec.Struct, frozen=True):
     lr: float
     weight_decay: float
     max_grad_norm: float
-    clip_eps_low: float
-    clip_eps_high: float
-    tis_cap: float
+    algorithm: AlgorithmConfig
+    max_tokens: int  # generators.max_tokens: Dr.GRPO's loss normaliser
     temperature: float
     seed: int
     run_id: str
@@ -75,6 +75,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     compute_s: float
     lr: float = 0.0  # learning rate used by this step
     micro_batches: int = 1
+    masked_frac: float = 0.0  # completion tokens masked out for an extreme importance ratio
+    kl_ref: float = 0.0  # KL estimate to the frozen reference (0 without algorithm.kl_coef)
+    value_loss: float = 0.0  # ppo: the critic's value loss
 
 
 class Probe(msgspec.Struct):

@@ -34,9 +34,10 @@ from async_rl.cluster.placement import pin_current_process
 from async_rl.cluster.resources import free_port
 from async_rl.errors import RunError
 from async_rl.learner import megatron_model as mm
-from async_rl.learner.algorithms import LossStats, ppo_clip_loss
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
 from async_rl.learner.batch_client import BatchClient
+from async_rl.learner.losses import PolicyLossStats as LossStats
+from async_rl.learner.losses import policy_loss
 from async_rl.learner.megatron_batch import Collated
 from async_rl.learner.megatron_convert import HFArch
 from async_rl.protocol import TrajectoryGroup
@@ -162,7 +163,9 @@ class MegatronPolicy:
 
             def loss_func(logits: torch.Tensor):
                 logp = mm.vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], vocab, temperature)
-                loss, stats = ppo_clip_loss(logp, mb.behav_logp, mb.advantages, mb.loss_mask, eps_low, eps_high, tis_cap)
+                loss, _, stats = policy_loss(
+                    logp, mb.behav_logp, mb.advantages, mb.loss_mask, eps_low=eps_low, eps_high=eps_high, tis_cap=tis_cap
+                )
                 share = float(mb.loss_mask.sum()) / total
                 seen.append((stats, share))
                 return loss * (share * micro_batches), {}
@@ -365,7 +368,8 @@ class MegatronLearnerRank(LearnerRank):
         b = Collated(groups)
         self._last_batch = b
         stats, grad_norm = self.policy.train_batch(
-            b, self.m.micro_batches, self.s.temperature, self.s.clip_eps_low, self.s.clip_eps_high, self.s.tis_cap
+            b, self.m.micro_batches, self.s.temperature, self.s.algorithm.clip_eps_low, self.s.algorithm.clip_eps_high,
+            self.s.algorithm.tis_cap,
         )
         stats = self._from_last_stage(stats)
         if self.model_parallel > 1:

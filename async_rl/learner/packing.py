@@ -28,6 +28,8 @@ class SeqSample:
     start: int  # index in `tokens` of the first completion token (>= 1)
     behav_logp: np.ndarray  # float32 [completion_len]
     advantages: np.ndarray  # float32 [completion_len]
+    prox_logp: np.ndarray | None = None  # float32 [completion_len]: decoupled objective only
+    ref_logp: np.ndarray | None = None  # float32 [completion_len]: KL penalty as a loss term only
 
     @property
     def completion_len(self) -> int:
@@ -44,6 +46,8 @@ class MicroBatch:
     behav_logp: torch.Tensor  # float32 [B, T]
     advantages: torch.Tensor  # float32 [B, T]
     spans: list[tuple[int, int, int]]  # per sequence: (row, logit column of its first completion token, length)
+    prox_logp: torch.Tensor | None = None  # float32 [B, T], when the samples carry it
+    ref_logp: torch.Tensor | None = None  # float32 [B, T], when the samples carry it
 
     @property
     def loss_tokens(self) -> int:
@@ -72,6 +76,8 @@ class MicroBatch:
             behav_logp=self.behav_logp.to(device),
             advantages=self.advantages.to(device),
             spans=self.spans,
+            prox_logp=None if self.prox_logp is None else self.prox_logp.to(device),
+            ref_logp=None if self.ref_logp is None else self.ref_logp.to(device),
         )
 
 
@@ -94,6 +100,15 @@ def split(samples: list[SeqSample], max_seqs: int, max_tokens: int) -> list[list
     return chunks
 
 
+def _optional(samples: list[SeqSample], field: str, shape: tuple[int, int]) -> torch.Tensor | None:
+    return torch.zeros(shape) if getattr(samples[0], field) is not None else None
+
+
+def _fill_optional(row: torch.Tensor | None, first: int, values: np.ndarray | None) -> None:
+    if row is not None:
+        row[first : first + len(values)] = torch.from_numpy(np.asarray(values, dtype=np.float32))
+
+
 def _fill(row_targets, row_mask, row_behav, row_adv, offset: int, s: SeqSample) -> tuple[int, int]:
     length = len(s.tokens)
     tokens = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
@@ -113,6 +128,7 @@ def packed(samples: list[SeqSample]) -> MicroBatch:
     position_ids = torch.zeros(1, total, dtype=torch.long)
     targets = torch.zeros(1, total, dtype=torch.long)
     mask, behav, adv = (torch.zeros(1, total) for _ in range(3))
+    prox, ref = _optional(samples, "prox_logp", (1, total)), _optional(samples, "ref_logp", (1, total))
     spans = []
     offset = 0
     for s in samples:
@@ -120,9 +136,11 @@ def packed(samples: list[SeqSample]) -> MicroBatch:
         input_ids[0, offset : offset + length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
         position_ids[0, offset : offset + length] = torch.arange(length)
         first, n = _fill(targets[0], mask[0], behav[0], adv[0], offset, s)
+        _fill_optional(None if prox is None else prox[0], first, s.prox_logp)
+        _fill_optional(None if ref is None else ref[0], first, s.ref_logp)
         spans.append((0, first, n))
         offset += length
-    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans)
+    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref)
 
 
 def padded(samples: list[SeqSample]) -> MicroBatch:
@@ -133,14 +151,17 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
     attention_mask = torch.zeros(n_rows, width, dtype=torch.long)
     targets = torch.zeros(n_rows, width, dtype=torch.long)
     mask, behav, adv = (torch.zeros(n_rows, width) for _ in range(3))
+    prox, ref = _optional(samples, "prox_logp", (n_rows, width)), _optional(samples, "ref_logp", (n_rows, width))
     spans = []
     for i, s in enumerate(samples):
         length = len(s.tokens)
         input_ids[i, :length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
         attention_mask[i, :length] = 1
         first, n = _fill(targets[i], mask[i], behav[i], adv[i], 0, s)
+        _fill_optional(None if prox is None else prox[i], first, s.prox_logp)
+        _fill_optional(None if ref is None else ref[i], first, s.ref_logp)
         spans.append((i, first, n))
-    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans)
+    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref)
 
 
 def micro_batches(samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0) -> list[MicroBatch]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from async_rl.cluster.placement import pin_current_process
 from async_rl.cluster.resources import free_port
 from async_rl.errors import RunError
-from async_rl.learner.algorithms import grpo_advantages, ppo_clip_loss, token_logprobs
+from async_rl.learner.algorithms import Algorithm, Prepared, token_logprobs
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics, checkpoint_model_dir
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.hf_io import (
@@ -39,21 +39,63 @@ from async_rl.weight_sync.transport import join_sender, open_membership
 TRAINER_STATE = "trainer_state.pt"
 
 
-def shard_samples(groups: list[TrajectoryGroup]) -> list[SeqSample]:
-    """Sequences of a shard with GRPO advantages (one per completion, broadcast over its tokens)."""
-    advantages = grpo_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32))
+class Collated:
+    """A shard as padded rows (what the algorithm's `prepare` takes: advantages, proximal and
+    reference log-probs, critic values are computed on it before the packed micro-batches)."""
+
+    def __init__(self, groups: list[TrajectoryGroup]) -> None:
+        seqs, behav, starts, lengths = [], [], [], []
+        for g in groups:
+            for comp, lp in zip(g.completions, g.logprobs, strict=True):
+                seqs.append(np.concatenate([g.prompt_tokens, comp]))
+                behav.append(lp)
+                starts.append(len(g.prompt_tokens) - 1)
+                lengths.append(len(comp))
+        width = max(len(s) for s in seqs)
+        n = len(seqs)
+        self.input_ids = torch.zeros(n, width, dtype=torch.long)
+        self.attention_mask = torch.zeros(n, width, dtype=torch.long)
+        self.behav_logp = torch.zeros(n, width - 1)
+        self.loss_mask = torch.zeros(n, width - 1)
+        for i, (s, lp, start, length) in enumerate(zip(seqs, behav, starts, lengths, strict=True)):
+            self.input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
+            self.attention_mask[i, : len(s)] = 1
+            self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
+            self.loss_mask[i, start : start + length] = 1
+        self.rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        self.seqs = seqs
+        self.tokens = int(sum(lengths))
+
+
+def _per_token(t: torch.Tensor | None, row: int, col: int, n: int) -> np.ndarray | None:
+    """Row `row`'s values at logit columns col..col+n of a [B, T] (or [B, 1] broadcast) tensor."""
+    if t is None:
+        return None
+    if t.shape[1] == 1:
+        return np.full(n, float(t[row, 0]), dtype=np.float32)
+    return t[row, col : col + n].detach().float().cpu().numpy().copy()
+
+
+def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared) -> list[SeqSample]:
+    """Sequences of a shard with the algorithm's per-token advantages (and the proximal and
+    reference log-probs when its loss needs them), row i of `prepared` being sequence i."""
     samples = []
-    for gi, g in enumerate(groups):
+    row = 0
+    for g in groups:
         prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
-        for ci, (comp, lp) in enumerate(zip(g.completions, g.logprobs, strict=True)):
+        for comp, lp in zip(g.completions, g.logprobs, strict=True):
+            col, n = len(prompt) - 1, len(comp)
             samples.append(
                 SeqSample(
                     tokens=np.concatenate([prompt, np.asarray(comp, dtype=np.int64)]),
                     start=len(prompt),
                     behav_logp=np.asarray(lp, dtype=np.float32),
-                    advantages=np.full(len(comp), float(advantages[gi, ci]), dtype=np.float32),
+                    advantages=_per_token(prepared.advantages, row, col, n),
+                    prox_logp=_per_token(prepared.prox_logp, row, col, n),
+                    ref_logp=_per_token(prepared.ref_logp, row, col, n),
                 )
             )
+            row += 1
     return samples
 
 
@@ -145,6 +187,16 @@ class TorchLearnerRank(LearnerRank):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda k: lr_factor(k, s.lr_warmup_steps, s.total_steps, s.lr_decay, s.lr_min_ratio)
         )
+        self.algo = Algorithm(
+            self.s.algorithm,
+            max_tokens=self.s.max_tokens,
+            temperature=self.s.temperature,
+            model_dir=self.s.model_dir,
+            dtype=getattr(torch, self.s.dtype),
+            hidden_size=self.model.config.hidden_size,
+            seed=self.s.seed,
+            max_grad_norm=self.s.max_grad_norm,
+        )
         self.batches = BatchClient(self.s.buffer_address, self.s.run_id, self.rank, self.world_size)
         return sum(p.numel() for p in self.model.parameters())
 
@@ -167,7 +219,10 @@ class TorchLearnerRank(LearnerRank):
 
     def train_on_shard(self, step: int, groups: list[TrajectoryGroup]) -> StepMetrics:
         t0 = time.perf_counter()
-        samples = shard_samples(groups)
+        # The algorithm's no-grad passes (proximal/reference log-probs, critic) and its advantages run
+        # on the shard as padded rows; the gradient passes then run on packed micro-batches.
+        prepared = self.algo.prepare(Collated(groups), self.model)
+        samples = shard_samples(groups, prepared)
         self._last_samples = samples
         self._full = None  # gathered weights go stale with this step
         mbs = micro_batches(samples, self.s.packing, self.s.micro_batch_size, self.s.micro_batch_tokens)
@@ -175,18 +230,31 @@ class TorchLearnerRank(LearnerRank):
         total_tokens = max(1, sum(mb.loss_tokens for mb in mbs))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        acc = {"loss": 0.0, "clip_frac": 0.0, "tis_frac": 0.0, "kl_behav": 0.0, "logprob_abs_diff": 0.0}
+        acc = {"loss": 0.0, "clip_frac": 0.0, "tis_frac": 0.0, "kl_behav": 0.0, "logprob_abs_diff": 0.0,
+               "masked_frac": 0.0, "kl_ref": 0.0}
         for i in range(count):
             mb = (mbs[i] if i < len(mbs) else dummy_micro_batch()).to(self.device)
-            weight = mb.loss_tokens / total_tokens  # token-mean over the whole shard, not per micro-batch
+            weight = mb.loss_tokens / total_tokens  # this micro-batch's share of the shard's tokens
             with self._grad_sync(i == count - 1):
                 logp = self._logprobs(mb, self.s.temperature)
-                loss, stats = ppo_clip_loss(
-                    logp, mb.behav_logp, mb.advantages, mb.loss_mask,
-                    self.s.clip_eps_low, self.s.clip_eps_high, self.s.tis_cap,
+                # The loss is normalised by the shard's denominator, so micro-batch losses add up to
+                # the shard's loss: their gradients accumulate by summing.
+                loss, stats = self.algo.loss(
+                    Prepared(
+                        behav_logp=mb.behav_logp,
+                        mask=mb.loss_mask,
+                        advantages=mb.advantages,
+                        prox_logp=mb.prox_logp,
+                        ref_logp=mb.ref_logp,
+                        denominator=max(prepared.denominator, 1.0),
+                        kl_ref=prepared.kl_ref,
+                        value_loss=prepared.value_loss,
+                    ),
+                    logp,
                 )
-                (loss * weight).backward()
-            for key in acc:
+                loss.backward()
+            acc["loss"] += stats.loss
+            for key in ("clip_frac", "tis_frac", "kl_behav", "logprob_abs_diff", "masked_frac", "kl_ref"):
                 acc[key] += weight * getattr(stats, key)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
         self.optimizer.step()
@@ -203,6 +271,7 @@ class TorchLearnerRank(LearnerRank):
             compute_s=time.perf_counter() - t0,
             lr=lr,
             micro_batches=len(mbs),
+            value_loss=prepared.value_loss,
             **acc,
         )
 
@@ -336,6 +405,7 @@ class TorchLearnerRank(LearnerRank):
                 "scheduler": self.scheduler.state_dict(),
                 "parallel": self.s.parallel,
                 "world_size": self.world_size,
+                "algorithm": self.algo.state_dict(),  # ppo's critic (replicated: rank 0's is everyone's)
             }
             torch.save(state, d / TRAINER_STATE)
         torch.save(rng_state(), d / f"rng_rank{self.rank}.pt")
@@ -366,6 +436,8 @@ class TorchLearnerRank(LearnerRank):
                     p.copy_(weights[name])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("algorithm"):
+            self.algo.load_state_dict(state["algorithm"])
         self.step_count = int(state["step"])
         rng_file = d / f"rng_rank{self.rank}.pt"
         if not rng_file.is_file():  # more ranks than when saved: start from rank 0's streams

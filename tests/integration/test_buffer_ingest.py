@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 
 from async_rl.buffer.actor import BufferSettings, ReplayBuffer
+from async_rl.learner.batch_client import BatchClient
 from async_rl.protocol import TrajectoryGroup, encode_groups
 
 pytestmark = pytest.mark.integration
@@ -90,3 +91,57 @@ async def scenario() -> None:
 
 def test_rejections_release_leases_and_accounting_stays_exact():
     asyncio.run(scenario())
+
+
+async def dynamic_sampling_scenario() -> None:
+    buffer = ReplayBuffer(
+        BufferSettings(
+            run_id="r",
+            host="127.0.0.1",
+            ingest_port=0,
+            serve_port=0,
+            max_lag=1,
+            prompts_per_step=2,
+            group_size=GROUP,
+            filter_uniform_groups=True,
+            max_frame_bytes=1 << 20,
+            task_name="repeat",
+            task_seed=0,
+        )
+    )
+    addresses = await buffer.start()
+    ctx = zmq.asyncio.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(addresses.ingest)
+    try:
+        prompts = await buffer.lease(engine_id=0, max_groups=4)
+        assert len(prompts) == 4  # (max_lag + 1) * 2 groups
+        uniform = [group(p.prompt_id) for p in prompts[:3]]
+        for g in uniform:
+            g.rewards = [0.25, 0.25]
+        await push.send_multipart(encode_groups("r", [*uniform, group(prompts[3].prompt_id)]))
+        for _ in range(200):
+            if buffer.stats().accounts.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        s = buffer.stats()
+        # Uniform groups carry no signal: filtered, counted, and their admission capacity is free again.
+        assert s.accounts.filtered == 3 * GROUP and s.accounts.waiting == GROUP and s.accounts.balanced()
+        more = await buffer.lease(engine_id=0, max_groups=4)
+        assert len(more) == 3
+        await push.send_multipart(encode_groups("r", [group(more[0].prompt_id)]))
+        client = BatchClient(addresses.serve, "r", rank=0, world_size=1)
+        try:
+            batch = await asyncio.to_thread(client.fetch, 0, 10.0)  # a learner rank asks for step 0
+        finally:
+            client.close()
+        assert [g.prompt_id for g in batch] == [prompts[3].prompt_id, more[0].prompt_id]
+        assert all(len(set(g.rewards)) > 1 for g in batch)
+        assert buffer.stats().last_batch_filtered_groups == 3
+    finally:
+        ctx.destroy(linger=0)
+        await buffer.close()
+
+
+def test_dynamic_sampling_filters_uniform_groups_and_keeps_filling_the_batch():
+    asyncio.run(dynamic_sampling_scenario())

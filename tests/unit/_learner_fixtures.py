@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from async_rl.config import AlgorithmConfig
 from async_rl.learner.base import LearnerSettings
 from async_rl.protocol import TrajectoryGroup
 
@@ -11,9 +12,9 @@ from async_rl.protocol import TrajectoryGroup
 def settings(model_dir, **overrides) -> LearnerSettings:
     base = dict(
         model_dir=str(model_dir), dtype="float32", lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
-        clip_eps_low=0.2, clip_eps_high=0.2, tis_cap=2.0, temperature=1.0, seed=0, run_id="test",
+        algorithm=AlgorithmConfig(), max_tokens=8, temperature=1.0, seed=0, run_id="test",
         buffer_address="tcp://127.0.0.1:1", batch_timeout_s=1.0, bucket_mb=1, weight_sync_host="127.0.0.1",
-        weight_sync_port=0, weight_sync_timeout_s=10.0, weight_sync_backend="gloo", weight_checksum=True,
+        weight_sync_port=0, weight_sync_timeout_s=10.0, weight_sync_backend="gloo", weight_checksum="sampled",
         wire_dtype="", total_steps=10,
     )
     base.update(overrides)

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from async_rl.learner.algorithms import LossStats, grpo_advantages, ppo_clip_loss, token_logprobs
+from async_rl.learner.advantages import grpo_advantages
+from async_rl.learner.algorithms import token_logprobs
+from async_rl.learner.losses import PolicyLossStats, policy_loss
 
 EPS_LOW, EPS_HIGH, TIS_CAP = 0.2, 0.2, 2.0
 
@@ -18,7 +20,9 @@ def t(rows, dtype=torch.float64):
 
 def loss_and_grad(logp_vals, behav_vals, adv_vals, mask_vals, eps_low=EPS_LOW, eps_high=EPS_HIGH, tis_cap=TIS_CAP):
     logp = t(logp_vals).requires_grad_(True)
-    loss, stats = ppo_clip_loss(logp, t(behav_vals), t(adv_vals), t(mask_vals), eps_low, eps_high, tis_cap)
+    loss, _, stats = policy_loss(
+        logp, t(behav_vals), t(adv_vals), t(mask_vals), eps_low=eps_low, eps_high=eps_high, tis_cap=tis_cap
+    )
     loss.backward()
     return loss, logp.grad, stats
 
@@ -58,7 +62,7 @@ def test_grpo_uniform_group_is_zero():
 
 
 def test_grpo_uniform_group_of_inexact_float32_rewards_is_zero():
-    # BUG: async_rl/learner/algorithms.py grpo_advantages (lines 16-18): the docstring promises 0 for a
+    # Regression (fixed): grpo_advantages: the docstring promises 0 for a
     # group whose rewards are all equal, but for float32 rewards that are not exact binary fractions
     # (0.9 * 8, as torch_learner.py line 47 builds them) the mean is off by one ulp and the std is
     # ~1e-8, so (r - mean) / (std + 1e-6) gives about -0.056 for every sample instead of 0: a
@@ -184,9 +188,10 @@ def test_mask_excludes_tokens():
 
 def test_bool_mask_and_all_masked():
     logp = t([[-1.0, -2.0]]).requires_grad_(True)
-    loss, stats = ppo_clip_loss(logp, t([[-1.0, -2.0]]), t([[1.0]]), torch.tensor([[True, False]]), 0.2, 0.2, 2.0)
+    kw = dict(eps_low=0.2, eps_high=0.2, tis_cap=2.0)
+    loss, _, stats = policy_loss(logp, t([[-1.0, -2.0]]), t([[1.0]]), torch.tensor([[True, False]]), **kw)
     assert loss.item() == pytest.approx(-1.0)  # advantages broadcast per sequence
-    loss, stats = ppo_clip_loss(logp, t([[-1.0, -2.0]]), t([[1.0]]), torch.tensor([[False, False]]), 0.2, 0.2, 2.0)
+    loss, _, stats = policy_loss(logp, t([[-1.0, -2.0]]), t([[1.0]]), torch.tensor([[False, False]]), **kw)
     assert loss.item() == 0.0  # denominator clamped to 1: no division by zero
     assert not math.isnan(stats.kl_behav)
 
@@ -201,7 +206,7 @@ def test_stats_mix_hand_values():
     behav = [math.log(0.1)] * 4
     lp = [math.log(0.1 * x) for x in r]
     loss, grad, stats = loss_and_grad([lp], [behav], [[1.0, -1.0, 1.0, 1.0]], [[1.0, 1.0, 1.0, 0.0]])
-    assert isinstance(stats, LossStats)
+    assert isinstance(stats, PolicyLossStats)
     assert loss.item() == pytest.approx(-(1.2 - 2.0 + 1.0) / 3)
     assert stats.clip_frac == pytest.approx(1 / 3)
     assert stats.tis_frac == pytest.approx(1 / 3)

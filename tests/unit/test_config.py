@@ -48,8 +48,8 @@ train:
 learner:
   world_size: 2
   lr: 0.0005
-buffer:
-  filter_uniform_groups: true
+algorithm:
+  dynamic_sampling: true
 logging:
   wandb:
     mode: disabled
@@ -66,7 +66,7 @@ logging:
     assert cfg.train.prompts_per_step == 6
     assert cfg.learner.world_size == 2
     assert cfg.learner.lr == 0.0005 and type(cfg.learner.lr) is float
-    assert cfg.buffer.filter_uniform_groups is True
+    assert cfg.algorithm.dynamic_sampling is True
     assert cfg.logging.wandb.mode == "disabled"
     # untouched fields keep their defaults
     assert cfg.generators.group_size == 8
@@ -158,7 +158,7 @@ def test_section_given_a_scalar_names_key():
     [
         ("generators.num_engines=0", "generators.num_engines"),
         ("learner.lr=0", "learner.lr"),
-        ("learner.tis_cap=1.0", "learner.tis_cap"),
+        ("algorithm.tis_cap=1.0", "algorithm.tis_cap"),
         ("generators.gpu_memory_utilization=1.5", "generators.gpu_memory_utilization"),
         ("buffer.ingest_port=70000", "buffer.ingest_port"),
         ("train.max_lag=-1", "train.max_lag"),
@@ -226,7 +226,7 @@ def test_override_into_non_section():
 def test_override_values_parsed_as_yaml():
     tree: dict = {}
     apply_override(tree, "generators.num_engines=3")
-    apply_override(tree, "buffer.filter_uniform_groups=true")
+    apply_override(tree, "algorithm.dynamic_sampling=true")
     apply_override(tree, "learner.lr=0.5")
     apply_override(tree, "logging.run_name=abc")
     apply_override(tree, "logging.wandb.project=")
@@ -234,7 +234,7 @@ def test_override_values_parsed_as_yaml():
     apply_override(tree, "a.b=c=d")  # only the first '=' splits
     assert tree == {
         "generators": {"num_engines": 3},
-        "buffer": {"filter_uniform_groups": True},
+        "algorithm": {"dynamic_sampling": True},
         "learner": {"lr": 0.5},
         "logging": {"run_name": "abc", "wandb": {"project": ""}},
         "x": {"y": [1, 2]},
@@ -251,10 +251,10 @@ def test_override_bad_yaml_value():
 
 def test_overrides_apply_on_top_of_file_in_order(tmp_path):
     p = write(tmp_path, "generators:\n  num_engines: 2\n  group_size: 4\n")
-    cfg = load_config(p, ["generators.num_engines=5", "generators.num_engines=6", "buffer.filter_uniform_groups=true"])
+    cfg = load_config(p, ["generators.num_engines=5", "generators.num_engines=6", "algorithm.dynamic_sampling=true"])
     assert cfg.generators.num_engines == 6
     assert cfg.generators.group_size == 4
-    assert cfg.buffer.filter_uniform_groups is True
+    assert cfg.algorithm.dynamic_sampling is True
 
 
 def test_scientific_notation_float(tmp_path):

@@ -60,13 +60,51 @@ def test_split_respects_sequence_and_token_limits():
     assert [len(c) for c in split(samples, 0, 0)] == [4]
 
 
+def prepared_samples(model, model_dir, gs, **algorithm):
+    from async_rl.config import AlgorithmConfig
+    from async_rl.learner.algorithms import Algorithm
+    from async_rl.learner.torch_learner import Collated
+
+    algo = Algorithm(
+        AlgorithmConfig(**algorithm), max_tokens=8, temperature=1.0, model_dir=str(model_dir), dtype=torch.float32,
+        hidden_size=model.config.hidden_size, seed=0, max_grad_norm=1.0,
+    )
+    return shard_samples(gs, algo.prepare(Collated(gs), model))
+
+
+def test_padded_preparation_reaches_packed_micro_batches(model_dir):
+    """The algorithm prepares on padded rows; its per-token values must land on the right tokens of
+    the packed row. With the decoupled objective the proximal log-probs are the current weights'
+    log-probs, so the packed forward must reproduce them token by token."""
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.learner.algorithms import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gs = groups(1, n_groups=2, group_size=3)
+    samples = prepared_samples(model, model_dir, gs, objective="decoupled")
+    mb = packed(samples)
+    assert mb.prox_logp is not None and mb.ref_logp is None
+    with torch.no_grad():
+        logp = token_logprobs(model(**mb.model_inputs(torch.device("cpu"))).logits, mb.targets)
+    for s, lp, prox in zip(samples, mb.per_sequence(logp), mb.per_sequence(mb.prox_logp), strict=True):
+        np.testing.assert_allclose(lp, s.prox_logp, atol=2e-5, rtol=0)
+        np.testing.assert_array_equal(prox, s.prox_logp)
+    # GRPO advantages: one value per completion, broadcast over its tokens, group by group
+    rewards = [r for g in gs for r in g.rewards]
+    per_seq = [float(s.advantages[0]) for s in samples]
+    assert all(np.all(s.advantages == s.advantages[0]) for s in samples)
+    best = int(np.argmax(rewards[:3]))
+    assert per_seq[best] == max(per_seq[:3]) > 0
+
+
 def test_packed_logprobs_equal_padded(model_dir):
     from transformers import AutoModelForCausalLM
 
     from async_rl.learner.algorithms import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    samples = shard_samples(groups(0, n_groups=3, group_size=4))
+    samples = prepared_samples(model, model_dir, groups(0, n_groups=3, group_size=4))
     lengths = {len(s.tokens) for s in samples}
     assert len(lengths) > 1  # padding really happens in the padded layout
     results = []

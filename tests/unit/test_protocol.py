@@ -295,7 +295,7 @@ def test_minus_infinity_logprob():
     # BUG: async_rl/protocol.py decode_groups (line 193, `np.all(logprobs <= 1e-3)`) lets -inf through,
     # although its own message says "log-probs must be finite and <= 0". A -inf behaviour log-prob
     # makes the importance ratio exp(logp - (-inf)) = inf, and the clamp's zero gradient times inf is
-    # NaN in ppo_clip_loss, so one such token poisons a whole optimizer step.
+    # NaN in the policy loss, so one such token poisons a whole optimizer step.
     reject(_set_logprob(frames(), 3, -math.inf), "bad_value")
 
 

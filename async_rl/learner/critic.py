@@ -1,0 +1,65 @@
+"""PPO's critic: a small value head on the policy's last hidden states, with its own optimizer.
+
+The head reads the hidden states *detached* from the policy: the value loss never moves the policy
+weights (so what is broadcast to vLLM and saved as the HF model is the policy alone), and the critic
+is a few thousand parameters instead of a second copy of the model. It is trained on the same batch,
+before the policy step, from the values it predicted before its own update (standard PPO).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from async_rl.learner.losses import value_loss
+
+
+class ValueHead(torch.nn.Module):
+    def __init__(self, hidden_size: int, width: int, seed: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(hidden_size, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
+        )
+        # Same initial weights on every data-parallel rank, independent of the global RNG's history.
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5))
+            self.net[-1].weight.zero_()  # V = bias = 0 at the start: advantages start as plain returns
+            self.net[-1].bias.zero_()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] -> [B, T]"""
+        return self.net(hidden.float()).squeeze(-1)
+
+
+class Critic:
+    def __init__(self, hidden_size: int, width: int, lr: float, seed: int, max_grad_norm: float) -> None:
+        self.head = ValueHead(hidden_size, width, seed)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr)
+        self.max_grad_norm = max_grad_norm
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.head(hidden)
+
+    def update(self, hidden: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+        """One optimizer step on 0.5 * (V - R)^2; returns the loss before the step."""
+        loss = value_loss(self.head(hidden.detach()), returns, mask)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            world = dist.get_world_size()
+            for p in self.head.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def state_dict(self) -> dict:
+        return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])

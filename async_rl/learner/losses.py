@@ -1,0 +1,132 @@
+"""Policy loss with off-policy corrections, KL penalty and value loss. Pure tensor functions.
+
+Notation per token: pi = the policy being trained, mu = vLLM's behaviour policy (the log-probs that
+came with the sample), pi_prox = the proximal policy (the learner's weights before this update,
+recomputed by the learner; decoupled objective only), A = advantage.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+
+class PolicyLossStats(msgspec.Struct):
+    loss: float
+    clip_frac: float  # fraction of kept tokens where the clipped term was active
+    tis_frac: float  # fraction of kept tokens whose importance ratio hit the truncation cap
+    masked_frac: float  # fraction of completion tokens masked out for an extreme importance ratio
+    kl_behav: float  # k3 estimate of KL(mu || pi) on the sampled tokens (all completion tokens)
+    logprob_abs_diff: float  # mean |log pi - log mu| before the update (all completion tokens)
+
+
+def extreme_ratio_mask(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """True where exp(log_ratio) is outside [low, high]; a bound of 0 is off."""
+    ratio = torch.exp(log_ratio)
+    out = torch.zeros_like(ratio, dtype=torch.bool)
+    if low > 0:
+        out |= ratio < low
+    if high > 0:
+        out |= ratio > high
+    return out
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    tis_cap: float,
+    prox_logp: torch.Tensor | None = None,
+    ratio_mask_low: float = 0.0,
+    ratio_mask_high: float = 0.0,
+    denominator: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, PolicyLossStats]:
+    """The off-policy policy-gradient loss. Returns (loss, kept-token mask, stats).
+
+    behaviour objective (prox_logp None), with r = pi / mu:
+        loss_t = -min(min(r, C) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+      Truncating r at C bounds negative-advantage tokens whose ratio exploded (for A > 0 the clip
+      already bounds it), so stale or mismatched samples cannot dominate.
+    decoupled objective (AReaL), with r = pi / pi_prox and w = min(pi_prox / mu, C), w a constant:
+        loss_t = -w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+      The trust region is around the learner's own recent policy, not around whatever (possibly
+      several versions old) policy vLLM sampled with; w corrects for the sampling.
+    Tokens whose importance ratio against mu (pi_prox / mu, or pi / mu without pi_prox) lies outside
+    [ratio_mask_low, ratio_mask_high] are dropped from the loss and counted.
+    Aggregation: sum over kept tokens / `denominator` (default: the number of kept tokens, i.e. the
+    token mean; Dr.GRPO passes a constant). `advantages` is [B, T] or [B, 1] (per sequence).
+    """
+    mask = mask.to(logp.dtype)
+    behav_logp = behav_logp.to(logp.dtype)
+    anchor = (prox_logp.to(logp.dtype) if prox_logp is not None else logp).detach()
+    is_log_ratio = anchor - behav_logp
+    extreme = extreme_ratio_mask(is_log_ratio, ratio_mask_low, ratio_mask_high).to(logp.dtype) * mask
+    kept = mask - extreme
+    denom = torch.as_tensor(denominator if denominator is not None else kept.sum(), dtype=logp.dtype).clamp(
+        min=1.0
+    )
+    if prox_logp is None:
+        ratio = torch.exp(logp - behav_logp)
+        unclipped = torch.clamp(ratio, max=tis_cap) * advantages
+        weight = torch.ones_like(ratio)
+    else:
+        ratio = torch.exp(logp - anchor)
+        unclipped = ratio * advantages
+        weight = torch.clamp(torch.exp(is_log_ratio), max=tis_cap)
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    surrogate = weight * torch.minimum(unclipped, clipped)
+    loss = -(surrogate * kept).sum() / denom
+    with torch.no_grad():
+        n_kept = kept.sum().clamp(min=1.0)
+        n_all = mask.sum().clamp(min=1.0)
+        lr = (logp - behav_logp).detach()
+        stats = PolicyLossStats(
+            loss=float(loss.detach()),
+            clip_frac=float(((clipped < unclipped).to(logp.dtype) * kept).sum() / n_kept),
+            tis_frac=float(((torch.exp(is_log_ratio) > tis_cap).to(logp.dtype) * kept).sum() / n_kept),
+            masked_frac=float(extreme.sum() / n_all),
+            kl_behav=float(((torch.exp(lr) - 1 - lr) * mask).sum() / n_all),
+            logprob_abs_diff=float((lr.abs() * mask).sum() / n_all),
+        )
+    return loss, kept, stats
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled by pi.
+
+    k1 = log pi - log ref (unbiased, can be negative); k3 = exp(ref - pi) - (ref - pi) - 1 (unbiased,
+    never negative, lower variance; its gradient as a loss is the GRPO choice).
+    """
+    d = ref_logp.to(logp.dtype) - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k3":
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"unknown KL estimator '{estimator}' (k1, k3)")
+
+
+def kl_penalty(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str,
+    denominator: float | None = None,
+) -> tuple[torch.Tensor, float]:
+    """The KL loss term (before its coefficient): sum over mask / denominator (default: token mean).
+    Returns (term, its value as a float)."""
+    mask = mask.to(logp.dtype)
+    denom = torch.as_tensor(denominator if denominator is not None else mask.sum(), dtype=logp.dtype).clamp(
+        min=1.0
+    )
+    term = (kl_estimate(logp, ref_logp, estimator) * mask).sum() / denom
+    return term, float(term.detach())
+
+
+def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0.5 * mean over masked tokens of (V - R)^2."""
+    mask = mask.to(values.dtype)
+    return 0.5 * (((values - returns.to(values.dtype)) ** 2) * mask).sum() / mask.sum().clamp(min=1.0)
