@@ -183,6 +183,22 @@ async def param_checksums(llm) -> list[ParamChecksum]:
     return [msgspec.msgpack.decode(r, type=ParamChecksum) for r in raw]
 
 
+def is_dead(llm) -> bool:
+    """vLLM's engine core process died (AsyncLLM.errored): no request can succeed any more."""
+    return llm is not None and bool(llm.errored)
+
+
+def engine_core_pids(llm) -> list[int]:
+    """Pids of vLLM's engine core processes (children of this process)."""
+    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", None)
+    if procs:
+        return [p.pid for p in procs if p.pid is not None]
+    import psutil  # another vLLM layout: fall back to this process's children
+
+    return [c.pid for c in psutil.Process().children(recursive=False)]
+
+
 def shutdown(llm) -> None:
     # The default 5 s timeout SIGKILLs a busy engine core and leaves a zombie; give it time.
     llm.shutdown(timeout=15)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.cluster.placement import pin_current_process
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.resources import advertised_host, free_port
 from async_rl.learner.algorithms import grpo_advantages, ppo_clip_loss, token_logprobs
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
 from async_rl.learner.batch_client import BatchClient
@@ -63,9 +64,16 @@ class TorchLearnerRank(LearnerRank):
         self._weight_info: WeightGroupInfo | None = None
         self._weight_generation = 0
         self._manifest: Manifest | None = None
+        # The actor runs two calls at once (a weight sync or a buffer redirect while train_step waits
+        # for its batch); the weights change only under this lock, so a sync never sends a mix.
+        self._weights_lock = threading.Lock()
+        self.version = 0  # optimizer steps taken: the policy version these weights are
 
     def rendezvous_address(self) -> str:
-        self.master = f"127.0.0.1:{free_port()}"
+        import ray
+
+        host = ray.util.get_node_ip_address()  # other ranks may run on other nodes
+        self.master = f"{host}:{free_port(host)}"
         return self.master
 
     def setup(self) -> int:
@@ -97,6 +105,12 @@ class TorchLearnerRank(LearnerRank):
         t0 = time.perf_counter()
         groups = self.batches.fetch(step, self.s.batch_timeout_s)
         t1 = time.perf_counter()
+        with self._weights_lock:
+            metrics = self._train_on(step, groups, t0, t1)
+            self.version += 1
+            return metrics
+
+    def _train_on(self, step: int, groups: list[TrajectoryGroup], t0: float, t1: float) -> StepMetrics:
         b = Collated(groups)
         self._last_batch = b
         logits = self.ddp(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
@@ -129,7 +143,7 @@ class TorchLearnerRank(LearnerRank):
         same convention as vLLM's prompt log-probs): compared with a generator scoring the same tokens."""
         b = self._last_batch
         n = min(max_samples, len(b.seqs))
-        with torch.no_grad():
+        with torch.no_grad(), self._weights_lock:
             logits = self.model(input_ids=b.input_ids[:n], attention_mask=b.attention_mask[:n]).logits[:, :-1]
             logp = token_logprobs(logits, b.input_ids[:n, 1:])
         token_ids, positions, values = [], [], []
@@ -156,7 +170,7 @@ class TorchLearnerRank(LearnerRank):
         self._sender = None
         self._weight_generation += 1
         self._weight_info, self._store = open_membership(
-            self.s.weight_sync_host,
+            advertised_host(self.s.weight_sync_host),
             self.s.weight_sync_port,
             world_size,
             self.s.weight_sync_timeout_s,
@@ -174,11 +188,27 @@ class TorchLearnerRank(LearnerRank):
     def broadcast_weights(self, version: int) -> UpdateReceipt:
         if self._sender is None:
             raise RuntimeError("broadcast_weights before join_weight_group")
-        with torch.no_grad():
+        with torch.no_grad():  # the caller pinned the weights (pin_weights)
             return self._sender.send(self._named_tensors(), version)
 
+    def pin_weights(self, version: int) -> bool:
+        # Released by unpin_weights, from another call (possibly another thread): a plain Lock allows it.
+        self._weights_lock.acquire()
+        if self.version != version:
+            self._weights_lock.release()
+            return False
+        return True
+
+    def unpin_weights(self) -> None:
+        if self._weights_lock.locked():
+            self._weights_lock.release()
+
     def param_checksum(self) -> ParamChecksum:
-        return checksum_of(self._named_tensors().values())
+        with self._weights_lock:
+            return checksum_of(self._named_tensors().values())
+
+    def redirect_buffer(self, address: str) -> None:
+        self.batches.redirect(address)
 
     def shutdown(self) -> None:
         if self._weight_info is not None and self._weight_info.shm_path:
