@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import time
 from pathlib import Path
 
@@ -178,6 +179,10 @@ class ReplayBuffer:
                 self._returned.append(prompt)
             self._changed.notify_all()
         return len(back)
+
+    def pid(self) -> int:
+        """This actor's process (operators and crash tests kill it by pid)."""
+        return os.getpid()
 
     def outstanding(self, engine_id: int) -> int:
         return sum(1 for eid, _ in self._outstanding.values() if eid == engine_id)

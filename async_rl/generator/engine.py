@@ -61,7 +61,7 @@ class EnginePids(msgspec.Struct, frozen=True):
     """Operating-system processes of one engine (operators and crash tests kill them by pid)."""
 
     actor: int  # the Ray actor process (owns AsyncLLM, the reward threads, the ZMQ socket)
-    engine_core: list[int]  # vLLM's engine core process(es), children of the actor
+    engine_core: list[int]  # vLLM's processes under the actor (engine core, workers)
 
 
 class GeneratorEngine:

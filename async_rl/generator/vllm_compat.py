@@ -189,14 +189,10 @@ def is_dead(llm) -> bool:
 
 
 def engine_core_pids(llm) -> list[int]:
-    """Pids of vLLM's engine core processes (children of this process)."""
-    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
-    procs = getattr(manager, "processes", None)
-    if procs:
-        return [p.pid for p in procs if p.pid is not None]
-    import psutil  # another vLLM layout: fall back to this process's children
+    """Pids of every process vLLM started under this one (engine core, its workers)."""
+    import psutil
 
-    return [c.pid for c in psutil.Process().children(recursive=False)]
+    return [c.pid for c in psutil.Process().children(recursive=True)]
 
 
 def shutdown(llm) -> None:
