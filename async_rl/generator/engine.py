@@ -164,7 +164,6 @@ class GeneratorEngine:
         """Take no new lease; let the requests in flight finish (up to `timeout_s`). Returns how many
         are still unfinished; the controller hands their leases back to the prompt pool."""
         self._draining = True
-        self._running.set()  # a paused engine finishes its requests too (it holds current weights)
         pending = list(self._inflight.values())
         if pending:
             await asyncio.wait(pending, timeout=timeout_s)

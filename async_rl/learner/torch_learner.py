@@ -67,7 +67,7 @@ class TorchLearnerRank(LearnerRank):
         # The actor runs two calls at once (a weight sync or a buffer redirect while train_step waits
         # for its batch); the weights change only under this lock, so a sync never sends a mix.
         self._weights_lock = threading.Lock()
-        self.version = 0  # optimizer steps taken: the policy version these weights are
+        self.version = 0  # the policy version these weights are (step + 1 after train_step(step))
 
     def rendezvous_address(self) -> str:
         import ray
@@ -107,7 +107,7 @@ class TorchLearnerRank(LearnerRank):
         t1 = time.perf_counter()
         with self._weights_lock:
             metrics = self._train_on(step, groups, t0, t1)
-            self.version += 1
+            self.version = step + 1
             return metrics
 
     def _train_on(self, step: int, groups: list[TrajectoryGroup], t0: float, t1: float) -> StepMetrics:
@@ -194,7 +194,7 @@ class TorchLearnerRank(LearnerRank):
     def pin_weights(self, version: int) -> bool:
         # Released by unpin_weights, from another call (possibly another thread): a plain Lock allows it.
         self._weights_lock.acquire()
-        if self.version != version:
+        if self.version > version:  # trained past it (a resumed run may not have counted up to it)
             self._weights_lock.release()
             return False
         return True

@@ -15,6 +15,7 @@ import pytest
 import ray
 from test_training_run import REPO, check_common, run_short
 
+from async_rl.errors import RunError
 from async_rl.generator.pool import GeneratorPool
 
 pytestmark = pytest.mark.integration
@@ -89,7 +90,7 @@ def test_scale_command_up_and_down_and_buffer_restart(tmp_path, model_cache):
     assert pools == [[0, 1], [0]]
     check_common(*out, engines=[0], rejected_ok=("unknown_prompt", "wrong_engine"))
     records = out[-1]
-    assert [r["num_engines"] for r in records][:3] == [1, 2, 1]
+    assert [r["num_engines"] for r in records][:4] == [1, 1, 2, 1]  # logged before the change applies
     assert all(r["lost"] == 0 for r in records)  # drained and restarted: handed back, never lost
     log = events(tmp_path)
     assert [(e["source"], e["engines_before"], e["engines_after"]) for e in log] == [
@@ -133,3 +134,38 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
     requeued = sum(int(e["reason"].split(";")[1].split()[0]) for e in died)
     assert final.accounts.requeued == 4 * requeued  # every handed-back lease is in the ledger
     assert [e["source"] for e in log] == ["recovery"] * 4  # died, replaced; died, replaced
+
+
+def test_dead_learner_rank_stops_the_run_naming_the_checkpoint(tmp_path, model_cache):
+    def between(controller, step):
+        if step == 0:
+            (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)  # as a checkpointer would leave it
+            pid = ray.get(controller.learner.actors[0].__ray_call__.remote(lambda self: os.getpid()))
+            os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(RunError) as err:
+        run_short(tmp_path, model_cache, [*SHORT, "train.total_steps=3"], between=between)
+    assert str(err.value).startswith("learner rank 0 died (")
+    assert str(err.value).endswith(f"resume from checkpoint {tmp_path / 'checkpoints' / 'step_1'}")
+
+
+def test_autoscaler_grows_a_starved_pool(tmp_path, model_cache):
+    # Synchronous (max_lag 0): the learner waits for every batch to be generated, i.e. it is starved.
+    overrides = [
+        *SHORT,
+        "train.total_steps=4",
+        "train.max_lag=0",
+        "generators.autoscale.enabled=true",
+        "generators.autoscale.max_engines=2",
+        "generators.autoscale.window_steps=1",
+        "generators.autoscale.cooldown_steps=0",
+        "generators.autoscale.grow_wait_frac=0.05",
+        "generators.autoscale.shrink_wait_frac=0.0",
+        "generators.autoscale.shrink_fill_batches=100",
+    ]
+    out = run_short(tmp_path, model_cache, overrides)
+    check_common(*out, engines=[0, 1])
+    log = events(tmp_path)
+    assert [(e["source"], e["engines_before"], e["engines_after"]) for e in log] == [("autoscale", 1, 2)]
+    assert "learner starved (learner wait" in log[0]["reason"]
+    assert [r["num_engines"] for r in out[-1]][-1] == 2
