@@ -194,8 +194,11 @@ class Elastic:
             if req.engines < 1:
                 raise RunError(f"engines must be at least 1, not {req.engines}")
             self.resize(step, "operator", req.engines, f"operator asked for {req.engines} engine(s)")
-        except RunError as exc:
-            self.inbox.answer(ScaleReply(req.request_id, False, before, before, str(exc)))
+        except (RunError, ray.exceptions.RayError) as exc:  # a refused request never stops the run
+            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            now = len(self.ctl.generators.engines)
+            self.inbox.answer(ScaleReply(req.request_id, False, before, now, message))
+            self._event(step, "operator", before, now, f"request for {req.engines} engine(s) failed: {message}")
             return
         after = len(self.ctl.generators.engines)
         self.inbox.answer(ScaleReply(req.request_id, True, before, after, f"applied after step {step + 1}"))
@@ -203,7 +206,6 @@ class Elastic:
     def resize(self, step: int, source: str, engines: int, reason: str) -> None:
         pool, cfg = self.ctl.generators, self.ctl.cfg
         before = len(pool.engines)
-        self.target = engines
         if engines > before:
             new = pool.add(engines - before, paused=True)
             self.sync(self.ctl.version)  # added engines generate only with the current weights
@@ -214,6 +216,7 @@ class Elastic:
             detail = f"drained and removed engine(s) {leaving}; {back} unfinished leases requeued"
         else:
             detail = "no change"
+        self.target = engines  # only once it happened: a failed resize leaves the target as it was
         if engines != before:
             self.steps_since_change = 0
         self._event(step, source, before, len(pool.engines), f"{reason}: {detail}")

@@ -57,18 +57,25 @@ class GeneratorPool:
     def add(self, count: int, paused: bool) -> list[int]:
         """Start `count` engines (in parallel; vLLM start-up takes ~30 s each on CPU)."""
         new: list[EngineHandle] = []
-        for _ in range(count):
-            engine_id, self._next_id = self._next_id, self._next_id + 1
-            pool = ResourcePool(f"engine-{engine_id}", [{"CPU": self.cpus_per_engine}])
-            actor = (
-                ray.remote(GeneratorEngine)
-                .options(**pool.actor_options(0), max_concurrency=1000)
-                .remote(self.make_settings(engine_id), self.buffer)
-            )
-            handle = EngineHandle(engine_id, actor, pool)
-            self.engines[engine_id] = handle  # registered first, so shutdown finds a half-started engine
-            new.append(handle)
-        ray.get([h.actor.start.remote(paused) for h in new], timeout=TIMEOUT_S)
+        try:
+            for _ in range(count):
+                engine_id, self._next_id = self._next_id, self._next_id + 1
+                pool = ResourcePool(f"engine-{engine_id}", [{"CPU": self.cpus_per_engine}])
+                actor = (
+                    ray.remote(GeneratorEngine)
+                    .options(**pool.actor_options(0), max_concurrency=1000)
+                    .remote(self.make_settings(engine_id), self.buffer)
+                )
+                handle = EngineHandle(engine_id, actor, pool)
+                self.engines[engine_id] = handle  # registered first, so shutdown finds a half-started engine
+                new.append(handle)
+            ray.get([h.actor.start.remote(paused) for h in new], timeout=TIMEOUT_S)
+        except Exception:
+            # No room for another engine (or one failed to start): the pool stays as it was.
+            for h in new:
+                self.engines.pop(h.engine_id, None)
+                self._stop(h)
+            raise
         self.membership_stale = True
         return [h.engine_id for h in new]
 

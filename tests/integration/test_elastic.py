@@ -122,7 +122,8 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
         if step == 0:
             kill_engine(controller, 0)  # mid-generation: it holds leases and requests in flight
 
-    out = run_short(tmp_path, model_cache, SHORT, between=between)
+    slow = ["task.name=tests.integration._slow_task:make_task", "task.reward_workers=16", "task.reward_timeout_s=10"]
+    out = run_short(tmp_path, model_cache, [*SHORT, *slow], between=between)
     assert struck == [1]  # the replacement of engine 0 was the one killed mid-sync
     # Engine 2 replaced it; it holds exactly the learner's weights and the run reached its last step.
     check_common(*out, engines=[2], rejected_ok=("unknown_prompt", "wrong_engine"))
@@ -132,6 +133,7 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
     died = [e for e in log if "died" in e["reason"]]
     assert [e["reason"].split(";")[0] for e in died] == ["engine 0 died", "engine 1 died"]
     requeued = sum(int(e["reason"].split(";")[1].split()[0]) for e in died)
+    assert requeued > 0  # slow rewards: the engines held leases when they died
     assert final.accounts.requeued == 4 * requeued  # every handed-back lease is in the ledger
     assert [e["source"] for e in log] == ["recovery"] * 4  # died, replaced; died, replaced
 
