@@ -87,7 +87,7 @@ class Controller:
             if self.version % self.cfg.train.sync_every == 0:
                 sync_s = self.sync_weights(self.version)
                 mismatch = self.logprob_mismatch()
-            buffer: BufferStats = ray.get(self.buffer.stats.remote())
+            buffer: BufferStats = self.elastic.on_buffer(step, lambda b: b.stats.remote())
             elapsed = time.perf_counter() - t0
             record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
             record.num_engines = len(self.generators.engines)

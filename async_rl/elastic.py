@@ -18,11 +18,13 @@ Kept out of controller.py so its training loop stays on one screen. What happens
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 import ray
+from ray.actor import ActorHandle
 
 from async_rl import settings
 from async_rl.autoscale import ScaleDecision, ScaleSignal, decide
@@ -166,9 +168,17 @@ class Elastic:
                     raise RunError(f"weight sync v{version} failed: {str(exc).strip().splitlines()[-1]}") from None
                 ctl.generators.membership_stale = True
                 self.replace(version - 1, dead)
-        ray.get(ctl.buffer.set_generator_version.remote(version), timeout=START_TIMEOUT_S)
-        ctl.generators_version = version
+        ctl.generators_version = version  # before the call: a restarted buffer is told this version
+        self.on_buffer(version - 1, lambda b: b.set_generator_version.remote(version))
         return time.perf_counter() - t0
+
+    def on_buffer(self, step: int, call: Callable[[ActorHandle], ray.ObjectRef]) -> Any:
+        """A control call to the buffer; a dead buffer is restarted from its snapshot and asked again."""
+        try:
+            return ray.get(call(self.ctl.buffer), timeout=START_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            self.restart_buffer(step)
+            return ray.get(call(self.ctl.buffer), timeout=START_TIMEOUT_S)
 
     # ---- pool size between steps ----------------------------------------------------------------
 
