@@ -278,3 +278,16 @@ def test_learner_death_names_the_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "step_8").mkdir()
     assert latest_checkpoint(tmp_path).endswith("step_8")
     assert f"resume from checkpoint {tmp_path / 'checkpoints' / 'step_8'}" in str(learner_died(tmp_path, 0, RuntimeError("x")))
+
+
+# ---- multi-node addresses ----------------------------------------------------------------------
+
+
+def test_all_interfaces_are_advertised_as_the_node_ip():
+    import ipaddress
+
+    from async_rl.cluster.resources import advertised_host
+
+    assert advertised_host("127.0.0.1") == "127.0.0.1"  # loopback stays loopback (one machine)
+    ip = ipaddress.ip_address(advertised_host("0.0.0.0"))  # peers cannot connect to 0.0.0.0
+    assert not ip.is_unspecified
