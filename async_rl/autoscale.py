@@ -44,7 +44,9 @@ class ScaleDecision(msgspec.Struct, frozen=True):
         return self.engines != current
 
 
-def decide(policy: AutoscaleConfig, window: list[ScaleSignal], engines: int, steps_since_change: int) -> ScaleDecision:
+def decide(
+    policy: AutoscaleConfig, window: list[ScaleSignal], engines: int, steps_since_change: int
+) -> ScaleDecision:
     """The pool size the policy wants, and why. Pure: same inputs, same answer."""
     lo, hi = policy.min_engines, policy.max_engines
     if engines < lo:
@@ -52,7 +54,8 @@ def decide(policy: AutoscaleConfig, window: list[ScaleSignal], engines: int, ste
     if engines > hi:
         return ScaleDecision(hi, f"shrink {engines}->{hi}: above autoscale.max_engines")
     if len(window) < policy.window_steps:
-        return ScaleDecision(engines, f"hold {engines}: measuring ({len(window)}/{policy.window_steps} steps)")
+        measuring = f"{len(window)}/{policy.window_steps} steps"
+        return ScaleDecision(engines, f"hold {engines}: measuring ({measuring})")
     if steps_since_change < policy.cooldown_steps:
         return ScaleDecision(engines, f"hold {engines}: cooldown ({steps_since_change}/{policy.cooldown_steps} steps)")
     recent = window[-policy.window_steps :]

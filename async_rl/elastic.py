@@ -185,7 +185,7 @@ class Elastic:
     def between_steps(self, step: int, signal: ScaleSignal) -> None:
         """Operator requests first (they win), then the autoscaler."""
         self.steps_since_change += 1
-        self.signals.append(signal)
+        self.signals = [*self.signals[-99:], signal]  # the policy looks at a short window
         for item in self.inbox.poll():
             if isinstance(item, ScaleReply):  # a malformed request, already answered
                 print(f"[operator] {item.message}", file=self.stream, flush=True)
@@ -196,7 +196,12 @@ class Elastic:
             current = len(self.ctl.generators.engines)
             decision: ScaleDecision = decide(policy, self.signals, current, self.steps_since_change)
             if decision.changes(current):
-                self.resize(step, "autoscale", decision.engines, decision.reason)
+                try:
+                    self.resize(step, "autoscale", decision.engines, decision.reason)
+                except (RunError, ray.exceptions.RayError) as exc:  # e.g. no room: try again after cooldown
+                    self.steps_since_change = 0
+                    after = len(self.ctl.generators.engines)
+                    self._event(step, "autoscale", current, after, f"{decision.reason}: failed: {exc}")
 
     def _operator(self, step: int, req: ScaleRequest) -> None:
         before = len(self.ctl.generators.engines)
@@ -217,6 +222,10 @@ class Elastic:
         pool, cfg = self.ctl.generators, self.ctl.cfg
         before = len(pool.engines)
         if engines > before:
+            need = (engines - before) * cfg.generators.cpus_per_engine
+            free = ray.available_resources().get("CPU", 0.0)
+            if free < need:  # refuse now rather than wait for a placement that cannot happen
+                raise RunError(f"{engines - before} more engine(s) need {need} CPU(s), the Ray cluster has {free:g} free")
             new = pool.add(engines - before, paused=True)
             self.sync(self.ctl.version)  # added engines generate only with the current weights
             detail = f"added engine(s) {new}"
