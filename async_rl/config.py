@@ -45,6 +45,24 @@ class TaskConfig(_Section):
     reward_workers: Annotated[int, _f("threads per engine that run reward functions", ge=1)] = 2
 
 
+class AutoscaleConfig(_Section):
+    enabled: Annotated[bool, _f("grow and shrink the generator pool from learner wait time and buffer fill")] = False
+    min_engines: Annotated[int, _f("the pool never shrinks below this many engines", ge=1)] = 1
+    max_engines: Annotated[int, _f("the pool never grows above this many engines", ge=1)] = 4
+    grow_wait_frac: Annotated[
+        float, _f("grow when the learner waits for its batch at least this fraction of the step", gt=0, le=1)
+    ] = 0.3
+    shrink_wait_frac: Annotated[
+        float, _f("shrink only when the learner waits at most this fraction of the step", ge=0, le=1)
+    ] = 0.05
+    shrink_fill_batches: Annotated[
+        float, _f("... and at least this many batches of complete groups wait in the buffer after the step", ge=0)
+    ] = 1.0
+    window_steps: Annotated[int, _f("decisions use the mean of the last this many steps", ge=1)] = 3
+    cooldown_steps: Annotated[int, _f("steps after a change before the next decision (new engines start)", ge=0)] = 3
+    step_engines: Annotated[int, _f("engines added or removed per decision", ge=1)] = 1
+
+
 class GeneratorConfig(_Section):
     num_engines: Annotated[int, _f("number of vLLM engines in the generator pool", ge=1)] = 1
     tensor_parallel_size: Annotated[int, _f("vLLM tensor-parallel workers per engine", ge=1)] = 1
@@ -62,6 +80,14 @@ class GeneratorConfig(_Section):
            "abort (cut, resubmit the rest), wait (finish them on the old weights first)"),
     ] = "keep"
     seed: Annotated[int, _f("vLLM sampling seed")] = 0
+    drain_timeout_s: Annotated[
+        float, _f("a removed engine finishes its requests in flight for up to this long; the rest are "
+                  "handed back to the prompt pool", ge=0)
+    ] = 60.0
+    health_check_s: Annotated[
+        float, _f("while the learner waits, engines and buffer are checked for death this often", gt=0)
+    ] = 2.0
+    autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
 
 
 class TrainConfig(_Section):
@@ -183,7 +209,9 @@ class AlgorithmConfig(_Section):
 
 
 class BufferConfig(_Section):
-    host: Annotated[str, _f("interface the buffer's ZMQ sockets bind to")] = "127.0.0.1"
+    host: Annotated[
+        str, _f("interface the buffer's ZMQ sockets bind to; 0.0.0.0 = every interface, reached at the node's IP")
+    ] = "127.0.0.1"
     ingest_port: Annotated[int, _f("ZMQ PULL port for trajectories (0 = any free port)", ge=0, le=65535)] = 0
     serve_port: Annotated[int, _f("ZMQ ROUTER port serving batches to learner ranks (0 = any free)", ge=0, le=65535)] = 0
     max_frame_mb: Annotated[int, _f("largest accepted trajectory frame, MiB", ge=1)] = 64
@@ -202,7 +230,9 @@ class WeightSyncConfig(_Section):
         Literal["", "float32", "bfloat16", "float16"], _f("cast floating weights to this dtype on the wire ('' = none)")
     ] = ""
     bucket_mb: Annotated[int, _f("size of one broadcast bucket, MiB", ge=1)] = 64
-    host: Annotated[str, _f("address of learner rank 0 for the broadcast group rendezvous")] = "127.0.0.1"
+    host: Annotated[
+        str, _f("address of learner rank 0 for the broadcast group rendezvous; 0.0.0.0 = its node's IP")
+    ] = "127.0.0.1"
     port: Annotated[int, _f("rendezvous port of the broadcast group (0 = any free port)", ge=0, le=65535)] = 0
     timeout_s: Annotated[float, _f("a broadcast group that does not form or move in this time fails", gt=0)] = 120.0
     checksum: Annotated[
@@ -349,6 +379,16 @@ def validate(cfg: Config) -> None:
         _validate_megatron(cfg)
     if cfg.placement == "colocated" and t.max_lag != 0:
         raise ConfigError(f"placement=colocated alternates generation and training: it needs train.max_lag=0, not {t.max_lag}")
+    a = cfg.generators.autoscale
+    if a.min_engines > a.max_engines:
+        raise ConfigError(
+            f"generators.autoscale.min_engines={a.min_engines} is above max_engines={a.max_engines}"
+        )
+    if a.shrink_wait_frac >= a.grow_wait_frac:
+        raise ConfigError(
+            f"generators.autoscale.shrink_wait_frac={a.shrink_wait_frac} must be below grow_wait_frac="
+            f"{a.grow_wait_frac} (else the pool would flap)"
+        )
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
     validate_algorithm(cfg.algorithm)

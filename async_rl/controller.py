@@ -18,10 +18,12 @@ import ray
 from ray.actor import ActorHandle
 
 from async_rl import checkpoint, settings
-from async_rl.buffer.actor import BufferStats, ReplayBuffer
+from async_rl.autoscale import ScaleSignal
+from async_rl.buffer.actor import BufferAddresses, BufferStats
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.cluster.resources import ResourcePool, WorkerGroup
 from async_rl.config import Config
+from async_rl.elastic import Elastic, buffer_actor
 from async_rl.errors import RunError
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
@@ -59,7 +61,10 @@ class Controller:
         self.plan = plan
         self.run_id = uuid.uuid4().hex[:12]
         self.version = 0
+        self.generators_version = 0  # the version every engine holds (after the last sync)
         self.buffer: ActorHandle | None = None
+        self.addresses: BufferAddresses | None = None
+        self.elastic: Elastic | None = None
         self.generators: GeneratorPool | None = None
         self.learner: WorkerGroup | None = None
         self._pools: list[ResourcePool] = []
@@ -71,6 +76,7 @@ class Controller:
         and operators use it to change the generator pool while the run goes on)."""
         t_ready = time.perf_counter()
         self.start()
+        self.elastic = Elastic(self, metrics.stream)
         print(
             f"ready in {time.perf_counter() - t_ready:.0f}s: {len(self.generators.engines)} engine(s), "
             f"{self.learner.world_size} learner rank(s); training",
@@ -83,19 +89,22 @@ class Controller:
             t0 = time.perf_counter()
             if self.cfg.placement == "colocated":
                 self.take_turns()
-            per_rank: list[StepMetrics] = self.learner.call(lambda a, s=step: a.train_step.remote(s))
+            per_rank: list[StepMetrics] = self.elastic.train_step(step)  # watches for dead processes
             self.version = step + 1
             sync_s, mismatch = 0.0, None
             if self.version % self.cfg.train.sync_every == 0:
                 sync_s = self.sync_weights(self.version)
                 mismatch = self.logprob_mismatch()
-            buffer: BufferStats = ray.get(self.buffer.stats.remote())
+            buffer: BufferStats = self.elastic.on_buffer(step, lambda b: b.stats.remote())
             elapsed = time.perf_counter() - t0
             record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
+            record.num_engines = len(self.generators.engines)
             metrics.log(record)
             rewards.append(record.reward_mean)
             if self.checkpoint_due(step):
                 self.save_checkpoint()
+            signal = ScaleSignal(elapsed, record.learner_wait_s, buffer.waiting_groups, self.cfg.train.prompts_per_step)
+            self.elastic.between_steps(step, signal)  # operator requests, autoscaling
             if between_steps is not None:
                 between_steps(step)
         if not rewards:
@@ -122,11 +131,11 @@ class Controller:
         self.generators.sleep()
 
     def sync_weights(self, version: int) -> float:
-        """Weights of `version` from learner rank 0 into every engine; then admission may use them."""
+        """Weights of `version` from learner rank 0 into every engine; then admission may use them.
+        A dead engine is replaced and the sync retried (see elastic.py)."""
         t0 = time.perf_counter()
         self.learner.call(lambda a: a.gather_weights.remote())  # sharded learners gather to rank 0
-        self.generators.sync(self.learner.actors[0], version)
-        ray.get(self.buffer.set_generator_version.remote(version))
+        self.elastic.sync(version)
         return time.perf_counter() - t0
 
     def logprob_mismatch(self) -> float | None:
@@ -183,23 +192,30 @@ class Controller:
 
     def add_engines(self, count: int) -> list[int]:
         """New engines start paused and receive the current weights at the next sync."""
-        return self.generators.add(count, paused=True)
+        new = self.generators.add(count, paused=True)
+        self.elastic.target = len(self.generators.engines)
+        return new
 
     def remove_engine(self, engine_id: int) -> int:
-        return self.generators.remove(engine_id)
+        """Drain and stop one engine; returns how many of its leases went back to the prompt pool."""
+        back = self.generators.remove(engine_id, self.cfg.generators.drain_timeout_s)
+        self.elastic.target = len(self.generators.engines)
+        return back
+
+    def make_buffer(self, restore: bool = False) -> tuple[ActorHandle, BufferAddresses]:
+        buffer = buffer_actor(self, restore)
+        return buffer, ray.get(buffer.start.remote(), timeout=START_TIMEOUT_S)
 
     # ---- start and stop --------------------------------------------------------------------------
 
     def start(self) -> None:
         cfg = self.cfg
-        self.buffer = ray.remote(ReplayBuffer).options(num_cpus=0, name=f"buffer-{self.run_id}").remote(
-            settings.buffer_settings(cfg, self.run_id)
-        )
-        addresses = ray.get(self.buffer.start.remote(), timeout=START_TIMEOUT_S)
+        self.buffer, self.addresses = self.make_buffer()
         if self.resume_from is not None:  # before any lease: accounting and prompt position go on
             ray.get(self.buffer.restore.remote(checkpoint.load_state(self.resume_from).buffer))
         self.generators = GeneratorPool(
-            lambda i: settings.engine_settings(cfg, self.run_id, self.model_dir, self.plan, i, addresses.ingest),
+            # reads self.addresses when an engine starts: a restarted buffer has new ones
+            lambda i: settings.engine_settings(cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest),
             self.buffer,
             cfg.generators.cpus_per_engine,
             cfg.generators.tensor_parallel_size,
@@ -210,10 +226,12 @@ class Controller:
             rank_bundle["GPU"] = 1  # megatron-core needs CUDA: one GPU per rank
         learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
         self._pools.append(learner_pool)
-        learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, addresses.serve)
+        learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, self.addresses.serve)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
+            # Two calls at once: a weight sync or buffer redirect while train_step waits for a batch.
+            options = {**options, "max_concurrency": 2}
             if cfg.learner.backend == "megatron":
                 from async_rl.learner.megatron_learner import MegatronLearnerRank
 
@@ -236,6 +254,9 @@ class Controller:
     def shutdown(self) -> BufferStats | None:
         """Stop everything this controller started, through its handles. Safe to call twice."""
         final = None
+        if self.elastic is not None:
+            self.elastic.close()
+            self.elastic = None
         if self.generators is not None:
             self.generators.shutdown()
         if self.buffer is not None:
@@ -298,6 +319,7 @@ def make_record(
         dropped_stale=a.dropped_stale,
         filtered=a.filtered,
         lost=a.lost,
+        requeued=a.requeued,
         accounting_balanced=a.balanced(),
         rejected_frames=sum(buffer.rejected_frames.values()),
         reward_errors=buffer.reward_errors,

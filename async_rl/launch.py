@@ -53,7 +53,10 @@ def make_run_dir(cfg: Config) -> Path:
 def start_ray(cfg: Config, plan: PlacementPlan) -> None:
     import ray
 
-    needed = cfg.generators.num_engines * cfg.generators.cpus_per_engine
+    engines = cfg.generators.num_engines
+    if cfg.generators.autoscale.enabled:  # room for the largest pool the autoscaler may grow to
+        engines = max(engines, cfg.generators.autoscale.max_engines)
+    needed = engines * cfg.generators.cpus_per_engine
     needed += cfg.learner.world_size * cfg.learner.cpus_per_rank
     env = {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "WANDB_SILENT": "true"}
     if cfg.ray.address:

@@ -49,6 +49,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
     kl_ref: float = 0.0  # KL estimate to the frozen reference model
     value_loss: float = 0.0  # ppo: the critic's value loss
     filtered_groups: int = 0  # groups dropped by dynamic sampling while this step's batch was collected
+    requeued: int = 0  # leases handed back to the prompt pool (engine drained or died), leased again
+    num_engines: int = 0  # generator engines in the pool at the end of the step
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:
@@ -58,6 +60,7 @@ def console_line(r: StepRecord, total_steps: int) -> str:
         f"loss {r.loss:+.4f} | {r.samples_per_s:7.1f} samples/s | buffer {r.buffer_waiting_groups:>3} groups | "
         f"lag max {r.lag_max} mean {r.lag_mean:.2f} | mismatch {mismatch} | "
         f"trained {r.trained} stale {r.dropped_stale} filtered {r.filtered} lost {r.lost}"
+        + (f" requeued {r.requeued}" if r.requeued else "")
     )
 
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from async_rl.buffer.ledger import Accounts, Ledger
+from async_rl.buffer.snapshot import BufferSnapshot, Lease, read_snapshot, write_snapshot
+from async_rl.cluster.resources import advertised_host
 from async_rl.errors import RunError
 from async_rl.protocol import (
     REWARD_ERROR,
@@ -42,6 +46,8 @@ class BufferSettings(msgspec.Struct, frozen=True):
     max_frame_bytes: int
     task_name: str
     task_seed: int
+    snapshot_path: str = ""  # where the buffer snapshots its state at every batch ('' = never)
+    restore: bool = False  # start from the snapshot at snapshot_path (a restarted buffer)
 
 
 class BufferAddresses(msgspec.Struct, frozen=True):
@@ -85,7 +91,7 @@ def bind(socket: zmq.Socket, host: str, port: int, field: str) -> str:
         if exc.errno == zmq.EADDRINUSE:
             raise RunError(f"{field}: port {port} on {host} is already in use") from None
         raise RunError(f"{field}: cannot bind tcp://{host}:{port}: {exc}") from None
-    return f"tcp://{host}:{port}"
+    return f"tcp://{advertised_host(host)}:{port}"
 
 
 class ReplayBuffer:
@@ -94,6 +100,8 @@ class ReplayBuffer:
         self.ledger = Ledger(settings.max_lag, settings.prompts_per_step * settings.group_size, settings.group_size)
         self._prompts = load_task(settings.task_name).prompts(settings.task_seed)
         self._prompts_drawn = 0
+        self._returned: collections.deque[Prompt] = collections.deque()  # handed back, leased first
+        self._closed_engines: set[int] = set()  # draining or dead: no new leases
         self._outstanding: dict[int, tuple[int, Prompt]] = {}  # prompt_id -> (engine_id, prompt)
         self._waiting: collections.deque[TrajectoryGroup] = collections.deque()
         self._batches: dict[int, list[list[TrajectoryGroup]]] = {}
@@ -108,6 +116,8 @@ class ReplayBuffer:
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
+        if settings.restore:
+            self._restore()
 
     async def start(self) -> BufferAddresses:
         self._ctx = zmq.asyncio.Context()
@@ -126,6 +136,8 @@ class ReplayBuffer:
         """Up to `max_groups` prompts for an engine; waits up to `wait_s` while admission is closed."""
         deadline = time.monotonic() + wait_s
         async with self._changed:
+            if engine_id in self._closed_engines:
+                return []
             while self.ledger.capacity_groups() == 0:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -134,8 +146,13 @@ class ReplayBuffer:
                     await asyncio.wait_for(self._changed.wait(), remaining)
                 except asyncio.TimeoutError:
                     return []
-            prompts = list(itertools.islice(self._prompts, min(max_groups, self.ledger.capacity_groups())))
-            self._prompts_drawn += len(prompts)
+            if engine_id in self._closed_engines:  # closed while this call waited
+                return []
+            want = min(max_groups, self.ledger.capacity_groups())
+            prompts = [self._returned.popleft() for _ in range(min(want, len(self._returned)))]
+            fresh = list(itertools.islice(self._prompts, want - len(prompts)))
+            self._prompts_drawn += len(fresh)
+            prompts += fresh
             self.ledger.lease(len(prompts))
             for p in prompts:
                 self._outstanding[p.prompt_id] = (engine_id, p)
@@ -158,14 +175,43 @@ class ReplayBuffer:
             self._changed.notify_all()
         return len(gone)
 
-    def _forget(self, engine_id: int, prompt_ids: list[int] | None) -> list[int]:
-        """Caller holds the lock: drop the engine's outstanding prompts (all, or these), count them lost."""
+    async def close_engine(self, engine_id: int) -> None:
+        """The engine is draining (or dead): it gets no new lease from now on."""
+        async with self._changed:
+            self._closed_engines.add(engine_id)
+
+    async def requeue(self, engine_id: int, prompt_ids: list[int] | None = None) -> int:
+        """Hand the engine's outstanding leases (all, or these) back to the prompt pool: they are
+        counted `requeued` and leased again to another engine. A frame that still arrives for one of
+        them is rejected (`unknown_prompt` / `wrong_engine`), so no sample is trained twice.
+        Returns how many prompts went back."""
+        async with self._changed:
+            self._closed_engines.add(engine_id)
+            back = self._take_outstanding(engine_id, prompt_ids)
+            for prompt in back:
+                self.ledger.requeued_lease(self.s.group_size)
+                self._returned.append(prompt)
+            self._changed.notify_all()
+        return len(back)
+
+    def pid(self) -> int:
+        """This actor's process (operators and crash tests kill it by pid)."""
+        return os.getpid()
+
+    def outstanding(self, engine_id: int) -> int:
+        return sum(1 for eid, _ in self._outstanding.values() if eid == engine_id)
+
+    def _take_outstanding(self, engine_id: int, prompt_ids: list[int] | None) -> list[Prompt]:
         wanted = None if prompt_ids is None else set(prompt_ids)
         gone = [pid for pid, (eid, _) in self._outstanding.items() if eid == engine_id and (wanted is None or pid in wanted)]
-        for pid in gone:
-            del self._outstanding[pid]
+        return [self._outstanding.pop(pid)[1] for pid in gone]
+
+    def _forget(self, engine_id: int, prompt_ids: list[int] | None) -> list[int]:
+        """Caller holds the lock: drop the engine's outstanding prompts (all, or these), count them lost."""
+        gone = self._take_outstanding(engine_id, prompt_ids)
+        for _ in gone:
             self.ledger.lost(self.s.group_size)
-        return gone
+        return [p.prompt_id for p in gone]
 
     async def wait_for_batch(self, timeout_s: float) -> bool:
         """Block until a full batch of groups is waiting (colocated placement: generation must finish
@@ -306,12 +352,55 @@ class ReplayBuffer:
                 continue
             if req.step not in self._batches:
                 self._batches[req.step] = await self._build_batch(req.step, req.world_size)
+                self.save_snapshot()  # the moment samples become 'trained'; no await since the build
             shards = self._batches[req.step]
             frames = encode_groups(self.s.run_id, shards[req.rank], step=req.step)
             await self._router.send_multipart([identity, *frames])
             self._served[req.step].add(req.rank)
             if len(self._served[req.step]) == req.world_size:
                 del self._batches[req.step], self._served[req.step]
+
+    # ---- snapshot and restore --------------------------------------------------------------------
+
+    def save_snapshot(self) -> None:
+        if not self.s.snapshot_path:
+            return
+        snap = BufferSnapshot(
+            run_id=self.s.run_id,
+            accounts=msgspec.structs.replace(self.ledger.accounts),
+            prompts_drawn=self._prompts_drawn,
+            returned=list(self._returned),
+            outstanding=[Lease(engine_id=eid, prompt=p) for eid, p in self._outstanding.values()],
+            waiting=[encode_groups(self.s.run_id, [g]) for g in self._waiting],
+            batches={
+                step: [encode_groups(self.s.run_id, shard, step=step) for shard in shards]
+                for step, shards in self._batches.items()
+            },
+            rejected_frames=dict(self._rejected),
+            reward_errors=self._reward_errors,
+            reward_timeouts=self._reward_timeouts,
+        )
+        write_snapshot(Path(self.s.snapshot_path), snap)
+
+    def _restore(self) -> None:
+        """Continue from the last snapshot (see buffer/snapshot.py for why nothing doubles)."""
+        snap = read_snapshot(Path(self.s.snapshot_path), self.s.run_id)
+        if snap is None:
+            return  # died before its first batch: a fresh buffer is the same state
+        self.ledger.accounts = snap.accounts
+        for _ in itertools.islice(self._prompts, snap.prompts_drawn):
+            pass
+        self._prompts_drawn = snap.prompts_drawn
+        self._returned.extend(snap.returned)
+        for lease in snap.outstanding:  # their engines now talk to a buffer that never leased them
+            self.ledger.requeued_lease(self.s.group_size)
+            self._returned.append(lease.prompt)
+        for frames in snap.waiting:
+            self._waiting.extend(decode_groups(frames, self.s.run_id, self.s.max_frame_bytes)[1])
+        for step, shards in snap.batches.items():
+            self._batches[step] = [decode_groups(f, self.s.run_id, self.s.max_frame_bytes)[1] for f in shards]
+        self._rejected.update(snap.rejected_frames)
+        self._reward_errors, self._reward_timeouts = snap.reward_errors, snap.reward_timeouts
 
     async def _build_batch(self, step: int, world_size: int) -> list[list[TrajectoryGroup]]:
         """Take `prompts_per_step` fresh groups (FIFO), dropping stale ones; learner version == step."""

@@ -2,13 +2,16 @@
 
 Every leased sample ends in exactly one state, and the states always add up to what was leased:
 
-    leased == in_flight + waiting + trained + dropped_stale + filtered + lost
+    leased == in_flight + waiting + trained + dropped_stale + filtered + lost + requeued
+
+`leased` counts leases, not prompts: a lease handed back (its engine drained or died) is counted
+`requeued` and its prompt goes back to the pool, where a later lease takes it again.
 
 Admission follows AReaL's rule, counted in samples: a new lease is allowed only while
 
     admitted + new <= (max_lag + generator_version + 1) * batch_samples
 
-where admitted = leased - dropped_stale - filtered - lost (samples that will be, or were, trained).
+where admitted = leased - dropped_stale - filtered - lost - requeued (samples that will be, or were, trained).
 So a sample leased while the generators hold version v is trained at a step <= v + max_lag.
 """
 
@@ -25,10 +28,17 @@ class Accounts(msgspec.Struct, kw_only=True):
     dropped_stale: int = 0
     filtered: int = 0
     lost: int = 0
+    requeued: int = 0
 
     def balanced(self) -> bool:
         return self.leased == (
-            self.in_flight + self.waiting + self.trained + self.dropped_stale + self.filtered + self.lost
+            self.in_flight
+            + self.waiting
+            + self.trained
+            + self.dropped_stale
+            + self.filtered
+            + self.lost
+            + self.requeued
         )
 
 
@@ -43,7 +53,7 @@ class Ledger:
     @property
     def admitted(self) -> int:
         a = self.accounts
-        return a.leased - a.dropped_stale - a.filtered - a.lost
+        return a.leased - a.dropped_stale - a.filtered - a.lost - a.requeued
 
     def capacity_groups(self) -> int:
         """How many more prompt groups may be leased now."""
@@ -77,6 +87,11 @@ class Ledger:
         """Leased samples that will never arrive (engine died, run ended)."""
         self.accounts.in_flight -= samples
         self.accounts.lost += samples
+
+    def requeued_lease(self, samples: int) -> None:
+        """A lease handed back unfinished (engine drained or died): its prompt is leased again later."""
+        self.accounts.in_flight -= samples
+        self.accounts.requeued += samples
 
     @staticmethod
     def is_stale(oldest_version: int, learner_version: int, max_lag: int) -> bool:

@@ -60,6 +60,18 @@ class ResourcePool:
         remove_placement_group(self.pg)
 
 
+ALL_INTERFACES = "0.0.0.0"
+
+
+def advertised_host(host: str) -> str:
+    """The address peers connect to: a socket bound to every interface is reached at this node's IP."""
+    if host != ALL_INTERFACES:
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

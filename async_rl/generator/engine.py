@@ -57,6 +57,13 @@ class EngineStats(msgspec.Struct):
     last_error: str
 
 
+class EnginePids(msgspec.Struct, frozen=True):
+    """Operating-system processes of one engine (operators and crash tests kill them by pid)."""
+
+    actor: int  # the Ray actor process (owns AsyncLLM, the reward threads, the ZMQ socket)
+    engine_core: list[int]  # vLLM's processes under the actor (engine core, workers)
+
+
 class GeneratorEngine:
     def __init__(self, settings: EngineSettings, buffer) -> None:
         self.s = settings
@@ -78,6 +85,7 @@ class GeneratorEngine:
         self._failed = 0
         self._last_error = ""
         self._asleep = False
+        self._draining = False
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
@@ -95,7 +103,7 @@ class GeneratorEngine:
 
     async def _generate_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while not self._stop:
+        while not self._stop and not self._draining:
             try:
                 await self._running.wait()
                 free = self.s.max_inflight_prompts - len(self._inflight)
@@ -141,12 +149,42 @@ class GeneratorEngine:
         except Exception as exc:  # one bad request must not stop the engine; the buffer counts it lost
             self._failed += 1
             self._last_error = f"{type(exc).__name__}: {exc}"
+            if vc.is_dead(self._llm):
+                return  # vLLM itself died: the controller replaces this engine and requeues its leases
             try:
                 await self.buffer.mark_lost.remote(self.s.engine_id, [prompt.prompt_id])
             except Exception as lost_exc:
                 self._last_error += f"; mark_lost failed: {lost_exc}"
         finally:
             self._inflight.pop(request_id, None)
+
+    # ---- membership (called by the controller) ---------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> int:
+        """Take no new lease; let the requests in flight finish (up to `timeout_s`). Returns how many
+        are still unfinished; the controller hands their leases back to the prompt pool."""
+        self._draining = True
+        pending = list(self._inflight.values())
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+        return len(self._inflight)
+
+    def pids(self) -> EnginePids:
+        return EnginePids(actor=os.getpid(), engine_core=vc.engine_core_pids(self._llm))
+
+    def healthy(self) -> bool:
+        """False once vLLM's engine core died (the actor alone cannot generate any more)."""
+        return self._llm is not None and not vc.is_dead(self._llm)
+
+    async def reconnect(self, buffer, ingest_address: str) -> None:
+        """A restarted buffer: lease from the new actor, push to its new ingest socket. Requests in
+        flight still push there; the new buffer rejects those it never leased (counted)."""
+        self.buffer = buffer
+        old = self._push
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(ingest_address)
+        old.close(linger=0)
 
     # ---- weight updates (called by the controller) -----------------------------------------------
 

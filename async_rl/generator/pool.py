@@ -18,7 +18,7 @@ from ray.actor import ActorHandle
 
 from async_rl.cluster.resources import ResourcePool
 from async_rl.errors import RunError
-from async_rl.generator.engine import EngineSettings, EngineStats, GeneratorEngine
+from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
 from async_rl.weight_sync.base import UpdateReceipt
 from async_rl.weight_sync.checksum import ParamChecksum
 
@@ -57,27 +57,68 @@ class GeneratorPool:
     def add(self, count: int, paused: bool) -> list[int]:
         """Start `count` engines (in parallel; vLLM start-up takes ~30 s each on CPU)."""
         new: list[EngineHandle] = []
-        for _ in range(count):
-            engine_id, self._next_id = self._next_id, self._next_id + 1
-            pool = ResourcePool(f"engine-{engine_id}", [{"CPU": self.cpus_per_engine}])
-            actor = (
-                ray.remote(GeneratorEngine)
-                .options(**pool.actor_options(0), max_concurrency=1000)
-                .remote(self.make_settings(engine_id), self.buffer)
-            )
-            handle = EngineHandle(engine_id, actor, pool)
-            self.engines[engine_id] = handle  # registered first, so shutdown finds a half-started engine
-            new.append(handle)
-        ray.get([h.actor.start.remote(paused) for h in new], timeout=TIMEOUT_S)
+        try:
+            for _ in range(count):
+                engine_id, self._next_id = self._next_id, self._next_id + 1
+                pool = ResourcePool(f"engine-{engine_id}", [{"CPU": self.cpus_per_engine}])
+                actor = (
+                    ray.remote(GeneratorEngine)
+                    .options(**pool.actor_options(0), max_concurrency=1000)
+                    .remote(self.make_settings(engine_id), self.buffer)
+                )
+                handle = EngineHandle(engine_id, actor, pool)
+                self.engines[engine_id] = handle  # registered first, so shutdown finds a half-started engine
+                new.append(handle)
+            ray.get([h.actor.start.remote(paused) for h in new], timeout=TIMEOUT_S)
+        except Exception:
+            # No room for another engine (or one failed to start): the pool stays as it was.
+            for h in new:
+                self.engines.pop(h.engine_id, None)
+                self._stop(h)
+            raise
         self.membership_stale = True
         return [h.engine_id for h in new]
 
-    def remove(self, engine_id: int) -> int:
-        """Stop one engine; its leased prompts are counted lost. Returns how many prompts that was."""
+    def remove(self, engine_id: int, drain_timeout_s: float) -> int:
+        """Drain one engine, then stop it: it takes no new lease, its requests in flight finish (up to
+        `drain_timeout_s`), and what is still leased goes back to the prompt pool. Returns how many
+        prompts went back."""
         handle = self.engines.pop(engine_id)
-        self._stop(handle)
         self.membership_stale = True
-        return ray.get(self.buffer.mark_lost.remote(engine_id, None))
+        ray.get(self.buffer.close_engine.remote(engine_id), timeout=TIMEOUT_S)
+        try:
+            ray.get(handle.actor.drain.remote(drain_timeout_s), timeout=drain_timeout_s + 30)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # dead or wedged: what it held is handed back below all the same
+        self._stop(handle)
+        return ray.get(self.buffer.requeue.remote(engine_id), timeout=TIMEOUT_S)
+
+    def drop_dead(self, engine_id: int) -> int:
+        """An engine that died: kill what is left of it, hand its leases back. Returns how many."""
+        handle = self.engines.pop(engine_id)
+        self.membership_stale = True
+        ray.kill(handle.actor, no_restart=True)
+        handle.pool.remove()
+        return ray.get(self.buffer.requeue.remote(engine_id), timeout=TIMEOUT_S)
+
+    def find_dead(self, timeout_s: float = 10.0) -> list[int]:
+        """Engines whose actor died or whose vLLM engine core died. A slow reply is not death."""
+        refs = {eid: h.actor.healthy.remote() for eid, h in self.engines.items()}
+        dead = []
+        for eid, ref in refs.items():
+            try:
+                if not ray.get(ref, timeout=timeout_s):
+                    dead.append(eid)
+            except ray.exceptions.RayActorError:
+                dead.append(eid)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return dead
+
+    def reconnect(self, buffer: ActorHandle, ingest_address: str) -> None:
+        """A restarted buffer: every engine leases from and pushes to the new one."""
+        self.buffer = buffer
+        ray.get([a.reconnect.remote(buffer, ingest_address) for a in self.actors], timeout=TIMEOUT_S)
 
     def rebuild_membership(self, sender: ActorHandle) -> None:
         """A new broadcast group: learner rank 0 plus every worker of every current engine."""
@@ -93,14 +134,14 @@ class GeneratorPool:
         ray.get([a.sleep.remote() for a in self.actors], timeout=TIMEOUT_S)
 
     def sync(self, sender: ActorHandle, version: int) -> float:
-        """Pause every engine (requests kept), broadcast, verify, set the version, resume."""
+        """Pause every engine (requests kept), broadcast, verify, set the version, resume. A dead
+        member makes this raise (a Ray error, or the group's timeout); the caller recovers."""
         t0 = time.perf_counter()
         if self.membership_stale:
             self.rebuild_membership(sender)
         actors = self.actors
         ray.get([a.pause.remote() for a in actors], timeout=TIMEOUT_S)  # also wakes a sleeping engine
-        sent = sender.broadcast_weights.remote(version)
-        received = [a.receive_weights.remote(version) for a in actors]
+        sent, received = self._broadcast(sender, actors, version)
         ours: UpdateReceipt = ray.get(sent, timeout=TIMEOUT_S)
         try:
             per_engine: list[list[UpdateReceipt]] = ray.get(received, timeout=TIMEOUT_S)
@@ -113,6 +154,13 @@ class GeneratorPool:
                     raise RunError(f"weight update v{version}: engine {engine_id} received a corrupt update")
         ray.get([a.resume.remote(version) for a in actors], timeout=TIMEOUT_S)
         return time.perf_counter() - t0
+
+    def _broadcast(self, sender: ActorHandle, actors: list[ActorHandle], version: int):
+        """Start the sender and every receiver (one method, so a test can strike in the middle)."""
+        return sender.broadcast_weights.remote(version), [a.receive_weights.remote(version) for a in actors]
+
+    def pids(self) -> dict[int, EnginePids]:
+        return dict(zip(self.engines, ray.get([a.pids.remote() for a in self.actors], timeout=TIMEOUT_S), strict=True))
 
     def stats(self) -> list[EngineStats]:
         return ray.get([a.stats.remote() for a in self.actors])

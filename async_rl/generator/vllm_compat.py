@@ -183,6 +183,18 @@ async def param_checksums(llm) -> list[ParamChecksum]:
     return [msgspec.msgpack.decode(r, type=ParamChecksum) for r in raw]
 
 
+def is_dead(llm) -> bool:
+    """vLLM's engine core process died (AsyncLLM.errored): no request can succeed any more."""
+    return llm is not None and bool(llm.errored)
+
+
+def engine_core_pids(llm) -> list[int]:
+    """Pids of every process vLLM started under this one (engine core, its workers)."""
+    import psutil
+
+    return [c.pid for c in psutil.Process().children(recursive=True)]
+
+
 def shutdown(llm) -> None:
     # The default 5 s timeout SIGKILLs a busy engine core and leaves a zombie; give it time.
     llm.shutdown(timeout=15)

@@ -167,6 +167,17 @@ class LearnerRank(abc.ABC):
         """Collective, after `setup`. Restore what `save_checkpoint` wrote: weights, optimizer,
         scheduler, RNG; the next `train_step` continues bit-exactly. Returns the step count saved."""
 
+    def pin_weights(self, version: int) -> bool:
+        """Hold the weights still for a sync if they are `version` (False: the learner moved on)."""
+        return True
+
+    def unpin_weights(self) -> None:  # noqa: B027 - optional, a backend without a pin has nothing to do
+        """End of the sync that pin_weights started."""
+
+    def redirect_buffer(self, address: str) -> None:
+        """The buffer was restarted at `address`; called while train_step may be waiting for a batch."""
+        raise NotImplementedError(f"{type(self).__name__} cannot follow a restarted buffer")
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release what the rank holds outside its process (process groups, shared memory)."""

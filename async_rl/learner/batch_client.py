@@ -16,9 +16,18 @@ class BatchClient:
         self.rank = rank
         self.world_size = world_size
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._sock = self._connect(address)
+        self._redirect: str | None = None  # set from another thread; only fetch() touches the socket
+
+    def _connect(self, address: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return sock
+
+    def redirect(self, address: str) -> None:
+        """The buffer restarted at `address`: a fetch in progress reconnects and asks again."""
+        self._redirect = address
 
     def fetch(self, step: int, timeout_s: float) -> list[TrajectoryGroup]:
         req = BatchRequest(schema=SCHEMA_VERSION, run_id=self.run_id, step=step, rank=self.rank, world_size=self.world_size)
@@ -31,6 +40,11 @@ class BatchClient:
                     f"learner rank {self.rank}: no batch for step {step} within {timeout_s:.0f}s "
                     "(are the generators producing? see buffer accounting)"
                 )
+            if self._redirect is not None:
+                address, self._redirect = self._redirect, None
+                self._sock.close(linger=0)
+                self._sock = self._connect(address)
+                self._sock.send(encode_request(req))
             if self._sock.poll(min(remaining_ms, 1000)):
                 frames = self._sock.recv_multipart()
                 header, groups = decode_groups(frames, self.run_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.cluster.placement import pin_current_process
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.resources import advertised_host, free_port
 from async_rl.errors import RunError
 from async_rl.learner.algorithms import Algorithm, Prepared, token_logprobs
 from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics, checkpoint_model_dir
@@ -121,9 +122,16 @@ class TorchLearnerRank(LearnerRank):
         self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
         self._last_samples: list[SeqSample] = []
         self.batches: BatchClient | None = None
+        # The actor runs two calls at once (a weight sync or a buffer redirect while train_step waits
+        # for its batch); the weights change only under this lock, so a sync never sends a mix.
+        self._weights_lock = threading.Lock()
+        self.version = 0  # the policy version these weights are (step + 1 after train_step(step))
 
     def rendezvous_address(self) -> str:
-        self.master = f"127.0.0.1:{free_port()}"
+        import ray
+
+        host = ray.util.get_node_ip_address()  # other ranks may run on other nodes
+        self.master = f"{host}:{free_port(host)}"
         return self.master
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -213,7 +221,9 @@ class TorchLearnerRank(LearnerRank):
         t0 = time.perf_counter()
         groups = self.batches.fetch(step, self.s.batch_timeout_s)
         wait_s = time.perf_counter() - t0
-        metrics = self.train_on_shard(step, groups)
+        with self._weights_lock:
+            metrics = self.train_on_shard(step, groups)
+            self.version = step + 1
         metrics.wait_s = wait_s
         return metrics
 
@@ -318,7 +328,8 @@ class TorchLearnerRank(LearnerRank):
         """Log-probs of the current weights on completion tokens of the last batch (temperature 1, the
         same convention as vLLM's prompt log-probs): compared with a generator scoring the same tokens."""
         samples = self._last_samples[:max_samples]
-        values = self._score(samples, 1.0)
+        with self._weights_lock:
+            values = self._score(samples, 1.0)
         return Probe(
             token_ids=[s.tokens.tolist() for s in samples],
             positions=[list(range(s.start, len(s.tokens))) for s in samples],
@@ -357,7 +368,7 @@ class TorchLearnerRank(LearnerRank):
         self._sender = None
         self._weight_generation += 1
         self._weight_info, self._store = open_membership(
-            self.s.weight_sync_host,
+            advertised_host(self.s.weight_sync_host),
             self.s.weight_sync_port,
             world_size,
             self.s.weight_sync_timeout_s,
@@ -379,11 +390,24 @@ class TorchLearnerRank(LearnerRank):
     def broadcast_weights(self, version: int) -> UpdateReceipt:
         if self._sender is None:
             raise RuntimeError("broadcast_weights before join_weight_group")
-        with torch.no_grad():
+        with torch.no_grad():  # the caller pinned the weights (pin_weights)
             return self._sender.send(self.hf_weights(), version)
 
+    def pin_weights(self, version: int) -> bool:
+        # Released by unpin_weights, from another call (possibly another thread): a plain Lock allows it.
+        self._weights_lock.acquire()
+        if self.version > version:  # trained past it (a resumed run may not have counted up to it)
+            self._weights_lock.release()
+            return False
+        return True
+
+    def unpin_weights(self) -> None:
+        if self._weights_lock.locked():
+            self._weights_lock.release()
+
     def param_checksum(self) -> ParamChecksum:
-        return checksum_of(self.hf_weights().values())
+        with self._weights_lock:
+            return checksum_of(self.hf_weights().values())
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -447,6 +471,9 @@ class TorchLearnerRank(LearnerRank):
         if dist.is_initialized():
             dist.barrier()
         return self.step_count
+
+    def redirect_buffer(self, address: str) -> None:
+        self.batches.redirect(address)
 
     def shutdown(self) -> None:
         if self._weight_info is not None and self._weight_info.shm_path:

@@ -115,13 +115,13 @@ def test_sync_run_two_engines_two_ranks(tmp_path, model_cache):
 
 
 def test_engines_join_and_leave_mid_run(tmp_path, model_cache):
-    lost_prompts = []
+    requeued_prompts = []
 
     def change_pool(controller, step):
         if step == 1:
             assert controller.add_engines(1) == [1]  # starts paused; gets weights at the next sync
         if step == 3:
-            lost_prompts.append(controller.remove_engine(0))
+            requeued_prompts.append(controller.remove_engine(0))  # drains; the rest is handed back
 
     out = run_short(
         tmp_path,
@@ -133,7 +133,8 @@ def test_engines_join_and_leave_mid_run(tmp_path, model_cache):
     # left; the survivor holds the learner's final weights and the accounting still adds up.
     check_common(*out, engines=[1], rejected_ok=("unknown_prompt",))
     final = out[4]
-    assert final.accounts.lost == 4 * lost_prompts[0]
+    assert final.accounts.lost == 0  # a removed engine's leases are requeued, never lost
+    assert final.accounts.requeued == 4 * requeued_prompts[0]
     assert [e.engine_id for e in out[1].engines] == [1]
 
 

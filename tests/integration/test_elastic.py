@@ -1,0 +1,173 @@
+"""Elastic generator pool in real runs: the operator's scale command, and processes killed with
+SIGKILL (an engine mid-generation and mid-weight-sync, the buffer) while training goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from test_training_run import REPO, check_common, run_short
+
+from async_rl.errors import RunError
+from async_rl.generator.pool import GeneratorPool
+
+pytestmark = pytest.mark.integration
+
+SHORT = [
+    "train.total_steps=6",
+    "train.max_lag=1",
+    "train.prompts_per_step=4",
+    "generators.group_size=4",
+    "generators.health_check_s=1",
+    "weight_sync.timeout_s=30",  # a sync to a dead receiver fails within this
+]
+
+
+def scale(run_dir: Path, engines: int) -> subprocess.Popen:
+    """`python -m async_rl.scale` as an operator runs it; returns once its request is on disk."""
+    requests = run_dir / "control" / "requests"
+    before = set(requests.glob("*.json"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "async_rl.scale", str(run_dir), "--engines", str(engines), "--timeout", "600"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    deadline = time.monotonic() + 60
+    while not set(requests.glob("*.json")) - before:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the scale command wrote no request"
+        time.sleep(0.05)
+    return proc
+
+
+def finished(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return out
+
+
+def kill_engine(controller, engine_id: int) -> None:
+    """SIGKILL the engine's Ray actor process, then vLLM's processes under it."""
+    pids = controller.generators.pids()[engine_id]
+    for pid in [pids.actor, *pids.engine_core]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "scaling.jsonl").read_text().splitlines()]
+
+
+def test_scale_command_up_and_down_and_buffer_restart(tmp_path, model_cache):
+    procs: dict[str, subprocess.Popen] = {}
+    pools: list[list[int]] = []
+
+    def between(controller, step):
+        if step == 0:
+            procs["up"] = scale(tmp_path, 2)  # answered between steps 1 and 2
+        if step == 1:
+            assert "engines 1 -> 2" in finished(procs["up"])
+            pools.append(sorted(controller.generators.engines))
+            procs["down"] = scale(tmp_path, 1)
+        if step == 2:
+            assert "engines 2 -> 1" in finished(procs["down"])
+            pools.append(sorted(controller.generators.engines))
+            os.kill(ray.get(controller.buffer.pid.remote()), signal.SIGKILL)  # restarted from its snapshot
+
+    out = run_short(tmp_path, model_cache, SHORT, between=between)
+    # The added engine generated with the learner's weights; the newest engine was drained and removed.
+    assert pools == [[0, 1], [0]]
+    check_common(*out, engines=[0], rejected_ok=("unknown_prompt", "wrong_engine"))
+    records = out[-1]
+    assert [r["num_engines"] for r in records][:4] == [1, 1, 2, 1]  # logged before the change applies
+    assert all(r["lost"] == 0 for r in records)  # drained and restarted: handed back, never lost
+    log = events(tmp_path)
+    assert [(e["source"], e["engines_before"], e["engines_after"]) for e in log] == [
+        ("operator", 1, 2),
+        ("operator", 2, 1),
+        ("recovery", 1, 1),
+    ]
+    assert "buffer died; restarted from" in log[2]["reason"]
+    assert not (tmp_path / "control.json").exists()  # a finished run is not 'running'
+
+
+def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache, monkeypatch):
+    struck: list[int] = []
+    real_broadcast = GeneratorPool._broadcast
+
+    def strike_mid_sync(self, sender, actors, version):
+        # The engines are paused and the group is formed; one dies as the weights start to move.
+        if version == 4 and not struck:
+            victim = sorted(self.engines)[0]
+            pids = ray.get(self.engines[victim].actor.pids.remote())
+            for pid in [pids.actor, *pids.engine_core]:
+                os.kill(pid, signal.SIGKILL)
+            struck.append(victim)
+        return real_broadcast(self, sender, actors, version)
+
+    monkeypatch.setattr(GeneratorPool, "_broadcast", strike_mid_sync)
+
+    def between(controller, step):
+        if step == 0:
+            kill_engine(controller, 0)  # mid-generation: it holds leases and requests in flight
+
+    slow = ["task.name=tests.integration._slow_task:make_task", "task.reward_workers=16", "task.reward_timeout_s=10"]
+    out = run_short(tmp_path, model_cache, [*SHORT, *slow], between=between)
+    assert struck == [1]  # the replacement of engine 0 was the one killed mid-sync
+    # Engine 2 replaced it; it holds exactly the learner's weights and the run reached its last step.
+    check_common(*out, engines=[2], rejected_ok=("unknown_prompt", "wrong_engine"))
+    records, final = out[-1], out[4]
+    assert all(r["lost"] == 0 for r in records)  # the dead engines' leases were requeued, not lost
+    log = events(tmp_path)
+    died = [e for e in log if "died" in e["reason"]]
+    assert [e["reason"].split(";")[0] for e in died] == ["engine 0 died", "engine 1 died"]
+    requeued = sum(int(e["reason"].split(";")[1].split()[0]) for e in died)
+    assert requeued > 0  # slow rewards: the engines held leases when they died
+    assert final.accounts.requeued == 4 * requeued  # every handed-back lease is in the ledger
+    assert [e["source"] for e in log] == ["recovery"] * 4  # died, replaced; died, replaced
+
+
+def test_dead_learner_rank_stops_the_run_naming_the_checkpoint(tmp_path, model_cache):
+    def between(controller, step):
+        if step == 0:
+            (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)  # as a checkpointer would leave it
+            pid = ray.get(controller.learner.actors[0].__ray_call__.remote(lambda self: os.getpid()))
+            os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(RunError) as err:
+        run_short(tmp_path, model_cache, [*SHORT, "train.total_steps=3"], between=between)
+    assert str(err.value).startswith("learner rank 0 died (")
+    assert str(err.value).endswith(f"resume from checkpoint {tmp_path / 'checkpoints' / 'step_1'}")
+
+
+def test_autoscaler_grows_a_starved_pool(tmp_path, model_cache):
+    # Synchronous (max_lag 0): the learner waits for every batch to be generated, i.e. it is starved.
+    overrides = [
+        *SHORT,
+        "train.total_steps=4",
+        "train.max_lag=0",
+        "generators.autoscale.enabled=true",
+        "generators.autoscale.max_engines=2",
+        "generators.autoscale.window_steps=1",
+        "generators.autoscale.cooldown_steps=0",
+        "generators.autoscale.grow_wait_frac=0.05",
+        "generators.autoscale.shrink_wait_frac=0.0",
+        "generators.autoscale.shrink_fill_batches=100",
+    ]
+    out = run_short(tmp_path, model_cache, overrides)
+    check_common(*out, engines=[0, 1])
+    log = events(tmp_path)
+    assert [(e["source"], e["engines_before"], e["engines_after"]) for e in log] == [("autoscale", 1, 2)]
+    assert "learner starved (learner wait" in log[0]["reason"]
+    assert [r["num_engines"] for r in out[-1]][-1] == 2
