@@ -89,11 +89,21 @@ class LearnerConfig(_Section):
 
 
 class BufferConfig(_Section):
-    host: Annotated[str, _f("interface the buffer's ZMQ sockets bind to")] = "127.0.0.1"
+    host: Annotated[
+        str,
+        _f("the one interface the buffer's ZMQ sockets bind to, and the address peers connect to: "
+           "127.0.0.1 (loopback) on one machine, this node's IP for generators or learners on other "
+           "nodes; a wildcard (* or 0.0.0.0) is refused"),
+    ] = "127.0.0.1"
     ingest_port: Annotated[int, _f("ZMQ PULL port for trajectories (0 = any free port)", ge=0, le=65535)] = 0
     serve_port: Annotated[int, _f("ZMQ ROUTER port serving batches to learner ranks (0 = any free)", ge=0, le=65535)] = 0
     filter_uniform_groups: Annotated[bool, _f("drop (count as filtered) groups whose rewards are all equal")] = False
-    max_frame_mb: Annotated[int, _f("largest accepted trajectory frame, MiB", ge=1)] = 64
+    max_frame_mb: Annotated[
+        int,
+        _f("largest accepted trajectory frame, MiB; bounds the buffer's memory per message (a larger "
+           "part is dropped by ZMQ, a larger whole frame rejected as too_large). 0 = computed: one group "
+           "of group_size x max_model_len tokens at 8 bytes each plus header, rounded up to MiB", ge=0),
+    ] = 0
 
 
 class WeightSyncConfig(_Section):
@@ -110,6 +120,14 @@ class WeightSyncConfig(_Section):
     port: Annotated[int, _f("rendezvous port of the broadcast group (0 = any free port)", ge=0, le=65535)] = 0
     timeout_s: Annotated[float, _f("a broadcast group that does not form or move in this time fails", gt=0)] = 120.0
     checksum: Annotated[bool, _f("verify every update with a checksum of its bytes on both sides")] = True
+
+
+class SecurityConfig(_Section):
+    curve: Annotated[
+        bool,
+        _f("encrypt and authenticate the ZMQ data plane with CURVE keys made per run (engines and "
+           "learner ranks get their own client keys); false only on a trusted network: it prints a warning"),
+    ] = True
 
 
 class WandbConfig(_Section):
@@ -141,6 +159,7 @@ class Config(_Section):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
@@ -231,6 +250,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
 def validate(cfg: Config) -> None:
     """Rules that involve more than one field."""
     t = cfg.train
@@ -246,6 +268,11 @@ def validate(cfg: Config) -> None:
         )
     if cfg.placement == "colocated" and t.max_lag != 0:
         raise ConfigError(f"placement=colocated alternates generation and training: it needs train.max_lag=0, not {t.max_lag}")
+    if cfg.buffer.host.strip() in _WILDCARD_HOSTS:
+        raise ConfigError(
+            f"buffer.host={cfg.buffer.host!r} is a wildcard: it would listen on every interface and is no "
+            "address peers can connect to; give 127.0.0.1 or this node's IP"
+        )
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
 

@@ -28,6 +28,7 @@ from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import StepMetrics
 from async_rl.learner.torch_learner import TorchLearnerRank
 from async_rl.metrics import MetricsSink, StepRecord
+from async_rl.security import RunKeys, make_run_keys, warn_insecure
 from async_rl.weight_sync.checksum import ParamChecksum
 
 START_TIMEOUT_S = 600.0
@@ -55,6 +56,7 @@ class Controller:
         self.generators: GeneratorPool | None = None
         self.learner: WorkerGroup | None = None
         self._pools: list[ResourcePool] = []
+        self.keys: RunKeys | None = None  # this run's data-plane CURVE keys (made at start)
 
     # ---- the training loop -----------------------------------------------------------------------
 
@@ -138,12 +140,17 @@ class Controller:
 
     def start(self) -> None:
         cfg = self.cfg
+        if cfg.security.curve:
+            self.keys = make_run_keys()
+        else:
+            warn_insecure()
+        keys = self.keys
         self.buffer = ray.remote(ReplayBuffer).options(num_cpus=0, name=f"buffer-{self.run_id}").remote(
-            settings.buffer_settings(cfg, self.run_id)
+            settings.buffer_settings(cfg, self.run_id, keys)
         )
         addresses = ray.get(self.buffer.start.remote(), timeout=START_TIMEOUT_S)
         self.generators = GeneratorPool(
-            lambda i: settings.engine_settings(cfg, self.run_id, self.model_dir, self.plan, i, addresses.ingest),
+            lambda i: settings.engine_settings(cfg, self.run_id, self.model_dir, self.plan, i, addresses.ingest, keys),
             self.buffer,
             cfg.generators.cpus_per_engine,
             cfg.generators.tensor_parallel_size,
@@ -151,7 +158,7 @@ class Controller:
         )
         learner_pool = ResourcePool("learner", [{"CPU": cfg.learner.cpus_per_rank}] * cfg.learner.world_size)
         self._pools.append(learner_pool)
-        learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, addresses.serve)
+        learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, addresses.serve, keys)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:

@@ -10,6 +10,7 @@ from async_rl.config import Config
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSettings
+from async_rl.security import RunKeys, frame_limit_bytes
 
 BATCH_TIMEOUT_S = 600.0
 
@@ -21,7 +22,7 @@ def resolve_backend(cfg: Config) -> str:
     return "gloo" if cfg.ray.address else "shm"
 
 
-def buffer_settings(cfg: Config, run_id: str) -> BufferSettings:
+def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None) -> BufferSettings:
     return BufferSettings(
         run_id=run_id,
         host=cfg.buffer.host,
@@ -31,9 +32,12 @@ def buffer_settings(cfg: Config, run_id: str) -> BufferSettings:
         prompts_per_step=cfg.train.prompts_per_step,
         group_size=cfg.generators.group_size,
         filter_uniform_groups=cfg.buffer.filter_uniform_groups,
-        max_frame_bytes=cfg.buffer.max_frame_mb << 20,
+        max_frame_bytes=frame_limit_bytes(
+            cfg.buffer.max_frame_mb, cfg.generators.group_size, cfg.generators.max_model_len
+        ),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
+        curve=keys.server if keys is not None else None,
     )
 
 
@@ -46,7 +50,13 @@ def engine_cores(plan: PlacementPlan, engine_id: int, cpus_per_engine: int) -> l
 
 
 def engine_settings(
-    cfg: Config, run_id: str, model_dir: Path, plan: PlacementPlan, engine_id: int, ingest: str
+    cfg: Config,
+    run_id: str,
+    model_dir: Path,
+    plan: PlacementPlan,
+    engine_id: int,
+    ingest: str,
+    keys: RunKeys | None,
 ) -> EngineSettings:
     g = cfg.generators
     return EngineSettings(
@@ -73,10 +83,13 @@ def engine_settings(
         reward_timeout_s=cfg.task.reward_timeout_s,
         reward_workers=cfg.task.reward_workers,
         ingest_address=ingest,
+        curve=keys.engine if keys is not None else None,
     )
 
 
-def learner_settings(cfg: Config, run_id: str, model_dir: Path, serve: str) -> LearnerSettings:
+def learner_settings(
+    cfg: Config, run_id: str, model_dir: Path, serve: str, keys: RunKeys | None
+) -> LearnerSettings:
     lc, ws = cfg.learner, cfg.weight_sync
     return LearnerSettings(
         model_dir=str(model_dir),
@@ -99,4 +112,5 @@ def learner_settings(cfg: Config, run_id: str, model_dir: Path, serve: str) -> L
         weight_sync_backend=resolve_backend(cfg),
         weight_checksum=ws.checksum,
         wire_dtype=ws.wire_dtype,
+        curve=keys.learner if keys is not None else None,
     )

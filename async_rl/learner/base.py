@@ -6,6 +6,7 @@ import abc
 
 import msgspec
 
+from async_rl.security import ClientKeys
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -32,6 +33,7 @@ class LearnerSettings(msgspec.Struct, frozen=True):
     weight_sync_backend: str  # resolved: 'gloo' or 'shm'
     weight_checksum: bool
     wire_dtype: str  # '' = the learner's dtype
+    curve: ClientKeys | None = None  # the learner's CURVE keys for the buffer (None: security.curve off)
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):

@@ -8,16 +8,17 @@ import zmq
 
 from async_rl.errors import RunError
 from async_rl.protocol import SCHEMA_VERSION, BatchRequest, TrajectoryGroup, decode_groups, encode_request
+from async_rl.security import ClientKeys, harden_client
 
 
 class BatchClient:
-    def __init__(self, address: str, run_id: str, rank: int, world_size: int) -> None:
+    def __init__(self, address: str, run_id: str, rank: int, world_size: int, curve: ClientKeys | None) -> None:
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        harden_client(self._sock, curve)
         self._sock.connect(address)
 
     def fetch(self, step: int, timeout_s: float) -> list[TrajectoryGroup]:

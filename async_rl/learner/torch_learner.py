@@ -90,7 +90,7 @@ class TorchLearnerRank(LearnerRank):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.s.lr, weight_decay=self.s.weight_decay, betas=(0.9, 0.99)
         )
-        self.batches = BatchClient(self.s.buffer_address, self.s.run_id, self.rank, self.world_size)
+        self.batches = BatchClient(self.s.buffer_address, self.s.run_id, self.rank, self.world_size, self.s.curve)
         return sum(p.numel() for p in self.model.parameters())
 
     def train_step(self, step: int) -> StepMetrics:
