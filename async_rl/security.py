@@ -132,12 +132,16 @@ class AllowedKeys:
 
 
 def start_authenticator(ctx: zmq.Context, keys: ServerKeys | None):
-    """A ZAP handler on the caller's asyncio loop (None with CURVE off). Start it before binding."""
+    """A ZAP handler in its own thread (None with CURVE off). Start it before binding.
+
+    A thread rather than pyzmq's AsyncioAuthenticator: on the buffer's event loop the latter
+    missed ZAP requests (a handshake after a refused no-CURVE peer hung in ~14 of 15 tries here),
+    and a thread also answers while the loop is busy decoding a large frame."""
     if keys is None:
         return None
-    from zmq.auth.asyncio import AsyncioAuthenticator
+    from zmq.auth.thread import ThreadAuthenticator
 
-    auth = AsyncioAuthenticator(ctx)
+    auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve_callback(INGEST_DOMAIN, AllowedKeys(keys.ingest_clients))
     auth.configure_curve_callback(SERVE_DOMAIN, AllowedKeys(keys.serve_clients))

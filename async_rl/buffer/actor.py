@@ -124,7 +124,7 @@ class ReplayBuffer:
         self._router = self._ctx.socket(zmq.ROUTER)
         harden_server(self._pull, self.s.curve, INGEST_DOMAIN, self.s.max_frame_bytes)
         harden_server(self._router, self.s.curve, SERVE_DOMAIN, MAX_REQUEST_BYTES)
-        monitors = [monitor_socket(self._pull), monitor_socket(self._router)]
+        self._monitors = monitors = [monitor_socket(self._pull), monitor_socket(self._router)]
         ingest = bind(self._pull, self.s.host, self.s.ingest_port, "buffer.ingest_port")
         serve = bind(self._router, self.s.host, self.s.serve_port, "buffer.serve_port")
         self._tasks = [
