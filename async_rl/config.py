@@ -210,11 +210,19 @@ class AlgorithmConfig(_Section):
 
 class BufferConfig(_Section):
     host: Annotated[
-        str, _f("interface the buffer's ZMQ sockets bind to; 0.0.0.0 = every interface, reached at the node's IP")
+        str,
+        _f("the interface the buffer's ZMQ sockets bind to, and the address peers connect to: 127.0.0.1 "
+           "(loopback) on one machine; this node's IP, or 0.0.0.0 (every interface, peers are given the "
+           "node's IP) for generators or learners on other nodes"),
     ] = "127.0.0.1"
     ingest_port: Annotated[int, _f("ZMQ PULL port for trajectories (0 = any free port)", ge=0, le=65535)] = 0
     serve_port: Annotated[int, _f("ZMQ ROUTER port serving batches to learner ranks (0 = any free)", ge=0, le=65535)] = 0
-    max_frame_mb: Annotated[int, _f("largest accepted trajectory frame, MiB", ge=1)] = 64
+    max_frame_mb: Annotated[
+        int,
+        _f("largest accepted trajectory frame, MiB; bounds the buffer's memory per message (a larger "
+           "part is dropped by ZMQ, a larger whole frame rejected as too_large). 0 = computed: one group "
+           "of group_size x max_model_len tokens at 8 bytes each plus header, rounded up to MiB", ge=0),
+    ] = 0
 
 
 class WeightSyncConfig(_Section):
@@ -240,6 +248,14 @@ class WeightSyncConfig(_Section):
         _f("update checksum: the sender hashes every MiB (xxh3-64) and sends the table; receivers check "
            "every chunk (full) or the last chunk of each bucket plus a random 1/32 (sampled, ~4x cheaper)"),
     ] = "sampled"
+
+
+class SecurityConfig(_Section):
+    curve: Annotated[
+        bool,
+        _f("encrypt and authenticate the ZMQ data plane with CURVE keys made per run (engines and "
+           "learner ranks get their own client keys); false only on a trusted network: it prints a warning"),
+    ] = True
 
 
 class WandbConfig(_Section):
@@ -272,6 +288,7 @@ class Config(_Section):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
@@ -362,6 +379,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
 def validate(cfg: Config) -> None:
     """Rules that involve more than one field."""
     t = cfg.train
@@ -388,6 +408,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"generators.autoscale.shrink_wait_frac={a.shrink_wait_frac} must be below grow_wait_frac="
             f"{a.grow_wait_frac} (else the pool would flap)"
+        )
+    if cfg.buffer.host.strip() in ("*", "::", "[::]", ""):
+        raise ConfigError(
+            f"buffer.host={cfg.buffer.host!r}: give 127.0.0.1, this node's IP, or 0.0.0.0 (every IPv4 interface)"
         )
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")

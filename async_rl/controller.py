@@ -30,6 +30,7 @@ from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import StepMetrics, checkpoint_model_dir
 from async_rl.learner.torch_learner import TorchLearnerRank
 from async_rl.metrics import MetricsSink, StepRecord
+from async_rl.security import RunKeys, make_run_keys, warn_insecure
 from async_rl.weight_sync.checksum import ParamChecksum
 
 START_TIMEOUT_S = 600.0
@@ -68,6 +69,7 @@ class Controller:
         self.generators: GeneratorPool | None = None
         self.learner: WorkerGroup | None = None
         self._pools: list[ResourcePool] = []
+        self.keys: RunKeys | None = None  # this run's data-plane CURVE keys (made at start)
 
     # ---- the training loop -----------------------------------------------------------------------
 
@@ -210,12 +212,18 @@ class Controller:
 
     def start(self) -> None:
         cfg = self.cfg
+        if cfg.security.curve:
+            self.keys = make_run_keys()
+        else:
+            warn_insecure()
         self.buffer, self.addresses = self.make_buffer()
         if self.resume_from is not None:  # before any lease: accounting and prompt position go on
             ray.get(self.buffer.restore.remote(checkpoint.load_state(self.resume_from).buffer))
         self.generators = GeneratorPool(
             # reads self.addresses when an engine starts: a restarted buffer has new ones
-            lambda i: settings.engine_settings(cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest),
+            lambda i: settings.engine_settings(
+                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys
+            ),
             self.buffer,
             cfg.generators.cpus_per_engine,
             cfg.generators.tensor_parallel_size,
@@ -226,7 +234,7 @@ class Controller:
             rank_bundle["GPU"] = 1  # megatron-core needs CUDA: one GPU per rank
         learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
         self._pools.append(learner_pool)
-        learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, self.addresses.serve)
+        learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, self.addresses.serve, self.keys)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:

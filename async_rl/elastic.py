@@ -262,7 +262,7 @@ def _dead_learner_rank(ctl: Controller) -> int | None:
 def buffer_actor(ctl: Controller, restore: bool):
     """A buffer actor that snapshots into the run directory (and restores from it on a restart)."""
     s = msgspec.structs.replace(
-        settings.buffer_settings(ctl.cfg, ctl.run_id),
+        settings.buffer_settings(ctl.cfg, ctl.run_id, ctl.keys),
         snapshot_path=str(ctl.run_dir / SNAPSHOT_NAME),
         restore=restore,
     )

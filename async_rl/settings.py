@@ -11,6 +11,7 @@ from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSettings
 from async_rl.learner.megatron_learner import MegatronSettings
+from async_rl.security import RunKeys, frame_limit_bytes
 
 BATCH_TIMEOUT_S = 600.0
 
@@ -30,7 +31,7 @@ def resolve_backend(cfg: Config) -> str:
     return "gloo" if cfg.ray.address else "shm"
 
 
-def buffer_settings(cfg: Config, run_id: str) -> BufferSettings:
+def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None) -> BufferSettings:
     return BufferSettings(
         run_id=run_id,
         host=cfg.buffer.host,
@@ -40,9 +41,12 @@ def buffer_settings(cfg: Config, run_id: str) -> BufferSettings:
         prompts_per_step=cfg.train.prompts_per_step,
         group_size=cfg.generators.group_size,
         filter_uniform_groups=cfg.algorithm.dynamic_sampling,
-        max_frame_bytes=cfg.buffer.max_frame_mb << 20,
+        max_frame_bytes=frame_limit_bytes(
+            cfg.buffer.max_frame_mb, cfg.generators.group_size, cfg.generators.max_model_len
+        ),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
+        curve=keys.server if keys is not None else None,
     )
 
 
@@ -55,7 +59,13 @@ def engine_cores(plan: PlacementPlan, engine_id: int, cpus_per_engine: int) -> l
 
 
 def engine_settings(
-    cfg: Config, run_id: str, model_dir: Path, plan: PlacementPlan, engine_id: int, ingest: str
+    cfg: Config,
+    run_id: str,
+    model_dir: Path,
+    plan: PlacementPlan,
+    engine_id: int,
+    ingest: str,
+    keys: RunKeys | None,
 ) -> EngineSettings:
     g = cfg.generators
     return EngineSettings(
@@ -82,10 +92,13 @@ def engine_settings(
         reward_timeout_s=cfg.task.reward_timeout_s,
         reward_workers=cfg.task.reward_workers,
         ingest_address=ingest,
+        curve=keys.engine if keys is not None else None,
     )
 
 
-def learner_settings(cfg: Config, run_id: str, model_dir: Path, serve: str) -> LearnerSettings:
+def learner_settings(
+    cfg: Config, run_id: str, model_dir: Path, serve: str, keys: RunKeys | None
+) -> LearnerSettings:
     lc, ws = cfg.learner, cfg.weight_sync
     return LearnerSettings(
         model_dir=str(model_dir),
@@ -116,6 +129,7 @@ def learner_settings(cfg: Config, run_id: str, model_dir: Path, serve: str) -> L
         lr_decay=lc.lr_decay,
         lr_min_ratio=lc.lr_min_ratio,
         mixed_precision=lc.mixed_precision,
+        curve=keys.learner if keys is not None else None,
     )
 
 

@@ -21,6 +21,7 @@ from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
 from async_rl.learner.base import Probe
 from async_rl.protocol import TOKEN_DTYPE, Prompt, TrajectoryGroup, encode_groups
+from async_rl.security import ClientKeys, harden_client
 from async_rl.tasks.base import load_task
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -42,6 +43,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     reward_timeout_s: float
     reward_workers: int
     ingest_address: str
+    curve: ClientKeys | None = None  # the engine's CURVE keys (None: security.curve is off)
 
 
 class EngineStats(msgspec.Struct):
@@ -94,7 +96,7 @@ class GeneratorEngine:
         self._llm = vc.make_engine(self.s.spec)
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
+        harden_client(self._push, self.s.curve)
         self._push.connect(self.s.ingest_address)
         self._params = vc.sampling_params(self.s.group_size, self.s.max_tokens, self.s.temperature)
         if not paused:
@@ -183,6 +185,7 @@ class GeneratorEngine:
         old = self._push
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
+        harden_client(self._push, self.s.curve)  # the restarted buffer has the same run keys
         self._push.connect(ingest_address)
         old.close(linger=0)
 

@@ -22,6 +22,7 @@ import torch
 
 from async_rl.config import AlgorithmConfig
 from async_rl.protocol import TrajectoryGroup
+from async_rl.security import ClientKeys
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -57,6 +58,7 @@ class LearnerSettings(msgspec.Struct, frozen=True):
     lr_decay: str = "constant"  # 'constant' | 'linear' | 'cosine'
     lr_min_ratio: float = 0.0
     mixed_precision: str = "auto"  # 'auto' (bf16 on CUDA, none on CPU) | 'none' | 'bf16'
+    curve: ClientKeys | None = None  # the learner's CURVE keys for the buffer (None: security.curve off)
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):

@@ -8,20 +8,23 @@ import zmq
 
 from async_rl.errors import RunError
 from async_rl.protocol import SCHEMA_VERSION, BatchRequest, TrajectoryGroup, decode_groups, encode_request
+from async_rl.security import ClientKeys, harden_client
 
 
 class BatchClient:
-    def __init__(self, address: str, run_id: str, rank: int, world_size: int) -> None:
+    def __init__(self, address: str, run_id: str, rank: int, world_size: int, curve: ClientKeys | None) -> None:
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
         self._ctx = zmq.Context()
+        self._curve = curve
         self._sock = self._connect(address)
         self._redirect: str | None = None  # set from another thread; only fetch() touches the socket
 
     def _connect(self, address: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        harden_client(sock, self._curve)  # every socket, also after a redirect to a restarted buffer
         sock.connect(address)
         return sock
 

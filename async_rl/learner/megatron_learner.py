@@ -332,6 +332,7 @@ class MegatronLearnerRank(LearnerRank):
                 self.s.run_id,
                 parallel_state.get_data_parallel_rank(),
                 parallel_state.get_data_parallel_world_size(),
+                self.s.curve,
             )
             if self.is_fetcher
             else None

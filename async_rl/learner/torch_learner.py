@@ -205,7 +205,7 @@ class TorchLearnerRank(LearnerRank):
             seed=self.s.seed,
             max_grad_norm=self.s.max_grad_norm,
         )
-        self.batches = BatchClient(self.s.buffer_address, self.s.run_id, self.rank, self.world_size)
+        self.batches = BatchClient(self.s.buffer_address, self.s.run_id, self.rank, self.world_size, self.s.curve)
         return sum(p.numel() for p in self.model.parameters())
 
     def _compute_dtype(self) -> torch.dtype | None:

@@ -130,7 +130,7 @@ async def dynamic_sampling_scenario() -> None:
         more = await buffer.lease(engine_id=0, max_groups=4)
         assert len(more) == 3
         await push.send_multipart(encode_groups("r", [group(more[0].prompt_id)]))
-        client = BatchClient(addresses.serve, "r", rank=0, world_size=1)
+        client = BatchClient(addresses.serve, "r", rank=0, world_size=1, curve=None)
         try:
             batch = await asyncio.to_thread(client.fetch, 0, 10.0)  # a learner rank asks for step 0
         finally:

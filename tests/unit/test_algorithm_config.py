@@ -46,5 +46,5 @@ def test_ratio_mask_bounds_must_straddle_one():
 
 
 def test_dynamic_sampling_switches_the_buffer_filter():
-    assert buffer_settings(load_config(None, ["algorithm.dynamic_sampling=true"]), "r").filter_uniform_groups
-    assert not buffer_settings(load_config(None), "r").filter_uniform_groups
+    assert buffer_settings(load_config(None, ["algorithm.dynamic_sampling=true"]), "r", None).filter_uniform_groups
+    assert not buffer_settings(load_config(None), "r", None).filter_uniform_groups
