@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import msgspec
 import numpy as np
@@ -42,6 +43,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     reward_timeout_s: float
     reward_workers: int
     ingest_address: str
+    ignore_eos: bool = False
 
 
 class EngineStats(msgspec.Struct):
@@ -55,6 +57,7 @@ class EngineStats(msgspec.Struct):
     idle_s: float  # time with nothing in flight since start (waiting on admission)
     failed_requests: int
     last_error: str
+    paused_s: float = 0.0  # time paused or asleep (weight syncs; colocated: the learner's turn)
 
 
 class GeneratorEngine:
@@ -78,6 +81,8 @@ class GeneratorEngine:
         self._failed = 0
         self._last_error = ""
         self._asleep = False
+        self._paused_since: float | None = None
+        self._paused_s = 0.0
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
@@ -88,8 +93,12 @@ class GeneratorEngine:
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(self.s.ingest_address)
-        self._params = vc.sampling_params(self.s.group_size, self.s.max_tokens, self.s.temperature)
-        if not paused:
+        self._params = vc.sampling_params(
+            self.s.group_size, self.s.max_tokens, self.s.temperature, ignore_eos=self.s.ignore_eos
+        )
+        if paused:
+            self._paused_since = time.monotonic()
+        else:
             self._running.set()
         self._loop_task = asyncio.create_task(self._generate_loop())
 
@@ -152,6 +161,8 @@ class GeneratorEngine:
 
     async def pause(self) -> None:
         self._running.clear()
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
         if self._asleep:  # weights must be back in place before an update loads into them
             await vc.wake_up(self._llm)
             self._asleep = False
@@ -166,6 +177,9 @@ class GeneratorEngine:
         self.version = version
         await vc.resume(self._llm)
         self._running.set()
+        if self._paused_since is not None:
+            self._paused_s += time.monotonic() - self._paused_since
+            self._paused_since = None
 
     async def join_weight_group(self, info: WeightGroupInfo, first_rank: int, manifest: Manifest) -> None:
         await vc.join_weight_group(self._llm, info, first_rank, manifest)
@@ -198,6 +212,8 @@ class GeneratorEngine:
             idle_s=self._idle_s,
             failed_requests=self._failed,
             last_error=self._last_error,
+            paused_s=self._paused_s
+            + (time.monotonic() - self._paused_since if self._paused_since is not None else 0.0),
         )
 
     async def shutdown(self) -> None:

@@ -90,3 +90,42 @@ async def scenario() -> None:
 
 def test_rejections_release_leases_and_accounting_stays_exact():
     asyncio.run(scenario())
+
+
+async def burst_scenario() -> None:
+    """Frames queued faster than the loop runs are drained in batches: each one is still decoded,
+    checked and counted on its own, a bad frame in the middle of a batch rejects only itself."""
+    n = 600  # more than one drain batch (INGEST_BATCH_FRAMES)
+    buffer = ReplayBuffer(
+        BufferSettings(
+            run_id="r", host="127.0.0.1", ingest_port=0, serve_port=0, max_lag=0, prompts_per_step=n,
+            group_size=GROUP, filter_uniform_groups=False, max_frame_bytes=1 << 20, task_name="repeat", task_seed=0,
+        )
+    )
+    addresses = await buffer.start()
+    ctx = zmq.Context()  # a blocking socket: queue every frame before the ingest loop gets a turn
+    push = ctx.socket(zmq.PUSH)
+    push.connect(addresses.ingest)
+    try:
+        ids = [p.prompt_id for p in await buffer.lease(engine_id=0, max_groups=n)]
+        assert len(ids) == n
+        bad = set(ids[5::50])  # positive log-probs: rejected one by one
+        for pid in ids:
+            push.send_multipart(encode_groups("r", [group(pid, logprob=0.5 if pid in bad else -0.5)]))
+        push.send_multipart(encode_groups("r", [group(ids[0])]))  # a late duplicate of an accepted prompt
+        for _ in range(500):
+            s = buffer.stats()
+            if s.accounts.in_flight == 0 and sum(s.rejected_frames.values()) == len(bad) + 1:
+                break
+            await asyncio.sleep(0.01)
+        s = buffer.stats()
+        assert s.rejected_frames == {"bad_value": len(bad), "unknown_prompt": 1}
+        assert s.accounts.waiting == (n - len(bad)) * GROUP and s.accounts.lost == len(bad) * GROUP
+        assert s.accounts.balanced() and s.waiting_groups == n - len(bad)
+    finally:
+        ctx.destroy(linger=0)
+        await buffer.close()
+
+
+def test_burst_of_frames_is_drained_in_batches_and_counted_one_by_one():
+    asyncio.run(burst_scenario())
