@@ -214,6 +214,10 @@ class ReplayBuffer:
                 for frames in batch:
                     self._ingest_frame(frames)
                 self._changed.notify_all()
+            # While frames keep arriving, neither the recv above (a message is already queued) nor
+            # the uncontended lock ever suspends: without this yield the loop would starve control
+            # calls (leases, stats) and batch serving for as long as the producers keep up.
+            await asyncio.sleep(0)
 
     def _ingest_frame(self, frames: list[bytes]) -> None:
         """Caller holds the lock: decode, check and accept one frame, or count it rejected."""

@@ -113,11 +113,16 @@ async def burst_scenario() -> None:
         for pid in ids:
             push.send_multipart(encode_groups("r", [group(pid, logprob=0.5 if pid in bad else -0.5)]))
         push.send_multipart(encode_groups("r", [group(ids[0])]))  # a late duplicate of an accepted prompt
-        for _ in range(500):
+        # Other tasks on the buffer's loop (control calls, batch serving) get turns while a backlog
+        # drains: this one polls at every turn it gets and must see the backlog part-way done.
+        seen: list[int] = []
+        for _ in range(100_000):
             s = buffer.stats()
+            seen.append(s.waiting_groups)
             if s.accounts.in_flight == 0 and sum(s.rejected_frames.values()) == len(bad) + 1:
                 break
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0 if len(seen) < 50_000 else 0.01)
+        assert any(0 < w < n - len(bad) for w in seen), "the ingest loop never yielded while draining"
         s = buffer.stats()
         assert s.rejected_frames == {"bad_value": len(bad), "unknown_prompt": 1}
         assert s.accounts.waiting == (n - len(bad)) * GROUP and s.accounts.lost == len(bad) * GROUP
