@@ -8,7 +8,8 @@ and decoded by the consumer; the producers and the consumer share this machine's
                 frame) over a ZMQ PUSH -> PULL socket
   zmq+pickle    pickle.dumps / pickle.loads (protocol 5) over the same socket: no validation
   ray           one Ray actor call per trajectory to a consumer actor (numpy arrays over 100 KB go
-                through Ray's object store); at most 8 calls in flight per producer
+                through Ray's object store); at most 8 calls in flight per producer; its throughput
+                pass moves a tenth as many trajectories (it is a rate; this keeps the pass short)
   buffer        our frames into the real `ReplayBuffer` ingest loop (decode, validation, prompt lease
                 checks, ledger), prompts leased beforehand; no per-frame timestamp (the frame is
                 exactly what an engine sends), so no latency column
