@@ -368,12 +368,12 @@ def main() -> None:
             for setting in settings:
                 run_dir = Path(tmp) / f"{setting}-{rep}"
                 out = Path(tmp) / f"{setting}-{rep}.json"
-                spec = {"overrides": overrides_for(setting, w, steps, len(cores), run_dir), "warmup": warmup,
-                        "out": str(out)}
                 t0 = time.perf_counter()
                 if setting.startswith("trl-"):
                     r = run_trl(trl_py, w, steps, warmup, args.trl_generation, out, log)
                 else:
+                    spec = {"overrides": overrides_for(setting, w, steps, len(cores), run_dir), "warmup": warmup,
+                            "out": str(out)}
                     child(["--run-one", json.dumps(spec)], log, 1800)
                     r = json.loads(out.read_text())
                 runs[setting].append(r)
