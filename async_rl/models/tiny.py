@@ -1,8 +1,7 @@
 """A tiny random-init Qwen2-style model with a character-level tokenizer, created offline.
 
 Used by the quickstart and the tests: no hub download, a few hundred thousand parameters (the wider
-benchmark preset ~13M), head_dim >= 32
-(vLLM's CPU attention needs >= 32). Written to a temporary folder and renamed into place, so a
+benchmark preset: 13M), head_dim >= 32 (vLLM's CPU attention needs >= 32). Written to a temporary folder and renamed into place, so a
 crashed creation never leaves a half-written model behind.
 """
 
