@@ -9,7 +9,9 @@ on 1 core each; the ratio shows how close the pool comes to linear.
 Part 2 (control plane): N producer processes (64, 128, 256) push recorded trajectories (exactly the
 frames an engine sends: one 256-token trajectory per frame) into the real `ReplayBuffer` running as a
 Ray actor, each at a fixed rate, for a sweep of offered rates. Prompts are leased beforehand, in one
-Ray call per producer, as engines lease them. While they push, this process plays the controller and
+Ray call per producer, as engines lease them. The producers are pinned to the last core by default
+(`--producer-cores`), so that on a small machine they do not starve the buffer of CPU (the
+scheduler would give it ~1/N of the cores against N busy producers). While they push, this process plays the controller and
 makes a `stats` call every 50 ms: its latency is what the training loop would feel. Reported per
 point: offered and accepted trajectories/s, mean ingest latency (Little's law: frames sent but not
 yet accepted / accepted rate), the control-call latency p50/p99, and the buffer process's CPU use.
@@ -101,8 +103,12 @@ def recorded_group(prompt_id: int, engine_id: int) -> TrajectoryGroup:
     )
 
 
-def producer(address: str, run_id: str, engine_id: int, prompt_ids: list[int], rate: float, sent, go) -> None:
+def producer(address: str, run_id: str, engine_id: int, prompt_ids: list[int], rate: float, sent, go,
+             cores: list[int]) -> None:
     import zmq
+
+    if cores:  # keep the simulated engines off the buffer's core, as real engines on their own cores are
+        os.sched_setaffinity(0, cores)
 
     frames = [encode_groups(run_id, [recorded_group(pid, engine_id)]) for pid in prompt_ids]  # recorded
     ctx = zmq.Context()
@@ -121,7 +127,7 @@ def producer(address: str, run_id: str, engine_id: int, prompt_ids: list[int], r
     ctx.destroy(linger=0)
 
 
-def control_plane(producers: int, offered: float, duration_s: float) -> dict:
+def control_plane(producers: int, offered: float, duration_s: float, producer_cores: list[int]) -> dict:
     import psutil
     import ray
 
@@ -141,7 +147,7 @@ def control_plane(producers: int, offered: float, duration_s: float) -> dict:
         go = _MP.Event()
         procs = [_MP.Process(target=producer, daemon=True,
                              args=(addresses.ingest, run_id, i, [p.prompt_id for p in leases[i]], offered / producers,
-                                   sent, go)) for i in range(producers)]
+                                   sent, go, producer_cores)) for i in range(producers)]
         for p in procs:
             p.start()
         time.sleep(2.0 + producers * 0.02)  # every producer has encoded its frames and connected
@@ -222,6 +228,9 @@ def main() -> None:
     ap.add_argument("--producers", default="64,128,256")
     ap.add_argument("--offered", default="5000,10000,20000,40000", help="offered trajectories/s to sweep")
     ap.add_argument("--skip-generation", action="store_true")
+    ap.add_argument("--producer-cores", default="last",
+                    help="cores the producer processes are pinned to: 'last' (the last core; the buffer keeps "
+                         "the others), 'all' (unpinned: on 2 cores they then starve the buffer), or a list '1,2'")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     out = args.out or ("scaling-quick" if args.quick else "scaling")
@@ -229,6 +238,13 @@ def main() -> None:
     producer_counts = [64] if args.quick else [int(x) for x in args.producers.split(",")]
     offered = [2000, 8000] if args.quick else [float(x) for x in args.offered.split(",")]
     duration = 2.0 if args.quick else 6.0
+    all_cores = sorted(os.sched_getaffinity(0))
+    if args.producer_cores == "all":
+        producer_cores: list[int] = []
+    elif args.producer_cores == "last":
+        producer_cores = all_cores[-1:] if len(all_cores) > 1 else []
+    else:
+        producer_cores = [int(c) for c in args.producer_cores.split(",")]
 
     _MP.set_forkserver_preload(["__main__", "numpy", "zmq", "async_rl.protocol"])
     p = _MP.Process(target=time.sleep, args=(0,))  # the fork server starts before Ray's threads do
@@ -260,7 +276,7 @@ def main() -> None:
                   f"{'ctl p50/p99 ms':>15} {'buffer CPU':>10}", flush=True)
             for n in producer_counts:
                 for rate in offered:
-                    runs = [control_plane(n, rate, duration) for _ in range(repeats)]
+                    runs = [control_plane(n, rate, duration, producer_cores) for _ in range(repeats)]
                     row = {"producers": n, "offered_per_s": rate,
                            "sent_per_s": statistics.median(r["sent_per_s"] for r in runs),
                            "accepted_per_s": med([r["accepted_per_s"] for r in runs]),
@@ -278,7 +294,8 @@ def main() -> None:
             ray.shutdown()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{out}.json").write_text(json.dumps(
-        {"repeats": repeats, "duration_s": duration, "tokens": TOKENS, "cores": len(os.sched_getaffinity(0)),
+        {"repeats": repeats, "duration_s": duration, "tokens": TOKENS, "cores": len(all_cores),
+         "producer_cores": producer_cores or "all",
          "generation": gen_rows, "control_plane": cp_rows}, indent=2))
     plot(gen_rows, cp_rows, RESULTS / f"{out}.png")
     print(f"wrote {RESULTS / (out + '.json')} and .png")
