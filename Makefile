@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install quickstart test test-unit test-integration lint clean
+.PHONY: install quickstart test test-unit test-integration lint bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration
+
+# Every benchmark, 3 repetitions, results under benchmarks/results/ (run on a quiet machine).
+bench: $(STAMP)
+	PY=$(PY) benchmarks/run_all.sh
+
+bench-quick: $(STAMP)
+	PY=$(PY) benchmarks/run_all.sh --quick
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check async_rl tests benchmarks

@@ -25,7 +25,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelConfig(_Section):
-    path: Annotated[str, _f("built-in preset name ('tiny-qwen2') or a local Hugging Face model directory")] = (
+    path: Annotated[str, _f("built-in preset ('tiny-qwen2'; 'tiny-qwen2-wide', 13M, for benchmarks) or a local HF model directory")] = (
         "tiny-qwen2"
     )
     cache_dir: Annotated[str, _f("where built-in presets are created (offline) and cached")] = (
@@ -69,6 +69,9 @@ class GeneratorConfig(_Section):
     cpus_per_engine: Annotated[int, _f("CPU cores pinned to each engine (its vLLM OpenMP threads)", ge=1)] = 1
     group_size: Annotated[int, _f("completions sampled per prompt (the GRPO group)", ge=1)] = 8
     max_tokens: Annotated[int, _f("maximum completion length in tokens", ge=1)] = 8
+    ignore_eos: Annotated[
+        bool, _f("keep sampling past the end-of-sequence token: every completion is max_tokens long (benchmarks)")
+    ] = False
     temperature: Annotated[float, _f("sampling temperature (the learner divides its logits by it too)", gt=0)] = 1.0
     max_model_len: Annotated[int, _f("vLLM max sequence length (prompt + completion)", ge=8)] = 128
     max_inflight_prompts: Annotated[int, _f("prompts an engine keeps in flight at once", ge=1)] = 16

@@ -85,6 +85,7 @@ def engine_settings(
         kv_cache_gib=g.kv_cache_gib,
         group_size=g.group_size,
         max_tokens=g.max_tokens,
+        ignore_eos=g.ignore_eos,
         temperature=g.temperature,
         max_inflight_prompts=g.max_inflight_prompts,
         pause_mode=g.pause_mode,

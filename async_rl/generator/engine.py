@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import msgspec
 import numpy as np
@@ -44,6 +45,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     reward_workers: int
     ingest_address: str
     curve: ClientKeys | None = None  # the engine's CURVE keys (None: security.curve is off)
+    ignore_eos: bool = False
 
 
 class EngineStats(msgspec.Struct):
@@ -57,6 +59,7 @@ class EngineStats(msgspec.Struct):
     idle_s: float  # time with nothing in flight since start (waiting on admission)
     failed_requests: int
     last_error: str
+    paused_s: float = 0.0  # time paused or asleep (weight syncs; colocated: the learner's turn)
 
 
 class EnginePids(msgspec.Struct, frozen=True):
@@ -88,6 +91,8 @@ class GeneratorEngine:
         self._last_error = ""
         self._asleep = False
         self._draining = False
+        self._paused_since: float | None = None
+        self._paused_s = 0.0
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
@@ -98,8 +103,12 @@ class GeneratorEngine:
         self._push = self._ctx.socket(zmq.PUSH)
         harden_client(self._push, self.s.curve)
         self._push.connect(self.s.ingest_address)
-        self._params = vc.sampling_params(self.s.group_size, self.s.max_tokens, self.s.temperature)
-        if not paused:
+        self._params = vc.sampling_params(
+            self.s.group_size, self.s.max_tokens, self.s.temperature, ignore_eos=self.s.ignore_eos
+        )
+        if paused:
+            self._paused_since = time.monotonic()
+        else:
             self._running.set()
         self._loop_task = asyncio.create_task(self._generate_loop())
 
@@ -193,6 +202,8 @@ class GeneratorEngine:
 
     async def pause(self) -> None:
         self._running.clear()
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
         if self._asleep:  # weights must be back in place before an update loads into them
             await vc.wake_up(self._llm)
             self._asleep = False
@@ -207,6 +218,9 @@ class GeneratorEngine:
         self.version = version
         await vc.resume(self._llm)
         self._running.set()
+        if self._paused_since is not None:
+            self._paused_s += time.monotonic() - self._paused_since
+            self._paused_since = None
 
     async def join_weight_group(self, info: WeightGroupInfo, first_rank: int, manifest: Manifest) -> None:
         await vc.join_weight_group(self._llm, info, first_rank, manifest)
@@ -239,6 +253,8 @@ class GeneratorEngine:
             idle_s=self._idle_s,
             failed_requests=self._failed,
             last_error=self._last_error,
+            paused_s=self._paused_s
+            + (time.monotonic() - self._paused_since if self._paused_since is not None else 0.0),
         )
 
     async def shutdown(self) -> None:

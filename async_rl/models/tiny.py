@@ -1,7 +1,7 @@
 """A tiny random-init Qwen2-style model with a character-level tokenizer, created offline.
 
-Used by the quickstart and the tests: no hub download, a few hundred thousand parameters, head_dim 32
-(vLLM's CPU attention needs >= 32). Written to a temporary folder and renamed into place, so a
+Used by the quickstart and the tests: no hub download, a few hundred thousand parameters (the wider
+benchmark preset: 13M), head_dim >= 32 (vLLM's CPU attention needs >= 32). Written to a temporary folder and renamed into place, so a
 crashed creation never leaves a half-written model behind.
 """
 
@@ -11,11 +11,29 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from async_rl.errors import ConfigError
 
-PRESETS = ("tiny-qwen2",)
 _PRESET_VERSION = "v1"
+
+
+class PresetShape(NamedTuple):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+# 'tiny-qwen2': ~0.4M parameters, the quickstart and the tests. 'tiny-qwen2-wide': ~13M parameters,
+# for throughput benchmarks where training must cost about as much as generation (on the tiny
+# preset vLLM's per-step overhead dominates and training is nearly free).
+SHAPES: dict[str, PresetShape] = {
+    "tiny-qwen2": PresetShape(128, 256, 2, 4, 2),
+    "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
+}
+PRESETS = tuple(SHAPES)
 
 # Characters the built-in tasks use; every one is its own token.
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?,. ")
@@ -35,17 +53,17 @@ def build_tokenizer():
     )
 
 
-def build_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0):
+def build_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, shape: PresetShape = SHAPES["tiny-qwen2"]):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         eos_token_id=eos_id,
@@ -69,7 +87,7 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         tokenizer = build_tokenizer()
-        model = build_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        model = build_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, shape=SHAPES[name])
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         try:

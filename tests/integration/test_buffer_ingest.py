@@ -143,5 +143,49 @@ async def dynamic_sampling_scenario() -> None:
         await buffer.close()
 
 
+async def burst_scenario() -> None:
+    """Frames queued faster than the loop runs are drained in batches: each one is still decoded,
+    checked and counted on its own, a bad frame in the middle of a batch rejects only itself."""
+    n = 600  # more than one drain batch (INGEST_BATCH_FRAMES)
+    buffer = ReplayBuffer(
+        BufferSettings(
+            run_id="r", host="127.0.0.1", ingest_port=0, serve_port=0, max_lag=0, prompts_per_step=n,
+            group_size=GROUP, filter_uniform_groups=False, max_frame_bytes=1 << 20, task_name="repeat", task_seed=0,
+        )
+    )
+    addresses = await buffer.start()
+    ctx = zmq.Context()  # a blocking socket: queue every frame before the ingest loop gets a turn
+    push = ctx.socket(zmq.PUSH)
+    push.connect(addresses.ingest)
+    try:
+        ids = [p.prompt_id for p in await buffer.lease(engine_id=0, max_groups=n)]
+        assert len(ids) == n
+        bad = set(ids[5::50])  # positive log-probs: rejected one by one
+        for pid in ids:
+            push.send_multipart(encode_groups("r", [group(pid, logprob=0.5 if pid in bad else -0.5)]))
+        push.send_multipart(encode_groups("r", [group(ids[0])]))  # a late duplicate of an accepted prompt
+        # Other tasks on the buffer's loop (control calls, batch serving) get turns while a backlog
+        # drains: this one polls at every turn it gets and must see the backlog part-way done.
+        seen: list[int] = []
+        for _ in range(100_000):
+            s = buffer.stats()
+            seen.append(s.waiting_groups)
+            if s.accounts.in_flight == 0 and sum(s.rejected_frames.values()) == len(bad) + 1:
+                break
+            await asyncio.sleep(0 if len(seen) < 50_000 else 0.01)
+        assert any(0 < w < n - len(bad) for w in seen), "the ingest loop never yielded while draining"
+        s = buffer.stats()
+        assert s.rejected_frames == {"bad_value": len(bad), "unknown_prompt": 1}
+        assert s.accounts.waiting == (n - len(bad)) * GROUP and s.accounts.lost == len(bad) * GROUP
+        assert s.accounts.balanced() and s.waiting_groups == n - len(bad)
+    finally:
+        ctx.destroy(linger=0)
+        await buffer.close()
+
+
 def test_dynamic_sampling_filters_uniform_groups_and_keeps_filling_the_batch():
     asyncio.run(dynamic_sampling_scenario())
+
+
+def test_burst_of_frames_is_drained_in_batches_and_counted_one_by_one():
+    asyncio.run(burst_scenario())

