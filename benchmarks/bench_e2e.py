@@ -189,8 +189,10 @@ def probe_training(w: dict, cores: list[int], reps: int) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     from async_rl.cluster.placement import pin_current_process
-    from async_rl.learner.algorithms import ppo_clip_loss, token_logprobs
-    from async_rl.learner.torch_learner import Collated
+    from async_rl.learner.advantages import grpo_advantages
+    from async_rl.learner.algorithms import token_logprobs
+    from async_rl.learner.losses import policy_loss
+    from async_rl.learner.padded import PaddedShard
     from async_rl.models.tiny import resolve_model_path
     from async_rl.protocol import TrajectoryGroup
 
@@ -211,10 +213,11 @@ def probe_training(w: dict, cores: list[int], reps: int) -> list[float]:
     times = []
     for rep in range(reps + 1):
         t0 = time.perf_counter()
-        b = Collated(groups)
+        b = PaddedShard(groups)
+        advantages = grpo_advantages(b.rewards).reshape(-1, 1)
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
         logp = token_logprobs(logits, b.input_ids[:, 1:], 1.0)
-        loss, _ = ppo_clip_loss(logp, b.behav_logp, b.advantages, b.loss_mask, 0.2, 0.2, 2.0)
+        loss, _, _ = policy_loss(logp, b.behav_logp, advantages, b.loss_mask, eps_low=0.2, eps_high=0.2, tis_cap=2.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -57,6 +57,7 @@ def generation(engines: int, warmup_s: float, window_s: float, quick: bool) -> d
     from async_rl.config import load_config
     from async_rl.generator.pool import GeneratorPool
     from async_rl.models.tiny import resolve_model_path
+    from async_rl.security import make_run_keys
 
     max_tokens = 16 if quick else 64
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
@@ -68,10 +69,11 @@ def generation(engines: int, warmup_s: float, window_s: float, quick: bool) -> d
     plan = plan_placement(cfg)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     run_id = uuid.uuid4().hex[:12]
-    buffer = ray.remote(ReplayBuffer).options(num_cpus=0).remote(settings.buffer_settings(cfg, run_id))
+    keys = make_run_keys()  # CURVE on, as in a real run
+    buffer = ray.remote(ReplayBuffer).options(num_cpus=0).remote(settings.buffer_settings(cfg, run_id, keys))
     addresses = ray.get(buffer.start.remote())
     pool = GeneratorPool(
-        lambda i: settings.engine_settings(cfg, run_id, model_dir, plan, i, addresses.ingest),
+        lambda i: settings.engine_settings(cfg, run_id, model_dir, plan, i, addresses.ingest, keys),
         buffer, 1, 1, cfg.weight_sync.timeout_s,
     )
     try:

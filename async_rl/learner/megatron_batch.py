@@ -1,41 +1,14 @@
-"""The megatron backend's batch: a shard as padded tensors (megatron's schedules take fixed shapes).
-
-Loss positions index the *targets* (input shifted by one). Advantages are GRPO's; the other
-algorithms of `learner/algorithms.py` run on the torch backend only so far.
-"""
+"""The megatron backend's batch: a padded shard with GRPO advantages (the other algorithms of
+`learner/algorithms.py` run on the torch backend only so far)."""
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-from async_rl.learner.algorithms import grpo_advantages
+from async_rl.learner.advantages import grpo_advantages
+from async_rl.learner.padded import PaddedShard
 from async_rl.protocol import TrajectoryGroup
 
 
-class Collated:
+class Collated(PaddedShard):
     def __init__(self, groups: list[TrajectoryGroup]) -> None:
-        seqs, behav, starts, lengths = [], [], [], []
-        for g in groups:
-            for comp, lp in zip(g.completions, g.logprobs, strict=True):
-                seqs.append(np.concatenate([g.prompt_tokens, comp]))
-                behav.append(lp)
-                starts.append(len(g.prompt_tokens) - 1)
-                lengths.append(len(comp))
-        width = max(len(s) for s in seqs)
-        n = len(seqs)
-        self.input_ids = torch.zeros(n, width, dtype=torch.long)
-        self.attention_mask = torch.zeros(n, width, dtype=torch.long)
-        self.behav_logp = torch.zeros(n, width - 1)
-        self.loss_mask = torch.zeros(n, width - 1)
-        for i, (s, lp, start, length) in enumerate(zip(seqs, behav, starts, lengths, strict=True)):
-            self.input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
-            self.attention_mask[i, : len(s)] = 1
-            self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
-            self.loss_mask[i, start : start + length] = 1
-        self.rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        super().__init__(groups)
         self.advantages = grpo_advantages(self.rewards).reshape(-1, 1)
-        self.seqs = seqs
-        self.starts = starts
-        self.lengths = lengths
-        self.tokens = int(sum(lengths))

@@ -29,6 +29,7 @@ from async_rl.learner.hf_io import (
     write_hf_folder,
 )
 from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
+from async_rl.learner.padded import PaddedShard
 from async_rl.learner.schedule import lr_factor
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
@@ -39,33 +40,6 @@ from async_rl.weight_sync.transport import join_sender, open_membership
 
 TRAINER_STATE = "trainer_state.pt"
 
-
-class Collated:
-    """A shard as padded rows (what the algorithm's `prepare` takes: advantages, proximal and
-    reference log-probs, critic values are computed on it before the packed micro-batches)."""
-
-    def __init__(self, groups: list[TrajectoryGroup]) -> None:
-        seqs, behav, starts, lengths = [], [], [], []
-        for g in groups:
-            for comp, lp in zip(g.completions, g.logprobs, strict=True):
-                seqs.append(np.concatenate([g.prompt_tokens, comp]))
-                behav.append(lp)
-                starts.append(len(g.prompt_tokens) - 1)
-                lengths.append(len(comp))
-        width = max(len(s) for s in seqs)
-        n = len(seqs)
-        self.input_ids = torch.zeros(n, width, dtype=torch.long)
-        self.attention_mask = torch.zeros(n, width, dtype=torch.long)
-        self.behav_logp = torch.zeros(n, width - 1)
-        self.loss_mask = torch.zeros(n, width - 1)
-        for i, (s, lp, start, length) in enumerate(zip(seqs, behav, starts, lengths, strict=True)):
-            self.input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
-            self.attention_mask[i, : len(s)] = 1
-            self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
-            self.loss_mask[i, start : start + length] = 1
-        self.rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        self.seqs = seqs
-        self.tokens = int(sum(lengths))
 
 
 def _per_token(t: torch.Tensor | None, row: int, col: int, n: int) -> np.ndarray | None:
@@ -231,7 +205,7 @@ class TorchLearnerRank(LearnerRank):
         t0 = time.perf_counter()
         # The algorithm's no-grad passes (proximal/reference log-probs, critic) and its advantages run
         # on the shard as padded rows; the gradient passes then run on packed micro-batches.
-        prepared = self.algo.prepare(Collated(groups), self.model)
+        prepared = self.algo.prepare(PaddedShard(groups), self.model)
         samples = shard_samples(groups, prepared)
         self._last_samples = samples
         self._full = None  # gathered weights go stale with this step

@@ -63,7 +63,7 @@ def test_split_respects_sequence_and_token_limits():
 def prepared_samples(model, model_dir, gs, **algorithm):
     from async_rl.config import AlgorithmConfig
     from async_rl.learner.algorithms import Algorithm
-    from async_rl.learner.torch_learner import Collated
+    from async_rl.learner.padded import PaddedShard as Collated
 
     algo = Algorithm(
         AlgorithmConfig(**algorithm), max_tokens=8, temperature=1.0, model_dir=str(model_dir), dtype=torch.float32,

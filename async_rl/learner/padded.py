@@ -1,0 +1,40 @@
+"""A learner shard as padded rows: one row per completion with its prompt, right-padded.
+
+The torch backend's algorithm prepares on it (advantages and the no-grad passes) before the packed
+micro-batches; the megatron backend trains on it directly (its schedules take fixed shapes). Loss
+positions index the *targets* (input shifted by one).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from async_rl.protocol import TrajectoryGroup
+
+
+class PaddedShard:
+    def __init__(self, groups: list[TrajectoryGroup]) -> None:
+        seqs, behav, starts, lengths = [], [], [], []
+        for g in groups:
+            for comp, lp in zip(g.completions, g.logprobs, strict=True):
+                seqs.append(np.concatenate([g.prompt_tokens, comp]))
+                behav.append(lp)
+                starts.append(len(g.prompt_tokens) - 1)
+                lengths.append(len(comp))
+        width = max(len(s) for s in seqs)
+        n = len(seqs)
+        self.input_ids = torch.zeros(n, width, dtype=torch.long)
+        self.attention_mask = torch.zeros(n, width, dtype=torch.long)
+        self.behav_logp = torch.zeros(n, width - 1)
+        self.loss_mask = torch.zeros(n, width - 1)
+        for i, (s, lp, start, length) in enumerate(zip(seqs, behav, starts, lengths, strict=True)):
+            self.input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
+            self.attention_mask[i, : len(s)] = 1
+            self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
+            self.loss_mask[i, start : start + length] = 1
+        self.rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        self.seqs = seqs
+        self.starts = starts
+        self.lengths = lengths
+        self.tokens = int(sum(lengths))
