@@ -143,6 +143,9 @@ def bench_ours(
     try:
         sender = join_sender(info, store, manifest)
         if adopt:
+            # The sender's own copy moves into the mapping (as the learner's parameters do); the
+            # caller's tensors stay ordinary memory for the other methods (Ray pickles them).
+            state = {n: t.clone() for n, t in state.items()}
             sender.adopt(state)
         times = []
         for v in range(repeats):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import abc
 import collections
+import os
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
@@ -54,7 +56,7 @@ class UpdateReceipt(msgspec.Struct, frozen=True):
     checksum: str  # xxh3-128 of the sender's chunk table ('' when checksums are off)
     nbytes: int
     seconds: float
-    chunks_checked: int = 0  # chunks this member hashed (all of them on the sender)
+    chunks_checked: int = 0  # chunks this member hashed (the same ones on every member)
 
 
 class CorruptUpdate(RuntimeError):
@@ -113,11 +115,12 @@ class BucketChannel(abc.ABC):
 
 
 RECEIVE_WINDOW = 2  # buckets a receiver has posted ahead of its loader
-_HEADER_BYTES = 24  # int64 version + 16-byte manifest digest
+_HEADER_BYTES = 32  # int64 version + 16-byte manifest digest + int64 seed of the checksum's chunk choice
 
 
-def _header(version: int, manifest: Manifest) -> torch.Tensor:
-    return torch.frombuffer(bytearray(version.to_bytes(8, "little", signed=True) + manifest.digest_bytes()), dtype=torch.uint8)
+def _header(version: int, manifest: Manifest, seed: int) -> torch.Tensor:
+    raw = version.to_bytes(8, "little", signed=True) + manifest.digest_bytes() + seed.to_bytes(8, "little")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def _check_mode(mode: str) -> str:
@@ -159,8 +162,9 @@ class WeightSender:
 
     def send(self, tensors: dict[str, torch.Tensor], version: int) -> UpdateReceipt:
         t0 = time.perf_counter()
-        self.group.broadcast(_header(version, self.manifest))
-        table = ChunkTable(self.manifest)
+        seed = int.from_bytes(os.urandom(8), "little")  # which chunks 'sampled' hashes this time
+        self.group.broadcast(_header(version, self.manifest, seed))
+        checker = ChunkChecker(self.manifest, self.checksum, random.Random(seed)) if self.checksum != "off" else None
         pending: Pending | None = None
         for k, bucket in enumerate(self.manifest.buckets):
             # Packing bucket k overlaps the transfer of bucket k-1; hashing it overlaps its own.
@@ -168,16 +172,19 @@ class WeightSender:
             if pending is not None:
                 pending.wait()
             pending = self.channel.start_send(k, buf)
-            if self.checksum != "off":
-                table.hash_bucket(k, buf)
+            if checker:
+                checker.hash_bucket(k, buf)
         if pending is not None:
             pending.wait()
+        table = ChunkTable(self.manifest)
+        if checker:
+            table.fill(checker)
         self.group.broadcast(torch.frombuffer(bytearray(table.to_bytes()), dtype=torch.uint8))
         # Every receiver has loaded (or refused) the update: only now may the caller change the
         # tensors, which matters when they live in the channel itself (`adopt`).
         self.group.barrier()
-        checked = len(table.hashes) if self.checksum != "off" else 0
-        return _receipt(version, self.manifest, table if checked else None, t0, checked)
+        checked = checker.chunks_checked if checker else 0
+        return _receipt(version, self.manifest, table if checker else None, t0, checked)
 
 
 class WeightReceiver:
@@ -200,7 +207,7 @@ class WeightReceiver:
         rejected = ""
         if got_version != version:
             rejected = f"update header says version {got_version}, expected {version}"
-        elif raw[8:] != self.manifest.digest_bytes():
+        elif raw[8:24] != self.manifest.digest_bytes():
             rejected = "update was packed with another manifest (membership or model changed)"
         if rejected:
             # Take the rest of the update off the group without loading it, so the sender and the
@@ -228,7 +235,8 @@ class WeightReceiver:
                 trailer_pending = self.group.start_broadcast(trailer)
 
         post_ahead()
-        checker = ChunkChecker(self.manifest, self.checksum) if self.checksum != "off" else None
+        seed = int.from_bytes(raw[24:32], "little")
+        checker = ChunkChecker(self.manifest, self.checksum, random.Random(seed)) if self.checksum != "off" else None
         for k, bucket in enumerate(buckets):
             buf, pending = posted.popleft()
             pending.wait()

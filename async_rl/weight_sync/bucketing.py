@@ -108,7 +108,7 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 CHUNK_BYTES = 1 << 20  # granularity of the update checksum: one xxh3-64 per MiB of every bucket
 CHECKSUM_MODES = ("full", "sampled", "off")
-SAMPLE_ONE_IN = 32  # 'sampled': a receiver hashes ~1/32 of the chunks it gets, chosen at random
+SAMPLE_ONE_IN = 32  # 'sampled': ~1/32 of the chunks are hashed, chosen anew for every update
 
 
 def chunk_counts(manifest: Manifest) -> list[int]:
@@ -121,15 +121,17 @@ def _hash_chunk(buf: torch.Tensor, j: int) -> int:
 
 
 class ChunkTable:
-    """The sender's checksum of an update: one xxh3-64 per chunk of every bucket.
+    """The sender's checksum of an update: one xxh3-64 per chunk (MiB) of every bucket it hashed
+    (0 for the others); it travels in the trailer.
 
-    xxh3 runs at memory speed (~10 GB/s from DRAM here), i.e. nearly as long as the copy it guards,
-    so hashing every byte on a receiver costs about a fifth of a shared-memory update. The sender
-    hashes every chunk (after the bucket is handed off, so it overlaps the receivers' loads); the
-    table travels in the trailer. Receivers check all chunks ('full') or, by default ('sampled'),
-    the last chunk of every bucket (a short or misplaced bucket changes it) plus a random 1/32 of the
-    rest, chosen anew by each receiver for each update, so a systematic corruption (stale region,
-    reordered or truncated buckets, wrong dtype) is caught at once and a random one over updates."""
+    xxh3 runs at memory speed (~10 GB/s from DRAM here), as long as the copy it guards, and on 2
+    cores the sender's hashing and the receivers' loads share the memory bandwidth: hashing every
+    byte doubled a shared-memory update (measured, benchmarks/results/weight_sync.md). So 'full'
+    hashes every chunk on both sides, and the default 'sampled' hashes, on both sides, the last
+    chunk of every bucket (a short or misplaced bucket changes it) plus a random 1/32 of the rest,
+    chosen from a seed the sender draws for each update and sends in the header: a systematic
+    corruption (stale region, reordered or truncated buckets, wrong dtype) is caught at once, a
+    random one over updates."""
 
     def __init__(self, manifest: Manifest) -> None:
         self.counts = chunk_counts(manifest)
@@ -140,14 +142,10 @@ class ChunkTable:
     def nbytes(self) -> int:
         return 8 * len(self.hashes)
 
-    def hash_bucket(self, k: int, buf: torch.Tensor) -> None:
-        # A GPU bucket is hashed on the CPU: one device-to-host copy of the whole bucket (a single
-        # large DMA) rather than one per MiB. It is the sender's full D2H of the update, and on a
-        # colocated GPU it costs far more than the update itself (see weight_sync.cuda_ipc).
-        if buf.device.type != "cpu":
-            buf = buf.cpu()
-        for j in range(self.counts[k]):
-            self.hashes[self.starts[k] + j] = _hash_chunk(buf, j)
+    def fill(self, checker: ChunkChecker) -> None:
+        """Take the hashes the sender's checker computed."""
+        for (k, j), h in checker.seen.items():
+            self.hashes[self.starts[k] + j] = h
 
     def to_bytes(self) -> bytes:
         return np.array(self.hashes, dtype=np.uint64).tobytes()
@@ -166,8 +164,9 @@ class ChunkTable:
 
 
 class ChunkChecker:
-    """A receiver's side of the checksum: hash the chosen chunks of each bucket as it arrives,
-    compare with the sender's table at the end."""
+    """Hash the chosen chunks of each bucket as it goes by. The sender and every receiver build one
+    from the same seed, so they choose the same chunks; receivers compare with the sender's table.
+    A GPU bucket's chunk is copied to the host to be hashed (only the chosen chunks)."""
 
     def __init__(self, manifest: Manifest, mode: str, rng: random.Random | None = None) -> None:
         self.counts = chunk_counts(manifest)

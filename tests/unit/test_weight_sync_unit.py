@@ -182,8 +182,11 @@ def test_chunk_table_hashes_every_mib_and_round_trips():
     table = ChunkTable(manifest)
     assert table.counts == [3, 1] and table.nbytes == 32
     bufs = [torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8) for b in manifest.buckets]
+    sender = ChunkChecker(manifest, "full")
     for k, buf in enumerate(bufs):
-        table.hash_bucket(k, buf)
+        sender.hash_bucket(k, buf)
+    table.fill(sender)
+    assert all(table.hashes)
     back = ChunkTable.from_bytes(manifest, table.to_bytes())
     assert back.hashes == table.hashes and back.digest() == table.digest()
     checker = ChunkChecker(manifest, "full")
@@ -210,6 +213,9 @@ def test_sampled_checker_always_takes_each_buckets_last_chunk_and_about_1_in_32_
     others = sum(len(p) - 1 for p in picks) / (2000 * 63)
     assert 0.8 / 32 < others < 1.2 / 32
     assert ChunkChecker(manifest, "full").chosen(0) == list(range(64))
+    # sender and receivers seeded alike choose alike (they hash the same chunks of an update)
+    a, b = (ChunkChecker(manifest, "sampled", rng=random.Random(7)) for _ in range(2))
+    assert [a.chosen(0) for _ in range(50)] == [b.chosen(0) for _ in range(50)]
 
 
 # ---------------------------------------------------------------- ParamChecksum
