@@ -26,7 +26,7 @@ import msgspec
 import ray
 from ray.actor import ActorHandle
 
-from async_rl import settings
+from async_rl import checkpoint, settings
 from async_rl.autoscale import ScaleDecision, ScaleSignal, decide
 from async_rl.buffer.actor import ReplayBuffer
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
@@ -52,9 +52,9 @@ class ScaleEvent(msgspec.Struct, frozen=True):
 
 
 def latest_checkpoint(run_dir: Path) -> str | None:
-    ckpts = run_dir / "checkpoints"
-    entries = sorted(ckpts.iterdir(), key=lambda p: p.stat().st_mtime) if ckpts.is_dir() else []
-    return str(entries[-1]) if entries else None
+    """The newest complete checkpoint (what `--resume` would pick), or None."""
+    found = checkpoint.completed(run_dir)
+    return str(found[-1]) if found else None
 
 
 def learner_died(run_dir: Path, rank: int, exc: BaseException) -> RunError:

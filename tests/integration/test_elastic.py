@@ -141,7 +141,9 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
 def test_dead_learner_rank_stops_the_run_naming_the_checkpoint(tmp_path, model_cache):
     def between(controller, step):
         if step == 0:
-            (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)  # as a checkpointer would leave it
+            # a complete checkpoint, as the checkpointer leaves it (its run state written last)
+            (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)
+            (tmp_path / "checkpoints" / "step_1" / "run_state.json").write_text("{}")
             pid = ray.get(controller.learner.actors[0].__ray_call__.remote(lambda self: os.getpid()))
             os.kill(pid, signal.SIGKILL)
 

@@ -273,9 +273,10 @@ def test_scale_cli_rejects_k_below_one(tmp_path, capsys):
 def test_learner_death_names_the_checkpoint(tmp_path):
     err = learner_died(tmp_path, 1, RuntimeError("actor died\nmore"))
     assert str(err) == "learner rank 1 died (actor died); no checkpoint was written, the run cannot resume"
-    (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
-    time.sleep(0.01)
-    (tmp_path / "checkpoints" / "step_8").mkdir()
+    for step in (4, 8):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "run_state.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step_12").mkdir()  # being written (no run state yet): not resumable
     assert latest_checkpoint(tmp_path).endswith("step_8")
     assert f"resume from checkpoint {tmp_path / 'checkpoints' / 'step_8'}" in str(learner_died(tmp_path, 0, RuntimeError("x")))
 
