@@ -151,6 +151,11 @@ class LearnerConfig(_Section):
     packing: Annotated[
         bool, _f("padding-free micro-batches: sequences concatenated, position ids restart per sequence")
     ] = True
+    pack_row_tokens: Annotated[
+        int,
+        _f("packing: tokens per packed row (0 = the longest sequence of the micro-batch); without a varlen "
+           "attention kernel (CPU) a row costs attention over its width squared, so keep rows short", ge=0),
+    ] = 0
     lr_warmup_steps: Annotated[int, _f("linear learning-rate warmup over this many steps", ge=0)] = 0
     lr_decay: Annotated[
         Literal["constant", "linear", "cosine"], _f("learning-rate decay after warmup, to lr * lr_min_ratio at the last step")

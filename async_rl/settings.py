@@ -125,6 +125,7 @@ def learner_settings(
         micro_batch_size=lc.micro_batch_size,
         micro_batch_tokens=lc.micro_batch_tokens,
         packing=lc.packing,
+        pack_row_tokens=lc.pack_row_tokens,
         total_steps=cfg.train.total_steps,
         lr_warmup_steps=lc.lr_warmup_steps,
         lr_decay=lc.lr_decay,

@@ -7,7 +7,9 @@ controller are light (I/O and control) and are not pinned.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 
 import msgspec
 
@@ -74,7 +76,13 @@ def plan_placement(cfg: Config, cores: list[int] | None = None) -> PlacementPlan
 def pin_current_process(cores: list[int]) -> None:
     """Pin this process (and the threads it starts later) to `cores`; size torch's thread pool to match."""
     if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(cores))
+        # sched_setaffinity(0) pins only the calling thread, and a Ray actor's constructor does not run
+        # on the main thread: pin every thread the process has, so threads any of them start later
+        # (vLLM's engine process, torch's pool, Ray's own) inherit the cores.
+        tasks = Path("/proc/self/task")
+        for tid in [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]:
+            with contextlib.suppress(ProcessLookupError):  # a thread may exit meanwhile
+                os.sched_setaffinity(tid, set(cores))
     try:
         import torch
 

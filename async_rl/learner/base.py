@@ -53,6 +53,7 @@ class LearnerSettings(msgspec.Struct, frozen=True):
     micro_batch_size: int = 0  # sequences per micro-batch (0 = the whole shard)
     micro_batch_tokens: int = 0  # tokens per micro-batch (0 = no limit)
     packing: bool = True  # padding-free packed micro-batches
+    pack_row_tokens: int = 0  # tokens per packed row (0 = the longest sequence)
     total_steps: int = 1
     lr_warmup_steps: int = 0
     lr_decay: str = "constant"  # 'constant' | 'linear' | 'cosine'

@@ -209,7 +209,9 @@ class TorchLearnerRank(LearnerRank):
         samples = shard_samples(groups, prepared)
         self._last_samples = samples
         self._full = None  # gathered weights go stale with this step
-        mbs = micro_batches(samples, self.s.packing, self.s.micro_batch_size, self.s.micro_batch_tokens)
+        mbs = micro_batches(
+            samples, self.s.packing, self.s.micro_batch_size, self.s.micro_batch_tokens, self.s.pack_row_tokens
+        )
         count = self._agree_count(len(mbs))
         total_tokens = max(1, sum(mb.loss_tokens for mb in mbs))
         lr = self.optimizer.param_groups[0]["lr"]
@@ -286,7 +288,9 @@ class TorchLearnerRank(LearnerRank):
         return self.wrapped.no_sync()
 
     def _score(self, samples: list[SeqSample], temperature: float) -> list[np.ndarray]:
-        mbs = micro_batches(samples, self.s.packing, self.s.micro_batch_size, self.s.micro_batch_tokens)
+        mbs = micro_batches(
+            samples, self.s.packing, self.s.micro_batch_size, self.s.micro_batch_tokens, self.s.pack_row_tokens
+        )
         out: list[np.ndarray] = []
         with torch.no_grad():
             for i in range(self._agree_count(len(mbs))):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -70,20 +71,27 @@ def check_common(cfg, summary, learner_ck, engine_cks, final, records, engines=N
 
 
 def test_async_run_one_step_off_policy_with_flaky_user_task(tmp_path, model_cache):
-    out = run_short(
-        tmp_path,
-        model_cache,
-        [
-            "train.total_steps=6",
-            "train.max_lag=1",
-            "train.prompts_per_step=4",
-            "generators.group_size=4",
-            "task.name=tests.integration._flaky_task:make_task",
-            "task.reward_timeout_s=0.2",
-            "task.reward_workers=8",
-        ],
-    )
+    affinity: dict[int, set[int]] = {}
+
+    def record_affinity(controller, step):
+        if step == 0:  # every process of the engine: the Ray actor and vLLM's engine core and workers
+            pids = controller.generators.pids()[0]
+            affinity.update({pid: os.sched_getaffinity(pid) for pid in [pids.actor, *pids.engine_core]})
+
+    overrides = [
+        "train.total_steps=6",
+        "train.max_lag=1",
+        "train.prompts_per_step=4",
+        "generators.group_size=4",
+        "task.name=tests.integration._flaky_task:make_task",
+        "task.reward_timeout_s=0.2",
+        "task.reward_workers=8",
+    ]
+    out = run_short(tmp_path, model_cache, overrides, record_affinity)
     check_common(*out)
+    # The engine's scheduler and front end stay on its cores too, not only vLLM's OMP threads.
+    engine_cores = set(plan_placement(out[0]).engines[0].cores)
+    assert len(affinity) >= 2 and all(cores == engine_cores for cores in affinity.values()), (affinity, engine_cores)
     records = out[-1]
     # Asynchronous: after warm-up the learner trains on samples one version old.
     assert max(r["lag_max"] for r in records) == 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from async_rl.learner.base import checkpoint_model_dir
-from async_rl.learner.packing import SeqSample, packed, padded, split
+from async_rl.learner.packing import SeqSample, pack_rows, packed, padded, split
 from async_rl.learner.schedule import lr_factor
 from async_rl.learner.torch_learner import TorchLearnerRank, shard_samples
 from async_rl.models.tiny import resolve_model_path
@@ -60,6 +60,12 @@ def test_split_respects_sequence_and_token_limits():
     assert [len(c) for c in split(samples, 0, 0)] == [4]
 
 
+def test_pack_rows_first_fit_bounded():
+    # width 10: 6+4 share row 0, 7 opens row 1, 3 fills it, 12 (over the width) fills a row alone, 2 opens one
+    assert pack_rows([6, 7, 4, 3, 12, 2], 10) == [0, 1, 0, 1, 2, 3]
+    assert pack_rows([5, 5, 5], 5) == [0, 1, 2]
+
+
 def prepared_samples(model, model_dir, gs, **algorithm):
     from async_rl.config import AlgorithmConfig
     from async_rl.learner.algorithms import Algorithm
@@ -107,15 +113,23 @@ def test_packed_logprobs_equal_padded(model_dir):
     samples = prepared_samples(model, model_dir, groups(0, n_groups=3, group_size=4))
     lengths = {len(s.tokens) for s in samples}
     assert len(lengths) > 1  # padding really happens in the padded layout
+    longest = max(lengths)
+    layouts = [packed(samples), packed(samples, row_tokens=2 * longest), packed(samples, row_tokens=10_000),
+               padded(samples)]
+    # rows of the longest sequence hold several short ones; one wide row holds them all
+    assert layouts[0].input_ids.shape[1] == longest and layouts[0].input_ids.shape[0] < len(samples)
+    assert layouts[1].input_ids.shape[1] <= 2 * longest and layouts[2].input_ids.shape[0] == 1
     results = []
-    for mb in (packed(samples), padded(samples)):
+    for mb in layouts:
         with torch.no_grad():
             logits = model(**mb.model_inputs(torch.device("cpu"))).logits
         results.append(mb.per_sequence(token_logprobs(logits, mb.targets)))
-    packed_lp, padded_lp = results
-    assert [len(a) for a in packed_lp] == [s.completion_len for s in samples]
-    for a, b in zip(packed_lp, padded_lp, strict=True):
-        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+    padded_lp = results[-1]
+    for packed_lp in results[:-1]:
+        assert [len(a) for a in packed_lp] == [s.completion_len for s in samples]
+        for a, b in zip(packed_lp, padded_lp, strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+    packed_lp = results[0]
     # and each equals the sequence scored alone (no cross-sequence attention in the packed row)
     for s, a in zip(samples, packed_lp, strict=True):
         alone = packed([s])
