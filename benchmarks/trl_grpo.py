@@ -7,7 +7,7 @@ prompt's letter). Writes one JSON line: steady-state samples/s from the end of t
 the end of the last step, the same window bench_e2e uses for our runs.
 
     .venv-trl/bin/python benchmarks/trl_grpo.py --model DIR --prompts 16 --group 8 --tokens 64 \
-        --steps 12 --warmup 3 --generation hf|vllm --out result.json
+        --steps 12 --warmup 3 --generation hf|vllm [--context TEXT] --out result.json
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--context", default="", help="fixed text before every prompt (bench_e2e's e2e_task.CONTEXT)")
     ap.add_argument("--generation", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -48,7 +49,7 @@ def main() -> None:
     rng = random.Random(0)
     n_prompts = args.prompts * args.steps
     letters = [rng.choice(LETTERS) for _ in range(n_prompts)]
-    data = Dataset.from_dict({"prompt": [f"{c}:" for c in letters], "answer": letters})
+    data = Dataset.from_dict({"prompt": [f"{args.context}{c}:" for c in letters], "answer": letters})
     batch = args.prompts * args.group
     # Fixed-length completions on both sides: no end-of-sequence before --tokens.
     gen_kwargs = {"ignore_eos": True} if args.generation == "vllm" else {"min_new_tokens": args.tokens}
@@ -78,7 +79,7 @@ def main() -> None:
         seed=0,
         use_vllm=args.generation == "vllm",
         vllm_mode="colocate",
-        vllm_max_model_length=args.tokens + 16,
+        vllm_max_model_length=args.tokens + len(args.context) + 16,
     )
     marks: dict[int, float] = {}
 
