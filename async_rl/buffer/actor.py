@@ -80,6 +80,9 @@ class BufferState(msgspec.Struct, kw_only=True):
     rejected_frames: dict[str, int]
     reward_errors: int
     reward_timeouts: int
+    # Prompts the resumed run must generate: those handed back and not yet leased again, and those
+    # in flight when the checkpoint was written (their samples die with that run's engines).
+    returned: list[Prompt] = msgspec.field(default_factory=list)
 
 
 class BufferStats(msgspec.Struct):
@@ -286,18 +289,25 @@ class ReplayBuffer:
             rejected_frames=dict(self._rejected),
             reward_errors=self._reward_errors,
             reward_timeouts=self._reward_timeouts,
+            returned=[*self._returned, *(prompt for _, prompt in self._outstanding.values())],
         )
 
     async def restore(self, state: BufferState) -> None:
         """Resume from a checkpoint, before any lease: the prompt stream continues after the last
-        prompt drawn, the accounting goes on from the saved counts. Samples that were in flight or
-        waiting when the checkpoint was written died with that run: they are counted lost."""
+        prompt drawn, the accounting goes on from the saved counts, and the prompts handed back or in
+        flight at checkpoint time are leased first (in flight ones counted `requeued`: generated
+        again, not lost). Groups that were waiting died with that run: they are counted lost."""
         async with self._changed:
             if self.ledger.accounts.leased:
                 raise RunError("buffer.restore after prompts were leased: restore must come first")
             a = msgspec.structs.replace(state.accounts)
-            a.lost += a.in_flight + a.waiting
+            if state.returned:  # older checkpoints kept no prompts: their in-flight samples are lost
+                a.requeued += a.in_flight
+            else:
+                a.lost += a.in_flight
+            a.lost += a.waiting
             a.in_flight = a.waiting = 0
+            self._returned.extend(state.returned)
             self.ledger.accounts = a
             self.ledger.generator_version = state.generator_version
             self._prompts = load_task(self.s.task_name).prompts(self.s.task_seed)

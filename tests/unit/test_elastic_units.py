@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from async_rl.autoscale import ScaleSignal, decide
-from async_rl.buffer.actor import BufferSettings, ReplayBuffer
+from async_rl.buffer.actor import BufferSettings, BufferState, ReplayBuffer
 from async_rl.buffer.ledger import Ledger
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.config import AutoscaleConfig, load_config
@@ -292,3 +292,28 @@ def test_all_interfaces_are_advertised_as_the_node_ip():
     assert advertised_host("127.0.0.1") == "127.0.0.1"  # loopback stays loopback (one machine)
     ip = ipaddress.ip_address(advertised_host("0.0.0.0"))  # peers cannot connect to 0.0.0.0
     assert not ip.is_unspecified
+
+
+def test_checkpoint_restore_leases_handed_back_and_in_flight_prompts_first(tmp_path):
+    """A resumed run generates again the prompts that were handed back or in flight at checkpoint
+    time (counted requeued, none skipped); only groups already waiting die with the old run."""
+
+    async def scenario():
+        old = make_buffer(tmp_path)
+        await old.lease(engine_id=0, max_groups=2, wait_s=0)  # prompts 0, 1 to engine 0
+        await old.lease(engine_id=1, max_groups=2, wait_s=0)  # prompts 2, 3 to engine 1
+        assert await old.requeue(0, [1]) == 1  # prompt 1 handed back, not yet leased again
+        deliver(old, group(2, engine_id=1))  # prompt 2's group is waiting
+        state = old.checkpoint_state()
+        assert sorted(p.prompt_id for p in state.returned) == [0, 1, 3]
+        new = make_buffer(tmp_path / "resumed")
+        await new.restore(msgspec.json.decode(msgspec.json.encode(state), type=BufferState))
+        a = new.ledger.accounts
+        assert a.balanced() and (a.in_flight, a.waiting) == (0, 0)
+        assert a.lost == 2  # the waiting group of prompt 2 (group size 2)
+        assert a.requeued == 2 + 4  # prompt 1 before the checkpoint, prompts 0 and 3 at restore
+        leased = [p.prompt_id for p in await new.lease(engine_id=7, max_groups=4, wait_s=0)]
+        assert sorted(leased[:3]) == [0, 1, 3] and leased[3] == 4  # then the stream goes on after 3
+
+    (tmp_path / "resumed").mkdir()
+    asyncio.run(scenario())
