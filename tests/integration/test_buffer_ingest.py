@@ -33,22 +33,19 @@ def group(prompt_id: int, engine_id: int = 0, logprob: float = -0.5) -> Trajecto
     )
 
 
-async def scenario() -> None:
-    buffer = ReplayBuffer(
+def local_buffer(prompts_per_step: int, max_lag: int = 1, filter_uniform_groups: bool = False) -> ReplayBuffer:
+    """A buffer on loopback with ephemeral ports, run 'r', the 'repeat' task."""
+    return ReplayBuffer(
         BufferSettings(
-            run_id="r",
-            host="127.0.0.1",
-            ingest_port=0,
-            serve_port=0,
-            max_lag=1,
-            prompts_per_step=4,
-            group_size=GROUP,
-            filter_uniform_groups=False,
-            max_frame_bytes=1 << 20,
-            task_name="repeat",
-            task_seed=0,
+            run_id="r", host="127.0.0.1", ingest_port=0, serve_port=0, max_lag=max_lag,
+            prompts_per_step=prompts_per_step, group_size=GROUP, filter_uniform_groups=filter_uniform_groups,
+            max_frame_bytes=1 << 20, task_name="repeat", task_seed=0,
         )
     )
+
+
+async def scenario() -> None:
+    buffer = local_buffer(prompts_per_step=4)
     addresses = await buffer.start()
     ctx = zmq.asyncio.Context()
     push = ctx.socket(zmq.PUSH)
@@ -94,21 +91,7 @@ def test_rejections_release_leases_and_accounting_stays_exact():
 
 
 async def dynamic_sampling_scenario() -> None:
-    buffer = ReplayBuffer(
-        BufferSettings(
-            run_id="r",
-            host="127.0.0.1",
-            ingest_port=0,
-            serve_port=0,
-            max_lag=1,
-            prompts_per_step=2,
-            group_size=GROUP,
-            filter_uniform_groups=True,
-            max_frame_bytes=1 << 20,
-            task_name="repeat",
-            task_seed=0,
-        )
-    )
+    buffer = local_buffer(prompts_per_step=2, filter_uniform_groups=True)
     addresses = await buffer.start()
     ctx = zmq.asyncio.Context()
     push = ctx.socket(zmq.PUSH)
@@ -147,12 +130,7 @@ async def burst_scenario() -> None:
     """Frames queued faster than the loop runs are drained in batches: each one is still decoded,
     checked and counted on its own, a bad frame in the middle of a batch rejects only itself."""
     n = 600  # more than one drain batch (INGEST_BATCH_FRAMES)
-    buffer = ReplayBuffer(
-        BufferSettings(
-            run_id="r", host="127.0.0.1", ingest_port=0, serve_port=0, max_lag=0, prompts_per_step=n,
-            group_size=GROUP, filter_uniform_groups=False, max_frame_bytes=1 << 20, task_name="repeat", task_seed=0,
-        )
-    )
+    buffer = local_buffer(prompts_per_step=n, max_lag=0)
     addresses = await buffer.start()
     ctx = zmq.Context()  # a blocking socket: queue every frame before the ingest loop gets a turn
     push = ctx.socket(zmq.PUSH)
