@@ -17,5 +17,6 @@ echo "== bench_transport";   "$PY" benchmarks/bench_transport.py "${QUICK[@]}"
 echo "== bench_scaling";     "$PY" benchmarks/bench_scaling.py "${QUICK[@]}"
 echo "== bench_e2e (+ TRL)"; "$PY" benchmarks/bench_e2e.py "${QUICK[@]}"
 if [[ ${#QUICK[@]} -eq 0 ]]; then
+  echo "== bench_e2e, wide preset"; "$PY" benchmarks/bench_e2e.py --preset wide --steps 8 --warmup 2 --lags 2
   echo "== bench_weight_sync"; "$PY" benchmarks/bench_weight_sync.py
 fi
