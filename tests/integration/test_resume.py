@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,18 +16,13 @@ from async_rl.checkpoint import completed, load_state
 from async_rl.learner.base import checkpoint_model_dir
 from async_rl.learner.hf_io import read_hf_weights
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
+from tests.integration._launch import launch
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 TOTAL = 8
-
-
-def launch(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "async_rl.launch", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
 
 
 def overrides(tmp_path, model_cache) -> list[str]:
