@@ -41,13 +41,15 @@ RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from e2e_task import CONTEXT  # noqa: E402 - after the path insert that makes it importable
+
 # The workload: the quickstart model on 'repeat' behind a 192-character context (benchmarks/e2e_task.py),
 # so that generation and training take about the same time on one core each (the phase table this
 # script prints shows the balance; README explains the choice).
 WORKLOAD = {
     "model": "tiny-qwen2",
     "task": "benchmarks.e2e_task:make_task",
-    "prompt_tokens": 194,  # e2e_task.CONTEXT + 'c:' (one token per character)
+    "prompt_tokens": len(CONTEXT) + 2,  # the context + 'c:', one token per character
     "prompts_per_step": 16,
     "group_size": 8,
     "max_tokens": 64,
@@ -161,13 +163,11 @@ def probe_generation(w: dict, cores: list[int], reps: int) -> list[float]:
     import asyncio
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from async_rl.cluster.placement import pin_current_process
     from async_rl.generator import vllm_compat as vc
     from async_rl.models.tiny import resolve_model_path
     from async_rl.tasks.base import load_task
 
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vc.omp_bind(cores, 1)
-    pin_current_process(cores)  # vLLM's engine-core process inherits it, as in the system's engines
+    vc.bind_engine_to(cores, 1)  # as the system's engines are bound
     model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
     spec = vc.EngineSpec(str(model_dir), "float32", 1, w["max_tokens"] + w["prompt_tokens"] + 8, 0.5, 0,
                          w["prompts_per_step"] * w["group_size"])
@@ -266,11 +266,7 @@ def run_trl(py: Path, w: dict, steps: int, warmup: int, generation: str, out: Pa
     from async_rl.models.tiny import resolve_model_path
 
     model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
-    from e2e_task import CONTEXT
-
-    context = CONTEXT if w["task"].endswith("e2e_task:make_task") else ""
-    if len(context) + 2 != w["prompt_tokens"]:
-        raise SystemExit(f"workload prompt_tokens {w['prompt_tokens']} != context {len(context)} + 2")
+    context = CONTEXT if w["task"] == WORKLOAD["task"] else ""
     cmd = [str(py), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", str(model_dir), "--context", context,
            "--prompts", str(w["prompts_per_step"]), "--group", str(w["group_size"]), "--tokens", str(w["max_tokens"]),
            "--steps", str(steps), "--warmup", str(warmup), "--generation", generation, "--out", str(out)]

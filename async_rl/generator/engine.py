@@ -18,7 +18,6 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from async_rl.cluster.placement import pin_current_process
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
 from async_rl.learner.base import Probe
@@ -77,11 +76,7 @@ class GeneratorEngine:
         # vLLM reads these when its engine process starts: set them before it does.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(settings.kv_cache_gib))))
         if settings.cores:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vc.omp_bind(settings.cores, settings.spec.tensor_parallel_size)
-            # The whole engine stays on its cores: the OMP binding covers only vLLM's worker threads,
-            # while its engine-core (scheduler) process and this actor (detokenising, rewards, ZMQ)
-            # inherit this affinity. Unpinned, they took ~65% of a core from a disaggregated learner.
-            pin_current_process(settings.cores)
+            vc.bind_engine_to(settings.cores, settings.spec.tensor_parallel_size)
         self.version = 0
         self._llm = None
         self._running = asyncio.Event()
