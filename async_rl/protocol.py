@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: finish reason per sample
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -29,6 +29,12 @@ REWARD_OK = 0
 REWARD_ERROR = 1
 REWARD_TIMEOUT = 2
 
+# Why a completion ended; carried per sample (overlong handling, truncation metrics).
+FINISH_STOP = 0  # EOS, a stop token or a stop string
+FINISH_LENGTH = 1  # cut at max_tokens (or the model's length limit)
+FINISH_ABORT = 2  # cut by an abort-mode pause and not resumed
+FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+
 
 class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     completion_len: int
@@ -36,6 +42,7 @@ class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     version_first: int  # policy version when the first token was generated
     version_last: int  # policy version when the last token was generated
     reward_status: int = REWARD_OK
+    finish_reason: int = FINISH_STOP
 
 
 class GroupMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -62,12 +69,39 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
     world_size: int
 
 
-class Prompt(msgspec.Struct, frozen=True):
-    """One prompt leased to an engine. `answer` is what the task's reward function checks against."""
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str  # 'system' | 'user' | 'assistant' | 'tool'
+    content: str
+
+
+# Free per-row metadata of a dataset (verl-style extra columns), kept with the prompt for rewards.
+MetaValue = str | int | float | bool | None
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt leased to an engine.
+
+    A task or dataset gives `text` (a plain prompt) or `messages` (a chat); the prompt source in the
+    buffer renders it once with the model's chat template into `token_ids`, which is what vLLM
+    generates from and what the learner trains on (no re-tokenization anywhere on the path).
+    `answer` is what the reward function checks against."""
 
     prompt_id: int
-    text: str
-    answer: str
+    text: str = ""
+    answer: str = ""
+    messages: list[ChatMessage] = []
+    token_ids: list[int] = []  # the rendered prompt; empty until the prompt source renders it
+    data_source: str = ""  # task or dataset name: eval metrics are reported per data source
+    metadata: dict[str, MetaValue] = {}
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reward function receives: one finished completion of `prompt`."""
+
+    prompt: Prompt
+    completion: str  # decoded completion text
+    completion_ids: list[int] = []
+    finish_reason: str = "stop"  # 'stop' | 'length' | 'abort'
 
 
 class FrameError(ValueError):
@@ -92,6 +126,7 @@ class TrajectoryGroup:
     version_first: list[int]
     version_last: list[int]
     reward_status: list[int]
+    finish_reasons: list[int] | None = None  # FINISH_* per sample (None: all FINISH_STOP)
 
     @property
     def size(self) -> int:
@@ -124,6 +159,7 @@ def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) ->
                     version_first=int(g.version_first[i]),
                     version_last=int(g.version_last[i]),
                     reward_status=int(g.reward_status[i]),
+                    finish_reason=int(g.finish_reasons[i]) if g.finish_reasons is not None else FINISH_STOP,
                 )
             )
         metas.append(GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples))
@@ -181,6 +217,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 or s.version_first < 0
                 or s.version_last < s.version_first
                 or s.reward_status not in (REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT)
+                or s.finish_reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
             ):
                 raise FrameError("bad_value", f"prompt {g.prompt_id}: reward or versions out of range")
         prompt = tokens[t : t + g.prompt_len]
@@ -202,6 +239,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 version_first=[s.version_first for s in g.samples],
                 version_last=[s.version_last for s in g.samples],
                 reward_status=[s.reward_status for s in g.samples],
+                finish_reasons=[s.finish_reason for s in g.samples],
             )
         )
     if tokens.size and int(tokens.min()) < 0:

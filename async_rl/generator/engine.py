@@ -21,7 +21,7 @@ import zmq.asyncio
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
 from async_rl.learner.base import Probe
-from async_rl.protocol import TOKEN_DTYPE, Prompt, TrajectoryGroup, encode_groups
+from async_rl.protocol import FINISH_REASONS, TOKEN_DTYPE, Prompt, Sample, TrajectoryGroup, encode_groups
 from async_rl.security import ClientKeys, harden_client
 from async_rl.tasks.base import load_task
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -141,7 +141,14 @@ class GeneratorEngine:
             version_first = self.version
             prompt_ids, completions = await vc.generate(self._llm, prompt.text, self._params, request_id)
             version_last = self.version
-            scored = await asyncio.gather(*(self.rewards.score(prompt, c.text) for c in completions))
+            scored = await asyncio.gather(
+                *(
+                    self.rewards.score(
+                        Sample(prompt=prompt, completion=c.text, completion_ids=c.token_ids, finish_reason=c.finish_reason)
+                    )
+                    for c in completions
+                )
+            )
             group = TrajectoryGroup(
                 prompt_id=prompt.prompt_id,
                 engine_id=self.s.engine_id,
@@ -152,6 +159,7 @@ class GeneratorEngine:
                 version_first=[version_first] * len(completions),
                 version_last=[version_last] * len(completions),
                 reward_status=[st for _, st in scored],
+                finish_reasons=[FINISH_REASONS.get(c.finish_reason, 0) for c in completions],
             )
             await self._push.send_multipart(encode_groups(self.s.run_id, [group]))
             self._groups += 1

@@ -6,7 +6,7 @@ import asyncio
 import math
 from concurrent.futures import ThreadPoolExecutor
 
-from async_rl.protocol import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, Prompt
+from async_rl.protocol import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, Sample
 from async_rl.tasks.base import Task
 
 _QUEUE_FACTOR = 10
@@ -22,13 +22,13 @@ class RewardRunner:
         # The timeout starts when a call gets a worker, not while it queues behind others.
         self._slots = asyncio.Semaphore(workers)
 
-    def _call(self, prompt: Prompt, completion: str) -> float:
-        value = float(self.task.reward(prompt, completion))
+    def _call(self, sample: Sample) -> float:
+        value = float(self.task.reward(sample))
         if not math.isfinite(value):
             raise ValueError(f"reward is not finite: {value}")
         return value
 
-    async def score(self, prompt: Prompt, completion: str) -> tuple[float, int]:
+    async def score(self, sample: Sample) -> tuple[float, int]:
         """(reward, status): status is REWARD_OK, REWARD_ERROR or REWARD_TIMEOUT (reward 0 then)."""
         loop = asyncio.get_running_loop()
         try:
@@ -37,7 +37,7 @@ class RewardRunner:
             await asyncio.wait_for(self._slots.acquire(), _QUEUE_FACTOR * self.timeout_s)
         except asyncio.TimeoutError:
             return 0.0, REWARD_TIMEOUT
-        fut = loop.run_in_executor(self._pool, self._call, prompt, completion)
+        fut = loop.run_in_executor(self._pool, self._call, sample)
         fut.add_done_callback(lambda _: self._slots.release())  # the slot is free when the thread is
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s), REWARD_OK

@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Callable, Iterator
 
 from async_rl.errors import ConfigError
-from async_rl.protocol import Prompt
+from async_rl.protocol import Prompt, Sample
 
 
 class Task(abc.ABC):
@@ -21,8 +21,9 @@ class Task(abc.ABC):
         """An endless (or long) stream of prompts with unique `prompt_id`s."""
 
     @abc.abstractmethod
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        """Score one completion of `prompt`; a finite float, higher is better."""
+    def reward(self, sample: Sample) -> float:
+        """Score one finished completion (`sample.prompt` holds the answer and metadata); a finite
+        float, higher is better."""
 
 
 def _builtin_factories() -> dict[str, Callable[[], Task]]:

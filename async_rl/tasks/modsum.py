@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from async_rl.protocol import Prompt
+from async_rl.protocol import Prompt, Sample
 from async_rl.tasks.base import Task
 
 
@@ -21,5 +21,5 @@ class ModSumTask(Task):
             yield Prompt(prompt_id=i, text=f"{a}+{b}=", answer=str((a + b) % 10))
             i += 1
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return 1.0 if completion.strip().startswith(prompt.answer) else 0.0
+    def reward(self, sample: Sample) -> float:
+        return 1.0 if sample.completion.strip().startswith(sample.prompt.answer) else 0.0

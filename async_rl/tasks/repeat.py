@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from async_rl.protocol import Prompt
+from async_rl.protocol import Prompt, Sample
 from async_rl.tasks.base import Task
 
 LETTERS = "abcdefgh"
@@ -31,6 +31,6 @@ class RepeatTask(Task):
             yield Prompt(prompt_id=i, text=f"{letter}:", answer=letter)
             i += 1
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        head = completion[: self.length]
-        return sum(1 for ch in head if ch == prompt.answer) / self.length
+    def reward(self, sample: Sample) -> float:
+        head = sample.completion[: self.length]
+        return sum(1 for ch in head if ch == sample.prompt.answer) / self.length

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from async_rl.protocol import Prompt
+from async_rl.protocol import Sample
 from async_rl.tasks.repeat import RepeatTask
 
 HANG_S = 1.0  # well past the test's task.reward_timeout_s
@@ -13,12 +13,12 @@ HANG_S = 1.0  # well past the test's task.reward_timeout_s
 class FlakyRepeatTask(RepeatTask):
     name = "flaky_repeat"
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        if prompt.prompt_id % 5 == 1:
+    def reward(self, sample: Sample) -> float:
+        if sample.prompt.prompt_id % 5 == 1:
             raise ValueError("reward service unavailable")
-        if prompt.prompt_id % 5 == 3:
+        if sample.prompt.prompt_id % 5 == 3:
             threading.Event().wait(HANG_S)  # a reward that hangs; the runner must time it out
-        return super().reward(prompt, completion)
+        return super().reward(sample)
 
 
 def make_task() -> FlakyRepeatTask:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from async_rl.protocol import Prompt
+from async_rl.protocol import Sample
 from async_rl.tasks.repeat import RepeatTask
 
 SCORE_S = 0.5
@@ -14,9 +14,9 @@ SCORE_S = 0.5
 class SlowRepeatTask(RepeatTask):
     name = "slow_repeat"
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
+    def reward(self, sample: Sample) -> float:
         threading.Event().wait(SCORE_S)
-        return super().reward(prompt, completion)
+        return super().reward(sample)
 
 
 def make_task() -> SlowRepeatTask:

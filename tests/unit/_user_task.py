@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from async_rl.protocol import Prompt
+from async_rl.protocol import Prompt, Sample
 from async_rl.tasks.base import Task
 
 
@@ -17,8 +17,8 @@ class EchoTask(Task):
             yield Prompt(prompt_id=1000 * seed + i, text=f"say {i}", answer=str(i))
             i += 1
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return 1.0 if completion.strip() == prompt.answer else 0.0
+    def reward(self, sample: Sample) -> float:
+        return 1.0 if sample.completion.strip() == sample.prompt.answer else 0.0
 
 
 def make_task() -> Task:

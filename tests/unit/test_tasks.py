@@ -13,7 +13,7 @@ import pytest
 
 from async_rl.errors import ConfigError
 from async_rl.generator.rewards import RewardRunner
-from async_rl.protocol import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, Prompt
+from async_rl.protocol import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, Prompt, Sample
 from async_rl.tasks import Task, load_task
 from async_rl.tasks.modsum import ModSumTask
 from async_rl.tasks.repeat import RepeatTask
@@ -43,12 +43,12 @@ def take(task: Task, seed: int, n: int) -> list[Prompt]:
 )
 def test_repeat_reward(completion, reward):
     p = Prompt(prompt_id=0, text="c:", answer="c")
-    assert RepeatTask().reward(p, completion) == pytest.approx(reward)
+    assert RepeatTask().reward(Sample(prompt=p, completion=completion)) == pytest.approx(reward)
 
 
 def test_repeat_custom_length():
     p = Prompt(prompt_id=0, text="a:", answer="a")
-    assert RepeatTask(length=4).reward(p, "aaxa") == 0.75
+    assert RepeatTask(length=4).reward(Sample(prompt=p, completion="aaxa")) == 0.75
 
 
 def test_repeat_prompts():
@@ -73,7 +73,7 @@ def test_repeat_prompts():
     ],
 )
 def test_modsum_reward(text, answer, completion, reward):
-    assert ModSumTask().reward(Prompt(prompt_id=1, text=text, answer=answer), completion) == reward
+    assert ModSumTask().reward(Sample(prompt=Prompt(prompt_id=1, text=text, answer=answer), completion=completion)) == reward
 
 
 def test_modsum_prompts_carry_the_right_answer():
@@ -113,8 +113,8 @@ def test_load_user_task_by_dotted_path(repo_on_path):
     assert task.name == "echo"
     first = take(task, 2, 3)
     assert [p.prompt_id for p in first] == [2000, 2001, 2002]
-    assert task.reward(first[1], " 1 ") == 1.0
-    assert task.reward(first[1], "2") == 0.0
+    assert task.reward(Sample(prompt=first[1], completion=" 1 ")) == 1.0
+    assert task.reward(Sample(prompt=first[1], completion="2")) == 0.0
 
 
 def config_error(name: str) -> str:
@@ -160,8 +160,8 @@ class FnTask(Task):
     def prompts(self, seed: int) -> Iterator[Prompt]:
         yield Prompt(prompt_id=0, text="x", answer="y")
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return self.fn(prompt, completion)
+    def reward(self, sample: Sample) -> float:
+        return self.fn(sample.prompt, sample.completion)
 
 
 P = Prompt(prompt_id=3, text="c:", answer="c")
@@ -170,7 +170,7 @@ P = Prompt(prompt_id=3, text="c:", answer="c")
 def score(fn, completion="cccc", timeout=5.0, workers=1):
     runner = RewardRunner(FnTask(fn), timeout_s=timeout, workers=workers)
     try:
-        return asyncio.run(runner.score(P, completion))
+        return asyncio.run(runner.score(Sample(prompt=P, completion=completion)))
     finally:
         runner.close()
 
@@ -217,7 +217,7 @@ def test_reward_timeout():
 
     runner = RewardRunner(FnTask(slow), timeout_s=0.05, workers=1)
     try:
-        assert asyncio.run(runner.score(P, "c")) == (0.0, REWARD_TIMEOUT)
+        assert asyncio.run(runner.score(Sample(prompt=P, completion="c"))) == (0.0, REWARD_TIMEOUT)
     finally:
         release.set()
         runner.close()
@@ -236,8 +236,8 @@ def test_runner_goes_on_after_a_timeout():
     runner = RewardRunner(FnTask(fn), timeout_s=0.05, workers=2)
 
     async def main():
-        slow = await runner.score(P, "slow")
-        fast = await runner.score(P, "fast")
+        slow = await runner.score(Sample(prompt=P, completion="slow"))
+        fast = await runner.score(Sample(prompt=P, completion="fast"))
         return slow, fast
 
     try:
@@ -252,7 +252,7 @@ def test_many_rewards_concurrently():
     runner = RewardRunner(FnTask(lambda p, c: len(c) / 10), timeout_s=5.0, workers=3)
 
     async def main():
-        return await asyncio.gather(*(runner.score(P, "c" * i) for i in range(10)))
+        return await asyncio.gather(*(runner.score(Sample(prompt=P, completion="c" * i)) for i in range(10)))
 
     try:
         assert asyncio.run(main()) == [(i / 10, REWARD_OK) for i in range(10)]
@@ -270,7 +270,7 @@ def test_reward_timeout_does_not_count_time_queued_for_a_worker():
     runner = RewardRunner(FnTask(takes_a_tenth), timeout_s=0.35, workers=1)
 
     async def main():
-        return await asyncio.gather(*(runner.score(P, "x") for _ in range(6)))
+        return await asyncio.gather(*(runner.score(Sample(prompt=P, completion="x")) for _ in range(6)))
 
     try:
         results = asyncio.run(main())
