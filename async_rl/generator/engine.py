@@ -266,6 +266,10 @@ class GeneratorEngine:
             diffs.extend(abs(ours[p] - lp) for p, lp in zip(positions, learner_lps, strict=True))
         return sum(diffs) / len(diffs) if diffs else 0.0
 
+    def sampling_spec(self) -> SamplingSpec:
+        """What this engine samples with (stop tokens resolved from the model's generation config)."""
+        return self.sampling
+
     def stats(self) -> EngineStats:
         return EngineStats(
             engine_id=self.s.engine_id,
