@@ -91,11 +91,18 @@ def run(tmp_path_factory) -> RealRun:
         controller.shutdown()
         sink.close()
         ray.shutdown()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in records:  # shown with -s: the numbers behind the assertions
+        print(
+            f"step {r['step']}: mismatch {r['logprob_mismatch']:.2e} len mean {r['completion_len_mean']:.1f} "
+            f"p50 {r['completion_len_p50']:.0f} p90 {r['completion_len_p90']:.0f} max {r['completion_len_max']} "
+            f"trunc {r['truncation_rate']:.2f} reward {r['reward_mean']:.3f}"
+        )
     task = ChatCheckTask()
     prompts = task.prompts(cfg.task.seed)
     return RealRun(
         model_dir=model_dir,
-        records=[json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
+        records=records,
         probes=probes,
         sampling=sampling,
         learner_ok=[ck.close_to(learner_ck) for cks in engine_cks.values() for ck in cks],
