@@ -53,6 +53,14 @@ class EngineSettings(msgspec.Struct, frozen=True):
     stop: list[str] = []  # stop strings; the model's EOS/stop tokens are read from model_dir
 
 
+def finish_code(reason: str, prompt_id: int) -> int:
+    """vLLM's finish reason -> its wire code. Another reason (vLLM's 'error') fails the request, which
+    the buffer counts as lost, instead of passing for a clean stop."""
+    if reason not in FINISH_REASONS:
+        raise RuntimeError(f"prompt {prompt_id}: vLLM finished a completion with reason {reason!r}")
+    return FINISH_REASONS[reason]
+
+
 class EngineStats(msgspec.Struct):
     engine_id: int
     version: int
@@ -176,7 +184,7 @@ class GeneratorEngine:
                 version_first=[version_first] * len(completions),
                 version_last=[version_last] * len(completions),
                 reward_status=[st for _, st in scored],
-                finish_reasons=[FINISH_REASONS.get(c.finish_reason, 0) for c in completions],
+                finish_reasons=[finish_code(c.finish_reason, prompt.prompt_id) for c in completions],
             )
             await self._push.send_multipart(encode_groups(self.s.run_id, [group]))
             self._groups += 1

@@ -140,6 +140,8 @@ def test_samples_end_at_eos_with_varied_lengths_and_carry_finish_reasons(run):
         assert record["completion_len_max"] == lengths[-1]
         assert record["completion_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
     every = [ids[p[0]:] for probe in run.probes for ids, p in zip(probe.token_ids, probe.positions, strict=True)]
+    ends = {"eos": sum(c[-1] == EOS for c in every), "max_tokens": sum(len(c) == MAX_TOKENS and c[-1] != EOS for c in every)}
+    print(f"{len(every)} completions: {ends}, the rest ended at the stop string {STOP!r}")
     assert sum(c[-1] == EOS for c in every) >= len(every) // 4, "few samples ended at EOS"
     assert len({len(c) for c in every}) >= 3, "completion lengths do not vary"
     # every reward call saw text matching its tokens and a finish reason matching how they end

@@ -58,6 +58,14 @@ def test_vllm_finish_strings_map_to_wire_codes():
     assert FINISH_REASONS == {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
 
 
+def test_engine_maps_finish_reasons_and_refuses_unknown_ones():
+    from async_rl.generator.engine import finish_code
+
+    assert [finish_code(r, 0) for r in ("stop", "length", "abort")] == [FINISH_STOP, FINISH_LENGTH, FINISH_ABORT]
+    with pytest.raises(RuntimeError, match="prompt 7.*'error'"):
+        finish_code("error", 7)
+
+
 def test_finish_reasons_round_trip():
     g = group([FINISH_STOP, FINISH_LENGTH, FINISH_ABORT], [2, 4, 1], [1.0, 0.0, 0.5])
     _, (back,) = decode_groups(encode_groups(RUN, [g]), RUN)
