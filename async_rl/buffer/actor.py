@@ -26,10 +26,11 @@ import zmq.asyncio
 from async_rl.buffer.ingest import Ingest
 from async_rl.buffer.leasing import Leases
 from async_rl.buffer.ledger import Accounts, Ledger
-from async_rl.buffer.prompt_source import PromptSource
+from async_rl.buffer.prompt_source import DataPosition, PromptSource
 from async_rl.buffer.serving import BatchServer
 from async_rl.buffer.snapshot import BufferParts, BufferState, read_snapshot, write_snapshot
 from async_rl.cluster.resources import advertised_host
+from async_rl.config import DataConfig
 from async_rl.errors import RunError
 from async_rl.protocol import Prompt
 from async_rl.security import (
@@ -59,6 +60,11 @@ class BufferSettings(msgspec.Struct, frozen=True):
     max_frame_bytes: int
     task_name: str
     task_seed: int
+    # Where prompts come from and how they are rendered: the model's tokenizer ('' = not rendered,
+    # buffer tests only), the longest prompt allowed (max_model_len - max_tokens; 0 = no limit).
+    model_dir: str = ""
+    max_prompt_tokens: int = 0
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
     snapshot_path: str = ""  # where the buffer snapshots its state at every batch ('' = never)
     restore: bool = False  # start from the snapshot at snapshot_path (a restarted buffer)
     curve: ServerKeys | None = None  # CURVE keys and admitted clients (None: security.curve is off)
@@ -83,6 +89,8 @@ class BufferStats(msgspec.Struct):
     last_batch_filtered_groups: int = 0  # groups filtered (dynamic sampling) since the batch before it
     ingest_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
     serve_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
+    data_position: DataPosition = msgspec.field(default_factory=DataPosition)  # the prompt stream's
+    skipped_prompts: dict[str, int] = {}  # prompts or data rows that could not be used, by reason
 
 
 def bind(socket: zmq.Socket, host: str, port: int, field: str) -> str:
@@ -109,7 +117,7 @@ class ReplayBuffer:
     def __init__(self, settings: BufferSettings) -> None:
         s = self.s = settings
         self.ledger = Ledger(s.max_lag, s.prompts_per_step * s.group_size, s.group_size)
-        self.source = PromptSource(s.task_name, s.task_seed)
+        self.source = PromptSource.from_settings(s.task_name, s.task_seed, s.model_dir, s.max_prompt_tokens, s.data)
         self.leases = Leases(self.ledger, self.source, s.group_size)
         rejected: collections.Counter[str] = collections.Counter()
         self._changed = asyncio.Condition()
@@ -126,7 +134,6 @@ class ReplayBuffer:
             self.server, rejected,
         )
         self._rejected = rejected
-        self._prompts_exhausted = False  # a finite prompt stream ran out
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
         if s.restore:
@@ -175,8 +182,7 @@ class ReplayBuffer:
                 return []
             prompts = self.leases.grant(engine_id, max_groups)
         if not prompts:
-            # A finite prompt stream ran out: say so, and do not let engines spin on empty leases.
-            self._prompts_exhausted = True
+            # A finite prompt stream ran out (stats say so): do not let engines spin on empty leases.
             await asyncio.sleep(wait_s)
         return prompts
 
@@ -239,10 +245,12 @@ class ReplayBuffer:
             last_batch_step=step,
             last_batch_max_lag=max_lag,
             last_batch_mean_lag=mean_lag,
-            prompts_exhausted=self._prompts_exhausted,
+            prompts_exhausted=self.source.exhausted,
             last_batch_filtered_groups=self.server.last_batch_filtered_groups,
             ingest_peers=msgspec.structs.replace(self._ingest_peers),
             serve_peers=msgspec.structs.replace(self._serve_peers),
+            data_position=self.source.position,
+            skipped_prompts=self.source.skipped,
         )
 
     def checkpoint_state(self) -> BufferState:

@@ -21,7 +21,7 @@ import msgspec
 from async_rl.buffer.ingest import Ingest
 from async_rl.buffer.leasing import Lease, Leases
 from async_rl.buffer.ledger import Accounts, Ledger
-from async_rl.buffer.prompt_source import PromptSource
+from async_rl.buffer.prompt_source import DataPosition, PromptSource
 from async_rl.buffer.serving import BatchServer
 from async_rl.protocol import Prompt, decode_groups, encode_groups
 
@@ -35,7 +35,7 @@ class BufferSnapshot(msgspec.Struct, kw_only=True):
     schema: int = SNAPSHOT_SCHEMA
     run_id: str
     accounts: Accounts
-    prompts_drawn: int  # prompts taken from the task's stream so far (restart skips this many)
+    prompts_drawn: int  # fresh prompts taken from the stream so far
     returned: list[Prompt]  # handed-back prompts waiting to be leased again
     outstanding: list[Lease]  # leases in flight at snapshot time
     waiting: list[list[bytes]]  # each complete group waiting, in wire framing (encode_groups)
@@ -43,6 +43,8 @@ class BufferSnapshot(msgspec.Struct, kw_only=True):
     rejected_frames: dict[str, int]
     reward_errors: int
     reward_timeouts: int
+    position: DataPosition | None = None  # exact stream position (None: older snapshots, = (0, prompts_drawn))
+    skipped_prompts: dict[str, int] = {}
 
 
 class BufferState(msgspec.Struct, kw_only=True):
@@ -50,13 +52,19 @@ class BufferState(msgspec.Struct, kw_only=True):
 
     accounts: Accounts
     generator_version: int
-    prompts_drawn: int  # prompts taken from the task's stream so far
+    prompts_drawn: int  # fresh prompts taken from the stream so far
     rejected_frames: dict[str, int]
     reward_errors: int
     reward_timeouts: int
     # Prompts the resumed run must generate: those handed back and not yet leased again, and those
     # in flight when the checkpoint was written (their samples die with that run's engines).
     returned: list[Prompt] = msgspec.field(default_factory=list)
+    position: DataPosition | None = None  # exact stream position (None: older checkpoints, = (0, prompts_drawn))
+    skipped_prompts: dict[str, int] = {}  # prompts or rows that could not be used, by reason
+
+
+def _position(position: DataPosition | None, drawn: int) -> DataPosition:
+    return position if position is not None else DataPosition(epoch=0, index=drawn)
 
 
 def write_snapshot(path: Path, snap: BufferSnapshot) -> None:
@@ -122,12 +130,14 @@ class BufferParts:
             rejected_frames=dict(self.rejected),
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
+            position=self.source.position,
+            skipped_prompts=self.source.skipped,
         )
 
     def restore_snapshot(self, snap: BufferSnapshot) -> None:
         """Continue from a snapshot (see the module doc for why nothing doubles)."""
         self.ledger.accounts = snap.accounts
-        self.source.seek(snap.prompts_drawn)
+        self.source.seek(_position(snap.position, snap.prompts_drawn), snap.prompts_drawn, snap.skipped_prompts)
         self.source.give_back(snap.returned)
         # Leases outstanding at snapshot time: their engines now talk to a buffer that never leased them.
         for held in snap.outstanding:
@@ -154,6 +164,8 @@ class BufferParts:
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
             returned=[*self.source.returned(), *(lease.prompt for lease in self.leases.held())],
+            position=self.source.position,
+            skipped_prompts=self.source.skipped,
         )
 
     def restore_state(self, state: BufferState) -> None:
@@ -170,7 +182,7 @@ class BufferParts:
         a.in_flight = a.waiting = 0
         self.ledger.accounts = a
         self.ledger.generator_version = state.generator_version
-        self.source.seek(state.prompts_drawn)
+        self.source.seek(_position(state.position, state.prompts_drawn), state.prompts_drawn, state.skipped_prompts)
         self.source.give_back(state.returned)
         self.rejected.clear()
         self.rejected.update(state.rejected_frames)
