@@ -294,3 +294,24 @@ def itertools_take(it, n):
     import itertools
 
     return list(itertools.islice(it, n))
+
+
+def test_a_restarted_buffer_continues_the_data_from_its_snapshot(tmp_path, tiny):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{c}:", "answer": c} for c in "abcde"])
+    s = msgspec.structs.replace(
+        buffer_settings(tiny, DataConfig(train_files=[path], epochs=2, seed=1)), snapshot_path=str(tmp_path / "snap")
+    )
+
+    async def scenario():
+        old = ReplayBuffer(s)
+        held = await old.lease(engine_id=0, max_groups=4, wait_s=0)  # the stream stands at epoch 0, index 4
+        old.save_snapshot()
+        old.ledger.generator_version = 9
+        after = await old.lease(engine_id=0, max_groups=3, wait_s=0)  # crosses into epoch 1
+        new = ReplayBuffer(msgspec.structs.replace(s, restore=True))  # the buffer died and restarts
+        assert new.stats().data_position == DataPosition(epoch=0, index=4)
+        new.ledger.generator_version = 9
+        again = await new.lease(engine_id=1, max_groups=7, wait_s=0)
+        assert again == held + after  # the leases it never saw again first, then the same stream
+
+    asyncio.run(scenario())
