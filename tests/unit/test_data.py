@@ -315,3 +315,13 @@ def test_a_restarted_buffer_continues_the_data_from_its_snapshot(tmp_path, tiny)
         assert again == held + after  # the leases it never saw again first, then the same stream
 
     asyncio.run(scenario())
+
+
+def test_the_buffer_gets_absolute_data_paths(tmp_path, monkeypatch):
+    from async_rl.settings import buffer_settings as settings_for
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a:", "answer": "a"}\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["data.train_files=[train.jsonl]", "generators.max_model_len=64", "generators.max_tokens=8"])
+    s = settings_for(cfg, "r", None, Path("m"))
+    assert s.data.train_files == [str(tmp_path / "train.jsonl")] and s.max_prompt_tokens == 56
