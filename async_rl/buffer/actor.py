@@ -22,6 +22,7 @@ from async_rl.buffer.snapshot import BufferSnapshot, Lease, read_snapshot, write
 from async_rl.cluster.resources import advertised_host
 from async_rl.errors import RunError
 from async_rl.protocol import (
+    REWARD_CRASH,
     REWARD_ERROR,
     REWARD_TIMEOUT,
     FrameError,
@@ -83,6 +84,7 @@ class BufferState(msgspec.Struct, kw_only=True):
     # Prompts the resumed run must generate: those handed back and not yet leased again, and those
     # in flight when the checkpoint was written (their samples die with that run's engines).
     returned: list[Prompt] = msgspec.field(default_factory=list)
+    reward_crashes: int = 0
 
 
 class BufferStats(msgspec.Struct):
@@ -97,6 +99,7 @@ class BufferStats(msgspec.Struct):
     last_batch_mean_lag: float
     prompts_exhausted: bool
     last_batch_filtered_groups: int = 0  # groups filtered (dynamic sampling) since the batch before it
+    reward_crashes: int = 0  # samples whose reward worker died mid-call
     ingest_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
     serve_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
 
@@ -136,6 +139,7 @@ class ReplayBuffer:
         self._rejected: collections.Counter[str] = collections.Counter()
         self._reward_errors = 0
         self._reward_timeouts = 0
+        self._reward_crashes = 0
         self._last_batch = (-1, 0, 0.0)
         self._prompts_exhausted = False  # a finite task stream ran out
         self._filtered_groups = 0  # groups dropped by dynamic sampling, ever
@@ -271,6 +275,7 @@ class ReplayBuffer:
             rejected_frames=dict(self._rejected),
             reward_errors=self._reward_errors,
             reward_timeouts=self._reward_timeouts,
+            reward_crashes=self._reward_crashes,
             last_batch_step=step,
             last_batch_max_lag=max_lag,
             last_batch_mean_lag=mean_lag,
@@ -289,6 +294,7 @@ class ReplayBuffer:
             rejected_frames=dict(self._rejected),
             reward_errors=self._reward_errors,
             reward_timeouts=self._reward_timeouts,
+            reward_crashes=self._reward_crashes,
             returned=[*self._returned, *(prompt for _, prompt in self._outstanding.values())],
         )
 
@@ -316,6 +322,7 @@ class ReplayBuffer:
             self._rejected = collections.Counter(state.rejected_frames)
             self._reward_errors = state.reward_errors
             self._reward_timeouts = state.reward_timeouts
+            self._reward_crashes = state.reward_crashes
             self._changed.notify_all()
 
     async def close(self) -> BufferStats:
@@ -407,6 +414,7 @@ class ReplayBuffer:
         del self._outstanding[g.prompt_id]
         self._reward_errors += sum(1 for s in g.reward_status if s == REWARD_ERROR)
         self._reward_timeouts += sum(1 for s in g.reward_status if s == REWARD_TIMEOUT)
+        self._reward_crashes += sum(1 for s in g.reward_status if s == REWARD_CRASH)
         if self.s.filter_uniform_groups and len(set(g.rewards)) == 1:
             self.ledger.arrived_filtered(g.size)
             self._filtered_groups += 1
@@ -456,6 +464,7 @@ class ReplayBuffer:
             rejected_frames=dict(self._rejected),
             reward_errors=self._reward_errors,
             reward_timeouts=self._reward_timeouts,
+            reward_crashes=self._reward_crashes,
         )
         write_snapshot(Path(self.s.snapshot_path), snap)
 
@@ -478,6 +487,7 @@ class ReplayBuffer:
             self._batches[step] = [decode_groups(f, self.s.run_id, self.s.max_frame_bytes)[1] for f in shards]
         self._rejected.update(snap.rejected_frames)
         self._reward_errors, self._reward_timeouts = snap.reward_errors, snap.reward_timeouts
+        self._reward_crashes = snap.reward_crashes
 
     async def _build_batch(self, step: int, world_size: int) -> list[list[TrajectoryGroup]]:
         """Take `prompts_per_step` fresh groups (FIFO), dropping stale ones; learner version == step."""

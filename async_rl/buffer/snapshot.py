@@ -40,6 +40,7 @@ class BufferSnapshot(msgspec.Struct, kw_only=True):
     rejected_frames: dict[str, int]
     reward_errors: int
     reward_timeouts: int
+    reward_crashes: int = 0
 
 
 def write_snapshot(path: Path, snap: BufferSnapshot) -> None:
