@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
+import select
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from async_rl.protocol import Sample
@@ -21,11 +24,12 @@ _load_error = "init_worker was not called"
 _loop: asyncio.AbstractEventLoop | None = None
 
 
-def init_worker(task: TaskConfig, sys_path: list[str]) -> None:
+def init_worker(task: TaskConfig, sys_path: list[str], owner_pid: int) -> None:
     """Build the reward function of `task`. A failure is kept and raised by every `score` (each
     sample counts as a reward error) instead of killing the worker, which the pool would only
     restart into the same failure."""
     global _reward_fn, _load_error
+    _exit_with(owner_pid)
     sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the engine's import path (user modules)
     try:
         from async_rl.tasks.rewards import load_reward
@@ -33,6 +37,22 @@ def init_worker(task: TaskConfig, sys_path: list[str]) -> None:
         _reward_fn = load_reward(task)
     except Exception as exc:
         _load_error = f"{type(exc).__name__}: {exc}"
+
+
+def _exit_with(owner_pid: int) -> None:
+    """Exit when the process that owns the pool (the engine) exits. A worker stuck in a hung reward
+    never reads its pipe again, and the fork server outlives the engine while a worker it forked
+    lives: without this both would outlast a killed engine."""
+    try:
+        pidfd = os.pidfd_open(owner_pid)  # Linux >= 5.3: readable once that process has exited
+    except (AttributeError, OSError):
+        return  # elsewhere a worker ends when its pipe closes, unless a reward hangs
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="owner-watch", daemon=True).start()
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import sys
 from concurrent.futures.process import BrokenProcessPool
 
@@ -74,7 +75,7 @@ class RewardRunner:
         return pebble.ProcessPool(
             max_workers=self.workers,
             initializer=reward_worker.init_worker,
-            initargs=(self.task, list(sys.path)),
+            initargs=(self.task, list(sys.path), os.getpid()),
             context=_context(self.task),
         )
 

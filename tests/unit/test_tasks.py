@@ -8,6 +8,9 @@ import itertools
 import math
 import os
 import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import msgspec
@@ -330,3 +333,36 @@ def test_pool_whose_idle_worker_died_is_replaced():
         assert runner.counts == RewardCounts(ok=2)
     finally:
         runner.close()
+
+
+OWNER = """
+import asyncio, sys
+from async_rl.config import TaskConfig
+from async_rl.generator.rewards import RewardRunner
+from async_rl.protocol import Prompt, Sample
+if __name__ == "__main__":
+    runner = RewardRunner(TaskConfig(reward="tests.unit._rewards:wait"), timeout_s=600, workers=1)
+    prompt = Prompt(prompt_id=0, metadata={"pid_file": sys.argv[1]})
+    asyncio.run(runner.score(Sample(prompt=prompt, completion="hang")))
+"""
+
+
+def test_a_killed_engine_leaves_no_reward_worker_behind(tmp_path):
+    pid_file = tmp_path / "pid"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(pid_file)], env=env)
+    try:
+        for _ in range(600):  # the owner starts, its worker writes its pid once it runs the hung call
+            if pid_file.exists() or owner.poll() is not None:
+                break
+            threading.Event().wait(0.05)
+        worker = int(pid_file.read_text())
+        assert not gone(worker)
+    finally:
+        owner.kill()  # SIGKILL: the owner cannot stop its pool
+        owner.wait()
+    for _ in range(100):
+        if gone(worker):
+            break
+        threading.Event().wait(0.05)
+    assert gone(worker)  # the worker, stuck in its hung reward, exited with its owner
