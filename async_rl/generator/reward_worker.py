@@ -9,6 +9,7 @@ import inspect
 import math
 import os
 import select
+import signal
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -30,6 +31,10 @@ def init_worker(task: TaskConfig, sys_path: list[str], owner_pid: int) -> None:
     restart into the same failure."""
     global _reward_fn, _load_error
     _exit_with(owner_pid)
+    # The pool stops a timed-out worker with SIGTERM and waits 3 s before SIGKILL, holding the pipe
+    # every worker shares meanwhile. pebble's Python handler runs only between bytecodes, so a reward
+    # stuck in C code that never checks for signals would stall the others: die at once instead.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the engine's import path (user modules)
     try:
         from async_rl.tasks.rewards import load_reward
