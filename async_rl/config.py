@@ -62,9 +62,21 @@ class TaskConfig(_Section):
         ),
     ] = ""
     reward_timeout_s: Annotated[
-        float, _f("a reward call running longer than this (from its start, not its queueing) has its worker process killed; it scores 0 and is counted", gt=0)
+        float,
+        _f(
+            "a reward call running longer than this (from its start, not while it queues) has its worker "
+            "process killed and replaced; the sample scores 0 and is counted",
+            gt=0,
+        ),
     ] = 5.0
-    reward_workers: Annotated[int, _f("worker processes per engine that run reward functions", ge=1)] = 2
+    reward_workers: Annotated[
+        int,
+        _f(
+            "worker processes per engine that run reward functions, one call at a time each (an async "
+            "reward too: raise it for a remote reward model whose calls mostly wait)",
+            ge=1,
+        ),
+    ] = 2
 
 
 class AutoscaleConfig(_Section):
