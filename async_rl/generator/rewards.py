@@ -69,6 +69,7 @@ class RewardRunner:
         self.workers = workers
         self.counts = RewardCounts()
         self.pools_replaced = 0  # pools found broken (e.g. every worker died while idle) and started anew
+        self.last_error = ""  # why the last reward that was not REWARD_OK failed, for the user's eyes
         self._pool = self._new_pool()
 
     def _new_pool(self) -> pebble.ProcessPool:
@@ -112,16 +113,24 @@ class RewardRunner:
             except TimeoutError:
                 # pebble's own timeout carries no remote traceback; a TimeoutError the reward raised does
                 # (asyncio re-creates TimeoutErrors without their cause: read the original).
-                raised_by_reward = isinstance(future.exception().__cause__, RemoteTraceback)
-                return 0.0, REWARD_ERROR if raised_by_reward else REWARD_TIMEOUT
-            except pebble.ProcessExpired:
-                return 0.0, REWARD_CRASH  # its worker died mid-call (a crash, a signal); pebble starts another
+                error = future.exception()
+                if isinstance(error.__cause__, RemoteTraceback):
+                    self.last_error = f"TimeoutError: {error}"
+                    return 0.0, REWARD_ERROR
+                self.last_error = f"timeout: running past {self.timeout_s} s"
+                return 0.0, REWARD_TIMEOUT
+            except pebble.ProcessExpired as exc:
+                # its worker died mid-call (a crash, a signal); pebble starts another
+                self.last_error = f"crash: the reward worker exited with code {exc.exitcode}"
+                return 0.0, REWARD_CRASH
             except BrokenProcessPool:
                 # pebble gives up its pool when a worker dies with no call running (killed while idle);
                 # this call had not started: it runs again on a fresh pool.
                 self._replace(pool)
-            except Exception:
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
                 return 0.0, REWARD_ERROR
+        self.last_error = "crash: the reward pool broke twice"
         return 0.0, REWARD_CRASH
 
     def close(self) -> None:

@@ -213,7 +213,12 @@ def test_task_with_an_async_reward(repo_on_path):
 
 
 def test_reward_that_raises_is_an_error():
-    assert score("boom", sample()) == (0.0, REWARD_ERROR)
+    runner = runner_for("boom")
+    try:
+        assert asyncio.run(runner.score(sample())) == (0.0, REWARD_ERROR)
+        assert runner.last_error == "RuntimeError: user bug"  # the user sees why
+    finally:
+        runner.close()
     # A TimeoutError raised by the reward itself is its error, not the runner's timeout.
     assert score("raises_timeout_error", sample()) == (0.0, REWARD_ERROR)
 
@@ -301,6 +306,7 @@ def test_worker_killed_by_a_signal_is_replaced_and_counted(tmp_path):
     try:
         killed, after = asyncio.run(main())
         assert killed == (0.0, REWARD_CRASH)
+        assert runner.last_error == f"crash: the reward worker exited with code {-signal.SIGKILL}"
         assert after == [(1.0, REWARD_OK)] * 4
         assert runner.counts == RewardCounts(ok=4, crash=1)
     finally:
