@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,13 @@ from async_rl.protocol import REWARD_ERROR, REWARD_OK, Prompt, Sample
 from async_rl.tasks import load_task
 from async_rl.tasks.reasoning_gym import CHUNK, ReasoningGymTask
 from async_rl.tasks.rewards import RegexReward, exact_reward, load_reward, math_reward
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def repo_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))  # user rewards load by name from tests.unit
 
 
 def sample(answer: str, completion: str) -> Sample:

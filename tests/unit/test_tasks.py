@@ -108,8 +108,9 @@ def test_load_builtin_tasks():
 # ---------------------------------------------------------------- user tasks by dotted path
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def repo_on_path(monkeypatch):
+    # User tasks and rewards load by name from tests.unit (in reward workers too: they get this path).
     monkeypatch.syspath_prepend(str(REPO))
 
 
