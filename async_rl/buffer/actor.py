@@ -87,6 +87,7 @@ class BufferStats(msgspec.Struct):
     last_batch_mean_lag: float
     prompts_exhausted: bool
     last_batch_filtered_groups: int = 0  # groups filtered (dynamic sampling) since the batch before it
+    reward_crashes: int = 0  # samples whose reward worker died mid-call
     ingest_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
     serve_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
     data_position: DataPosition = msgspec.field(default_factory=DataPosition)  # the prompt stream's
@@ -242,6 +243,7 @@ class ReplayBuffer:
             rejected_frames=dict(self._rejected),
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
+            reward_crashes=self.ingest.reward_crashes,
             last_batch_step=step,
             last_batch_max_lag=max_lag,
             last_batch_mean_lag=mean_lag,

@@ -1,7 +1,10 @@
-"""A user task (loaded by dotted path) whose reward function sometimes raises and sometimes hangs."""
+"""A user task (loaded by dotted path) whose reward function sometimes raises, sometimes hangs and
+sometimes kills its own worker process."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 from async_rl.protocol import Sample
@@ -18,6 +21,8 @@ class FlakyRepeatTask(RepeatTask):
             raise ValueError("reward service unavailable")
         if sample.prompt.prompt_id % 5 == 3:
             threading.Event().wait(HANG_S)  # a reward that hangs; the runner must time it out
+        if sample.prompt.prompt_id % 5 == 4:
+            os.kill(os.getpid(), signal.SIGKILL)  # a reward that crashes its worker; the runner replaces it
         return super().reward(sample)
 
 
