@@ -16,8 +16,8 @@ version_first / version_last. A learner step sleeps for its tokens / (GPUs x tok
 weight sync for bytes / bandwidth + a fixed cost. Prefill is not charged (prompts of 256 tokens
 against completions of ~1000: about 1-2% of decode time).
 
-Time is compressed by a factor C (simulated seconds = wall seconds x C), chosen per setting so
-that the bytes the buffer must move stay under `--max-mb-s`. The buffer's real overheads (decode,
+Time is compressed by a factor C (simulated seconds = wall seconds x C, at most 60), chosen per
+setting so that the bytes the buffer must ingest stay under `--max-mb-s` (40 MB/s). The buffer's real overheads (decode,
 CURVE, Ray calls, Python) are then C times larger relative to the simulated GPUs than on a real
 cluster: a conservative setting for our control plane.
 
@@ -166,12 +166,16 @@ class Fleet:
         self.loop.call_soon_threadsafe(do)
 
     def close(self) -> None:
+        """Stop every engine. Does not raise: a run's own error must not be masked by teardown."""
         async def stop() -> None:
             for t in self.tasks:
                 t.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await asyncio.wait(self.tasks, timeout=20)
             self.ctx.destroy(linger=0)
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(60)
+        except Exception as exc:  # noqa: BLE001 - reported, and the fleet's thread is a daemon
+            print(f"fleet teardown: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
 
@@ -388,8 +392,10 @@ def gen_rate_per_gpu(lengths: Lengths, batch: int = MAX_NUM_SEQS) -> float:
     return decode_tokens_per_s(batch, PROMPT_TOKENS + lengths.mean() / 2, GPU, MODEL)
 
 
-def compression_for(gen_gpus: int, lengths: Lengths, max_mb_s: float, max_c: float) -> float:
-    sim_bytes_s = gen_gpus * gen_rate_per_gpu(lengths) * BYTES_PER_TOKEN
+def compression_for(gen_gpus: int, batch: int, lengths: Lengths, max_mb_s: float, max_c: float) -> float:
+    """Time compression: the most that keeps the buffer's ingest under `max_mb_s` with every engine
+    decoding `batch` samples (sync: its share of the batch; async: half of max_num_seqs)."""
+    sim_bytes_s = gen_gpus * gen_rate_per_gpu(lengths, batch) * BYTES_PER_TOKEN
     return max(1.0, min(max_c, max_mb_s * 1e6 / sim_bytes_s))
 
 
@@ -399,16 +405,15 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     ap.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4])
     ap.add_argument("--splits", type=int, default=3, help="generation/training splits tried per async setting")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompts-per-gpu", type=int, default=8)
-    ap.add_argument("--max-mb-s", type=float, default=80.0, help="cap on the wire bytes/s the buffer ingests")
+    ap.add_argument("--max-mb-s", type=float, default=40.0, help="cap on the wire bytes/s the buffer ingests")
     ap.add_argument("--max-compression", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
         args.gpus, args.splits, args.steps, args.warmup = [8, 16], 1, 2, 1
-    import psutil
     import ray
 
     lengths = Lengths()
@@ -442,7 +447,8 @@ def main() -> None:
                 tried = []
                 for g in candidates:
                     train = n if lag == 0 else n - g
-                    c = compression_for(g, lengths, args.max_mb_s, args.max_compression)
+                    batch = args.prompts_per_gpu * GROUP if lag == 0 else MAX_NUM_SEQS // 2
+                    c = compression_for(g, batch, lengths, args.max_mb_s, args.max_compression)
                     s = Setting(n, lag, g, train, ppstep, args.steps, args.warmup, c)
                     r = run_setting(s, lengths, args.seed)
                     tried.append(r)
@@ -456,25 +462,11 @@ def main() -> None:
                     split = best.setting.gen_gpus
                     best.extra["splits_tried"] = [[r.setting.gen_gpus, r.samples_per_s] for r in tried]
                 results.append(best)
+                write_results(results, lengths, p50, p99, g_rate, t_rate, args, t_all)
     finally:
         ray.shutdown()
-    sync = {r.setting.gpus: r.samples_per_s for r in results if r.setting.max_lag == 0}
-    rows = []
-    for r in results:
-        row = asdict(r)
-        row["speedup_vs_sync"] = r.samples_per_s / sync[r.setting.gpus] if r.setting.gpus in sync else None
-        rows.append(row)
-    out = {
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "mem_gb": psutil.virtual_memory().total / 1e9},
-        "calibration": {"gpu": asdict(GPU), "model": asdict(MODEL), "lengths": asdict(lengths),
-                        "length_p50": float(p50), "length_p99": float(p99), "gen_tokens_s_per_gpu": g_rate,
-                        "train_tokens_s_per_gpu": t_rate, "sync_s": sync_s(), "max_num_seqs": MAX_NUM_SEQS,
-                        "group": GROUP, "prompt_tokens": PROMPT_TOKENS, "prompts_per_gpu": args.prompts_per_gpu},
-        "args": vars(args), "wall_s": time.monotonic() - t_all, "results": rows,
-    }
+    rows = write_results(results, lengths, p50, p99, g_rate, t_rate, args, t_all)
     name = "sim-quick" if args.quick else "sim"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
     print(f"{'gpus':>5} {'lag':>3} {'split':>8} {'samples/s':>10} {'speedup':>8} {'idle gen':>9} "
           f"{'idle train':>10} {'buffer CPU':>10}")
     for row, r in zip(rows, results, strict=True):
@@ -482,6 +474,31 @@ def main() -> None:
         print(f"{r.setting.gpus:5d} {r.setting.max_lag:3d} {r.setting.gen_gpus:4d}:{r.setting.train_gpus:<3d} "
               f"{r.samples_per_s:10.2f} {sp:8.2f} {r.gen_idle:9.0%} {r.train_idle:10.0%} {r.buffer_cpu:10.0%}")
     plot(results, RESULTS / f"{name}.png")
+
+
+def write_results(results: list[Result], lengths: Lengths, p50: float, p99: float, g_rate: float, t_rate: float,
+                  args: argparse.Namespace, t_all: float) -> list[dict]:
+    """results/sim.json (sim-quick.json with --quick), rewritten after every setting."""
+    import psutil
+
+    sync = {r.setting.gpus: r.samples_per_s for r in results if r.setting.max_lag == 0}
+    rows = []
+    for r in results:
+        row = asdict(r)
+        row["speedup_vs_sync"] = r.samples_per_s / sync[r.setting.gpus] if r.setting.gpus in sync else None
+        rows.append(row)
+    out = {
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "mem_gb": psutil.virtual_memory().total / 1e9,
+                    "loadavg_at_end": os.getloadavg()},
+        "calibration": {"gpu": asdict(GPU), "model": asdict(MODEL), "lengths": asdict(lengths),
+                        "length_p50": float(p50), "length_p99": float(p99), "gen_tokens_s_per_gpu": g_rate,
+                        "train_tokens_s_per_gpu": t_rate, "sync_s": sync_s(), "max_num_seqs": MAX_NUM_SEQS,
+                        "group": GROUP, "prompt_tokens": PROMPT_TOKENS, "prompts_per_gpu": args.prompts_per_gpu},
+        "args": vars(args), "wall_s": time.monotonic() - t_all, "results": rows,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / ("sim-quick.json" if args.quick else "sim.json")).write_text(json.dumps(out, indent=1))
+    return rows
 
 
 def plot(results: list[Result], path: Path) -> None:
