@@ -132,6 +132,7 @@ class Fleet:
         self.logprobs = -self.rng.random(pool + lengths.cap, dtype=np.float32) * 4
         self.version = 0
         self.paused = False
+        self.stopping = False  # checked by every loop: asyncio.wait_for can swallow a cancellation (3.11)
         self.busy_sim = [0.0] * n  # simulated seconds with a non-empty running set, not paused
         self.tokens_done = 0
         self.lease_calls = 0
@@ -168,6 +169,10 @@ class Fleet:
     def close(self) -> None:
         """Stop every engine. Does not raise: a run's own error must not be masked by teardown."""
         async def stop() -> None:
+            self.stopping = True
+            for w in self.wakes:
+                w.set()
+            self.resumed.set()
             for t in self.tasks:
                 t.cancel()
             await asyncio.wait(self.tasks, timeout=20)
@@ -195,7 +200,7 @@ class Fleet:
         need.set()
 
         async def leaser() -> None:
-            while True:
+            while not self.stopping:
                 await self.resumed.wait()
                 free = self.max_inflight - len(groups)
                 if free < max(1, self.max_inflight // 4):  # lease in chunks: fewer Ray calls
@@ -214,7 +219,7 @@ class Fleet:
         lease_task = asyncio.create_task(leaser())
         carry = 0.0
         try:
-            while True:
+            while not self.stopping:
                 if self.paused:
                     await self.resumed.wait()
                     wake.clear()
@@ -244,8 +249,8 @@ class Fleet:
                 wake.clear()
                 elapsed = (time.monotonic() - t0) * self.c + carry
                 steps = min(k, int(elapsed / dt))
+                self.busy_sim[eid] += min(elapsed, k * dt) - carry  # the carry was counted already
                 carry = elapsed - steps * dt if steps < k else 0.0
-                self.busy_sim[eid] += min(elapsed, k * dt)
                 if steps == 0:
                     continue
                 self.tokens_done += steps * b
