@@ -16,6 +16,7 @@ echo "== machine"; uname -a; nproc; free -g | head -2; "$PY" -c "import torch, v
 echo "== bench_transport";   "$PY" benchmarks/bench_transport.py "${QUICK[@]}"
 echo "== bench_scaling";     "$PY" benchmarks/bench_scaling.py "${QUICK[@]}"
 echo "== bench_e2e (+ TRL)"; "$PY" benchmarks/bench_e2e.py "${QUICK[@]}"
+echo "== bench_sim";         "$PY" benchmarks/bench_sim.py "${QUICK[@]}"
 if [[ ${#QUICK[@]} -eq 0 ]]; then
   echo "== bench_e2e, wide preset"; "$PY" benchmarks/bench_e2e.py --preset wide --steps 8 --warmup 2 --lags 2
   echo "== bench_weight_sync"; "$PY" benchmarks/bench_weight_sync.py
