@@ -216,6 +216,31 @@ class AlgorithmConfig(_Section):
     ] = 64
 
 
+class EvalConfig(_Section):
+    """Evaluation during training: the engines generate on held-out prompts, outside the training path."""
+
+    enabled: Annotated[
+        bool, _f("evaluate during training (RUN_DIR/eval.jsonl, console, wandb eval/*); samples never enter training")
+    ] = False
+    every: Annotated[
+        int, _f("evaluate after every this many optimizer steps (0 = only at the start and the end)", ge=0)
+    ] = 0
+    at_start: Annotated[bool, _f("evaluate the starting weights before the first step (step 0, or the resumed step)")] = True
+    at_end: Annotated[bool, _f("evaluate after the last step (the final weights are synced to the engines first)")] = True
+    n: Annotated[int, _f("samples per eval prompt (pass@1 is the mean over them)", ge=1)] = 1
+    temperature: Annotated[float, _f("eval sampling temperature (0 = greedy)", ge=0)] = 0.0
+    max_tokens: Annotated[int, _f("maximum eval completion length in tokens (0 = generators.max_tokens)", ge=0)] = 0
+    max_prompts: Annotated[
+        int, _f("eval prompts used (the first this many of the eval set; 0 = all of an eval file; a task's "
+                "held-out stream needs a number)", ge=0)
+    ] = 64
+    seed: Annotated[
+        int, _f("without an eval file: seed of the task's held-out prompt stream (must differ from task.seed)")
+    ] = 1_000_003
+    pass_threshold: Annotated[float, _f("a sample passes (counts for pass@1) when its reward is at least this")] = 1.0
+    timeout_s: Annotated[float, _f("an evaluation that takes longer than this stops the run", gt=0)] = 1800.0
+
+
 class BufferConfig(_Section):
     host: Annotated[
         str,
@@ -295,6 +320,7 @@ class Config(_Section):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
@@ -424,6 +450,19 @@ def validate(cfg: Config) -> None:
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
     validate_algorithm(cfg.algorithm)
+    validate_eval(cfg)
+
+
+def validate_eval(cfg: Config) -> None:
+    e = cfg.eval
+    if not e.enabled:
+        return
+    if e.max_tokens >= cfg.generators.max_model_len:
+        raise ConfigError(f"eval.max_tokens={e.max_tokens} must be below generators.max_model_len={cfg.generators.max_model_len}")
+    if e.seed == cfg.task.seed:
+        raise ConfigError(
+            f"eval.seed={e.seed} equals task.seed: the held-out eval prompts would be the training prompts"
+        )
 
 
 def validate_algorithm(a: AlgorithmConfig) -> None:
