@@ -21,6 +21,7 @@ import zmq.asyncio
 from async_rl.evaluation.scores import EvalBatch, EvalParams, EvalResult
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
+from async_rl.generator.sampling import SamplingSpec, stop_token_ids
 from async_rl.learner.base import Probe
 from async_rl.protocol import (
     FINISH_REASONS,
@@ -55,6 +56,10 @@ class EngineSettings(msgspec.Struct, frozen=True):
     ingest_address: str
     curve: ClientKeys | None = None  # the engine's CURVE keys (None: security.curve is off)
     ignore_eos: bool = False
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: list[str] = []  # stop strings; the model's EOS/stop tokens are read from model_dir
 
 
 class EngineStats(msgspec.Struct):
@@ -113,9 +118,18 @@ class GeneratorEngine:
         self._push = self._ctx.socket(zmq.PUSH)
         harden_client(self._push, self.s.curve)
         self._push.connect(self.s.ingest_address)
-        self._params = vc.sampling_params(
-            self.s.group_size, self.s.max_tokens, self.s.temperature, ignore_eos=self.s.ignore_eos
+        self.sampling = SamplingSpec(
+            n=self.s.group_size,
+            max_tokens=self.s.max_tokens,
+            temperature=self.s.temperature,
+            top_p=self.s.top_p,
+            top_k=self.s.top_k,
+            min_p=self.s.min_p,
+            stop=list(self.s.stop),
+            stop_token_ids=[] if self.s.ignore_eos else stop_token_ids(self.s.spec.model_dir),
+            ignore_eos=self.s.ignore_eos,
         )
+        self._params = vc.params_for(self.sampling)
         if paused:
             self._paused_since = time.monotonic()
         else:
@@ -181,7 +195,10 @@ class GeneratorEngine:
 
     async def _generate_scored(self, prompt: Prompt, params, request_id: str):
         """One request: (prompt token ids, completions, (reward, status) per completion)."""
-        prompt_ids, completions = await vc.generate(self._llm, prompt.text, params, request_id)
+        source = vc.generation_input(prompt.token_ids, prompt.text)
+        prompt_ids, completions = await vc.generate(self._llm, source, params, request_id)
+        if prompt.token_ids and prompt_ids != list(prompt.token_ids):
+            raise RuntimeError(f"prompt {prompt.prompt_id}: vLLM generated from other tokens than the rendered ones")
         scored = await asyncio.gather(
             *(
                 self.rewards.score(
@@ -199,7 +216,12 @@ class GeneratorEngine:
         caller. Nothing is pushed to the buffer and the training counters do not move."""
         await self._running.wait()
         version = self.version
-        eval_params = vc.sampling_params(params.n, params.max_tokens, params.temperature)
+        # The training sampler's stop tokens and strings, with the eval's n, temperature and length.
+        eval_params = vc.params_for(
+            msgspec.structs.replace(
+                self.sampling, n=params.n, temperature=params.temperature, max_tokens=params.max_tokens
+            )
+        )
         self._evals += 1
         outcomes = await asyncio.gather(
             *(

@@ -19,7 +19,15 @@ from async_rl.cluster.placement import pin_current_process
 from async_rl.cluster.resources import advertised_host, free_port
 from async_rl.errors import RunError
 from async_rl.learner.algorithms import Algorithm, Prepared, token_logprobs
-from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics, checkpoint_model_dir
+from async_rl.learner.base import (
+    LearnerRank,
+    LearnerSettings,
+    Probe,
+    StepMetrics,
+    checkpoint_model_dir,
+    completion_lengths,
+    truncated_count,
+)
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.hf_io import (
     read_hf_weights,
@@ -68,6 +76,7 @@ def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared) -> list[Seq
                     advantages=_per_token(prepared.advantages, row, col, n),
                     prox_logp=_per_token(prepared.prox_logp, row, col, n),
                     ref_logp=_per_token(prepared.ref_logp, row, col, n),
+                    in_loss=bool(prepared.mask[row].any()),
                 )
             )
             row += 1
@@ -258,6 +267,8 @@ class TorchLearnerRank(LearnerRank):
             lr=lr,
             micro_batches=len(mbs),
             value_loss=prepared.value_loss,
+            completion_lens=completion_lengths(groups),
+            truncated=truncated_count(groups),
             **acc,
         )
 
