@@ -24,7 +24,7 @@ from async_rl.buffer.actor import BufferAddresses, BufferStats
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.cluster.resources import ResourcePool, WorkerGroup
 from async_rl.config import Config
-from async_rl.elastic import Elastic, buffer_actor
+from async_rl.elastic import Elastic, PromptsExhausted, buffer_actor
 from async_rl.errors import RunError
 from async_rl.evaluation.phase import Evaluation, eval_prompts
 from async_rl.generator.engine import EngineStats
@@ -72,9 +72,8 @@ class Controller:
         self.learner: WorkerGroup | None = None
         self._pools: list[ResourcePool] = []
         self.keys: RunKeys | None = None  # this run's data-plane CURVE keys (made at start)
-        self.evaluation = Evaluation(
-            cfg.eval, eval_prompts(cfg) if cfg.eval.enabled else [], cfg.generators.max_tokens, cfg.train.total_steps
-        )
+        eval_set = eval_prompts(cfg, self.model_dir) if cfg.eval.enabled else []  # rendered once, here
+        self.evaluation = Evaluation(cfg.eval, eval_set, cfg.generators.max_tokens, cfg.train.total_steps)
 
     # ---- the training loop -----------------------------------------------------------------------
 
@@ -97,7 +96,11 @@ class Controller:
             t0 = time.perf_counter()
             if self.cfg.placement == "colocated":
                 self.take_turns()
-            per_rank: list[StepMetrics] = self.elastic.train_step(step)  # watches for dead processes
+            try:
+                per_rank: list[StepMetrics] = self.elastic.train_step(step)  # watches for dead processes
+            except PromptsExhausted as exc:
+                print(f"data: {exc}", file=metrics.stream, flush=True)
+                break
             self.version = step + 1
             sync_s, mismatch = 0.0, None
             if self.version % self.cfg.train.sync_every == 0:
@@ -237,6 +240,8 @@ class Controller:
         self.buffer, self.addresses = self.make_buffer()
         if self.resume_from is not None:  # before any lease: accounting and prompt position go on
             ray.get(self.buffer.restore.remote(checkpoint.load_state(self.resume_from).buffer))
+            pos = ray.get(self.buffer.stats.remote()).data_position
+            print(f"resumed data position: epoch {pos.epoch}, index {pos.index}", flush=True)
         self.generators = GeneratorPool(
             # reads self.addresses when an engine starts: a restarted buffer has new ones
             lambda i: settings.engine_settings(
@@ -361,6 +366,9 @@ def make_record(
         completion_len_p90=lengths.p90,
         completion_len_max=lengths.max,
         truncation_rate=lengths.truncation_rate,
+        data_epoch=buffer.data_position.epoch,
+        data_index=buffer.data_position.index,
+        skipped_prompts=sum(buffer.skipped_prompts.values()),
     )
 
 

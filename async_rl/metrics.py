@@ -71,6 +71,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     completion_len_p90: float = 0.0
     completion_len_max: int = 0
     truncation_rate: float = 0.0
+    data_epoch: int = 0  # the prompt stream's position after the step: epoch ...
+    data_index: int = 0  # ... and items of that epoch's order drawn (a task: prompts drawn)
+    skipped_prompts: int = 0  # prompts or data rows that could not be used (bad rows, too long), so far
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:

@@ -31,7 +31,7 @@ def resolve_backend(cfg: Config) -> str:
     return "gloo" if cfg.ray.address else "shm"
 
 
-def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None) -> BufferSettings:
+def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: Path) -> BufferSettings:
     return BufferSettings(
         run_id=run_id,
         host=cfg.buffer.host,
@@ -46,6 +46,9 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None) -> BufferSet
         ),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
+        model_dir=str(model_dir),
+        max_prompt_tokens=cfg.generators.max_model_len - cfg.generators.max_tokens,
+        data=cfg.data,
         curve=keys.server if keys is not None else None,
     )
 

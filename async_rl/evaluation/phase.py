@@ -8,33 +8,31 @@ controller. Nothing goes to the buffer: eval samples never enter training or its
 
 from __future__ import annotations
 
-import itertools
+import collections
 import time
+from pathlib import Path
 
-import msgspec
 import ray
 from ray.actor import ActorHandle
 
 from async_rl.config import Config, EvalConfig
+from async_rl.data import load_eval_prompts
 from async_rl.errors import ConfigError, RunError
 from async_rl.evaluation.scores import EvalBatch, EvalParams, EvalRecord, make_record
 from async_rl.protocol import Prompt
-from async_rl.tasks.base import load_task
 
 
-def eval_prompts(cfg: Config) -> list[Prompt]:
-    """The eval set: the task's held-out prompts (the data-source loader replaces this for eval files)."""
-    return task_eval_prompts(cfg)
-
-
-def task_eval_prompts(cfg: Config) -> list[Prompt]:
-    """The task's prompt stream under the held-out seed `eval.seed` (the training stream uses
-    `task.seed`): the first `eval.max_prompts` prompts, tagged with the task's name as data source."""
-    if cfg.eval.max_prompts == 0:
-        raise ConfigError("eval.max_prompts=0 (all) needs an eval file; a task's held-out prompt stream is endless")
-    task = load_task(cfg.task.name)
-    prompts = list(itertools.islice(task.prompts(cfg.eval.seed), cfg.eval.max_prompts))
-    return [p if p.data_source else msgspec.structs.replace(p, data_source=task.name) for p in prompts]
+def eval_prompts(cfg: Config, model_dir: str | Path) -> list[Prompt]:
+    """The eval set, rendered with the model's chat template: the rows of `data.eval_files`, or the
+    task's held-out prompt stream (`data.eval_task_seed`, `data.eval_task_prompts`); the first
+    `eval.max_prompts` of them (0 = all). Bad rows follow `data.skip_bad_rows`."""
+    skipped: collections.Counter[str] = collections.Counter()
+    prompts = load_eval_prompts(cfg, model_dir, skipped)
+    if cfg.eval.max_prompts:
+        prompts = prompts[: cfg.eval.max_prompts]
+    if not prompts:
+        raise ConfigError(f"eval.enabled: the eval set is empty (skipped: {dict(skipped) or 'none'})")
+    return prompts
 
 
 def split(prompts: list[Prompt], parts: int) -> list[list[Prompt]]:
