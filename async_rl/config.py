@@ -39,12 +39,46 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Annotated[str, _f("built-in task ('repeat', 'modsum') or a factory 'pkg.module:make_task'")] = (
-        "repeat"
-    )
+    name: Annotated[
+        str,
+        _f(
+            "built-in task ('repeat', 'modsum'), a reasoning-gym dataset 'reasoning_gym:<dataset>' "
+            "(e.g. reasoning_gym:basic_arithmetic) or a factory 'pkg.module:make_task'"
+        ),
+    ] = "repeat"
     seed: Annotated[int, _f("seed of the prompt stream")] = 0
-    reward_timeout_s: Annotated[float, _f("a reward call slower than this scores 0 and is counted", gt=0)] = 5.0
-    reward_workers: Annotated[int, _f("threads per engine that run reward functions", ge=1)] = 2
+    reward: Annotated[
+        str,
+        _f(
+            "how completions are scored: '' (the task's own reward), 'math' (math-verify: \\boxed{} or a "
+            "final-answer line, symbolic equivalence), 'exact' (normalised string equality), 'regex' "
+            "(task.reward_pattern extracts the answer) or a function of the Sample 'pkg.module:fn' "
+            "(may be async); dataset runs (data.train_files) need one"
+        ),
+    ] = ""
+    reward_pattern: Annotated[
+        str,
+        _f(
+            "regex for task.reward=regex: its last match in the completion is the answer (group 1 "
+            "if the pattern has a group, else the whole match), compared normalised to the ground truth"
+        ),
+    ] = ""
+    reward_timeout_s: Annotated[
+        float,
+        _f(
+            "a reward call running longer than this (from its start, not while it queues) has its worker "
+            "process killed and replaced; the sample scores 0 and is counted",
+            gt=0,
+        ),
+    ] = 5.0
+    reward_workers: Annotated[
+        int,
+        _f(
+            "worker processes per engine that run reward functions, one call at a time each (an async "
+            "reward too: raise it for a remote reward model whose calls mostly wait)",
+            ge=1,
+        ),
+    ] = 2
 
 
 class DataConfig(_Section):

@@ -20,6 +20,7 @@ from async_rl.config import Config, describe, load_config, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
 from async_rl.models.tiny import ALL_PRESETS, resolve_model_path
 from async_rl.tasks.base import load_task
+from async_rl.tasks.rewards import load_reward
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,6 +40,7 @@ def check_inputs(cfg: Config) -> None:
     if cfg.model.path not in ALL_PRESETS:  # a preset is built later, at run start
         resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     load_task(cfg.task.name)
+    load_reward(cfg.task)  # a bad task.reward or task.reward_pattern fails here, not in every reward worker
 
 
 def make_run_dir(cfg: Config) -> Path:

@@ -28,6 +28,8 @@ LOGPROB_DTYPE = np.dtype("<f4")
 REWARD_OK = 0
 REWARD_ERROR = 1
 REWARD_TIMEOUT = 2
+REWARD_CRASH = 3  # the reward's worker process died mid-call (a crash, a signal)
+REWARD_STATUSES = (REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT, REWARD_CRASH)
 
 # Why a completion ended; carried per sample (overlong handling, truncation metrics).
 FINISH_STOP = 0  # EOS, a stop token or a stop string
@@ -216,7 +218,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 not math.isfinite(s.reward)
                 or s.version_first < 0
                 or s.version_last < s.version_first
-                or s.reward_status not in (REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT)
+                or s.reward_status not in REWARD_STATUSES
             ):
                 raise FrameError("bad_value", f"prompt {g.prompt_id}: reward or versions out of range")
             if s.finish_reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):

@@ -96,7 +96,7 @@ def engine_settings(
         stop=list(g.stop),
         max_inflight_prompts=g.max_inflight_prompts,
         pause_mode=g.pause_mode,
-        task_name=cfg.task.name,
+        task=cfg.task,
         reward_timeout_s=cfg.task.reward_timeout_s,
         reward_workers=cfg.task.reward_workers,
         ingest_address=ingest,

@@ -91,6 +91,7 @@ class BufferStats(msgspec.Struct):
     serve_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
     data_position: DataPosition = msgspec.field(default_factory=DataPosition)  # the prompt stream's
     skipped_prompts: dict[str, int] = {}  # prompts or data rows that could not be used, by reason
+    reward_crashes: int = 0  # samples whose reward worker died mid-call
 
 
 def bind(socket: zmq.Socket, host: str, port: int, field: str) -> str:
@@ -242,6 +243,7 @@ class ReplayBuffer:
             rejected_frames=dict(self._rejected),
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
+            reward_crashes=self.ingest.reward_crashes,
             last_batch_step=step,
             last_batch_max_lag=max_lag,
             last_batch_mean_lag=mean_lag,

@@ -15,7 +15,14 @@ import zmq.asyncio
 
 from async_rl.buffer.leasing import Leases
 from async_rl.buffer.ledger import Ledger
-from async_rl.protocol import REWARD_ERROR, REWARD_TIMEOUT, FrameError, TrajectoryGroup, decode_groups
+from async_rl.protocol import (
+    REWARD_CRASH,
+    REWARD_ERROR,
+    REWARD_TIMEOUT,
+    FrameError,
+    TrajectoryGroup,
+    decode_groups,
+)
 
 # Frames taken off the ingest socket per wake-up of the ingest loop (bounded, so control calls and
 # batch serving still get the event loop between batches).
@@ -46,10 +53,11 @@ class Ingest:
         self._changed = changed  # the buffer's condition: notified on every state change
         self.reward_errors = 0
         self.reward_timeouts = 0
+        self.reward_crashes = 0  # samples whose reward worker died mid-call
         self.filtered_groups = 0  # groups dropped by dynamic sampling, ever
 
-    def restore_counters(self, reward_errors: int, reward_timeouts: int) -> None:
-        self.reward_errors, self.reward_timeouts = reward_errors, reward_timeouts
+    def restore_counters(self, reward_errors: int, reward_timeouts: int, reward_crashes: int = 0) -> None:
+        self.reward_errors, self.reward_timeouts, self.reward_crashes = reward_errors, reward_timeouts, reward_crashes
 
     def ingest_frame(self, frames: list[bytes]) -> None:
         """Caller holds the buffer's lock: decode, check and accept one frame, or count it rejected."""
@@ -94,6 +102,7 @@ class Ingest:
         self._leases.settle(g.prompt_id)
         self.reward_errors += sum(1 for s in g.reward_status if s == REWARD_ERROR)
         self.reward_timeouts += sum(1 for s in g.reward_status if s == REWARD_TIMEOUT)
+        self.reward_crashes += sum(1 for s in g.reward_status if s == REWARD_CRASH)
         if self._filter_uniform and len(set(g.rewards)) == 1:
             self._ledger.arrived_filtered(g.size)
             self.filtered_groups += 1

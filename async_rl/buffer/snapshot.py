@@ -43,6 +43,7 @@ class BufferSnapshot(msgspec.Struct, kw_only=True):
     rejected_frames: dict[str, int]
     reward_errors: int
     reward_timeouts: int
+    reward_crashes: int = 0
     position: DataPosition | None = None  # exact stream position (None: older snapshots, = (0, prompts_drawn))
     skipped_prompts: dict[str, int] = {}
 
@@ -56,6 +57,7 @@ class BufferState(msgspec.Struct, kw_only=True):
     rejected_frames: dict[str, int]
     reward_errors: int
     reward_timeouts: int
+    reward_crashes: int = 0
     # Prompts the resumed run must generate: those handed back and not yet leased again, and those
     # in flight when the checkpoint was written (their samples die with that run's engines).
     returned: list[Prompt] = msgspec.field(default_factory=list)
@@ -130,6 +132,7 @@ class BufferParts:
             rejected_frames=dict(self.rejected),
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
+            reward_crashes=self.ingest.reward_crashes,
             position=self.source.position,
             skipped_prompts=self.source.skipped,
         )
@@ -147,7 +150,7 @@ class BufferParts:
         built = {step: [self._decode(f) for f in shards] for step, shards in snap.batches.items()}
         self.server.restore(waiting, built)
         self.rejected.update(snap.rejected_frames)
-        self.ingest.restore_counters(snap.reward_errors, snap.reward_timeouts)
+        self.ingest.restore_counters(snap.reward_errors, snap.reward_timeouts, snap.reward_crashes)
 
     def _decode(self, frames: list[bytes]):
         return decode_groups(frames, self.run_id, self.max_frame_bytes)[1]
@@ -163,6 +166,7 @@ class BufferParts:
             rejected_frames=dict(self.rejected),
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
+            reward_crashes=self.ingest.reward_crashes,
             returned=[*self.source.returned(), *(lease.prompt for lease in self.leases.held())],
             position=self.source.position,
             skipped_prompts=self.source.skipped,
@@ -186,4 +190,4 @@ class BufferParts:
         self.source.give_back(state.returned)
         self.rejected.clear()
         self.rejected.update(state.rejected_frames)
-        self.ingest.restore_counters(state.reward_errors, state.reward_timeouts)
+        self.ingest.restore_counters(state.reward_errors, state.reward_timeouts, state.reward_crashes)

@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from async_rl.config import TaskConfig
 from async_rl.evaluation.scores import EvalBatch, EvalParams, EvalResult
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
@@ -33,7 +34,6 @@ from async_rl.protocol import (
     encode_groups,
 )
 from async_rl.security import ClientKeys, harden_client
-from async_rl.tasks.base import load_task
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -50,7 +50,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     temperature: float
     max_inflight_prompts: int
     pause_mode: str
-    task_name: str
+    task: TaskConfig  # the reward workers rebuild the reward function from it
     reward_timeout_s: float
     reward_workers: int
     ingest_address: str
@@ -111,8 +111,7 @@ class GeneratorEngine:
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
-        self.task = load_task(self.s.task_name)
-        self.rewards = RewardRunner(self.task, self.s.reward_timeout_s, self.s.reward_workers)
+        self.rewards = RewardRunner(self.s.task, self.s.reward_timeout_s, self.s.reward_workers)
         self._llm = vc.make_engine(self.s.spec)
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)

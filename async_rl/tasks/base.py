@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from async_rl.errors import ConfigError
 from async_rl.protocol import Prompt, Sample
@@ -12,7 +12,8 @@ from async_rl.protocol import Prompt, Sample
 
 class Task(abc.ABC):
     """A verifiable task. `prompts` runs in the buffer (admission control leases them); `reward` runs
-    in every generator engine, off the event loop and under a timeout."""
+    in the reward worker processes of every generator engine, under a timeout. A task is rebuilt by
+    name in each of those processes (`load_task`), never pickled."""
 
     name: str = "task"
 
@@ -21,9 +22,9 @@ class Task(abc.ABC):
         """An endless (or long) stream of prompts with unique `prompt_id`s."""
 
     @abc.abstractmethod
-    def reward(self, sample: Sample) -> float:
+    def reward(self, sample: Sample) -> float | Awaitable[float]:
         """Score one finished completion (`sample.prompt` holds the answer and metadata); a finite
-        float, higher is better."""
+        float, higher is better. May be `async def` (remote reward models, sandboxes)."""
 
 
 def _builtin_factories() -> dict[str, Callable[[], Task]]:
@@ -37,12 +38,19 @@ BUILTIN_TASKS = ("repeat", "modsum")
 
 
 def load_task(name: str) -> Task:
-    """Built-in task by name, or a user task from 'pkg.module:factory' (factory() -> Task)."""
+    """Built-in task by name, a reasoning-gym dataset 'reasoning_gym:<dataset>', or a user task from
+    'pkg.module:factory' (factory() -> Task)."""
     builtins = _builtin_factories()
     if name in builtins:
         return builtins[name]()
+    if name.startswith("reasoning_gym:"):
+        from async_rl.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(name.removeprefix("reasoning_gym:"))
     if ":" not in name:
-        raise ConfigError(f"task.name '{name}' is not a built-in task {BUILTIN_TASKS} nor 'pkg.module:factory'")
+        raise ConfigError(
+            f"task.name '{name}' is not a built-in task {BUILTIN_TASKS}, 'reasoning_gym:<dataset>' nor 'pkg.module:factory'"
+        )
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)

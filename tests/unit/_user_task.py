@@ -30,3 +30,14 @@ def make_not_a_task():
 
 
 NOT_CALLABLE = 3
+
+
+class AsyncEchoTask(EchoTask):
+    name = "async_echo"
+
+    async def reward(self, sample: Sample) -> float:  # an async reward, as a remote reward model's client
+        return super().reward(sample)
+
+
+def make_async_task() -> Task:
+    return AsyncEchoTask()

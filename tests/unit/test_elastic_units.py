@@ -4,6 +4,7 @@ the autoscale policy, and the operator control files."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -19,7 +20,7 @@ from async_rl.config import AutoscaleConfig, load_config
 from async_rl.control import ControlInbox, NotRunning, ScaleReply, send_scale
 from async_rl.elastic import latest_checkpoint, learner_died
 from async_rl.errors import ConfigError
-from async_rl.protocol import TrajectoryGroup
+from async_rl.protocol import REWARD_CRASH, REWARD_ERROR, REWARD_TIMEOUT, TrajectoryGroup
 
 # ---- ledger ------------------------------------------------------------------------------------
 
@@ -316,3 +317,19 @@ def test_checkpoint_restore_leases_handed_back_and_in_flight_prompts_first(tmp_p
 
     (tmp_path / "resumed").mkdir()
     asyncio.run(scenario())
+
+
+def test_reward_outcomes_counted_per_reason_and_kept_by_the_snapshot(tmp_path):
+    async def scenario():
+        buf = make_buffer(tmp_path)
+        await buf.lease(engine_id=0, max_groups=2, wait_s=0)
+        for pid, statuses in ((0, [REWARD_CRASH, REWARD_TIMEOUT]), (1, [REWARD_ERROR, REWARD_CRASH])):
+            deliver(buf, dataclasses.replace(group(pid, 0), reward_status=statuses))
+        stats = buf.stats()
+        assert (stats.reward_errors, stats.reward_timeouts, stats.reward_crashes) == (1, 1, 2)
+        assert buf.checkpoint_state().reward_crashes == 2
+        buf.save_snapshot()
+
+    asyncio.run(scenario())
+    stats = make_buffer(tmp_path, restore=True).stats()
+    assert (stats.reward_errors, stats.reward_timeouts, stats.reward_crashes) == (1, 1, 2)

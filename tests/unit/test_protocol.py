@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from async_rl.protocol import (
+    REWARD_CRASH,
     REWARD_ERROR,
     REWARD_OK,
     REWARD_TIMEOUT,
@@ -62,7 +63,7 @@ def group_b() -> TrajectoryGroup:
         rewards=[0.0, -1.5, 0.75],
         version_first=[0, 1, 2],
         version_last=[0, 1, 2],
-        reward_status=[REWARD_OK, REWARD_ERROR, REWARD_OK],
+        reward_status=[REWARD_CRASH, REWARD_ERROR, REWARD_OK],
     )
 
 
@@ -247,6 +248,11 @@ def _mutate_sample(parts, gi, si, **changes):
 @pytest.mark.parametrize("reward", [math.nan, math.inf, -math.inf])
 def test_non_finite_reward(reward):
     reject(_mutate_sample(frames(), 1, 2, reward=reward), "bad_value")
+
+
+@pytest.mark.parametrize("status", [-1, REWARD_CRASH + 1])
+def test_unknown_reward_status(status):
+    reject(_mutate_sample(frames(), 0, 1, reward_status=status), "bad_value")
 
 
 def test_version_last_before_version_first():

@@ -1,19 +1,25 @@
-"""Built-in tasks, the dotted-path task loader, and the reward runner (timeouts, errors)."""
+"""Built-in tasks, the dotted-path task loader, and the reward runner (worker processes: errors,
+timeouts, crashes, isolation)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from async_rl.config import TaskConfig
 from async_rl.errors import ConfigError
-from async_rl.generator.rewards import RewardRunner
-from async_rl.protocol import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, Prompt, Sample
+from async_rl.generator.rewards import RewardCounts, RewardRunner
+from async_rl.protocol import REWARD_CRASH, REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, Prompt, Sample
 from async_rl.tasks import Task, load_task
 from async_rl.tasks.modsum import ModSumTask
 from async_rl.tasks.repeat import RepeatTask
@@ -150,127 +156,129 @@ def test_unknown_name_without_colon():
     assert "repeat" in msg and "modsum" in msg  # the message lists the built-ins
 
 
-# ---------------------------------------------------------------- RewardRunner
-
-
-class FnTask(Task):
-    def __init__(self, fn: Callable[[Prompt, str], float]) -> None:
-        self.fn = fn
-
-    def prompts(self, seed: int) -> Iterator[Prompt]:
-        yield Prompt(prompt_id=0, text="x", answer="y")
-
-    def reward(self, sample: Sample) -> float:
-        return self.fn(sample.prompt, sample.completion)
+# ---------------------------------------------------------------- RewardRunner (worker processes)
 
 
 P = Prompt(prompt_id=3, text="c:", answer="c")
 
 
-def score(fn, completion="cccc", timeout=5.0, workers=1):
-    runner = RewardRunner(FnTask(fn), timeout_s=timeout, workers=workers)
+def runner_for(fn: str, timeout: float = 10.0, workers: int = 1) -> RewardRunner:
+    return RewardRunner(TaskConfig(reward=f"tests.unit._rewards:{fn}"), timeout_s=timeout, workers=workers)
+
+
+def sample(completion: str = "cccc", **metadata) -> Sample:
+    return Sample(prompt=msgspec.structs.replace(P, metadata=metadata), completion=completion)
+
+
+def score(fn: str, s: Sample, timeout: float = 10.0) -> tuple[float, int]:
+    runner = runner_for(fn, timeout)
     try:
-        return asyncio.run(runner.score(Sample(prompt=P, completion=completion)))
+        return asyncio.run(runner.score(s))
     finally:
         runner.close()
 
 
-def test_reward_ok():
-    assert score(lambda p, c: 0.75) == (0.75, REWARD_OK)
-    value, status = score(lambda p, c: 1)  # an int is turned into a float
+def test_reward_ok_in_another_process_with_the_whole_sample():
+    s = Sample(prompt=P, completion="cc", completion_ids=[5, 6], finish_reason="length")
+    pid, status = score("whoami", s)
+    assert status == REWARD_OK
+    assert int(pid) != os.getpid()
+
+
+def test_int_reward_becomes_float():
+    value, status = score("value", sample(value=1))
     assert (value, status) == (1.0, REWARD_OK) and type(value) is float
 
 
-def test_reward_gets_prompt_and_completion_off_the_event_loop():
-    seen = {}
+def test_async_reward():
+    runner = runner_for("async_length", workers=2)
 
-    def fn(p, c):
-        seen["prompt"], seen["completion"] = p, c
-        seen["thread"] = threading.current_thread().name
-        return 0.5
+    async def main():
+        return await asyncio.gather(*(runner.score(sample("c" * i)) for i in range(4)))
 
-    loop_thread = threading.current_thread().name
-    assert score(fn, completion="ccxc") == (0.5, REWARD_OK)
-    assert seen["prompt"] == P and seen["completion"] == "ccxc"
-    assert seen["thread"] != loop_thread
-    assert seen["thread"].startswith("reward")
+    try:
+        assert asyncio.run(main()) == [(i / 10, REWARD_OK) for i in range(4)]
+    finally:
+        runner.close()
 
 
-def test_reward_that_raises():
-    def boom(p, c):
-        raise RuntimeError("user bug")
+def test_task_with_an_async_reward(repo_on_path):
+    runner = RewardRunner(TaskConfig(name="tests.unit._user_task:make_async_task"), timeout_s=10.0, workers=1)
+    try:
+        p = Prompt(prompt_id=0, text="say 1", answer="1")
+        assert asyncio.run(runner.score(Sample(prompt=p, completion=" 1"))) == (1.0, REWARD_OK)
+        assert asyncio.run(runner.score(Sample(prompt=p, completion="2"))) == (0.0, REWARD_OK)
+    finally:
+        runner.close()
 
-    assert score(boom) == (0.0, REWARD_ERROR)
+
+def test_reward_that_raises_is_an_error():
+    runner = runner_for("boom")
+    try:
+        assert asyncio.run(runner.score(sample())) == (0.0, REWARD_ERROR)
+        assert runner.last_error == "RuntimeError: user bug"  # the user sees why
+    finally:
+        runner.close()
+    # A TimeoutError raised by the reward itself is its error, not the runner's timeout.
+    assert score("raises_timeout_error", sample()) == (0.0, REWARD_ERROR)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None, "x"])
 def test_non_finite_or_non_numeric_reward(bad):
-    assert score(lambda p, c: bad) == (0.0, REWARD_ERROR)
+    assert score("value", sample(value=bad)) == (0.0, REWARD_ERROR)
 
 
-def test_reward_timeout():
-    release = threading.Event()
-
-    def slow(p, c):
-        release.wait(1.0)
-        return 1.0
-
-    runner = RewardRunner(FnTask(slow), timeout_s=0.05, workers=1)
+def test_reward_that_does_not_load_is_an_error_per_sample():
+    runner = RewardRunner(TaskConfig(reward="tests.unit._rewards:no_such_fn"), timeout_s=10.0, workers=1)
     try:
-        assert asyncio.run(runner.score(Sample(prompt=P, completion="c"))) == (0.0, REWARD_TIMEOUT)
+        assert asyncio.run(runner.score(sample())) == (0.0, REWARD_ERROR)
+        assert runner.counts == RewardCounts(error=1)
     finally:
-        release.set()
         runner.close()
 
 
-def test_runner_goes_on_after_a_timeout():
-    release = threading.Event()
-    calls = []
-
-    def fn(p, c):
-        calls.append(c)
-        if c == "slow":
-            release.wait(1.0)
-        return 0.25
-
-    runner = RewardRunner(FnTask(fn), timeout_s=0.05, workers=2)
+def test_timeout_kills_the_worker_and_the_next_call_gets_a_new_one(tmp_path):
+    runner = runner_for("wait", timeout=0.5)
+    pid_file = tmp_path / "pid"
 
     async def main():
-        slow = await runner.score(Sample(prompt=P, completion="slow"))
-        fast = await runner.score(Sample(prompt=P, completion="fast"))
-        return slow, fast
+        hung = await runner.score(sample("hang", pid_file=str(pid_file)))
+        fine = await runner.score(sample("x"))
+        return hung, fine
 
     try:
-        assert asyncio.run(main()) == ((0.0, REWARD_TIMEOUT), (0.25, REWARD_OK))
-        assert calls == ["slow", "fast"]
+        assert asyncio.run(main()) == ((0.0, REWARD_TIMEOUT), (1.0, REWARD_OK))
+        assert gone(int(pid_file.read_text()))  # the hung worker was killed
+        assert runner.counts == RewardCounts(ok=1, timeout=1)
     finally:
-        release.set()
         runner.close()
 
 
-def test_many_rewards_concurrently():
-    runner = RewardRunner(FnTask(lambda p, c: len(c) / 10), timeout_s=5.0, workers=3)
+def test_a_hung_reward_costs_only_its_own_sample(tmp_path):
+    # One worker: the samples submitted after the hung one queue behind it for a whole timeout, then
+    # run on the replacement worker. The last one ends about 1 + 4 * 0.2 s after submission, past the
+    # 1 s timeout: they are scored in full because the timeout runs from a call's start.
+    runner = runner_for("wait", timeout=1.0, workers=1)
 
     async def main():
-        return await asyncio.gather(*(runner.score(Sample(prompt=P, completion="c" * i)) for i in range(10)))
+        return await asyncio.gather(
+            runner.score(sample("hang", pid_file=str(tmp_path / "pid"))),
+            *(runner.score(sample("x", wait_s=0.2)) for _ in range(4)),
+        )
 
     try:
-        assert asyncio.run(main()) == [(i / 10, REWARD_OK) for i in range(10)]
+        results = asyncio.run(main())
     finally:
         runner.close()
+    assert results == [(0.0, REWARD_TIMEOUT)] + [(1.0, REWARD_OK)] * 4
+    assert runner.counts == RewardCounts(ok=4, timeout=1)
 
 
 def test_reward_timeout_does_not_count_time_queued_for_a_worker():
-    import threading
-
-    def takes_a_tenth(prompt, completion):
-        threading.Event().wait(0.1)
-        return 1.0
-
-    runner = RewardRunner(FnTask(takes_a_tenth), timeout_s=0.35, workers=1)
+    runner = runner_for("wait", timeout=0.35, workers=1)
 
     async def main():
-        return await asyncio.gather(*(runner.score(Sample(prompt=P, completion="x")) for _ in range(6)))
+        return await asyncio.gather(*(runner.score(sample("x", wait_s=0.1)) for _ in range(6)))
 
     try:
         results = asyncio.run(main())
@@ -278,3 +286,89 @@ def test_reward_timeout_does_not_count_time_queued_for_a_worker():
         runner.close()
     # Six 0.1 s calls on one worker take 0.6 s in all; each is within its own 0.35 s budget.
     assert results == [(1.0, REWARD_OK)] * 6
+
+
+def test_worker_killed_by_a_signal_is_replaced_and_counted(tmp_path):
+    runner = runner_for("wait", workers=2)
+    pid_file = tmp_path / "pid"
+
+    async def main():
+        hung = asyncio.create_task(runner.score(sample("hang", pid_file=str(pid_file))))
+        for _ in range(200):  # the worker writes its pid once it runs the call
+            if pid_file.exists():
+                break
+            await asyncio.sleep(0.05)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        killed = await hung
+        after = await asyncio.gather(*(runner.score(sample("x")) for _ in range(4)))
+        return killed, after
+
+    try:
+        killed, after = asyncio.run(main())
+        assert killed == (0.0, REWARD_CRASH)
+        assert runner.last_error == f"crash: the reward worker exited with code {-signal.SIGKILL}"
+        assert after == [(1.0, REWARD_OK)] * 4
+        assert runner.counts == RewardCounts(ok=4, crash=1)
+    finally:
+        runner.close()
+
+
+def gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return not status.exists() or "zombie" in status.read_text()
+
+
+def test_pool_whose_idle_worker_died_is_replaced():
+    runner = runner_for("whoami", workers=1)
+    s = Sample(prompt=P, completion="cc", completion_ids=[5, 6], finish_reason="length")
+
+    async def main():
+        pid, status = await runner.score(s)
+        assert status == REWARD_OK
+        os.kill(int(pid), signal.SIGKILL)  # dies between calls: pebble then declares its pool broken
+        for _ in range(100):
+            if gone(int(pid)):
+                break
+            await asyncio.sleep(0.02)
+        return pid, await runner.score(s)
+
+    try:
+        pid, (new_pid, status) = asyncio.run(main())
+        assert status == REWARD_OK and new_pid != pid
+        assert runner.pools_replaced == 1
+        assert runner.counts == RewardCounts(ok=2)
+    finally:
+        runner.close()
+
+
+OWNER = """
+import asyncio, sys
+from async_rl.config import TaskConfig
+from async_rl.generator.rewards import RewardRunner
+from async_rl.protocol import Prompt, Sample
+if __name__ == "__main__":
+    runner = RewardRunner(TaskConfig(reward="tests.unit._rewards:wait"), timeout_s=600, workers=1)
+    prompt = Prompt(prompt_id=0, metadata={"pid_file": sys.argv[1]})
+    asyncio.run(runner.score(Sample(prompt=prompt, completion="hang")))
+"""
+
+
+def test_a_killed_engine_leaves_no_reward_worker_behind(tmp_path):
+    pid_file = tmp_path / "pid"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(pid_file)], env=env)
+    try:
+        for _ in range(600):  # the owner starts, its worker writes its pid once it runs the hung call
+            if pid_file.exists() or owner.poll() is not None:
+                break
+            threading.Event().wait(0.05)
+        worker = int(pid_file.read_text())
+        assert not gone(worker)
+    finally:
+        owner.kill()  # SIGKILL: the owner cannot stop its pool
+        owner.wait()
+    for _ in range(100):
+        if gone(worker):
+            break
+        threading.Event().wait(0.05)
+    assert gone(worker)  # the worker, stuck in its hung reward, exited with its owner

@@ -1,0 +1,107 @@
+"""Reward functions selectable by `task.reward`: built-ins ('math', 'exact', 'regex') and user
+functions 'pkg.module:fn'. A reward function takes the whole `Sample` (prompt with answer, metadata
+and data source; completion text and ids; finish reason) and returns a float, or an awaitable of
+one (`async def`: remote reward models, sandboxes).
+
+`load_reward(cfg)` builds the function from the config alone (names and strings, nothing live), so
+every reward worker process rebuilds it for itself."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from async_rl.errors import ConfigError
+from async_rl.protocol import Sample
+from async_rl.tasks.base import load_task
+
+if TYPE_CHECKING:
+    from async_rl.config import TaskConfig
+
+RewardFn = Callable[[Sample], float | Awaitable[float]]
+
+BUILTIN_REWARDS = ("math", "exact", "regex")
+
+
+def normalise(text: str) -> str:
+    """What 'exact' and 'regex' compare: case-folded, whitespace collapsed, a final '.' dropped."""
+    return " ".join(text.split()).casefold().removesuffix(".").rstrip()
+
+
+def exact_reward(sample: Sample) -> float:
+    """1 if the whole completion equals the answer after `normalise`, else 0."""
+    return 1.0 if normalise(sample.completion) == normalise(sample.prompt.answer) else 0.0
+
+
+class RegexReward:
+    """The last match of `pattern` in the completion is the answer (group 1 when the pattern has a
+    group, else the whole match); 1 if it equals the ground truth after `normalise`, else 0."""
+
+    def __init__(self, pattern: str) -> None:
+        if not pattern:
+            raise ConfigError("task.reward_pattern must be set for task.reward=regex (e.g. 'Answer: *(\\S+)')")
+        try:
+            self.regex = re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"task.reward_pattern '{pattern}' is not a valid regex: {exc}") from None
+
+    def __call__(self, sample: Sample) -> float:
+        matches = list(self.regex.finditer(sample.completion))
+        if not matches:
+            return 0.0
+        found = matches[-1].group(1 if self.regex.groups else 0) or ""
+        return 1.0 if normalise(found) == normalise(sample.prompt.answer) else 0.0
+
+
+def _parse_gold(answer: str) -> list:
+    from math_verify import parse
+
+    # A bare ground truth ('1/2', 'x+1') is read as LaTeX inside \boxed{}; one already in LaTeX
+    # (with $ or \boxed) as written.
+    gold = parse(answer if ("$" in answer or "\\boxed" in answer) else f"\\boxed{{{answer}}}")
+    if not gold:
+        raise ValueError(f"answer {answer!r} does not parse as math")
+    return gold
+
+
+def math_reward(sample: Sample) -> float:
+    """math-verify: the completion's answer is its last \\boxed{} or a final-answer line ('The answer
+    is 42', 'Answer: 42'; else its last number or expression), compared to `prompt.answer` by
+    symbolic equivalence (1/2 == 0.5 == \\frac{1}{2}). 1 or 0; an answer that does not parse raises
+    (counted as a reward error)."""
+    from math_verify import parse, verify
+
+    gold = _parse_gold(sample.prompt.answer)
+    pred = parse(sample.completion)
+    return 1.0 if pred and verify(gold, pred) else 0.0
+
+
+def _load_user_reward(name: str) -> RewardFn:
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import can fail with any error; name it in one line
+        raise ConfigError(f"task.reward '{name}' does not import: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ConfigError(f"task.reward '{name}': module '{module_name}' has no callable '{attr}'")
+    return fn
+
+
+def load_reward(cfg: TaskConfig) -> RewardFn:
+    """The reward function `cfg` names: `cfg.reward` when set, else the reward of task `cfg.name`."""
+    if not cfg.reward:
+        return load_task(cfg.name).reward
+    if cfg.reward == "math":
+        return math_reward
+    if cfg.reward == "exact":
+        return exact_reward
+    if cfg.reward == "regex":
+        return RegexReward(cfg.reward_pattern)
+    if ":" in cfg.reward:
+        return _load_user_reward(cfg.reward)
+    raise ConfigError(
+        f"task.reward '{cfg.reward}' is not a built-in reward {BUILTIN_REWARDS} nor a function 'pkg.module:fn'"
+    )
