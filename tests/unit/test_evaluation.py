@@ -120,3 +120,13 @@ def test_eval_records_go_to_their_own_file(tmp_path):
     assert len(lines) == 1 and json.loads(lines[0])["pass_at_1"] == 1.0
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     assert "eval step    2" in out.getvalue() and "pass@1 1.000" in out.getvalue()
+
+
+def test_resume_trims_evaluations_of_steps_the_checkpoint_does_not_hold(tmp_path):
+    from async_rl.checkpoint import trim_metrics
+
+    lines = [json.dumps({"step": s, "pass_at_1": 0.1 * s}) for s in (0, 4, 8, 12)]
+    (tmp_path / EVAL_FILE).write_text("\n".join(lines) + "\n")
+    # Resumed from step 8: its start evaluates step 8 again; 8 and 12 were the killed run's.
+    assert trim_metrics(tmp_path, 8, EVAL_FILE) == 2
+    assert [json.loads(line)["step"] for line in (tmp_path / EVAL_FILE).read_text().splitlines()] == [0, 4]
