@@ -1,7 +1,7 @@
 """The evaluation phase of the training loop: when to evaluate, on what, and how it is fanned out.
 
-The controller calls `Evaluation.maybe_run` between steps (after the weight sync, so every engine
-holds the version being evaluated). The eval prompts are split across the engines; each engine
+`Controller.evaluate` asks `Evaluation.due` between steps and then calls `Evaluation.run` (after
+the weight sync, so every engine holds the version being evaluated). The eval prompts are split across the engines; each engine
 generates and scores its share beside its training requests and returns small results to the
 controller. Nothing goes to the buffer: eval samples never enter training or its accounting.
 """
