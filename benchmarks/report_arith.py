@@ -32,7 +32,7 @@ def plot(steps: list[dict], evals: list[dict], out: Path) -> None:
         # train record `step` is the step index (policy version step+1 after it); eval `step` = steps done
         tx = [r["step"] + 1 if key == "step" else r["elapsed_s"] for r in steps]
         ex = [e["step"] if key == "step" else e["elapsed_s"] for e in evals]
-        ax.plot(tx, [r["reward_mean"] for r in steps], color="0.6", lw=1, label="train reward (batch mean, T=1)")
+        ax.plot(tx, [r["reward_mean"] for r in steps], color="0.6", lw=1, label="train reward (batch mean, sampled at generators.temperature)")
         ax.plot(ex, [e["pass_at_1"] for e in evals], "o-", color="C3", lw=2, label="eval pass@1 (greedy, held out)")
         for i, src in enumerate(sources):
             ax.plot(ex, [e["per_source"][src]["pass_at_1"] for e in evals], ".--", color=f"C{i}", lw=1, label=f"eval pass@1 {src}")
