@@ -99,10 +99,11 @@ def load_state(checkpoint: Path) -> RunCheckpoint:
     return msgspec.json.decode((Path(checkpoint) / RUN_STATE).read_bytes(), type=RunCheckpoint)
 
 
-def trim_metrics(run_dir: Path, step: int) -> int:
-    """Keep the metrics of steps before `step` (the steps the checkpoint holds); steps the killed run
-    logged after its last checkpoint are trained again, so their records go. Returns how many went."""
-    path = Path(run_dir) / "metrics.jsonl"
+def trim_metrics(run_dir: Path, step: int, name: str = "metrics.jsonl") -> int:
+    """Keep the records of steps before `step` (the steps the checkpoint holds); steps the killed run
+    logged after its last checkpoint are trained again, so their records go (eval.jsonl likewise: the
+    resumed run evaluates step `step` again at its start). Returns how many went."""
+    path = Path(run_dir) / name
     if not path.is_file():
         return 0
     kept, dropped = [], 0

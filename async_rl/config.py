@@ -332,6 +332,28 @@ class AlgorithmConfig(_Section):
     ] = 1.0
 
 
+class EvalConfig(_Section):
+    """Evaluation during training: the engines generate on held-out prompts, outside the training path."""
+
+    enabled: Annotated[
+        bool, _f("evaluate during training (RUN_DIR/eval.jsonl, console, wandb eval/*); samples never enter training")
+    ] = False
+    every: Annotated[
+        int, _f("evaluate after every this many optimizer steps (0 = only at the start and the end)", ge=0)
+    ] = 0
+    at_start: Annotated[bool, _f("evaluate the starting weights before the first step (step 0, or the resumed step)")] = True
+    at_end: Annotated[bool, _f("evaluate after the last step (the final weights are synced to the engines first)")] = True
+    n: Annotated[int, _f("samples per eval prompt (pass@1 is the mean over them)", ge=1)] = 1
+    temperature: Annotated[float, _f("eval sampling temperature (0 = greedy)", ge=0)] = 0.0
+    max_tokens: Annotated[int, _f("maximum eval completion length in tokens (0 = generators.max_tokens)", ge=0)] = 0
+    max_prompts: Annotated[
+        int, _f("eval prompts used: the first this many of the eval set (data.eval_files, or without them "
+                "data.eval_task_prompts of the task's held-out stream); 0 = all", ge=0)
+    ] = 0
+    pass_threshold: Annotated[float, _f("a sample passes (counts for pass@1) when its reward is at least this")] = 1.0
+    timeout_s: Annotated[float, _f("an evaluation that takes longer than this stops the run", gt=0)] = 1800.0
+
+
 class BufferConfig(_Section):
     host: Annotated[
         str,
@@ -412,6 +434,7 @@ class Config(_Section):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
@@ -548,7 +571,32 @@ def validate(cfg: Config) -> None:
             f"{cfg.generators.max_tokens}: the penalty zone must fit inside the completion budget"
         )
     validate_algorithm(cfg.algorithm)
+    validate_eval(cfg)
     validate_data(cfg)
+
+
+def validate_eval(cfg: Config) -> None:
+    e = cfg.eval
+    if not e.enabled:
+        return
+    if e.max_tokens >= cfg.generators.max_model_len:
+        raise ConfigError(f"eval.max_tokens={e.max_tokens} must be below generators.max_model_len={cfg.generators.max_model_len}")
+
+
+def validate_sampling(g: GeneratorConfig) -> None:
+    """Truncating filters are refused for training: vLLM records log-probs after them
+    (logprobs_mode=processed_logprobs: the truncated, renormalised distribution it sampled from),
+    while the learner's log-probs are of the full softmax at the same temperature. The importance
+    ratio pi/mu would then be biased on every token (mu > pi inside the kept set), and the
+    vLLM-vs-learner mismatch would no longer measure a bug."""
+    for key, value, off in (("top_p", g.top_p, 1.0), ("top_k", g.top_k, 0), ("min_p", g.min_p, 0.0)):
+        if value != off:
+            raise ConfigError(
+                f"generators.{key}={value}: truncated sampling makes vLLM's behaviour log-probs (of the "
+                f"truncated distribution) disagree with the learner's (full softmax); train with {key}={off}"
+            )
+    if any(not s for s in g.stop):
+        raise ConfigError("generators.stop: an empty stop string would end every completion at once")
 
 
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -566,22 +614,6 @@ def validate_data(cfg: Config) -> None:
         raise ConfigError("data.prompt_key is empty: name the prompt column")
     if not d.eval_files and d.eval_task_seed == cfg.task.seed:
         raise ConfigError(f"data.eval_task_seed={d.eval_task_seed} equals task.seed: evaluation would use training prompts")
-
-
-def validate_sampling(g: GeneratorConfig) -> None:
-    """Truncating filters are refused for training: vLLM records log-probs after them
-    (logprobs_mode=processed_logprobs: the truncated, renormalised distribution it sampled from),
-    while the learner's log-probs are of the full softmax at the same temperature. The importance
-    ratio pi/mu would then be biased on every token (mu > pi inside the kept set), and the
-    vLLM-vs-learner mismatch would no longer measure a bug."""
-    for key, value, off in (("top_p", g.top_p, 1.0), ("top_k", g.top_k, 0), ("min_p", g.min_p, 0.0)):
-        if value != off:
-            raise ConfigError(
-                f"generators.{key}={value}: truncated sampling makes vLLM's behaviour log-probs (of the "
-                f"truncated distribution) disagree with the learner's (full softmax); train with {key}={off}"
-            )
-    if any(not s for s in g.stop):
-        raise ConfigError("generators.stop: an empty stop string would end every completion at once")
 
 
 def validate_algorithm(a: AlgorithmConfig) -> None:

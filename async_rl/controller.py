@@ -26,6 +26,7 @@ from async_rl.cluster.resources import ResourcePool, WorkerGroup
 from async_rl.config import Config
 from async_rl.elastic import Elastic, PromptsExhausted, buffer_actor
 from async_rl.errors import RunError
+from async_rl.evaluation.phase import Evaluation, eval_prompts
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import StepMetrics, checkpoint_model_dir
@@ -71,6 +72,8 @@ class Controller:
         self.learner: WorkerGroup | None = None
         self._pools: list[ResourcePool] = []
         self.keys: RunKeys | None = None  # this run's data-plane CURVE keys (made at start)
+        eval_set = eval_prompts(cfg, self.model_dir) if cfg.eval.enabled else []  # rendered once, here
+        self.evaluation = Evaluation(cfg.eval, eval_set, cfg.generators.max_tokens, cfg.train.total_steps)
 
     # ---- the training loop -----------------------------------------------------------------------
 
@@ -87,6 +90,7 @@ class Controller:
             flush=True,
         )
         t_start = time.perf_counter()
+        self.evaluate(metrics, t_start, at_start=True)
         rewards: list[float] = []
         for step in range(self.start_step, self.cfg.train.total_steps):
             t0 = time.perf_counter()
@@ -110,6 +114,7 @@ class Controller:
             rewards.append(record.reward_mean)
             if self.checkpoint_due(step):
                 self.save_checkpoint()
+            self.evaluate(metrics, t_start)
             signal = ScaleSignal(elapsed, record.learner_wait_s, buffer.waiting_groups, self.cfg.train.prompts_per_step)
             self.elastic.between_steps(step, signal)  # operator requests, autoscaling
             if between_steps is not None:
@@ -129,6 +134,16 @@ class Controller:
             buffer=ray.get(self.buffer.stats.remote()),
             engines=self.generators.stats(),
         )
+
+    def evaluate(self, metrics: MetricsSink, t_start: float, at_start: bool = False) -> None:
+        """The evaluation phase (evaluation/phase.py), when due: the engines generate and score the
+        eval set with the current weights; the results are logged apart from training."""
+        if not self.evaluation.due(self.version, at_start):
+            return
+        if self.generators_version != self.version:  # the last step's weights, not yet synced
+            self.sync_weights(self.version)
+        record = self.evaluation.run(self.generators.actors, self.version, time.perf_counter() - t_start)
+        metrics.log_eval(record)
 
     def take_turns(self) -> None:
         """Colocated: once the batch is generated, the engines sleep and the learner gets the cores
@@ -193,6 +208,7 @@ class Controller:
         ray.get(self.buffer.set_generator_version.remote(state.version))
         ray.get([a.resume.remote(state.version) for a in self.generators.actors], timeout=START_TIMEOUT_S)
         self.start_step, self.version = state.step, state.version
+        self.generators_version = state.version
         self.resumed_checksum = learner_ck
 
     # ---- the generator pool, while the run goes on ----------------------------------------------

@@ -84,7 +84,7 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
     from async_rl import checkpoint
     from async_rl.controller import Controller
     from async_rl.data import check_train_data
-    from async_rl.metrics import MetricsSink
+    from async_rl.metrics import EVAL_FILE, MetricsSink
 
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     loaded = check_train_data(cfg, model_dir)  # a bad data row fails here, before anything starts
@@ -96,6 +96,7 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
         step = checkpoint.load_state(resume_from).step
         (run_dir / f"config.resume-{step}.yaml").write_text(to_yaml(cfg))
         dropped = checkpoint.trim_metrics(run_dir, step)
+        checkpoint.trim_metrics(run_dir, step, EVAL_FILE)
         print(f"resuming from {resume_from} (step {step}); {dropped} later metrics record(s) dropped", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     print(f"model: {model_dir}", flush=True)

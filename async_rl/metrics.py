@@ -10,6 +10,10 @@ from typing import Any, TextIO
 import msgspec
 
 from async_rl.config import WandbConfig
+from async_rl.evaluation import scores
+from async_rl.evaluation.scores import EvalRecord
+
+EVAL_FILE = "eval.jsonl"
 
 
 class LengthStats(msgspec.Struct, frozen=True):
@@ -98,6 +102,8 @@ class MetricsSink:
         self.total_steps = total_steps
         self.stream = stream
         self._jsonl = open(run_dir / "metrics.jsonl", "ab")
+        self._eval_path = run_dir / EVAL_FILE  # opened at the first evaluation
+        self._eval_jsonl = None
         self._wandb = None
         if wandb_cfg.mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -120,8 +126,21 @@ class MetricsSink:
             data = {k: v for k, v in msgspec.structs.asdict(record).items() if v is not None}
             self._wandb.log(data, step=record.step)
 
+    def log_eval(self, record: EvalRecord) -> None:
+        """Evaluations go to their own file (RUN_DIR/eval.jsonl): metrics.jsonl stays one record per
+        training step. In wandb they share the step axis (optimizer steps done) under eval/."""
+        if self._eval_jsonl is None:
+            self._eval_jsonl = open(self._eval_path, "ab")
+        self._eval_jsonl.write(msgspec.json.encode(record) + b"\n")
+        self._eval_jsonl.flush()
+        print(scores.console_line(record), file=self.stream, flush=True)
+        if self._wandb is not None:
+            self._wandb.log(scores.flat_metrics(record), step=record.step)
+
     def close(self) -> None:
         self._jsonl.close()
+        if self._eval_jsonl is not None:
+            self._eval_jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -87,11 +87,11 @@ class BufferStats(msgspec.Struct):
     last_batch_mean_lag: float
     prompts_exhausted: bool
     last_batch_filtered_groups: int = 0  # groups filtered (dynamic sampling) since the batch before it
-    reward_crashes: int = 0  # samples whose reward worker died mid-call
     ingest_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
     serve_peers: PeerEvents = msgspec.field(default_factory=PeerEvents)
     data_position: DataPosition = msgspec.field(default_factory=DataPosition)  # the prompt stream's
     skipped_prompts: dict[str, int] = {}  # prompts or data rows that could not be used, by reason
+    reward_crashes: int = 0  # samples whose reward worker died mid-call
 
 
 def bind(socket: zmq.Socket, host: str, port: int, field: str) -> str:

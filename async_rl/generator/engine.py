@@ -19,11 +19,20 @@ import zmq
 import zmq.asyncio
 
 from async_rl.config import TaskConfig
+from async_rl.evaluation.scores import EvalBatch, EvalParams, EvalResult
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.sampling import SamplingSpec, stop_token_ids
 from async_rl.learner.base import Probe
-from async_rl.protocol import FINISH_REASONS, TOKEN_DTYPE, Prompt, Sample, TrajectoryGroup, encode_groups
+from async_rl.protocol import (
+    FINISH_REASONS,
+    REWARD_OK,
+    TOKEN_DTYPE,
+    Prompt,
+    Sample,
+    TrajectoryGroup,
+    encode_groups,
+)
 from async_rl.security import ClientKeys, harden_client
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -106,6 +115,7 @@ class GeneratorEngine:
         self._draining = False
         self._paused_since: float | None = None
         self._paused_s = 0.0
+        self._evals = 0  # evaluation calls served (request ids stay unique)
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
@@ -160,19 +170,8 @@ class GeneratorEngine:
         try:
             await self._running.wait()
             version_first = self.version
-            source = vc.generation_input(prompt.token_ids, prompt.text)
-            prompt_ids, completions = await vc.generate(self._llm, source, self._params, request_id)
-            if prompt.token_ids and prompt_ids != list(prompt.token_ids):
-                raise RuntimeError(f"prompt {prompt.prompt_id}: vLLM generated from other tokens than the rendered ones")
+            prompt_ids, completions, scored = await self._generate_scored(prompt, self._params, request_id)
             version_last = self.version
-            scored = await asyncio.gather(
-                *(
-                    self.rewards.score(
-                        Sample(prompt=prompt, completion=c.text, completion_ids=c.token_ids, finish_reason=c.finish_reason)
-                    )
-                    for c in completions
-                )
-            )
             group = TrajectoryGroup(
                 prompt_id=prompt.prompt_id,
                 engine_id=self.s.engine_id,
@@ -200,6 +199,64 @@ class GeneratorEngine:
                 self._last_error += f"; mark_lost failed: {lost_exc}"
         finally:
             self._inflight.pop(request_id, None)
+
+    async def _generate_scored(self, prompt: Prompt, params, request_id: str):
+        """One request: (prompt token ids, completions, (reward, status) per completion)."""
+        source = vc.generation_input(prompt.token_ids, prompt.text)
+        prompt_ids, completions = await vc.generate(self._llm, source, params, request_id)
+        if prompt.token_ids and prompt_ids != list(prompt.token_ids):
+            raise RuntimeError(f"prompt {prompt.prompt_id}: vLLM generated from other tokens than the rendered ones")
+        scored = await asyncio.gather(
+            *(
+                self.rewards.score(
+                    Sample(prompt=prompt, completion=c.text, completion_ids=c.token_ids, finish_reason=c.finish_reason)
+                )
+                for c in completions
+            )
+        )
+        return prompt_ids, completions, scored
+
+    # ---- evaluation (called by the controller) ---------------------------------------------------
+
+    async def evaluate(self, prompts: list[Prompt], params: EvalParams) -> EvalBatch:
+        """Generate and score `prompts` beside the training requests and return the scores to the
+        caller. Nothing is pushed to the buffer and the training counters do not move."""
+        await self._running.wait()
+        version = self.version
+        # The training sampler's stop tokens and strings, with the eval's n, temperature and length.
+        eval_params = vc.params_for(
+            msgspec.structs.replace(
+                self.sampling, n=params.n, temperature=params.temperature, max_tokens=params.max_tokens
+            )
+        )
+        self._evals += 1
+        outcomes = await asyncio.gather(
+            *(
+                self._generate_scored(p, eval_params, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}")
+                for p in prompts
+            ),
+            return_exceptions=True,
+        )
+        results, failed = [], 0
+        for p, out in zip(prompts, outcomes, strict=True):
+            if isinstance(out, BaseException):
+                failed += 1
+                self._last_error = f"eval: {type(out).__name__}: {out}"
+                continue
+            _, completions, scored = out
+            results.append(
+                EvalResult(
+                    prompt_id=p.prompt_id,
+                    data_source=p.data_source,
+                    rewards=[r for r, _ in scored],
+                    completion_lens=[len(c.token_ids) for c in completions],
+                    finish_reasons=[FINISH_REASONS.get(c.finish_reason, 0) for c in completions],
+                    reward_failures=sum(1 for _, st in scored if st != REWARD_OK),
+                )
+            )
+        return EvalBatch(
+            engine_id=self.s.engine_id, version=version, version_last=self.version, results=results, failed_prompts=failed
+        )
 
     # ---- membership (called by the controller) ---------------------------------------------------
 

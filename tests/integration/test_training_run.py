@@ -102,7 +102,7 @@ def test_async_run_one_step_off_policy_with_flaky_user_task(tmp_path, model_cach
     assert all(c % 4 == 0 for c in counts)  # whole groups of 4
 
 
-def test_sync_run_two_engines_two_ranks(tmp_path, model_cache):
+def test_sync_run_two_engines_two_ranks_with_evaluation(tmp_path, model_cache):
     out = run_short(
         tmp_path,
         model_cache,
@@ -113,10 +113,31 @@ def test_sync_run_two_engines_two_ranks(tmp_path, model_cache):
             "generators.group_size=4",
             "generators.num_engines=2",
             "learner.world_size=2",
+            "eval.enabled=true",
+            "eval.every=2",
+            "eval.max_prompts=6",
+            "eval.n=3",
+            "eval.temperature=1.0",
+            "eval.pass_threshold=0.5",
         ],
     )
-    check_common(*out)
+    check_common(*out)  # the accounting and the trained counts are those of a run without evaluation
     records = out[-1]
+    # Evaluation ran at the start, every 2 steps and at the end, on the weights of that step, split
+    # over both engines, and was logged apart from the training records.
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["version"]) for e in evals] == [(0, 0), (2, 2), (3, 3)]
+    assert all(e["prompts"] == 6 and e["samples"] == 18 and e["failed_prompts"] == 0 for e in evals)
+    assert all(0 < e["completion_len_mean"] <= 8 and e["eval_s"] > 0 for e in evals)
+    assert all(0.0 <= e["pass_at_1"] <= 1.0 and list(e["per_source"]) == ["repeat"] for e in evals)
+    assert all("pass_at_1" not in r for r in records)
+    # Eval samples never reached the buffer: every sample the engines pushed is a leased training
+    # sample the buffer accounted for, and no frame was rejected (an eval group would be).
+    final = out[4]
+    a = final.accounts
+    pushed = sum(e.samples_pushed for e in out[1].engines)
+    assert pushed == a.waiting + a.trained + a.dropped_stale + a.filtered
+    assert pushed <= a.leased and not final.rejected_frames
     # Synchronous on-policy: every sample is from the learner's current version, so the learner's
     # log-probs before its update equal vLLM's behaviour log-probs.
     assert all(r["lag_max"] == 0 for r in records)

@@ -1,0 +1,61 @@
+"""Write the arithmetic prompt files of configs/smollm2_arith.yaml (deterministic; rerun to recreate).
+
+    python benchmarks/make_arith_data.py            # configs/data/arith_{train,eval}.jsonl
+
+Rows in the verl-style layout the data loader reads: `prompt` (the question as text; the chat
+template and `data.system_prompt` are applied when the files are loaded), `answer` (the integer
+result, checked by the `math` reward), `data_source` (the operation, so eval pass@1 is reported per
+operation). Questions: two-digit addition and subtraction, one-digit times two-digit
+multiplication. The eval file holds no question of the train file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "configs" / "data"
+SOURCES = {"+": "add", "-": "sub", "*": "mul"}
+
+
+def question(rng: random.Random) -> tuple[str, int, str]:
+    op = rng.choice("+-*")
+    if op == "*":
+        a, b = rng.randint(2, 9), rng.randint(10, 99)
+    else:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+    answer = a + b if op == "+" else a - b if op == "-" else a * b
+    return f"{a} {op} {b}", answer, SOURCES[op]
+
+
+def rows(rng: random.Random, count: int, exclude: set[str]) -> list[dict[str, str]]:
+    out, seen = [], set(exclude)
+    while len(out) < count:
+        expr, answer, source = question(rng)
+        if expr in seen:
+            continue
+        seen.add(expr)
+        out.append({"prompt": f"What is {expr}?", "answer": str(answer), "data_source": source})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--train", type=int, default=4000, help="training rows")
+    ap.add_argument("--eval", type=int, default=96, help="held-out eval rows")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    eval_rows = rows(rng, args.eval, set())
+    train_rows = rows(rng, args.train, {r["prompt"][len("What is ") : -1] for r in eval_rows})
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, data in (("arith_train.jsonl", train_rows), ("arith_eval.jsonl", eval_rows)):
+        (args.out / name).write_text("".join(json.dumps(r) + "\n" for r in data))
+        print(f"{args.out / name}: {len(data)} rows")
+
+
+if __name__ == "__main__":
+    main()

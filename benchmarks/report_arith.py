@@ -1,0 +1,92 @@
+"""Summarise a configs/smollm2_arith.yaml run: eval pass@1 before/after, the curves, the command.
+
+    python benchmarks/report_arith.py RUN_DIR --command "..." [--load "..."]
+
+Reads RUN_DIR/metrics.jsonl (one record per training step) and RUN_DIR/eval.jsonl (one record per
+evaluation) and writes benchmarks/results/smollm2_arith.{json,png,md}: eval pass@1 (overall and
+per operation) and train reward against step and wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(steps: list[dict], evals: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    sources = sorted({s for e in evals for s in e["per_source"]})
+    for ax, key, label in ((axes[0], "step", "optimizer step"), (axes[1], "elapsed_s", "wall time since training started (s)")):
+        # train record `step` is the step index (policy version step+1 after it); eval `step` = steps done
+        tx = [r["step"] + 1 if key == "step" else r["elapsed_s"] for r in steps]
+        ex = [e["step"] if key == "step" else e["elapsed_s"] for e in evals]
+        ax.plot(tx, [r["reward_mean"] for r in steps], color="0.6", lw=1, label="train reward (batch mean, sampled at generators.temperature)")
+        ax.plot(ex, [e["pass_at_1"] for e in evals], "o-", color="C3", lw=2, label="eval pass@1 (greedy, held out)")
+        for i, src in enumerate(sources):
+            ax.plot(ex, [e["per_source"][src]["pass_at_1"] for e in evals], ".--", color=f"C{i}", lw=1, label=f"eval pass@1 {src}")
+        ax.set_xlabel(label)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy / reward")
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("SmolLM2-135M-Instruct, GRPO on arithmetic, 2 CPU cores (configs/smollm2_arith.yaml)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--command", required=True, help="the exact command that made the run")
+    ap.add_argument("--load", default="", help="load average the run ran under")
+    args = ap.parse_args()
+    steps = read_jsonl(args.run_dir / "metrics.jsonl")
+    evals = read_jsonl(args.run_dir / "eval.jsonl")
+    first, last = evals[0], evals[-1]
+    summary = {
+        "command": args.command,
+        "load_average": args.load,
+        "steps": len(steps),
+        "train_wall_s": steps[-1]["elapsed_s"] if steps else 0.0,
+        "eval_before": {"step": first["step"], "pass_at_1": first["pass_at_1"], "per_source": first["per_source"]},
+        "eval_after": {"step": last["step"], "pass_at_1": last["pass_at_1"], "per_source": last["per_source"]},
+        "evals": [
+            {k: e[k] for k in ("step", "elapsed_s", "eval_s", "pass_at_1", "reward", "completion_len_mean", "truncated_frac")}
+            for e in evals
+        ],
+        "train": [
+            {k: r.get(k) for k in ("step", "elapsed_s", "reward_mean", "completion_len_mean", "truncation_rate", "logprob_mismatch")}
+            for r in steps
+        ],
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "smollm2_arith.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(steps, evals, RESULTS / "smollm2_arith.png")
+    rows = "\n".join(
+        f"| {e['step']} | {e['elapsed_s']:.0f} | {e['pass_at_1']:.3f} | "
+        + " | ".join(f"{e['per_source'][s]['pass_at_1']:.3f}" for s in sorted(e["per_source"]))
+        + f" | {e['completion_len_mean']:.1f} | {e['truncated_frac']:.2f} | {e['eval_s']:.0f} |"
+        for e in evals
+    )
+    sources = sorted(first["per_source"])
+    print(
+        f"eval pass@1 {first['pass_at_1']:.3f} (step {first['step']}) -> {last['pass_at_1']:.3f} (step {last['step']})\n"
+        f"| step | train s | pass@1 | {' | '.join(sources)} | len | truncated | eval s |\n"
+        f"|---|---|---|{'---|' * len(sources)}---|---|---|\n{rows}"
+    )
+
+
+if __name__ == "__main__":
+    main()
