@@ -35,11 +35,11 @@ class PlacementPlan(msgspec.Struct, frozen=True):
 
     def render(self) -> str:
         if self.cluster:
-            roles = [p.role for p in [*self.engines, *self.learner_ranks]]
-            return (
-                "placement plan (Ray cluster: each process on whichever node Ray finds room, unpinned):\n"
-                + "\n".join(f"  {role:<18} unpinned" for role in [*roles, "buffer", "controller"])
-            )
+            lines = ["placement plan (Ray cluster: nothing pinned; Ray places by CPUs and ray_resources):"]
+            lines += [f"  {p.role:<18} a node Ray picks" for p in [*self.engines, *self.learner_ranks]]
+            lines.append(f"  {'buffer':<18} the controller's node (its snapshot is in the run directory)")
+            lines.append(f"  {'controller':<18} this process")
+            return "\n".join(lines)
         note = ", OVERSUBSCRIBED" if self.oversubscribed else ""
         note += ", colocated: generators and learner alternate on the same cores" if self.colocated else ""
         lines = [f"placement plan ({self.num_cores} cores{note}):"]
