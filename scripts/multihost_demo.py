@@ -318,6 +318,7 @@ class Summary:
     replaced_on: str = ""
     recovery_s: float = 0.0  # raylet killed -> the replacement engine ran a step
     engine_gone_s: float = -1.0  # raylet killed -> no engine process left on the killed host
+    killed_host_left: list[str] = field(default_factory=list)  # its processes still alive when the run ended
     connections: list[Connection] = field(default_factory=list)
     recovery_events: list[str] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
@@ -424,6 +425,8 @@ def run_demo(args: argparse.Namespace) -> Summary:
         if proc.poll() is None:
             raise RuntimeError(f"the run did not finish within {args.timeout_s:.0f}s")
         reader.join(timeout=10)
+        if summary.killed_host:
+            summary.killed_host_left = cluster.roles()[summary.killed_host]
         summary.exit_code = proc.returncode
         summary.run_s = time.perf_counter() - t_run
         summary.steps_done = _count_lines(metrics)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 60
 _spec = importlib.util.spec_from_file_location("multihost_demo", REPO / "scripts" / "multihost_demo.py")
 demo = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = demo  # its dataclasses look their module up
 _spec.loader.exec_module(demo)
 
 
