@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,10 @@ def namespaces():
     why = demo.can_make_namespaces()  # tried for real: root alone is not enough in some containers
     if why:
         pytest.skip(why)
+    # A SIGTERM (timeout, CI cancel) unwinds through the demo's cleanup instead of leaving namespaces.
+    previous = signal.signal(signal.SIGTERM, demo._exit_on_sigterm)
+    yield
+    signal.signal(signal.SIGTERM, previous)
 
 
 def test_engines_learner_on_different_hosts_survive_a_host_failure(namespaces, tmp_path, model_cache):
