@@ -152,6 +152,12 @@ class GeneratorConfig(_Section):
     num_engines: Annotated[int, _f("number of vLLM engines in the generator pool", ge=1)] = 1
     tensor_parallel_size: Annotated[int, _f("vLLM tensor-parallel workers per engine", ge=1)] = 1
     cpus_per_engine: Annotated[int, _f("CPU cores pinned to each engine (its vLLM OpenMP threads)", ge=1)] = 1
+    ray_resources: Annotated[
+        dict[str, float],
+        _f("custom Ray resources each engine also asks for, to choose its nodes: {generator_host: 1} puts "
+           "engines only on nodes started with --resources '{\"generator_host\": N}' (at most N engines "
+           "each); {} = any node with free CPUs"),
+    ] = {}
     group_size: Annotated[int, _f("completions sampled per prompt (the GRPO group)", ge=1)] = 8
     max_tokens: Annotated[int, _f("maximum completion length in tokens", ge=1)] = 8
     ignore_eos: Annotated[
@@ -237,6 +243,11 @@ class LearnerConfig(_Section):
         int, _f("learner ranks (torch: data parallel; megatron: tensor x pipeline x data parallel)", ge=1)
     ] = 1
     cpus_per_rank: Annotated[int, _f("CPU cores pinned to each learner rank", ge=1)] = 1
+    ray_resources: Annotated[
+        dict[str, float],
+        _f("custom Ray resources each learner rank also asks for, to choose its nodes: {learner_host: 1} "
+           "puts ranks only on nodes started with --resources '{\"learner_host\": N}'; {} = any node"),
+    ] = {}
     lr: Annotated[float, _f("AdamW learning rate", gt=0)] = 2e-3
     weight_decay: Annotated[float, _f("AdamW weight decay", ge=0)] = 0.0
     max_grad_norm: Annotated[float, _f("gradient clipping norm", gt=0)] = 1.0

@@ -251,8 +251,9 @@ class Controller:
             cfg.generators.cpus_per_engine,
             cfg.generators.tensor_parallel_size,
             cfg.weight_sync.timeout_s,
+            cfg.generators.ray_resources,
         )
-        rank_bundle = {"CPU": cfg.learner.cpus_per_rank}
+        rank_bundle = {"CPU": cfg.learner.cpus_per_rank, **cfg.learner.ray_resources}
         if cfg.learner.backend == "megatron":
             rank_bundle["GPU"] = 1  # megatron-core needs CUDA: one GPU per rank
         learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)

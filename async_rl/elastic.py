@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import msgspec
 import ray
 from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl import checkpoint, settings
 from async_rl.autoscale import ScaleDecision, ScaleSignal, decide
@@ -286,4 +287,10 @@ def buffer_actor(ctl: Controller, restore: bool):
         snapshot_path=str(ctl.run_dir / SNAPSHOT_NAME),
         restore=restore,
     )
-    return ray.remote(ReplayBuffer).options(num_cpus=0, name=f"buffer-{ctl.run_id}-{time.time_ns()}").remote(s)
+    # On the controller's node: its snapshot goes to the run directory there, where a restart reads it.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return (
+        ray.remote(ReplayBuffer)
+        .options(num_cpus=0, name=f"buffer-{ctl.run_id}-{time.time_ns()}", scheduling_strategy=here)
+        .remote(s)
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 
 from async_rl.buffer.actor import BufferSettings
-from async_rl.cluster.placement import PlacementPlan, available_cores
+from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config, DataConfig
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
@@ -64,12 +64,12 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
     )
 
 
-def engine_cores(plan: PlacementPlan, engine_id: int, cpus_per_engine: int) -> list[int]:
-    """The planned cores; an engine added later wraps around the machine's cores."""
-    if engine_id < len(plan.engines):
-        return plan.engines[engine_id].cores
-    cores = available_cores()
-    return [cores[(engine_id * cpus_per_engine + i) % len(cores)] for i in range(cpus_per_engine)]
+def engine_cores(plan: PlacementPlan, engine_id: int) -> list[int]:
+    """The planned cores; none (unpinned) for an engine beyond the launch plan. Such an engine (a
+    replacement, an operator's or the autoscaler's) may land on another node, where this machine's
+    core ids mean nothing, and even here every planned core is taken (the learner's among them):
+    it runs `cpus_per_engine` threads wherever Ray put it."""
+    return plan.engines[engine_id].cores if engine_id < len(plan.engines) else []
 
 
 def engine_settings(
@@ -95,7 +95,8 @@ def engine_settings(
             max_num_seqs=g.max_inflight_prompts * g.group_size,
             sleep_mode=cfg.placement == "colocated",
         ),
-        cores=engine_cores(plan, engine_id, g.cpus_per_engine),
+        cores=engine_cores(plan, engine_id),
+        threads=g.cpus_per_engine,
         kv_cache_gib=g.kv_cache_gib,
         group_size=g.group_size,
         max_tokens=g.max_tokens,

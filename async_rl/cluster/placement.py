@@ -3,6 +3,10 @@
 Generator engines take cores from the front, learner ranks follow; on a machine with fewer cores
 than asked for, assignments wrap around and the plan says it is oversubscribed. The buffer and the
 controller are light (I/O and control) and are not pinned.
+
+On a Ray cluster (`ray.address` set) nothing is pinned: Ray places each process on whichever node
+has room, and this machine's core ids mean nothing there. Each process then runs as many threads as
+Ray gave it CPUs (Ray sets OMP_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ class PlacementPlan(msgspec.Struct, frozen=True):
     learner_ranks: list[ProcessPlacement]
     oversubscribed: bool
     colocated: bool = False
+    cluster: bool = False  # a Ray cluster: processes are placed by Ray and not pinned
 
     def render(self) -> str:
+        if self.cluster:
+            lines = ["placement plan (Ray cluster: nothing pinned; Ray places by CPUs and ray_resources):"]
+            lines += [f"  {p.role:<18} a node Ray picks" for p in [*self.engines, *self.learner_ranks]]
+            lines.append(f"  {'buffer':<18} the controller's node (its snapshot is in the run directory)")
+            lines.append(f"  {'controller':<18} this process")
+            return "\n".join(lines)
         note = ", OVERSUBSCRIBED" if self.oversubscribed else ""
         note += ", colocated: generators and learner alternate on the same cores" if self.colocated else ""
         lines = [f"placement plan ({self.num_cores} cores{note}):"]
@@ -48,6 +59,15 @@ def available_cores() -> list[int]:
 
 def plan_placement(cfg: Config, cores: list[int] | None = None) -> PlacementPlan:
     cores = cores if cores is not None else available_cores()
+    if cfg.ray.address:
+        return PlacementPlan(
+            num_cores=len(cores),
+            engines=[ProcessPlacement(f"engine {i}", []) for i in range(cfg.generators.num_engines)],
+            learner_ranks=[ProcessPlacement(f"learner rank {r}", []) for r in range(cfg.learner.world_size)],
+            oversubscribed=False,
+            colocated=cfg.placement == "colocated",
+            cluster=True,
+        )
     next_index = 0
 
     def take(n: int) -> list[int]:
@@ -74,8 +94,11 @@ def plan_placement(cfg: Config, cores: list[int] | None = None) -> PlacementPlan
 
 
 def pin_current_process(cores: list[int]) -> None:
-    """Pin this process (and the threads it starts later) to `cores`; size torch's thread pool to match."""
-    if cores and hasattr(os, "sched_setaffinity"):
+    """Pin this process (and the threads it starts later) to `cores`; size torch's thread pool to match.
+    No cores: not pinned, and torch keeps the thread count Ray gave the process."""
+    if not cores:
+        return
+    if hasattr(os, "sched_setaffinity"):
         # sched_setaffinity(0) pins only the calling thread, and a Ray actor's constructor does not run
         # on the main thread: pin every thread the process has, so threads any of them start later
         # (vLLM's engine process, torch's pool, Ray's own) inherit the cores.

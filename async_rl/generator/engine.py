@@ -56,6 +56,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     ingest_address: str
     curve: ClientKeys | None = None  # the engine's CURVE keys (None: security.curve is off)
     ignore_eos: bool = False
+    threads: int = 1  # vLLM's OpenMP threads when `cores` is empty (not pinned)
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -99,6 +100,8 @@ class GeneratorEngine:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(settings.kv_cache_gib))))
         if settings.cores:
             vc.bind_engine_to(settings.cores, settings.spec.tensor_parallel_size)
+        else:
+            vc.leave_engine_unbound(settings.threads, settings.spec.tensor_parallel_size)
         self.version = 0
         self._llm = None
         self._running = asyncio.Event()

@@ -40,8 +40,12 @@ class GeneratorPool:
         cpus_per_engine: int,
         workers_per_engine: int,
         weight_timeout_s: float,
+        ray_resources: dict[str, float] | None = None,
     ) -> None:
+        """`ray_resources`: custom Ray resources each engine's bundle asks for besides its CPUs (the
+        nodes it may land on)."""
         self.make_settings = make_settings
+        self.bundle = {"CPU": cpus_per_engine, **(ray_resources or {})}
         self.buffer = buffer
         self.cpus_per_engine = cpus_per_engine
         self.workers_per_engine = workers_per_engine
@@ -60,7 +64,7 @@ class GeneratorPool:
         try:
             for _ in range(count):
                 engine_id, self._next_id = self._next_id, self._next_id + 1
-                pool = ResourcePool(f"engine-{engine_id}", [{"CPU": self.cpus_per_engine}])
+                pool = ResourcePool(f"engine-{engine_id}", [self.bundle])
                 actor = (
                     ray.remote(GeneratorEngine)
                     .options(**pool.actor_options(0), max_concurrency=1000)

@@ -55,6 +55,13 @@ def bind_engine_to(cores: list[int], tensor_parallel_size: int) -> None:
     pin_current_process(cores)
 
 
+def leave_engine_unbound(threads: int, tensor_parallel_size: int) -> None:
+    """No cores to pin to (a Ray cluster, or an engine beyond the launch plan): vLLM binds no thread
+    ('auto' would take a whole NUMA node per worker) and each worker runs its share of `threads`."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads // tensor_parallel_size))
+
+
 def make_engine(spec: EngineSpec):
     import torch
     from vllm.engine.arg_utils import AsyncEngineArgs

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from async_rl.cluster.resources import advertised_host
 from async_rl.learner.base import LearnerSettings
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
 from async_rl.weight_sync.bucketing import Manifest, build_manifest, to_dtype
@@ -38,7 +39,8 @@ class WeightSource:
         self._sender = None
         self._generation += 1
         self._info, self._store = open_membership(
-            self.s.weight_sync_host,
+            # Receivers connect to what is published: 0.0.0.0 (bind everywhere) is this node's IP to them.
+            advertised_host(self.s.weight_sync_host),
             self.s.weight_sync_port,
             world_size,
             self.s.weight_sync_timeout_s,

@@ -6,6 +6,7 @@ Never the global default process group: vLLM workers already own one, and so do 
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch
@@ -29,6 +30,16 @@ def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.
         raise RunError(f"weight_sync: cannot start the rendezvous store on {host}:{port}: {exc}") from None
 
 
+def local_address_towards(host: str) -> str:
+    """This process's address on the route to `host` (the rendezvous): the interface its gloo pairs
+    bind to. Gloo's default resolves the machine's hostname, which on a multi-homed node (or in a
+    network namespace) names another interface, or falls back to loopback, and peers on other
+    nodes could not connect."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP connect sends nothing; the kernel picks the route's source address
+        return s.getsockname()[0]
+
+
 class GlooGroup(BroadcastGroup):
     def __init__(
         self,
@@ -45,7 +56,10 @@ class GlooGroup(BroadcastGroup):
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         self._store = store
         prefixed = dist.PrefixStore(f"{_PREFIX}/{generation}", store)
-        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))]
+        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
         self._values = dist.PrefixStore("async_rl/values", prefixed)  # apart from gloo's own keys
         self.rank = rank
         self.world_size = world_size
