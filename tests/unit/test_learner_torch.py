@@ -233,3 +233,23 @@ def test_compute_logprobs_scores_every_completion_token(model_dir):
         want = full[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
         assert lp.dtype == np.float32 and lp.shape == (len(comp),)
         np.testing.assert_allclose(lp, want.numpy(), atol=2e-5, rtol=0)
+
+
+def test_batch_without_signal_takes_no_optimizer_step(model_dir):
+    """All groups uniform (GRPO advantages all 0): the weights and AdamW's state stay as they are. An
+    AdamW step on the zero gradient would still move the weights along the previous step's momentum
+    and shrink the second moment (the collapse of converged quickstart runs)."""
+    import dataclasses
+
+    rank = make_rank(model_dir)
+    rank.train_on_shard(0, groups(7))  # a real step: AdamW has momentum now
+    before = {n: p.detach().clone() for n, p in rank.backend.model.named_parameters()}
+    state = {n: s["exp_avg_sq"].clone() for n, s in zip(before, rank.backend.optimizer.state.values(), strict=True)}
+    uniform = [dataclasses.replace(g, rewards=[1.0] * len(g.rewards)) for g in groups(8)]
+    m = rank.train_on_shard(1, uniform)
+    assert m.grad_norm == 0.0 and m.samples == 6
+    for n, p in rank.backend.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    for n, s in zip(before, rank.backend.optimizer.state.values(), strict=True):
+        assert torch.equal(s["exp_avg_sq"], state[n]), n
+    assert rank.step_count == 2  # the step still counts (policy version, LR schedule)
