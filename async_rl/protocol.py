@@ -217,9 +217,10 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 or s.version_first < 0
                 or s.version_last < s.version_first
                 or s.reward_status not in (REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT)
-                or s.finish_reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
             ):
                 raise FrameError("bad_value", f"prompt {g.prompt_id}: reward or versions out of range")
+            if s.finish_reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):
+                raise FrameError("bad_value", f"prompt {g.prompt_id}: finish reason {s.finish_reason} out of range")
         prompt = tokens[t : t + g.prompt_len]
         t += g.prompt_len
         comps, lps = [], []

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
+from async_rl.generator.sampling import SamplingSpec, stop_token_ids
 from async_rl.learner.base import Probe
 from async_rl.protocol import FINISH_REASONS, TOKEN_DTYPE, Prompt, Sample, TrajectoryGroup, encode_groups
 from async_rl.security import ClientKeys, harden_client
@@ -46,6 +47,18 @@ class EngineSettings(msgspec.Struct, frozen=True):
     ingest_address: str
     curve: ClientKeys | None = None  # the engine's CURVE keys (None: security.curve is off)
     ignore_eos: bool = False
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: list[str] = []  # stop strings; the model's EOS/stop tokens are read from model_dir
+
+
+def finish_code(reason: str, prompt_id: int) -> int:
+    """vLLM's finish reason -> its wire code. Another reason (vLLM's 'error') fails the request, which
+    the buffer counts as lost, instead of passing for a clean stop."""
+    if reason not in FINISH_REASONS:
+        raise RuntimeError(f"prompt {prompt_id}: vLLM finished a completion with reason {reason!r}")
+    return FINISH_REASONS[reason]
 
 
 class EngineStats(msgspec.Struct):
@@ -103,9 +116,18 @@ class GeneratorEngine:
         self._push = self._ctx.socket(zmq.PUSH)
         harden_client(self._push, self.s.curve)
         self._push.connect(self.s.ingest_address)
-        self._params = vc.sampling_params(
-            self.s.group_size, self.s.max_tokens, self.s.temperature, ignore_eos=self.s.ignore_eos
+        self.sampling = SamplingSpec(
+            n=self.s.group_size,
+            max_tokens=self.s.max_tokens,
+            temperature=self.s.temperature,
+            top_p=self.s.top_p,
+            top_k=self.s.top_k,
+            min_p=self.s.min_p,
+            stop=list(self.s.stop),
+            stop_token_ids=[] if self.s.ignore_eos else stop_token_ids(self.s.spec.model_dir),
+            ignore_eos=self.s.ignore_eos,
         )
+        self._params = vc.params_for(self.sampling)
         if paused:
             self._paused_since = time.monotonic()
         else:
@@ -139,7 +161,10 @@ class GeneratorEngine:
         try:
             await self._running.wait()
             version_first = self.version
-            prompt_ids, completions = await vc.generate(self._llm, prompt.text, self._params, request_id)
+            source = vc.generation_input(prompt.token_ids, prompt.text)
+            prompt_ids, completions = await vc.generate(self._llm, source, self._params, request_id)
+            if prompt.token_ids and prompt_ids != list(prompt.token_ids):
+                raise RuntimeError(f"prompt {prompt.prompt_id}: vLLM generated from other tokens than the rendered ones")
             version_last = self.version
             scored = await asyncio.gather(
                 *(
@@ -159,7 +184,7 @@ class GeneratorEngine:
                 version_first=[version_first] * len(completions),
                 version_last=[version_last] * len(completions),
                 reward_status=[st for _, st in scored],
-                finish_reasons=[FINISH_REASONS.get(c.finish_reason, 0) for c in completions],
+                finish_reasons=[finish_code(c.finish_reason, prompt.prompt_id) for c in completions],
             )
             await self._push.send_multipart(encode_groups(self.s.run_id, [group]))
             self._groups += 1
@@ -248,6 +273,10 @@ class GeneratorEngine:
             ours = await vc.score_tokens(self._llm, ids, f"e{self.s.engine_id}-probe-v{self.version}-{i}")
             diffs.extend(abs(ours[p] - lp) for p, lp in zip(positions, learner_lps, strict=True))
         return sum(diffs) / len(diffs) if diffs else 0.0
+
+    def sampling_spec(self) -> SamplingSpec:
+        """What this engine samples with (stop tokens resolved from the model's generation config)."""
+        return self.sampling
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -12,6 +12,7 @@ import msgspec
 
 from async_rl.cluster.placement import pin_current_process
 from async_rl.generator import worker_extension as ext
+from async_rl.generator.sampling import SamplingSpec
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -78,7 +79,19 @@ def make_engine(spec: EngineSpec):
     return AsyncLLM.from_engine_args(args)
 
 
-def sampling_params(n: int, max_tokens: int, temperature: float, seed: int | None = None, ignore_eos: bool = False):
+def sampling_params(
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    *,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    stop: list[str] | tuple[str, ...] = (),
+    stop_token_ids: list[int] | tuple[int, ...] = (),
+):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -86,11 +99,45 @@ def sampling_params(n: int, max_tokens: int, temperature: float, seed: int | Non
         n=n,
         max_tokens=max_tokens,
         temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        stop=list(stop) or None,
+        stop_token_ids=list(stop_token_ids) or None,
+        # vLLM keeps every token it sampled (those that formed a stop string included) in token_ids;
+        # with the stop string in the text too, the text given to rewards says what the trained
+        # tokens say (only characters after the stop string inside its last token are cut).
+        include_stop_str_in_output=True,
         logprobs=0,  # 0 = only the sampled token's log-prob
         seed=seed,
         ignore_eos=ignore_eos,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
+
+
+def params_for(spec: SamplingSpec):
+    """vLLM SamplingParams of a SamplingSpec."""
+    return sampling_params(
+        spec.n,
+        spec.max_tokens,
+        spec.temperature,
+        ignore_eos=spec.ignore_eos,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        stop=spec.stop,
+        stop_token_ids=spec.stop_token_ids,
+    )
+
+
+def generation_input(token_ids: list[int], text: str):
+    """What vLLM generates from: the rendered prompt tokens when the prompt has them (token in,
+    token out: nothing re-tokenizes), its text otherwise."""
+    if token_ids:
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=list(token_ids))
+    return text
 
 
 class Completion(msgspec.Struct):
@@ -129,7 +176,18 @@ async def generate(llm, prompt, params, request_id: str) -> tuple[list[int], lis
             from vllm.inputs import TokensPrompt
 
             remaining = params.max_tokens - len(c.token_ids)
-            rest = sampling_params(1, remaining, params.temperature, params.seed, params.ignore_eos)
+            rest = sampling_params(
+                1,
+                remaining,
+                params.temperature,
+                params.seed,
+                params.ignore_eos,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
+                stop=params.stop or (),
+                stop_token_ids=params.stop_token_ids or (),
+            )
             rid = f"{request_id}-s{i}-part{c.parts + 1}"
             _, (more,) = await _generate_once(llm, TokensPrompt(prompt_token_ids=prompt_ids + c.token_ids), rest, rid)
             c = Completion(

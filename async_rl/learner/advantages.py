@@ -58,6 +58,15 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (dr_grpo_advantages(rewards).to(torch.float64) * (n / (n - 1))).to(rewards.dtype)
 
 
+def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer_tokens: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_tokens - buffer_tokens, then
+    falling linearly to -penalty at max_tokens (and below it past max_tokens). lengths: completion
+    tokens, any shape -> the same shape, float32."""
+    start = max_tokens - buffer_tokens
+    over = (lengths.to(torch.float32) - start).clamp(min=0.0)
+    return -penalty * torch.clamp(over / buffer_tokens, max=1.0)
+
+
 def token_rewards(
     seq_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
 ) -> torch.Tensor:

@@ -20,6 +20,7 @@ from async_rl.learner.advantages import (
     gae,
     grpo_advantages,
     masked_whiten,
+    overlong_penalty,
     rloo_advantages,
     token_rewards,
 )
@@ -41,6 +42,8 @@ class TokenBatch(Protocol):
     behav_logp: torch.Tensor  # [B, T] vLLM's log-probs at completion positions
     loss_mask: torch.Tensor  # [B, T] 1 on completion positions
     rewards: torch.Tensor  # [groups, n], groups in row order (B = groups * n)
+    completion_lens: torch.Tensor  # [B] completion tokens per row
+    truncated: torch.Tensor  # [B] bool: finish reason length (cut at max_tokens)
 
 
 class AlgoStats(msgspec.Struct, kw_only=True):
@@ -173,6 +176,15 @@ class Algorithm:
         `reduce` sums over the data-parallel ranks (batch-wide whitening, the global denominator)."""
         c = self.cfg
         mask = b.loss_mask
+        rewards = b.rewards
+        if c.overlong == "penalty":
+            rewards = rewards + overlong_penalty(
+                b.completion_lens.reshape(rewards.shape), self.max_tokens, c.overlong_buffer_tokens, c.overlong_penalty
+            )
+        elif c.overlong == "mask":
+            # Truncated samples add no loss (and do not count in the token mean); their rewards still
+            # enter the group statistics, as in DAPO's overlong filtering.
+            mask = mask * (~b.truncated).to(mask.dtype).unsqueeze(1)
         prox = hidden = ref = None
         if c.objective == "decoupled" or self.critic is not None:
             prox, hidden = policy(self.critic is not None)
@@ -186,9 +198,11 @@ class Algorithm:
             kl_tokens = kl_estimate(old, ref, c.kl_estimator)
             kl_ref = float((kl_tokens * mask).sum() / mask.sum().clamp(min=1.0))
         if c.name in GROUP_ESTIMATORS:
-            advantages = GROUP_ESTIMATORS[c.name](b.rewards).reshape(-1, 1)
+            advantages = GROUP_ESTIMATORS[c.name](rewards).reshape(-1, 1)
+            if c.overlong == "mask":
+                advantages = advantages * mask.amax(dim=1, keepdim=True)
         else:
-            rewards = token_rewards(b.rewards.reshape(-1), mask, kl_tokens, c.kl_coef)
+            rewards = token_rewards(rewards.reshape(-1), mask, kl_tokens, c.kl_coef)
             if c.name == "reinforce_pp":
                 advantages = masked_whiten(
                     discounted_returns(rewards, mask, c.gamma), mask, reduce

@@ -28,7 +28,7 @@ from async_rl.config import (
     TrainConfig,
     WeightSyncConfig,
 )
-from async_rl.protocol import TrajectoryGroup
+from async_rl.protocol import FINISH_LENGTH, TrajectoryGroup
 from async_rl.security import ClientKeys
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -73,6 +73,16 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     kl_ref: float = 0.0  # KL estimate to the frozen reference (0 without algorithm.kl_coef)
     value_loss: float = 0.0  # ppo: the critic's value loss
     entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
+    completion_lens: list[int] = []  # tokens of every completion of the shard (length percentiles)
+    truncated: int = 0  # completions of the shard cut at max_tokens (finish reason length)
+
+
+def completion_lengths(groups: list[TrajectoryGroup]) -> list[int]:
+    return [len(c) for g in groups for c in g.completions]
+
+
+def truncated_count(groups: list[TrajectoryGroup]) -> int:
+    return sum(fr == FINISH_LENGTH for g in groups for fr in (g.finish_reasons or ()))
 
 
 class Probe(msgspec.Struct):

@@ -23,7 +23,14 @@ from async_rl.cluster.resources import free_port
 from async_rl.errors import RunError
 from async_rl.learner.algorithms import Algorithm, Prepared
 from async_rl.learner.backend import ModelBackend, TokenScores
-from async_rl.learner.base import LearnerRank, LearnerSpec, Probe, StepMetrics
+from async_rl.learner.base import (
+    LearnerRank,
+    LearnerSpec,
+    Probe,
+    StepMetrics,
+    completion_lengths,
+    truncated_count,
+)
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.hf_io import rng_state, set_rng_state
 from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
@@ -76,6 +83,7 @@ def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = Non
                     advantages=_per_token(p.advantages, row, col, n) if p else np.zeros(n, dtype=np.float32),
                     prox_logp=_per_token(p.prox_logp, row, col, n) if p else None,
                     ref_logp=_per_token(p.ref_logp, row, col, n) if p else None,
+                    in_loss=bool(p.mask[row].any()) if p else True,
                 )
             )
             row += 1
@@ -232,6 +240,8 @@ class LearnerDriver(LearnerRank):
             lr=lr,
             micro_batches=len(mbs),
             value_loss=prepared.value_loss,
+            completion_lens=completion_lengths(groups) if counted else [],
+            truncated=truncated_count(groups) if counted else 0,
             **stats,
         )
 

@@ -34,7 +34,14 @@ from async_rl.cluster.placement import pin_current_process
 from async_rl.cluster.resources import free_port
 from async_rl.errors import RunError
 from async_rl.learner import megatron_model as mm
-from async_rl.learner.base import LearnerRank, LearnerSpec, Probe, StepMetrics
+from async_rl.learner.base import (
+    LearnerRank,
+    LearnerSpec,
+    Probe,
+    StepMetrics,
+    completion_lengths,
+    truncated_count,
+)
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.losses import PolicyLossStats as LossStats
 from async_rl.learner.losses import policy_loss
@@ -391,6 +398,8 @@ class MegatronLearnerRank(LearnerRank):
             tokens=b.tokens if counted else 0,
             wait_s=0.0,
             compute_s=time.perf_counter() - t1,
+            completion_lens=completion_lengths(groups) if counted else [],
+            truncated=truncated_count(groups) if counted else 0,
         )
 
     def _from_last_stage(self, stats: LossStats | None) -> LossStats:

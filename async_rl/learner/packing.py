@@ -30,6 +30,7 @@ class SeqSample:
     advantages: np.ndarray  # float32 [completion_len]
     prox_logp: np.ndarray | None = None  # float32 [completion_len]: decoupled objective only
     ref_logp: np.ndarray | None = None  # float32 [completion_len]: KL penalty as a loss term only
+    in_loss: bool = True  # False: scored but adds no loss (algorithm.overlong=mask on a truncated one)
 
     @property
     def completion_len(self) -> int:
@@ -115,7 +116,7 @@ def _fill(row_targets, row_mask, row_behav, row_adv, offset: int, s: SeqSample) 
     row_targets[offset : offset + length - 1] = tokens[1:]
     first = offset + s.start - 1  # the logit that predicts the first completion token
     n = s.completion_len
-    row_mask[first : first + n] = 1.0
+    row_mask[first : first + n] = 1.0 if s.in_loss else 0.0
     row_behav[first : first + n] = torch.from_numpy(np.asarray(s.behav_logp, dtype=np.float32))
     row_adv[first : first + n] = torch.from_numpy(np.asarray(s.advantages, dtype=np.float32))
     return first, n

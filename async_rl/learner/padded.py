@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from async_rl.protocol import TrajectoryGroup
+from async_rl.protocol import FINISH_LENGTH, TrajectoryGroup
 
 
 class PaddedShard:
@@ -34,6 +34,11 @@ class PaddedShard:
             self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
             self.loss_mask[i, start : start + length] = 1
         self.rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        self.completion_lens = torch.tensor(lengths, dtype=torch.long)
+        # cut at max_tokens (finish reason length): algorithm.overlong decides what they count for
+        self.truncated = torch.tensor(
+            [fr == FINISH_LENGTH for g in groups for fr in (g.finish_reasons or [0] * g.size)], dtype=torch.bool
+        )
         self.seqs = seqs
         self.starts = starts
         self.lengths = lengths

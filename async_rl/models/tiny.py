@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from async_rl.errors import ConfigError
+from async_rl.models import smollm2
 
 _PRESET_VERSION = "v1"
 
@@ -33,7 +34,8 @@ SHAPES: dict[str, PresetShape] = {
     "tiny-qwen2": PresetShape(128, 256, 2, 4, 2),
     "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
 }
-PRESETS = tuple(SHAPES)
+PRESETS = tuple(SHAPES)  # created offline from code
+ALL_PRESETS = (*PRESETS, smollm2.NAME)  # every name model.path accepts besides a folder
 
 # Characters the built-in tasks use; every one is its own token.
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?,. ")
@@ -102,12 +104,15 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
 
 
 def resolve_model_path(path: str, cache_dir: str) -> Path:
-    """`model.path` -> a local HF model folder; a preset is created offline on first use."""
+    """`model.path` -> a local HF model folder; a preset is created (tiny) or fetched and converted
+    (smollm2-135m, see smollm2.py) into `cache_dir` on first use."""
     if path in PRESETS:
         return ensure_preset(path, cache_dir)
+    if path == smollm2.NAME:
+        return smollm2.ensure(cache_dir)
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ConfigError(f"model.path '{path}' does not exist (not a folder, not a preset {PRESETS})")
+        raise ConfigError(f"model.path '{path}' does not exist (not a folder, not a preset {ALL_PRESETS})")
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.path '{path}' has no config.json: not a Hugging Face model folder")
     return p.resolve()

@@ -1,0 +1,71 @@
+"""A user task for the real-model test: chat prompts rendered once with the model's chat template into
+`Prompt.token_ids` (token in, token out), and a reward function that checks what it receives: the
+completion text must say what the completion tokens say, and the finish reason must match how the
+tokens end. A failed check raises: the engine counts it as a reward error, which the test asserts is 0.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from functools import cached_property
+
+from async_rl.protocol import ChatMessage, Prompt, Sample
+from async_rl.tasks.base import Task
+
+MODEL_ENV = "ASYNC_RL_TEST_CHAT_MODEL"  # the model folder whose tokenizer renders the prompts
+STOP = "\n\n"  # the test's generators.stop string
+MAX_TOKENS_ENV = "ASYNC_RL_TEST_MAX_TOKENS"
+
+
+def render(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+class ChatCheckTask(Task):
+    name = "chat_check"
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.environ[MODEL_ENV])
+
+    def prompts(self, seed: int) -> Iterator[Prompt]:
+        rng = random.Random(seed)
+        i = 0
+        while True:
+            a, b = rng.randint(1, 20), rng.randint(1, 20)
+            messages = [ChatMessage(role="user", content=f"What is {a} + {b}? Answer briefly.")]
+            yield Prompt(
+                prompt_id=i,
+                messages=messages,
+                token_ids=render(self.tokenizer, messages),
+                answer=str(a + b),
+                data_source=self.name,
+            )
+            i += 1
+
+    def reward(self, sample: Sample) -> float:
+        ids = sample.completion_ids
+        full = self.tokenizer.decode(ids, skip_special_tokens=True)
+        eos = ids[-1] == self.tokenizer.eos_token_id
+        if sample.finish_reason == "stop" and not (eos or sample.completion.endswith(STOP)):
+            raise AssertionError(f"finish reason stop but neither EOS nor the stop string ends {ids[-3:]}")
+        if sample.finish_reason == "length" and len(ids) != int(os.environ[MAX_TOKENS_ENV]):
+            raise AssertionError(f"finish reason length at {len(ids)} tokens")
+        if sample.completion.endswith(STOP) and not eos:
+            # the stop string is in the text; the tokens hold it too (characters after it are cut)
+            if not full.startswith(sample.completion):
+                raise AssertionError(f"text {sample.completion!r} is not what the tokens say {full!r}")
+        elif sample.completion != full:
+            raise AssertionError(f"text {sample.completion!r} != decoded tokens {full!r}")
+        return float(sample.prompt.answer in sample.completion) + 0.01 * min(len(ids), 30)
+
+
+def make_task() -> ChatCheckTask:
+    return ChatCheckTask()

@@ -1,0 +1,158 @@
+"""The real preset (smollm2-135m, fp32) through the whole system, a few steps, one engine for the module.
+
+Converts the preset into the shared model cache on first use (ASYNC_RL_MODEL_CACHE, default
+~/.cache/async_rl/models: once per machine). Chat prompts rendered by the task into token ids.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+import ray
+
+from async_rl.cluster.placement import plan_placement
+from async_rl.config import WandbConfig, load_config
+from async_rl.controller import Controller
+from async_rl.learner.base import Probe
+from async_rl.metrics import MetricsSink
+from async_rl.models.tiny import resolve_model_path
+from tests.integration._chat_task import MAX_TOKENS_ENV, MODEL_ENV, STOP, ChatCheckTask
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 3
+PROMPTS, GROUP = 2, 4
+MAX_TOKENS = 40
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+class RealRun(msgspec.Struct):
+    model_dir: str
+    records: list[dict]
+    probes: list[Probe]  # every sample of each trained batch, scored by the learner after the sync
+    sampling: dict
+    learner_ok: list[bool]  # per engine worker: checksum equals the learner's after the last sync
+    reward_errors: int
+    rendered: list[list[int]]  # the task's first prompts, rendered
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> RealRun:
+    cache = os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")
+    model_dir = str(resolve_model_path("smollm2-135m", cache))
+    env = {"PYTHONPATH": str(REPO), MODEL_ENV: model_dir, MAX_TOKENS_ENV: str(MAX_TOKENS)}
+    os.environ.update(env)
+    run_dir = tmp_path_factory.mktemp("real_run")
+    cfg = load_config(
+        None,
+        [
+            "model.path=smollm2-135m",
+            f"model.cache_dir={cache}",
+            "logging.wandb.mode=disabled",
+            "task.name=tests.integration._chat_task:make_task",
+            f"train.total_steps={STEPS}",
+            "train.max_lag=1",
+            f"train.prompts_per_step={PROMPTS}",
+            f"train.mismatch_probe_samples={PROMPTS * GROUP}",
+            "train.checkpoint_at_end=false",
+            f"generators.group_size={GROUP}",
+            f"generators.max_tokens={MAX_TOKENS}",
+            "generators.max_model_len=128",
+            "generators.max_inflight_prompts=4",
+            f"generators.stop=[{json.dumps(STOP)}]",
+            "learner.lr=1e-5",
+        ],
+    )
+    plan = plan_placement(cfg)
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
+             runtime_env={"env_vars": env})
+    controller = Controller(cfg, Path(model_dir), run_dir, plan)
+    sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, STEPS, stream=io.StringIO())
+    probes: list[Probe] = []
+    sampling: dict = {}
+
+    def after_step(step: int) -> None:
+        probes.append(controller.learner.call(lambda a: a.probe_logprobs.remote(PROMPTS * GROUP))[0])
+        if not sampling:
+            spec = ray.get(controller.generators.actors[0].sampling_spec.remote())
+            sampling.update(msgspec.to_builtins(spec))
+
+    try:
+        controller.run(sink, after_step)
+        learner_ck, engine_cks = controller.checksums()
+        final = controller.shutdown()
+    finally:
+        controller.shutdown()
+        sink.close()
+        ray.shutdown()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in records:  # shown with -s: the numbers behind the assertions
+        print(
+            f"step {r['step']}: mismatch {r['logprob_mismatch']:.2e} len mean {r['completion_len_mean']:.1f} "
+            f"p50 {r['completion_len_p50']:.0f} p90 {r['completion_len_p90']:.0f} max {r['completion_len_max']} "
+            f"trunc {r['truncation_rate']:.2f} reward {r['reward_mean']:.3f}"
+        )
+    task = ChatCheckTask()
+    prompts = task.prompts(cfg.task.seed)
+    return RealRun(
+        model_dir=model_dir,
+        records=records,
+        probes=probes,
+        sampling=sampling,
+        learner_ok=[ck.close_to(learner_ck) for cks in engine_cks.values() for ck in cks],
+        reward_errors=final.reward_errors,
+        rendered=[next(prompts).token_ids for _ in range(64)],
+    )
+
+
+def test_vllm_and_learner_logprobs_agree_on_the_same_tokens(run):
+    mismatch = [r["logprob_mismatch"] for r in run.records]
+    assert len(mismatch) == STEPS and all(m is not None and m < 1e-3 for m in mismatch), mismatch
+
+
+def test_every_engine_holds_the_learners_weights_after_a_sync(run):
+    assert run.learner_ok and all(run.learner_ok)
+    assert [r["version"] for r in run.records] == list(range(1, STEPS + 1))
+
+
+def test_generation_starts_from_the_rendered_prompt_tokens(run):
+    for probe in run.probes:
+        for ids, positions in zip(probe.token_ids, probe.positions, strict=True):
+            assert ids[: positions[0]] in run.rendered  # exactly the task's chat-rendered tokens
+
+
+def test_samples_end_at_eos_with_varied_lengths_and_carry_finish_reasons(run):
+    # the model's generation config gives the stop token; the engine passes it explicitly
+    assert run.sampling["stop_token_ids"] == [EOS] and run.sampling["stop"] == [STOP]
+    for probe, record in zip(run.probes, run.records, strict=True):
+        completions = [ids[p[0]:] for ids, p in zip(probe.token_ids, probe.positions, strict=True)]
+        assert len(completions) == PROMPTS * GROUP  # the whole trained batch
+        lengths = sorted(len(c) for c in completions)
+        cut = [c for c in completions if len(c) == MAX_TOKENS and c[-1] != EOS]
+        # the truncation rate comes from the finish reasons on the wire, the count here from the tokens
+        assert record["truncation_rate"] == pytest.approx(len(cut) / len(completions))
+        assert record["completion_len_max"] == lengths[-1]
+        assert record["completion_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
+    every = [ids[p[0]:] for probe in run.probes for ids, p in zip(probe.token_ids, probe.positions, strict=True)]
+    ends = {"eos": sum(c[-1] == EOS for c in every), "max_tokens": sum(len(c) == MAX_TOKENS and c[-1] != EOS for c in every)}
+    print(f"{len(every)} completions: {ends}, the rest ended at the stop string {STOP!r}")
+    assert sum(c[-1] == EOS for c in every) >= len(every) // 4, "few samples ended at EOS"
+    assert len({len(c) for c in every}) >= 3, "completion lengths do not vary"
+    # every reward call saw text matching its tokens and a finish reason matching how they end
+    assert run.reward_errors == 0
+
+
+def test_sampling_params_for_vllm():
+    from async_rl.generator import vllm_compat as vc
+    from async_rl.generator.sampling import SamplingSpec
+
+    p = vc.params_for(SamplingSpec(n=4, max_tokens=8, temperature=0.7, stop=["\n\n"], stop_token_ids=[2, 7]))
+    assert (p.n, p.max_tokens, p.temperature, p.stop, p.stop_token_ids) == (4, 8, 0.7, ["\n\n"], [2, 7])
+    assert p.include_stop_str_in_output and p.logprobs == 0 and not p.ignore_eos
+    assert vc.params_for(SamplingSpec(n=1, max_tokens=8, temperature=1.0, ignore_eos=True)).ignore_eos
