@@ -92,9 +92,10 @@ def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
     assert resumed[0]["trained"] == batch * (n + 1)  # the accounting goes on from the checkpoint
     # Leases in flight at the kill come back to the resumed run as requeued prompts (4 samples each),
     # at most what admission allowed in flight then: (max_lag + 1) * batch.
-    requeued = resumed[-1]["requeued"]
-    assert requeued % 4 == 0 and requeued <= 2 * batch
-    check_buckets(resumed, batch, first_step=n, requeued=requeued)
+    # (or lost, when the killed run's engine held them), in whole groups of 4.
+    requeued, lost = resumed[-1]["requeued"], resumed[-1]["lost"]
+    assert requeued % 4 == 0 and lost % 4 == 0 and requeued + lost <= 2 * batch
+    check_buckets(resumed, batch, first_step=n, requeued=requeued, lost=lost)
     check_admission(resumed, 1, batch)
     # The engines serve the learner's weights from the first resumed sync on.
     assert all(r["logprob_mismatch"] is not None and r["logprob_mismatch"] < 1e-4 for r in resumed)
