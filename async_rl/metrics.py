@@ -66,6 +66,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     filtered_groups: int = 0  # groups dropped by dynamic sampling while this step's batch was collected
     requeued: int = 0  # leases handed back to the prompt pool (engine drained or died), leased again
     num_engines: int = 0  # generator engines in the pool at the end of the step
+    entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
     # completions of the trained batch: length in tokens, and the fraction cut at max_tokens
     completion_len_mean: float = 0.0
     completion_len_p50: float = 0.0
@@ -81,7 +82,7 @@ def console_line(r: StepRecord, total_steps: int) -> str:
     mismatch = f"{r.logprob_mismatch:.1e}" if r.logprob_mismatch is not None else "n/a"
     return (
         f"step {r.step + 1:>4}/{total_steps} | v{r.version:<4} | reward {r.reward_mean:6.3f} | "
-        f"loss {r.loss:+.4f} | {r.samples_per_s:7.1f} samples/s | buffer {r.buffer_waiting_groups:>3} groups | "
+        f"loss {r.loss:+.4f} | entropy {r.entropy:.3f} | {r.samples_per_s:7.1f} samples/s | buffer {r.buffer_waiting_groups:>3} groups | "
         f"lag max {r.lag_max} mean {r.lag_mean:.2f} | mismatch {mismatch} | "
         f"len {r.completion_len_mean:.0f} p90 {r.completion_len_p90:.0f} max {r.completion_len_max} "
         f"trunc {r.truncation_rate:.0%} | "

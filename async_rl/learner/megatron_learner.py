@@ -36,7 +36,7 @@ from async_rl.errors import RunError
 from async_rl.learner import megatron_model as mm
 from async_rl.learner.base import (
     LearnerRank,
-    LearnerSettings,
+    LearnerSpec,
     Probe,
     StepMetrics,
     completion_lengths,
@@ -268,7 +268,7 @@ def _weighted(seen: list[tuple[LossStats, float]]) -> LossStats:
 class MegatronLearnerRank(LearnerRank):
     def __init__(
         self,
-        settings: LearnerSettings,
+        settings: LearnerSpec,
         megatron: MegatronSettings,
         rank: int,
         world_size: int,
@@ -281,7 +281,7 @@ class MegatronLearnerRank(LearnerRank):
         self.rank = rank
         self.world_size = world_size
         self.master = master
-        self._weights = WeightSource(settings, self._named_tensors)
+        self._weights = WeightSource(settings.weight_sync, self._named_tensors)
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._probe: Probe | None = None
         self._last_batch: Collated | None = None
@@ -315,16 +315,16 @@ class MegatronLearnerRank(LearnerRank):
             tensor_model_parallel_size=self.m.tensor_parallel_size,
             pipeline_model_parallel_size=self.m.pipeline_parallel_size,
         )
-        tensor_parallel.model_parallel_cuda_manual_seed(self.s.seed)
-        torch.manual_seed(self.s.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.s.train.seed)
+        torch.manual_seed(self.s.train.seed)
         self.arch = mm.load_arch(self.s.model_dir)
         self.policy = MegatronPolicy(
             self.arch,
             mm.SafetensorsCheckpoint(self.s.model_dir),
-            dtype=getattr(torch, self.s.dtype),
-            lr=self.s.lr,
-            weight_decay=self.s.weight_decay,
-            max_grad_norm=self.s.max_grad_norm,
+            dtype=getattr(torch, self.s.model.dtype),
+            lr=self.s.learner.lr,
+            weight_decay=self.s.learner.weight_decay,
+            max_grad_norm=self.s.learner.max_grad_norm,
             distributed_optimizer=self.m.distributed_optimizer,
             te_spec=use_transformer_engine(self.m.transformer_engine),
             cpu_init=False,
@@ -376,7 +376,7 @@ class MegatronLearnerRank(LearnerRank):
         b = Collated(groups)
         self._last_batch = b
         stats, grad_norm = self.policy.train_batch(
-            b, self.m.micro_batches, self.s.temperature, self.s.algorithm.clip_eps_low, self.s.algorithm.clip_eps_high,
+            b, self.m.micro_batches, self.s.generators.temperature, self.s.algorithm.clip_eps_low, self.s.algorithm.clip_eps_high,
             self.s.algorithm.tis_cap,
         )
         stats = self._from_last_stage(stats)

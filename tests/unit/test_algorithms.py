@@ -64,7 +64,7 @@ def test_grpo_uniform_group_is_zero():
 def test_grpo_uniform_group_of_inexact_float32_rewards_is_zero():
     # Regression (fixed): grpo_advantages: the docstring promises 0 for a
     # group whose rewards are all equal, but for float32 rewards that are not exact binary fractions
-    # (0.9 * 8, as torch_learner.py line 47 builds them) the mean is off by one ulp and the std is
+    # (0.9 * 8, as PaddedShard builds them) the mean is off by one ulp and the std is
     # ~1e-8, so (r - mean) / (std + 1e-6) gives about -0.056 for every sample instead of 0: a
     # systematic push against every completion of a group that carries no signal.
     for value in (0.9, 0.7, 0.3, 0.1):

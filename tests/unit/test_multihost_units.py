@@ -10,12 +10,15 @@ import torch
 
 from async_rl import settings
 from async_rl.cluster.placement import plan_placement
-from async_rl.config import load_config
+from async_rl.config import WeightSyncConfig, load_config
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.weight_source import WeightSource
 from async_rl.weight_sync.gloo import local_address_towards
-from tests.unit._learner_fixtures import settings as learner_settings
+
+
+def sync_config(host: str) -> WeightSyncConfig:
+    return WeightSyncConfig(backend="gloo", bucket_mb=1, host=host, timeout_s=10.0)
 
 
 def cfg(*overrides: str):
@@ -23,9 +26,7 @@ def cfg(*overrides: str):
 
 
 def test_weight_source_publishes_the_node_ip_for_every_interface(tmp_path):
-    source = WeightSource(
-        learner_settings(tmp_path, weight_sync_host="0.0.0.0"), lambda: {"w": torch.zeros(4)}
-    )
+    source = WeightSource(sync_config("0.0.0.0"), lambda: {"w": torch.zeros(4)})
     try:
         info = source.open(world_size=2)
     finally:
@@ -36,7 +37,7 @@ def test_weight_source_publishes_the_node_ip_for_every_interface(tmp_path):
 
 
 def test_weight_source_publishes_an_explicit_host_as_given(tmp_path):
-    source = WeightSource(learner_settings(tmp_path, weight_sync_host="127.0.0.1"), lambda: {"w": torch.zeros(4)})
+    source = WeightSource(sync_config("127.0.0.1"), lambda: {"w": torch.zeros(4)})
     try:
         assert source.open(world_size=2).host == "127.0.0.1"
     finally:
