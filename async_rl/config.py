@@ -122,13 +122,18 @@ class MegatronConfig(_Section):
         Literal["auto", "on", "off"],
         _f("megatron layer spec: Transformer Engine (fused kernels) or the local spec; auto = TE if importable"),
     ] = "auto"
+    device: Annotated[
+        Literal["cuda", "cpu"],
+        _f("megatron: where the ranks train; cpu = gloo, float32, no GPU requested (tests and debugging, "
+           "see learner/megatron_cpu.py)"),
+    ] = "cuda"
 
 
 class LearnerConfig(_Section):
     backend: Annotated[
         Literal["torch", "megatron"],
         _f("learner implementation: torch (HF model, DDP; CPU and GPU) or megatron (megatron-core GPTModel "
-           "with TP/PP/DP; needs CUDA and the gpu extra; Llama and Qwen2 checkpoints)"),
+           "with TP/PP/DP; CUDA, or CPU with learner.megatron.device=cpu; Llama and Qwen2 checkpoints)"),
     ] = "torch"
     world_size: Annotated[
         int, _f("learner ranks (torch: data parallel; megatron: tensor x pipeline x data parallel)", ge=1)
@@ -456,6 +461,8 @@ def _validate_megatron(cfg: Config) -> None:
             "train.checkpoint_at_end=false (or use learner.backend=torch)"
         )
     model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size
+    if m.device == "cpu":
+        _validate_megatron_cpu(cfg, world // model_parallel if world % model_parallel == 0 else 1)
     if world % model_parallel:
         raise ConfigError(
             f"learner.world_size={world} is not a multiple of learner.megatron.tensor_parallel_size x "
@@ -472,6 +479,21 @@ def _validate_megatron(cfg: Config) -> None:
         raise ConfigError(
             f"learner.megatron.micro_batches={m.micro_batches} does not divide a rank's {shard} sequences "
             "(train.prompts_per_step / data-parallel size x generators.group_size)"
+        )
+
+
+def _validate_megatron_cpu(cfg: Config, dp: int) -> None:
+    """What megatron_cpu does not cover (megatron's mixed-precision and distributed optimizers check
+    for CUDA tensors; Transformer Engine is CUDA-only)."""
+    m = cfg.learner.megatron
+    if cfg.model.dtype != "float32":
+        raise ConfigError(f"learner.megatron.device=cpu trains in float32: set model.dtype=float32, not {cfg.model.dtype}")
+    if m.transformer_engine == "on":
+        raise ConfigError("learner.megatron.device=cpu: transformer_engine=on needs CUDA (use off or auto)")
+    if m.distributed_optimizer and dp > 1:
+        raise ConfigError(
+            f"learner.megatron.device=cpu with data-parallel size {dp}: megatron's distributed optimizer needs "
+            "CUDA; set learner.megatron.distributed_optimizer=false"
         )
 
 

@@ -230,8 +230,8 @@ class Controller:
             cfg.weight_sync.timeout_s,
         )
         rank_bundle = {"CPU": cfg.learner.cpus_per_rank}
-        if cfg.learner.backend == "megatron":
-            rank_bundle["GPU"] = 1  # megatron-core needs CUDA: one GPU per rank
+        if settings.learner_on_cuda(cfg):
+            rank_bundle["GPU"] = 1  # megatron on CUDA: one GPU per rank (learner.megatron.device=cpu: none)
         learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
         self._pools.append(learner_pool)
         learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, self.addresses.serve, self.keys)

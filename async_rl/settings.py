@@ -17,8 +17,8 @@ BATCH_TIMEOUT_S = 600.0
 
 
 def learner_on_cuda(cfg: Config) -> bool:
-    """The megatron learner trains on CUDA; the torch learner on CPU."""
-    return cfg.learner.backend == "megatron"
+    """The megatron learner trains on CUDA unless learner.megatron.device=cpu; the torch learner on CPU."""
+    return cfg.learner.backend == "megatron" and cfg.learner.megatron.device == "cuda"
 
 
 def resolve_backend(cfg: Config) -> str:
@@ -144,4 +144,5 @@ def megatron_settings(cfg: Config) -> MegatronSettings:
         distributed_optimizer=m.distributed_optimizer,
         transformer_engine=m.transformer_engine,
         probe_samples=cfg.train.mismatch_probe_samples,
+        device=m.device,
     )

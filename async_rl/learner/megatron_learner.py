@@ -55,6 +55,7 @@ class MegatronSettings(msgspec.Struct, frozen=True, kw_only=True):
     distributed_optimizer: bool
     transformer_engine: str  # 'auto' | 'on' | 'off'
     probe_samples: int  # sequences the post-step probe scores when TP or PP > 1
+    device: str  # 'cuda' | 'cpu' (megatron_cpu: gloo, float32, for tests and debugging)
 
 
 class MicroBatch(msgspec.Struct):
@@ -281,24 +282,36 @@ class MegatronLearnerRank(LearnerRank):
         self.batches: BatchClient | None = None
 
     def rendezvous_address(self) -> str:
-        self.master = f"127.0.0.1:{free_port()}"
+        import ray
+
+        host = ray.util.get_node_ip_address()  # the other ranks may run on other nodes
+        self.master = f"{host}:{free_port(host)}"
         return self.master
 
     def setup(self) -> int:
-        if not torch.cuda.is_available():
+        on_cpu = self.m.device == "cpu"
+        if not on_cpu and not torch.cuda.is_available():
             raise RunError(
-                "learner.backend=megatron needs CUDA (megatron-core's forward allocates on 'cuda'); "
-                "use learner.backend=torch on CPU"
+                "learner.megatron.device=cuda but this rank sees no CUDA device "
+                "(learner.megatron.device=cpu runs megatron on the CPU with gloo, for tests and debugging)"
             )
         try:
             from megatron.core import parallel_state, tensor_parallel
         except ImportError:
             raise RunError("learner.backend=megatron needs megatron-core: pip install -e '.[gpu]'") from None
 
-        torch.cuda.set_device(0)  # Ray gives each rank one visible GPU
+        dtype = getattr(torch, self.s.dtype)
+        te_spec = use_transformer_engine(self.m.transformer_engine) and not on_cpu
+        if on_cpu:
+            from async_rl.learner import megatron_cpu
+
+            megatron_cpu.check_config(dtype=dtype, distributed_optimizer=False, te_spec=te_spec)
+            megatron_cpu.enable()
+        else:
+            torch.cuda.set_device(0)  # Ray gives each rank one visible GPU
         host, port = self.master.rsplit(":", 1)
         dist.init_process_group(
-            "nccl",
+            "gloo" if on_cpu else "nccl",
             init_method=f"tcp://{host}:{port}",
             rank=self.rank,
             world_size=self.world_size,
@@ -308,19 +321,23 @@ class MegatronLearnerRank(LearnerRank):
             tensor_model_parallel_size=self.m.tensor_parallel_size,
             pipeline_model_parallel_size=self.m.pipeline_parallel_size,
         )
-        tensor_parallel.model_parallel_cuda_manual_seed(self.s.seed)
+        if not on_cpu:
+            tensor_parallel.model_parallel_cuda_manual_seed(self.s.seed)
         torch.manual_seed(self.s.seed)
         self.arch = mm.load_arch(self.s.model_dir)
+        # On CPU with one data-parallel replica the distributed optimizer would shard nothing; with
+        # more, config validation refuses it (megatron's version checks for CUDA tensors).
+        distributed = self.m.distributed_optimizer and not on_cpu
         self.policy = MegatronPolicy(
             self.arch,
             mm.SafetensorsCheckpoint(self.s.model_dir),
-            dtype=getattr(torch, self.s.dtype),
+            dtype=dtype,
             lr=self.s.lr,
             weight_decay=self.s.weight_decay,
             max_grad_norm=self.s.max_grad_norm,
-            distributed_optimizer=self.m.distributed_optimizer,
-            te_spec=use_transformer_engine(self.m.transformer_engine),
-            cpu_init=False,
+            distributed_optimizer=distributed,
+            te_spec=te_spec,
+            cpu_init=on_cpu,
         )
         self.model_parallel = self.m.tensor_parallel_size * self.m.pipeline_parallel_size
         self.is_fetcher = (
@@ -354,7 +371,7 @@ class MegatronLearnerRank(LearnerRank):
         group = parallel_state.get_model_parallel_group()
         box = [groups]
         dist.broadcast_object_list(
-            box, src=dist.get_global_rank(group, 0), group=group, device=torch.device("cuda", torch.cuda.current_device())
+            box, src=dist.get_global_rank(group, 0), group=group, device=self.policy.device
         )
         return box[0]
 

@@ -66,3 +66,44 @@ def test_world_size_that_only_megatron_model_parallelism_explains_is_accepted():
          "train.prompts_per_step=3", *NO_CHECKPOINTS],
     )
     assert cfg.learner.world_size == 4
+
+
+CPU = ["learner.backend=megatron", "learner.megatron.device=cpu", *NO_CHECKPOINTS]
+
+
+def test_megatron_on_cpu_requests_no_gpu_and_syncs_without_cuda_ipc():
+    cfg = load_config(None, [*CPU, "learner.world_size=2", "learner.megatron.pipeline_parallel_size=2"])
+    assert not settings.learner_on_cuda(cfg)
+    assert settings.megatron_settings(cfg).device == "cpu"
+    assert settings.learner_on_cuda(load_config(None, ["learner.backend=megatron", *NO_CHECKPOINTS]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.dtype=bfloat16"], "trains in float32"),
+        (["learner.megatron.transformer_engine='on'"], "transformer_engine=on needs CUDA"),
+        (["learner.world_size=2", "train.prompts_per_step=2"], "data-parallel size 2: .*distributed_optimizer=false"),
+    ],
+)
+def test_megatron_on_cpu_refuses_what_megatron_cpu_does_not_cover(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*CPU, *overrides])
+
+
+def test_megatron_rendezvous_is_on_the_node_ip(monkeypatch):
+    """Other ranks may run on other nodes: the master address is this node's IP, not loopback."""
+    from pathlib import Path
+
+    import ray
+
+    from async_rl.learner.megatron_learner import MegatronLearnerRank
+
+    cfg = load_config(None, CPU)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.2")  # bindable, not 127.0.0.1
+    rank = MegatronLearnerRank(
+        settings.learner_settings(cfg, "r", Path("/m"), "tcp://127.0.0.1:2", None),
+        settings.megatron_settings(cfg), 0, 2, "", cores=[],
+    )
+    host, port = rank.rendezvous_address().rsplit(":", 1)
+    assert host == "127.0.0.2" and int(port) > 0
