@@ -13,7 +13,9 @@ the fp32 optimizer step reach in that version:
 - the pipeline schedules (a token counter), the fp32 optimizer (its loss scale), gradient
   clipping (norm buffers) and `utils.local_multi_tensor_l2_norm` (the grad norm without Apex) call
   torch factories with the literal `device="cuda"`: in those four modules `torch` is a view of torch whose factories put "cuda" tensors on the CPU.
-- `torch.cuda.synchronize` (after pipeline sends) does nothing.
+- `torch.cuda.synchronize` (after pipeline sends) does nothing, and `Tensor.cuda()` (the tied
+  embedding of the last pipeline stage, `LanguageModule.setup_embeddings_and_output_layer`) returns
+  the tensor where it is.
 - `clip_grad_by_total_norm_fp32`, as the optimizer module imported it, asserts that every gradient
   is a `torch.cuda.FloatTensor`: `_clip_grads_by_total_norm` does the same scaling without it.
 
@@ -112,6 +114,10 @@ def _clip_grads_by_total_norm(
                 g.mul_(clip_coeff)
 
 
+def _stay(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
 def installed_version() -> str:
     return version("megatron-core")
 
@@ -173,6 +179,7 @@ def patched() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
         stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda device=None: None))
+        stack.enter_context(mock.patch.object(torch.Tensor, "cuda", _stay))
         stack.enter_context(mock.patch.object(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker))
         stack.enter_context(mock.patch.object(optimizer, "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm))
         for name in _CUDA_LITERAL_MODULES:

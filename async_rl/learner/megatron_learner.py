@@ -355,7 +355,7 @@ class MegatronLearnerRank(LearnerRank):
             else None
         )
         if self.model_parallel > 1:
-            self._snapshot = self.policy.hf_state_dict()  # collective; None off rank 0
+            self._snapshot = self._copy(self.policy.hf_state_dict())  # collective; None off rank 0
         # parameter count of the whole model, as the torch backend reports it
         return sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
 
@@ -391,7 +391,7 @@ class MegatronLearnerRank(LearnerRank):
         )
         stats = self._from_last_stage(stats)
         if self.model_parallel > 1:
-            self._snapshot = self.policy.hf_state_dict()
+            self._snapshot = self._copy(self.policy.hf_state_dict())
             self._probe = self._score(b, self.m.probe_samples)
         counted = self.is_fetcher  # TP/PP peers train on the same sequences: count them once
         return StepMetrics(
@@ -409,6 +409,12 @@ class MegatronLearnerRank(LearnerRank):
             wait_s=0.0,
             compute_s=time.perf_counter() - t1,
         )
+
+    @staticmethod
+    def _copy(weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """The snapshot served between steps: TP-replicated tensors come back as the live parameters,
+        which the next step would change under a sync that is reading them."""
+        return None if weights is None else {n: t.detach().clone() for n, t in weights.items()}
 
     def _from_last_stage(self, stats: LossStats | None) -> LossStats:
         """Every pipeline stage reports the loss statistics the last stage computed."""
