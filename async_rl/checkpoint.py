@@ -34,6 +34,9 @@ class RunCheckpoint(msgspec.Struct, kw_only=True):
     version: int  # policy version of the saved weights
     buffer: BufferState
     saved_at: float
+    # The HF folder the run started from (its first run, not a resume): the KL reference. '' in
+    # checkpoints written before it was recorded (a resume then falls back to model.path).
+    initial_model_dir: str = ""
 
 
 def begin(run_dir: Path) -> Path:

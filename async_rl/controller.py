@@ -27,8 +27,8 @@ from async_rl.elastic import Elastic, buffer_actor
 from async_rl.errors import RunError
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
-from async_rl.learner.base import StepMetrics, checkpoint_model_dir
-from async_rl.learner.torch_learner import TorchLearnerRank
+from async_rl.learner.base import LearnerSpec, StepMetrics, checkpoint_model_dir
+from async_rl.learner.driver import LearnerDriver
 from async_rl.metrics import MetricsSink, StepRecord
 from async_rl.security import RunKeys, make_run_keys, warn_insecure
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -58,6 +58,10 @@ class Controller:
         self.resumed_checksum: ParamChecksum | None = None  # learner weights right after a resume
         # On resume every process loads the checkpoint's HF folder (vLLM serves it directly).
         self.model_dir = checkpoint_model_dir(resume_from) if resume_from is not None else model_dir
+        # The run's initial weights (the KL reference), recorded in every checkpoint: a resumed run keeps
+        # its anchor instead of taking the checkpoint's weights as a new one at every resume.
+        recorded = checkpoint.load_state(resume_from).initial_model_dir if resume_from is not None else ""
+        self.initial_model_dir = Path(recorded) if recorded else model_dir
         self.run_dir = run_dir
         self.plan = plan
         self.run_id = uuid.uuid4().hex[:12]
@@ -169,6 +173,7 @@ class Controller:
         state = checkpoint.RunCheckpoint(
             step=self.version,  # one optimizer step per version
             version=self.version,
+            initial_model_dir=str(self.initial_model_dir),
             buffer=ray.get(self.buffer.checkpoint_state.remote()),
             saved_at=time.time(),
         )
@@ -234,7 +239,7 @@ class Controller:
             rank_bundle["GPU"] = 1  # megatron on CUDA: one GPU per rank (learner.megatron.device=cpu: none)
         learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
         self._pools.append(learner_pool)
-        learner_settings = settings.learner_settings(cfg, self.run_id, self.model_dir, self.addresses.serve, self.keys)
+        spec = self.learner_spec(self.addresses.serve)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
@@ -244,10 +249,10 @@ class Controller:
                 from async_rl.learner.megatron_learner import MegatronLearnerRank
 
                 return ray.remote(MegatronLearnerRank).options(**options).remote(
-                    learner_settings, settings.megatron_settings(cfg), rank, world, master, ranks[rank].cores
+                    spec, settings.megatron_settings(cfg), rank, world, master, ranks[rank].cores
                 )
-            return ray.remote(TorchLearnerRank).options(**options).remote(
-                learner_settings, rank, world, master, ranks[rank].cores
+            return ray.remote(LearnerDriver).options(**options).remote(
+                spec, rank, world, master, ranks[rank].cores
             )
 
         self.learner = WorkerGroup(learner_pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
@@ -258,6 +263,10 @@ class Controller:
         self.generators.rebuild_membership(self.learner.actors[0])
         if resuming:
             self._resume()
+
+    def learner_spec(self, serve: str) -> LearnerSpec:
+        """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
+        return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
 
     def shutdown(self) -> BufferStats | None:
         """Stop everything this controller started, through its handles. Safe to call twice."""
@@ -336,5 +345,6 @@ def make_record(
         masked_frac=sum(m.masked_frac for m in per_rank) / n,
         kl_ref=sum(m.kl_ref for m in per_rank) / n,
         value_loss=sum(m.value_loss for m in per_rank) / n,
+        entropy=sum(m.entropy for m in per_rank) / n,
         filtered_groups=buffer.last_batch_filtered_groups,
     )

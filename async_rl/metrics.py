@@ -51,13 +51,14 @@ class StepRecord(msgspec.Struct, kw_only=True):
     filtered_groups: int = 0  # groups dropped by dynamic sampling while this step's batch was collected
     requeued: int = 0  # leases handed back to the prompt pool (engine drained or died), leased again
     num_engines: int = 0  # generator engines in the pool at the end of the step
+    entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:
     mismatch = f"{r.logprob_mismatch:.1e}" if r.logprob_mismatch is not None else "n/a"
     return (
         f"step {r.step + 1:>4}/{total_steps} | v{r.version:<4} | reward {r.reward_mean:6.3f} | "
-        f"loss {r.loss:+.4f} | {r.samples_per_s:7.1f} samples/s | buffer {r.buffer_waiting_groups:>3} groups | "
+        f"loss {r.loss:+.4f} | entropy {r.entropy:.3f} | {r.samples_per_s:7.1f} samples/s | buffer {r.buffer_waiting_groups:>3} groups | "
         f"lag max {r.lag_max} mean {r.lag_mean:.2f} | mismatch {mismatch} | "
         f"trained {r.trained} stale {r.dropped_stale} filtered {r.filtered} lost {r.lost}"
         + (f" requeued {r.requeued}" if r.requeued else "")

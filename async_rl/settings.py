@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from async_rl.buffer.actor import BufferSettings
 from async_rl.cluster.placement import PlacementPlan, available_cores
 from async_rl.config import Config
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
-from async_rl.learner.base import LearnerSettings
+from async_rl.learner.base import LearnerSpec
 from async_rl.learner.megatron_learner import MegatronSettings
 from async_rl.security import RunKeys, frame_limit_bytes
 
@@ -97,40 +99,23 @@ def engine_settings(
     )
 
 
-def learner_settings(
-    cfg: Config, run_id: str, model_dir: Path, serve: str, keys: RunKeys | None
-) -> LearnerSettings:
-    lc, ws = cfg.learner, cfg.weight_sync
-    return LearnerSettings(
-        model_dir=str(model_dir),
-        dtype=cfg.model.dtype,
-        lr=lc.lr,
-        weight_decay=lc.weight_decay,
-        max_grad_norm=lc.max_grad_norm,
+def learner_spec(
+    cfg: Config, run_id: str, model_dir: Path, reference_model_dir: Path, serve: str, keys: RunKeys | None
+) -> LearnerSpec:
+    """The learner's config sections as they are (weight_sync with its backend resolved), and the run's
+    facts: where the weights start (`model_dir`) and the KL reference (the run's initial weights)."""
+    return LearnerSpec(
+        model=cfg.model,
+        learner=cfg.learner,
         algorithm=cfg.algorithm,
-        max_tokens=cfg.generators.max_tokens,
-        temperature=cfg.generators.temperature,
-        seed=cfg.train.seed,
+        generators=cfg.generators,
+        train=cfg.train,
+        weight_sync=msgspec.structs.replace(cfg.weight_sync, backend=resolve_backend(cfg)),
         run_id=run_id,
+        model_dir=str(model_dir),
+        reference_model_dir=str(reference_model_dir),
         buffer_address=serve,
         batch_timeout_s=BATCH_TIMEOUT_S,
-        bucket_mb=ws.bucket_mb,
-        weight_sync_host=ws.host,
-        weight_sync_port=ws.port,
-        weight_sync_timeout_s=ws.timeout_s,
-        weight_sync_backend=resolve_backend(cfg),
-        weight_checksum=ws.checksum,
-        wire_dtype=ws.wire_dtype,
-        parallel=lc.parallel,
-        micro_batch_size=lc.micro_batch_size,
-        micro_batch_tokens=lc.micro_batch_tokens,
-        packing=lc.packing,
-        pack_row_tokens=lc.pack_row_tokens,
-        total_steps=cfg.train.total_steps,
-        lr_warmup_steps=lc.lr_warmup_steps,
-        lr_decay=lc.lr_decay,
-        lr_min_ratio=lc.lr_min_ratio,
-        mixed_precision=lc.mixed_precision,
         curve=keys.learner if keys is not None else None,
     )
 

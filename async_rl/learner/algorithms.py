@@ -5,8 +5,9 @@ pass, and `loss` on the log-probs of that forward pass. The math lives in advant
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import torch
@@ -25,6 +26,9 @@ from async_rl.learner.advantages import (
 from async_rl.learner.critic import Critic
 from async_rl.learner.losses import kl_estimate, kl_penalty, policy_loss
 from async_rl.learner.reference import ReferencePolicy
+
+if TYPE_CHECKING:
+    from async_rl.learner.packing import MicroBatch
 
 GROUP_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
 
@@ -60,9 +64,12 @@ class Prepared:
     advantages: torch.Tensor  # [B, T] or [B, 1]
     prox_logp: torch.Tensor | None  # decoupled objective only
     ref_logp: torch.Tensor | None  # KL penalty as a loss term only
-    denominator: float  # the shard's: its completion tokens (token mean) or Dr.GRPO's constant
+    denominator: float  # the global batch's (all data-parallel ranks): its completion tokens or Dr.GRPO's constant
     kl_ref: float
     value_loss: float
+    # Whether the global batch's loss has any gradient: False when every advantage on a loss token is
+    # 0 (all groups uniform) and no KL term is in the loss. Such a batch takes no optimizer step.
+    signal: bool = True
 
     def rows(self, sl: slice) -> Prepared:
         """A micro-batch of the shard's rows. The denominator stays the shard's, so the losses of the
@@ -81,6 +88,27 @@ class Prepared:
             kl_ref=self.kl_ref,
             value_loss=self.value_loss,
         )
+
+
+    def for_micro_batch(self, mb: MicroBatch) -> Prepared:
+        """The loss inputs of a (packed or padded) micro-batch built from this shard's samples: its
+        per-token tensors come with it; the denominator and batch-level values stay the shard's."""
+        return Prepared(
+            behav_logp=mb.behav_logp,
+            mask=mb.loss_mask,
+            advantages=mb.advantages,
+            prox_logp=mb.prox_logp,
+            ref_logp=mb.ref_logp,
+            denominator=max(self.denominator, 1.0),
+            kl_ref=self.kl_ref,
+            value_loss=self.value_loss,
+            signal=self.signal,
+        )
+
+
+# policy_scorer(with_hidden) -> the current policy's no-grad log-probs [B, T] on the shard being
+# prepared (and its last hidden states [B, T, H] when asked): how `prepare` reaches the model backend.
+PolicyScorer = Callable[[bool], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -133,15 +161,21 @@ class Algorithm:
             else None
         )
 
-    def prepare(self, b: TokenBatch, policy: torch.nn.Module) -> Prepared:
+    def prepare(
+        self,
+        b: TokenBatch,
+        policy: PolicyScorer,
+        reduce: Callable[[torch.Tensor], torch.Tensor] = data_parallel_sum,
+    ) -> Prepared:
         """Advantages for the shard, and the no-grad passes the algorithm needs: the proximal log-probs
         (decoupled objective: the current weights, before this update), the reference log-probs (KL),
-        the policy's hidden states for the critic (ppo, whose value head takes its step here)."""
+        the policy's hidden states for the critic (ppo, whose value head takes its step here).
+        `reduce` sums over the data-parallel ranks (batch-wide whitening, the global denominator)."""
         c = self.cfg
         mask = b.loss_mask
         prox = hidden = ref = None
         if c.objective == "decoupled" or self.critic is not None:
-            prox, hidden = score_tokens(policy, b, self.temperature, with_hidden=self.critic is not None)
+            prox, hidden = policy(self.critic is not None)
         if self.reference is not None:
             ref, _ = score_tokens(self.reference.model, b, self.temperature)
         kl_ref, vloss = 0.0, 0.0
@@ -157,13 +191,25 @@ class Algorithm:
             rewards = token_rewards(b.rewards.reshape(-1), mask, kl_tokens, c.kl_coef)
             if c.name == "reinforce_pp":
                 advantages = masked_whiten(
-                    discounted_returns(rewards, mask, c.gamma), mask, data_parallel_sum
+                    discounted_returns(rewards, mask, c.gamma), mask, reduce
                 )
             else:  # ppo
                 values = self.critic.values(hidden)
                 raw, returns = gae(rewards, values, mask, c.gamma, c.gae_lambda)
                 vloss = self.critic.update(hidden, returns, mask)
-                advantages = masked_whiten(raw, mask, data_parallel_sum)
+                advantages = masked_whiten(raw, mask, reduce)
+        # The loss is a sum over tokens / the global batch's denominator on every rank; the backend sums
+        # gradients over ranks, so the update is the global batch's token mean, however unequal the
+        # ranks' token counts (a per-rank mean averaged over ranks would weight short shards up).
+        # Signal: loss tokens with a non-zero advantage (a KL term in the loss always has a gradient).
+        # A batch without any must not step AdamW: a zero-gradient step still moves the weights along
+        # the stale momentum and decays the second moment, so the next small gradient takes a
+        # full-size step. On a converged policy (most groups uniform) that pair of steps made the
+        # quickstart collapse (KL to behaviour 0.35-0.67 right after zero-gradient steps).
+        live = float(((advantages != 0).to(mask.dtype) * mask).sum()) if ref is None or c.kl_in_reward else 1.0
+        n_seq, n_tok, n_signal = reduce(
+            torch.tensor([float(mask.shape[0]), float(mask.sum()), live], dtype=torch.float64)
+        ).tolist()
         return Prepared(
             behav_logp=b.behav_logp,
             mask=mask,
@@ -172,11 +218,12 @@ class Algorithm:
             ref_logp=None if c.kl_in_reward else ref,
             # Dr.GRPO: sum over tokens / (sequences * max completion length), the same constant for every
             # batch, so a long completion is not down-weighted per token. Otherwise the token mean over
-            # the shard's completion tokens; tokens masked for an extreme ratio add 0 but still count,
-            # so the loss of the shard is the sum of its micro-batches' losses.
-            denominator=float(mask.shape[0] * self.max_tokens) if c.name == "dr_grpo" else float(mask.sum()),
+            # the global batch's completion tokens; tokens masked for an extreme ratio add 0 but still
+            # count, so the loss of the batch is the sum of its micro-batches' losses.
+            denominator=n_seq * self.max_tokens if c.name == "dr_grpo" else n_tok,
             kl_ref=kl_ref,
             value_loss=vloss,
+            signal=n_signal > 0,
         )
 
     def loss(self, p: Prepared, logp: torch.Tensor) -> tuple[torch.Tensor, AlgoStats]:

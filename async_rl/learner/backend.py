@@ -67,6 +67,12 @@ class ModelBackend(abc.ABC):
     info: ParallelInfo  # valid after `setup`
     device: torch.device  # where the driver puts its own tensors (reductions, the reference model)
 
+    @property
+    def weights_are_live(self) -> bool:
+        """`hf_weights` returns the live parameter tensors themselves (same storage every call): the
+        shm weight sender may then move them into its shared mapping and skip a packing copy."""
+        return False
+
     @abc.abstractmethod
     def setup(self, model_dir: str) -> int:
         """Collective. Join the learner's process groups, build the model from the HF folder

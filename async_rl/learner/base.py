@@ -20,7 +20,14 @@ import msgspec
 import numpy as np
 import torch
 
-from async_rl.config import AlgorithmConfig
+from async_rl.config import (
+    AlgorithmConfig,
+    GeneratorConfig,
+    LearnerConfig,
+    ModelConfig,
+    TrainConfig,
+    WeightSyncConfig,
+)
 from async_rl.protocol import TrajectoryGroup
 from async_rl.security import ClientKeys
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -28,37 +35,21 @@ from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
 
 
-class LearnerSettings(msgspec.Struct, frozen=True):
-    model_dir: str
-    dtype: str
-    lr: float
-    weight_decay: float
-    max_grad_norm: float
+class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a learner rank is told when it starts: the config sections it is configured by, as they
+    are, and the facts of this run."""
+
+    model: ModelConfig  # dtype (the path is resolved into `model_dir`)
+    learner: LearnerConfig
     algorithm: AlgorithmConfig
-    max_tokens: int  # generators.max_tokens: Dr.GRPO's loss normaliser
-    temperature: float
-    seed: int
+    generators: GeneratorConfig  # max_tokens (Dr.GRPO's normaliser) and the sampling temperature
+    train: TrainConfig  # seed, total_steps (LR schedule), mismatch_probe_samples
+    weight_sync: WeightSyncConfig  # with `backend` resolved ('gloo', 'shm', 'nccl' or 'cuda_ipc')
     run_id: str
+    model_dir: str  # the HF folder the weights start from (a checkpoint's model/ on resume)
+    reference_model_dir: str  # the run's initial weights: the frozen KL reference, the same across resumes
     buffer_address: str
-    batch_timeout_s: float
-    bucket_mb: int
-    weight_sync_host: str
-    weight_sync_port: int
-    weight_sync_timeout_s: float
-    weight_sync_backend: str  # resolved: 'gloo', 'shm', 'nccl' or 'cuda_ipc'
-    weight_checksum: str
-    wire_dtype: str  # '' = the learner's dtype
-    # Added for parallelism, micro-batching and the LR schedule; defaults keep older callers valid.
-    parallel: str = "ddp"  # 'ddp' | 'fsdp2'
-    micro_batch_size: int = 0  # sequences per micro-batch (0 = the whole shard)
-    micro_batch_tokens: int = 0  # tokens per micro-batch (0 = no limit)
-    packing: bool = True  # padding-free packed micro-batches
-    pack_row_tokens: int = 0  # tokens per packed row (0 = the longest sequence)
-    total_steps: int = 1
-    lr_warmup_steps: int = 0
-    lr_decay: str = "constant"  # 'constant' | 'linear' | 'cosine'
-    lr_min_ratio: float = 0.0
-    mixed_precision: str = "auto"  # 'auto' (bf16 on CUDA, none on CPU) | 'none' | 'bf16'
+    batch_timeout_s: float = 600.0
     curve: ClientKeys | None = None  # the learner's CURVE keys for the buffer (None: security.curve off)
 
 
@@ -81,6 +72,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     masked_frac: float = 0.0  # completion tokens masked out for an extreme importance ratio
     kl_ref: float = 0.0  # KL estimate to the frozen reference (0 without algorithm.kl_coef)
     value_loss: float = 0.0  # ppo: the critic's value loss
+    entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
 
 
 class Probe(msgspec.Struct):
@@ -100,8 +92,8 @@ class LearnerRank(abc.ABC):
 
     @abc.abstractmethod
     def setup(self) -> int:
-        """Collective. Join the data-parallel group, build model, optimizer and LR schedule from
-        `settings.model_dir`; returns the parameter count."""
+        """Collective. Join the learner group, build model, optimizer and LR schedule from
+        `spec.model_dir`; returns the parameter count."""
 
     # ---- training ---------------------------------------------------------------------------------
 

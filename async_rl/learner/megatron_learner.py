@@ -34,7 +34,7 @@ from async_rl.cluster.placement import pin_current_process
 from async_rl.cluster.resources import free_port
 from async_rl.errors import RunError
 from async_rl.learner import megatron_model as mm
-from async_rl.learner.base import LearnerRank, LearnerSettings, Probe, StepMetrics
+from async_rl.learner.base import LearnerRank, LearnerSpec, Probe, StepMetrics
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.losses import PolicyLossStats as LossStats
 from async_rl.learner.losses import policy_loss
@@ -262,7 +262,7 @@ def _weighted(seen: list[tuple[LossStats, float]]) -> LossStats:
 class MegatronLearnerRank(LearnerRank):
     def __init__(
         self,
-        settings: LearnerSettings,
+        settings: LearnerSpec,
         megatron: MegatronSettings,
         rank: int,
         world_size: int,
@@ -275,7 +275,7 @@ class MegatronLearnerRank(LearnerRank):
         self.rank = rank
         self.world_size = world_size
         self.master = master
-        self._weights = WeightSource(settings, self._named_tensors)
+        self._weights = WeightSource(settings.weight_sync, self._named_tensors)
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._probe: Probe | None = None
         self._last_batch: Collated | None = None
@@ -300,7 +300,7 @@ class MegatronLearnerRank(LearnerRank):
         except ImportError:
             raise RunError("learner.backend=megatron needs megatron-core: pip install -e '.[gpu]'") from None
 
-        dtype = getattr(torch, self.s.dtype)
+        dtype = getattr(torch, self.s.model.dtype)
         te_spec = use_transformer_engine(self.m.transformer_engine) and not on_cpu
         if on_cpu:
             from async_rl.learner import megatron_cpu
@@ -322,8 +322,8 @@ class MegatronLearnerRank(LearnerRank):
             pipeline_model_parallel_size=self.m.pipeline_parallel_size,
         )
         if not on_cpu:
-            tensor_parallel.model_parallel_cuda_manual_seed(self.s.seed)
-        torch.manual_seed(self.s.seed)
+            tensor_parallel.model_parallel_cuda_manual_seed(self.s.train.seed)
+        torch.manual_seed(self.s.train.seed)
         self.arch = mm.load_arch(self.s.model_dir)
         # On CPU with one data-parallel replica the distributed optimizer would shard nothing; with
         # more, config validation refuses it (megatron's version checks for CUDA tensors).
@@ -332,9 +332,9 @@ class MegatronLearnerRank(LearnerRank):
             self.arch,
             mm.SafetensorsCheckpoint(self.s.model_dir),
             dtype=dtype,
-            lr=self.s.lr,
-            weight_decay=self.s.weight_decay,
-            max_grad_norm=self.s.max_grad_norm,
+            lr=self.s.learner.lr,
+            weight_decay=self.s.learner.weight_decay,
+            max_grad_norm=self.s.learner.max_grad_norm,
             distributed_optimizer=distributed,
             te_spec=te_spec,
             cpu_init=on_cpu,
@@ -386,7 +386,7 @@ class MegatronLearnerRank(LearnerRank):
         b = Collated(groups)
         self._last_batch = b
         stats, grad_norm = self.policy.train_batch(
-            b, self.m.micro_batches, self.s.temperature, self.s.algorithm.clip_eps_low, self.s.algorithm.clip_eps_high,
+            b, self.m.micro_batches, self.s.generators.temperature, self.s.algorithm.clip_eps_low, self.s.algorithm.clip_eps_high,
             self.s.algorithm.tis_cap,
         )
         stats = self._from_last_stage(stats)

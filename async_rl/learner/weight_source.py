@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from async_rl.learner.base import LearnerSettings
+from async_rl.cluster.resources import advertised_host
+from async_rl.config import WeightSyncConfig
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
 from async_rl.weight_sync.bucketing import Manifest, build_manifest, to_dtype
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
@@ -19,9 +20,14 @@ from async_rl.weight_sync.transport import join_sender, open_membership
 
 
 class WeightSource:
-    def __init__(self, settings: LearnerSettings, named_tensors: Callable[[], dict[str, torch.Tensor]]) -> None:
-        self.s = settings
+    def __init__(
+        self, cfg: WeightSyncConfig, named_tensors: Callable[[], dict[str, torch.Tensor]], adopt: bool = False
+    ) -> None:
+        """`cfg.backend` resolved (not 'auto'). `adopt`: the named tensors are the live parameters
+        (same storage every call), so the shm sender may move them into its mapping once."""
+        self.cfg = cfg
         self._named_tensors = named_tensors
+        self._adopt = adopt
         self._store = None
         self._sender: WeightSender | None = None
         self._info: WeightGroupInfo | None = None
@@ -30,21 +36,21 @@ class WeightSource:
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
-            wire = to_dtype(self.s.wire_dtype) if self.s.wire_dtype else None
-            self._manifest = build_manifest(self._named_tensors().items(), self.s.bucket_mb << 20, wire)
+            wire = to_dtype(self.cfg.wire_dtype) if self.cfg.wire_dtype else None
+            self._manifest = build_manifest(self._named_tensors().items(), self.cfg.bucket_mb << 20, wire)
         return self._manifest
 
     def open(self, world_size: int) -> WeightGroupInfo:
         self._sender = None
         self._generation += 1
         self._info, self._store = open_membership(
-            self.s.weight_sync_host,
-            self.s.weight_sync_port,
+            advertised_host(self.cfg.host),
+            self.cfg.port,
             world_size,
-            self.s.weight_sync_timeout_s,
-            self.s.weight_sync_backend,
+            self.cfg.timeout_s,
+            self.cfg.backend,
             self.manifest(),
-            self.s.weight_checksum,
+            self.cfg.checksum,
             self._generation,
             store=self._store,
         )
@@ -52,6 +58,10 @@ class WeightSource:
 
     def join(self) -> None:
         self._sender = join_sender(self._info, self._store, self.manifest())
+        if self._adopt:
+            # shm: the parameters move into the shared mapping, so an update needs no packing copy
+            # (a sharded backend gathers fresh full tensors for every sync: nothing to keep there).
+            self._sender.adopt(self._named_tensors())
 
     def broadcast(self, version: int) -> UpdateReceipt:
         if self._sender is None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from async_rl.cluster.resources import free_port
-from async_rl.learner.torch_learner import TorchLearnerRank
+from async_rl.learner.driver import LearnerDriver
 from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, settings
 
@@ -20,14 +20,14 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_bf16_training_on_cuda(model_dir, tmp_path, parallel):
     s = settings(model_dir, parallel=parallel, mixed_precision="auto", lr=1e-3, micro_batch_size=3)
-    rank = TorchLearnerRank(s, 0, 1, f"127.0.0.1:{free_port()}", [])
+    rank = LearnerDriver(s, 0, 1, f"127.0.0.1:{free_port()}", [])
     rank.setup()
-    assert rank.device.type == "cuda" and rank._compute_dtype() == torch.bfloat16
+    assert rank.device.type == "cuda" and rank.backend._compute_dtype() == torch.bfloat16
     shard = groups(1, n_groups=4, group_size=4)
     losses = [rank.train_on_shard(k, shard).loss for k in range(6)]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
-    assert all(p.dtype == torch.float32 for p in rank.model.parameters())  # master weights stay fp32
+    assert all(p.dtype == torch.float32 for p in rank.backend.model.parameters())  # master weights stay fp32
     rank.save_checkpoint(str(tmp_path))
     rank.gather_weights()
     before = {n: t.detach().cpu().clone() for n, t in rank.hf_weights().items()}

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from async_rl.learner.torch_learner import TorchLearnerRank
+from async_rl.learner.driver import LearnerDriver
 from tests.unit._learner_fixtures import groups, settings
 
 
 def run_rank(rank: int, world: int, master: str, model_dir: str, out: str) -> None:
     s = settings(model_dir, parallel="fsdp2", micro_batch_size=2 + rank)  # ranks differ in micro-batch count
-    learner = TorchLearnerRank(s, rank, world, master, [])
+    learner = LearnerDriver(s, rank, world, master, [])
     learner.setup()
     metrics = [learner.train_on_shard(k, groups(20 + k)) for k in range(2)]
     ckpt = Path(out) / "ckpt"
@@ -27,7 +27,7 @@ def run_rank(rank: int, world: int, master: str, model_dir: str, out: str) -> No
     learner.shutdown()
 
     # A fresh FSDP2 group restores the checkpoint and holds the same full weights.
-    fresh = TorchLearnerRank(s, rank, world, master.rsplit(":", 1)[0] + ":" + str(int(master.rsplit(":", 1)[1]) + 1), [])
+    fresh = LearnerDriver(s, rank, world, master.rsplit(":", 1)[0] + ":" + str(int(master.rsplit(":", 1)[1]) + 1), [])
     fresh.setup()
     step = fresh.load_checkpoint(str(ckpt))
     fresh.gather_weights()

@@ -88,7 +88,11 @@ def test_scale_command_up_and_down_and_buffer_restart(tmp_path, model_cache):
     out = run_short(tmp_path, model_cache, SHORT, between=between)
     # The added engine generated with the learner's weights; the newest engine was drained and removed.
     assert pools == [[0, 1], [0]]
-    check_common(*out, engines=[0], rejected_ok=("unknown_prompt", "wrong_engine"))
+    # The drained engine handed its leases back (requeued, whole groups of 4); the count depends on
+    # timing, the other buckets do not.
+    requeued = out[4].accounts.requeued
+    assert requeued % 4 == 0
+    check_common(*out, engines=[0], rejected_ok=("unknown_prompt", "wrong_engine"), requeued=requeued)
     records = out[-1]
     assert [r["num_engines"] for r in records][:4] == [1, 1, 2, 1]  # logged before the change applies
     assert all(r["lost"] == 0 for r in records)  # drained and restarted: handed back, never lost
@@ -125,16 +129,14 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
     slow = ["task.name=tests.integration._slow_task:make_task", "task.reward_workers=16", "task.reward_timeout_s=10"]
     out = run_short(tmp_path, model_cache, [*SHORT, *slow], between=between)
     assert struck == [1]  # the replacement of engine 0 was the one killed mid-sync
-    # Engine 2 replaced it; it holds exactly the learner's weights and the run reached its last step.
-    check_common(*out, engines=[2], rejected_ok=("unknown_prompt", "wrong_engine"))
-    records, final = out[-1], out[4]
-    assert all(r["lost"] == 0 for r in records)  # the dead engines' leases were requeued, not lost
     log = events(tmp_path)
     died = [e for e in log if "died" in e["reason"]]
     assert [e["reason"].split(";")[0] for e in died] == ["engine 0 died", "engine 1 died"]
     requeued = sum(int(e["reason"].split(";")[1].split()[0]) for e in died)
     assert requeued > 0  # slow rewards: the engines held leases when they died
-    assert final.accounts.requeued == 4 * requeued  # every handed-back lease is in the ledger
+    # Engine 2 replaced it; it holds exactly the learner's weights and the run reached its last step.
+    # Every handed-back lease is in the ledger as requeued (4 samples each), none lost.
+    check_common(*out, engines=[2], rejected_ok=("unknown_prompt", "wrong_engine"), requeued=4 * requeued)
     assert [e["source"] for e in log] == ["recovery"] * 4  # died, replaced; died, replaced
 
 

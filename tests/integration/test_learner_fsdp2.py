@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 
 from async_rl.cluster.resources import free_port
 from async_rl.learner.base import checkpoint_model_dir
+from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.hf_io import read_hf_weights
-from async_rl.learner.torch_learner import TorchLearnerRank
 from async_rl.weight_sync.checksum import checksum_of
 from tests.integration._fsdp_worker import run_rank
 from tests.unit._learner_fixtures import groups, settings
@@ -35,19 +35,19 @@ def test_fsdp2_two_ranks_match_one_replica_and_round_trip(tmp_path, model_cache)
     assert report["micro_batches"] == [3, 3]  # rank 0's count (rank 1 had 2 and ran a dummy)
 
     # Both ranks trained on the same shard, so the averaged gradient is one replica's: compare.
-    single = TorchLearnerRank(settings(model_dir), 0, 1, "", [])
+    single = LearnerDriver(settings(model_dir), 0, 1, "", [])
     single.setup()
     losses = [single.train_on_shard(k, groups(20 + k)).loss for k in range(2)]
     assert losses == pytest.approx(report["loss"], abs=1e-6)
     saved = read_hf_weights(checkpoint_model_dir(tmp_path / "ckpt"))
-    names = [n for n, _ in single.model.named_parameters()]
+    names = [n for n, _ in single.backend.model.named_parameters()]
     assert report["names"] == sorted(names) and "lm_head.weight" not in saved  # tied: stored once
     # Sharded reductions sum in another order; AdamW turns those last-bit differences of near-zero
     # gradients into full steps for a few elements, so allow 5% of the two steps' largest move (2 * lr).
     initial = read_hf_weights(model_dir)
-    moved = max(float((initial[n] - p.detach()).abs().max()) for n, p in single.model.named_parameters())
+    moved = max(float((initial[n] - p.detach()).abs().max()) for n, p in single.backend.model.named_parameters())
     assert moved > 1e-2  # the weights really moved
-    for name, p in single.model.named_parameters():
+    for name, p in single.backend.model.named_parameters():
         torch.testing.assert_close(saved[name], p.detach(), atol=1e-3, rtol=0, msg=name)
     ck = checksum_of(saved[n] for n in names)
     assert [ck.total, ck.sum_sq, ck.count] == pytest.approx(report["checksum"], rel=1e-12)

@@ -4,21 +4,40 @@ from __future__ import annotations
 
 import numpy as np
 
-from async_rl.config import AlgorithmConfig
-from async_rl.learner.base import LearnerSettings
+from async_rl.config import (
+    AlgorithmConfig,
+    GeneratorConfig,
+    LearnerConfig,
+    ModelConfig,
+    TrainConfig,
+    WeightSyncConfig,
+)
+from async_rl.learner.base import LearnerSpec
 from async_rl.protocol import TrajectoryGroup
 
+LEARNER_FIELDS = set(LearnerConfig.__struct_fields__)
 
-def settings(model_dir, **overrides) -> LearnerSettings:
-    base = dict(
-        model_dir=str(model_dir), dtype="float32", lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
-        algorithm=AlgorithmConfig(), max_tokens=8, temperature=1.0, seed=0, run_id="test",
-        buffer_address="tcp://127.0.0.1:1", batch_timeout_s=1.0, bucket_mb=1, weight_sync_host="127.0.0.1",
-        weight_sync_port=0, weight_sync_timeout_s=10.0, weight_sync_backend="gloo", weight_checksum="sampled",
-        wire_dtype="", total_steps=10,
+
+def settings(model_dir, **overrides) -> LearnerSpec:
+    """A learner spec for tests: `overrides` name LearnerConfig fields, `algorithm`, `total_steps`,
+    `seed`, `max_tokens`, `temperature` or `reference_model_dir`."""
+    learner = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0}
+    learner.update({k: v for k, v in overrides.items() if k in LEARNER_FIELDS})
+    rest = {k: v for k, v in overrides.items() if k not in LEARNER_FIELDS}
+    return LearnerSpec(
+        model=ModelConfig(path=str(model_dir), dtype="float32"),
+        learner=LearnerConfig(**learner),
+        algorithm=rest.pop("algorithm", AlgorithmConfig()),
+        generators=GeneratorConfig(max_tokens=rest.pop("max_tokens", 8), temperature=rest.pop("temperature", 1.0)),
+        train=TrainConfig(total_steps=rest.pop("total_steps", 10), seed=rest.pop("seed", 0)),
+        weight_sync=WeightSyncConfig(backend="gloo", bucket_mb=1, host="127.0.0.1", timeout_s=10.0),
+        run_id="test",
+        model_dir=str(model_dir),
+        reference_model_dir=str(rest.pop("reference_model_dir", model_dir)),
+        buffer_address="tcp://127.0.0.1:1",
+        batch_timeout_s=1.0,
+        **rest,
     )
-    base.update(overrides)
-    return LearnerSettings(**base)
 
 
 def groups(seed: int, n_groups: int = 2, group_size: int = 3, vocab: int = 40) -> list[TrajectoryGroup]:

@@ -66,6 +66,11 @@ def algorithm(model_dir, **cfg) -> Algorithm:
     )
 
 
+def scorer(policy, b: Batch):
+    """The algorithm's view of the policy: no-grad log-probs (and hidden states) on `b`."""
+    return lambda with_hidden: score_tokens(policy, b, 1.0, with_hidden)
+
+
 def trained_logp(policy, b: Batch) -> torch.Tensor:
     logits = policy(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
     return token_logprobs(logits, b.input_ids[:, 1:])
@@ -77,7 +82,7 @@ def trained_logp(policy, b: Batch) -> torch.Tensor:
 def test_group_estimators_per_sequence(model_dir, policy, name, estimator):
     b = make_batch(policy)
     algo = algorithm(model_dir, name=name)
-    p = algo.prepare(b, policy)
+    p = algo.prepare(b, scorer(policy, b))
     assert torch.equal(p.advantages, estimator(b.rewards).reshape(-1, 1))
     assert p.prox_logp is None and p.ref_logp is None  # no extra passes by default
     assert p.denominator == (4 * MAX_TOKENS if name == "dr_grpo" else 13)  # 3 + 4 + 2 + 4 tokens
@@ -91,7 +96,7 @@ def test_group_estimators_per_sequence(model_dir, policy, name, estimator):
 
 def test_reinforce_pp_whitens_returns_over_the_batch(model_dir, policy):
     b = make_batch(policy)
-    p = algorithm(model_dir, name="reinforce_pp").prepare(b, policy)
+    p = algorithm(model_dir, name="reinforce_pp").prepare(b, scorer(policy, b))
     a, m = p.advantages, b.loss_mask
     assert a.shape == m.shape
     assert (a * m).sum().item() == pytest.approx(0.0, abs=1e-5)
@@ -109,7 +114,7 @@ def test_decoupled_recomputes_proximal_logprobs(model_dir, policy):
     b = make_batch(policy)
     b.behav_logp = (b.behav_logp - 0.1) * b.loss_mask  # vLLM's policy: a little off
     algo = algorithm(model_dir, objective="decoupled")
-    p = algo.prepare(b, policy)
+    p = algo.prepare(b, scorer(policy, b))
     torch.testing.assert_close(p.prox_logp * b.loss_mask, score_tokens(policy, b, 1.0)[0] * b.loss_mask)
     _, stats = algo.loss(p, trained_logp(policy, b))
     assert stats.clip_frac == 0.0  # pi == pi_prox before the update
@@ -120,7 +125,7 @@ def test_reference_starts_at_the_policy_and_kl_grows_when_it_moves(model_dir, po
     b = make_batch(policy)
     algo = algorithm(model_dir, kl_coef=0.5)
     assert algo.reference is not None
-    p = algo.prepare(b, policy)
+    p = algo.prepare(b, scorer(policy, b))
     loss, stats = algo.loss(p, trained_logp(policy, b))
     assert stats.kl_ref == pytest.approx(0.0, abs=1e-6)
     moved = algo.reference.model.__class__(algo.reference.model.config)
@@ -137,10 +142,10 @@ def test_reference_starts_at_the_policy_and_kl_grows_when_it_moves(model_dir, po
 def test_kl_in_reward_changes_token_rewards(model_dir, policy):
     b = make_batch(policy)
     b.behav_logp = (b.behav_logp - 0.2) * b.loss_mask  # the sampler drifted from the reference
-    plain = algorithm(model_dir, name="reinforce_pp").prepare(b, policy)
+    plain = algorithm(model_dir, name="reinforce_pp").prepare(b, scorer(policy, b))
     penalised = algorithm(
         model_dir, name="reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1"
-    ).prepare(b, policy)
+    ).prepare(b, scorer(policy, b))
     assert penalised.ref_logp is None  # in the reward, not in the loss
     assert penalised.kl_ref == pytest.approx(-0.2, abs=1e-5)  # k1 of mu against ref = mu - ref
     assert not torch.allclose(plain.advantages, penalised.advantages)
@@ -149,14 +154,14 @@ def test_kl_in_reward_changes_token_rewards(model_dir, policy):
 def test_ppo_critic_learns_the_returns(model_dir, policy):
     b = make_batch(policy)
     algo = algorithm(model_dir, name="ppo", critic_lr=1e-2)
-    losses = [algo.prepare(b, policy).value_loss for _ in range(60)]
+    losses = [algo.prepare(b, scorer(policy, b)).value_loss for _ in range(60)]
     # V starts at 0, so the first targets are the lambda-returns R * lambda^(tokens to the end) (gamma 1)
     returns = torch.tensor(
         [r * 0.95**k for r, n in zip([1.0, 0.0, 0.25, 0.75], [3, 4, 2, 4], strict=True) for k in range(n)]
     )
     assert losses[0] == pytest.approx(0.5 * (returns**2).mean().item(), rel=1e-4)
     assert losses[-1] < 0.2 * losses[0]
-    p = algo.prepare(b, policy)
+    p = algo.prepare(b, scorer(policy, b))
     assert (p.advantages * b.loss_mask).sum().item() == pytest.approx(0.0, abs=1e-4)  # whitened
     assert set(algo.state_dict()) == {"critic"}
 
@@ -168,7 +173,7 @@ def test_micro_batch_losses_add_up_to_the_shard_loss(model_dir, policy, name):
         b.behav_logp + 0.3 * torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
     ) * b.loss_mask
     algo = algorithm(model_dir, name=name, kl_coef=0.1, ratio_mask_low=0.8, ratio_mask_high=1.25)
-    p = algo.prepare(b, policy)
+    p = algo.prepare(b, scorer(policy, b))
     logp = trained_logp(policy, b)
     whole, stats = algo.loss(p, logp)
     assert stats.masked_frac > 0  # some tokens are dropped for their ratio, and still the parts add up

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from async_rl.learner.base import checkpoint_model_dir
+from async_rl.learner.driver import LearnerDriver, shard_samples
 from async_rl.learner.packing import SeqSample, pack_rows, packed, padded, split
 from async_rl.learner.schedule import lr_factor
-from async_rl.learner.torch_learner import TorchLearnerRank, shard_samples
 from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, settings
 
@@ -21,8 +21,8 @@ def model_dir(tmp_path_factory):
     return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
 
 
-def make_rank(model_dir, **overrides) -> TorchLearnerRank:
-    rank = TorchLearnerRank(settings(model_dir, **overrides), 0, 1, "", [])
+def make_rank(model_dir, **overrides) -> LearnerDriver:
+    rank = LearnerDriver(settings(model_dir, **overrides), 0, 1, "", [])
     rank.setup()
     return rank
 
@@ -68,14 +68,15 @@ def test_pack_rows_first_fit_bounded():
 
 def prepared_samples(model, model_dir, gs, **algorithm):
     from async_rl.config import AlgorithmConfig
-    from async_rl.learner.algorithms import Algorithm
+    from async_rl.learner.algorithms import Algorithm, score_tokens
     from async_rl.learner.padded import PaddedShard as Collated
 
     algo = Algorithm(
         AlgorithmConfig(**algorithm), max_tokens=8, temperature=1.0, model_dir=str(model_dir), dtype=torch.float32,
         hidden_size=model.config.hidden_size, seed=0, max_grad_norm=1.0,
     )
-    return shard_samples(gs, algo.prepare(Collated(gs), model))
+    b = Collated(gs)
+    return shard_samples(gs, algo.prepare(b, lambda h: score_tokens(model, b, 1.0, h)))
 
 
 def test_padded_preparation_reaches_packed_micro_batches(model_dir):
@@ -149,7 +150,7 @@ def test_packed_and_micro_batched_training_match_one_padded_batch(model_dir):
     assert m_acc.grad_norm == pytest.approx(m_ref.grad_norm, rel=1e-5)
     # gradients (kept after the step) agree; parameters after AdamW would amplify float noise in
     # near-zero gradients to full-size steps, so they are not the thing to compare
-    for (name, a), (_, b) in zip(acc.model.named_parameters(), ref.model.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(acc.backend.model.named_parameters(), ref.backend.model.named_parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=1e-4, msg=name)
 
 
@@ -177,9 +178,9 @@ def test_checkpoint_round_trip_is_bit_exact(model_dir, tmp_path):
     after_save = torch.rand(4)
     b = make_rank(model_dir, lr_warmup_steps=1, lr_decay="cosine", total_steps=6)
     assert b.load_checkpoint(str(tmp_path)) == 2
-    assert _state_equal(a.optimizer.state_dict(), b.optimizer.state_dict())
-    assert _state_equal(a.scheduler.state_dict(), b.scheduler.state_dict())
-    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+    assert _state_equal(a.backend.optimizer.state_dict(), b.backend.optimizer.state_dict())
+    assert a.step_count == b.step_count == 2  # the LR schedule is a function of the step count
+    for (name, p), (_, q) in zip(a.backend.model.named_parameters(), b.backend.model.named_parameters(), strict=True):
         assert torch.equal(p, q), name
     # the RNG streams continue identically: the draw after a load is the draw after the save
     a.load_checkpoint(str(tmp_path))
@@ -189,7 +190,7 @@ def test_checkpoint_round_trip_is_bit_exact(model_dir, tmp_path):
     # and the next step is the same step
     ma, mb = a.train_on_shard(2, groups(12)), b.train_on_shard(2, groups(12))
     assert ma.lr == mb.lr and ma.loss == mb.loss
-    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+    for (name, p), (_, q) in zip(a.backend.model.named_parameters(), b.backend.model.named_parameters(), strict=True):
         assert torch.equal(p, q), name
 
 
@@ -209,6 +210,26 @@ def test_checkpoint_model_folder_loads_with_transformers(model_dir, tmp_path):
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     ids = torch.tensor([[5, 9, 12, 7, 30, 4]])
     with torch.no_grad():
-        ours = rank.model(input_ids=ids).logits
+        ours = rank.backend.model(input_ids=ids).logits
         theirs = loaded(input_ids=ids).logits
     torch.testing.assert_close(theirs, ours, atol=0, rtol=0)
+
+
+def test_compute_logprobs_scores_every_completion_token(model_dir):
+    """The learner interface's no-grad scoring: one array per completion, equal to the model's
+    log-probs of those tokens after the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    rank = make_rank(model_dir)
+    gs = groups(5, n_groups=2, group_size=3)
+    got = rank.compute_logprobs(gs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    completions = [(g.prompt_tokens, c) for g in gs for c in g.completions]
+    assert len(got) == len(completions)
+    for (prompt, comp), lp in zip(completions, got, strict=True):
+        ids = torch.from_numpy(np.concatenate([prompt, comp]).astype(np.int64))[None]
+        with torch.no_grad():
+            full = torch.log_softmax(model(ids).logits[0].float(), -1)
+        want = full[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+        assert lp.dtype == np.float32 and lp.shape == (len(comp),)
+        np.testing.assert_allclose(lp, want.numpy(), atol=2e-5, rtol=0)

@@ -102,7 +102,7 @@ def test_megatron_rendezvous_is_on_the_node_ip(monkeypatch):
     cfg = load_config(None, CPU)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.2")  # bindable, not 127.0.0.1
     rank = MegatronLearnerRank(
-        settings.learner_settings(cfg, "r", Path("/m"), "tcp://127.0.0.1:2", None),
+        settings.learner_spec(cfg, "r", Path("/m"), Path("/m"), "tcp://127.0.0.1:2", None),
         settings.megatron_settings(cfg), 0, 2, "", cores=[],
     )
     host, port = rank.rendezvous_address().rsplit(":", 1)

@@ -39,7 +39,7 @@ def test_secret_keys_never_appear_in_a_repr():
         repr(keys),
         repr(settings.buffer_settings(cfg, "r", keys)),
         repr(settings.engine_settings(cfg, "r", Path("/m"), plan, 0, "tcp://127.0.0.1:1", keys)),
-        repr(settings.learner_settings(cfg, "r", Path("/m"), "tcp://127.0.0.1:2", keys)),
+        repr(settings.learner_spec(cfg, "r", Path("/m"), Path("/m"), "tcp://127.0.0.1:2", keys)),
     ]
     for text in texts:
         for secret in (keys.server.secret, keys.engine.secret, keys.learner.secret):
@@ -52,11 +52,11 @@ def test_each_process_gets_only_its_own_keys():
     plan = plan_placement(cfg, cores=[0, 1])
     assert settings.buffer_settings(cfg, "r", keys).curve == keys.server
     assert settings.engine_settings(cfg, "r", Path("/m"), plan, 0, "tcp://x:1", keys).curve == keys.engine
-    assert settings.learner_settings(cfg, "r", Path("/m"), "tcp://x:2", keys).curve == keys.learner
+    assert settings.learner_spec(cfg, "r", Path("/m"), Path("/m"), "tcp://x:2", keys).curve == keys.learner
     # CURVE off: nobody gets keys.
     assert settings.buffer_settings(cfg, "r", None).curve is None
     assert settings.engine_settings(cfg, "r", Path("/m"), plan, 0, "tcp://x:1", None).curve is None
-    assert settings.learner_settings(cfg, "r", Path("/m"), "tcp://x:2", None).curve is None
+    assert settings.learner_spec(cfg, "r", Path("/m"), Path("/m"), "tcp://x:2", None).curve is None
 
 
 def test_libzmq_without_curve_is_a_one_line_error(monkeypatch):

@@ -1,0 +1,346 @@
+"""The learner rank the controller talks to: one code path for everything that is not the model.
+
+`LearnerDriver` fetches this rank's shard from the buffer, runs the algorithm's `prepare` (advantages
+and its no-grad passes) and `loss` (every algorithm), cuts the shard into packed or padded
+micro-batches, normalises the loss by the global batch's token count, applies the LR schedule,
+reports the step's metrics (entropy included), holds the weights lock, serves the weights for sync
+(`WeightSource`) and writes its part of checkpoints. The model lives behind `backend.ModelBackend`
+(`learner.backend`: torch now; a Megatron backend plugs in the same way).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from async_rl.cluster.placement import pin_current_process
+from async_rl.cluster.resources import free_port
+from async_rl.errors import RunError
+from async_rl.learner.algorithms import Algorithm, Prepared
+from async_rl.learner.backend import ModelBackend, TokenScores
+from async_rl.learner.base import LearnerRank, LearnerSpec, Probe, StepMetrics
+from async_rl.learner.batch_client import BatchClient
+from async_rl.learner.hf_io import rng_state, set_rng_state
+from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
+from async_rl.learner.padded import PaddedShard
+from async_rl.learner.schedule import lr_factor
+from async_rl.learner.weight_source import WeightSource
+from async_rl.protocol import TrajectoryGroup
+from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
+from async_rl.weight_sync.bucketing import Manifest
+from async_rl.weight_sync.checksum import ParamChecksum
+
+TRAINER_STATE = "trainer_state.pt"
+# Loss statistics accumulated over micro-batches (token-weighted), in this order on the wire.
+_STATS = ("loss", "clip_frac", "tis_frac", "kl_behav", "logprob_abs_diff", "masked_frac", "kl_ref", "entropy")
+
+
+def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> ModelBackend:
+    if spec.learner.backend == "torch":
+        from async_rl.learner.torch_backend import TorchBackend
+
+        return TorchBackend(spec.learner, spec.model.dtype, rank, world_size, master)
+    raise RunError(f"learner.backend={spec.learner.backend} has no model backend for the learner driver yet")
+
+
+def _per_token(t: torch.Tensor | None, row: int, col: int, n: int) -> np.ndarray | None:
+    """Row `row`'s values at logit columns col..col+n of a [B, T] (or [B, 1] broadcast) tensor."""
+    if t is None:
+        return None
+    if t.shape[1] == 1:
+        return np.full(n, float(t[row, 0]), dtype=np.float32)
+    return t[row, col : col + n].detach().float().cpu().numpy().copy()
+
+
+def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = None) -> list[SeqSample]:
+    """Sequences of a shard, row i of `prepared` being sequence i: with the algorithm's per-token
+    advantages (and the proximal and reference log-probs when its loss needs them), or, without
+    `prepared` (scoring only), zero advantages."""
+    samples = []
+    row = 0
+    for g in groups:
+        prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
+        for comp, lp in zip(g.completions, g.logprobs, strict=True):
+            col, n = len(prompt) - 1, len(comp)
+            p = prepared
+            samples.append(
+                SeqSample(
+                    tokens=np.concatenate([prompt, np.asarray(comp, dtype=np.int64)]),
+                    start=len(prompt),
+                    behav_logp=np.asarray(lp, dtype=np.float32),
+                    advantages=_per_token(p.advantages, row, col, n) if p else np.zeros(n, dtype=np.float32),
+                    prox_logp=_per_token(p.prox_logp, row, col, n) if p else None,
+                    ref_logp=_per_token(p.ref_logp, row, col, n) if p else None,
+                )
+            )
+            row += 1
+    return samples
+
+
+def padded_inputs(b: PaddedShard) -> MicroBatch:
+    """The shard's padded rows as a micro-batch to score: targets are the inputs shifted by one."""
+    n, width = b.input_ids.shape
+    targets = torch.zeros(n, width, dtype=torch.long)
+    targets[:, :-1] = b.input_ids[:, 1:]
+    zeros = torch.zeros(n, width)
+    return MicroBatch(b.input_ids, None, b.attention_mask, targets, zeros, zeros, zeros, [])
+
+
+class LearnerDriver(LearnerRank):
+    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master: str, cores: list[int]) -> None:
+        pin_current_process(cores)
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.master = master
+        self.backend: ModelBackend | None = None  # made in setup, once the rendezvous address is known
+        self.weights: WeightSource | None = None
+        self.step_count = 0
+        self.version = 0  # the policy version these weights are (step + 1 after train_step(step))
+        self._last_samples: list[SeqSample] = []
+        self.batches: BatchClient | None = None
+        # The actor runs two calls at once (a weight sync or a buffer redirect while train_step waits
+        # for its batch); the weights change only under this lock, so a sync never sends a mix.
+        self._weights_lock = threading.Lock()
+
+    def rendezvous_address(self) -> str:
+        import ray
+
+        host = ray.util.get_node_ip_address()  # other ranks may run on other nodes
+        self.master = f"{host}:{free_port(host)}"
+        return self.master
+
+    def setup(self) -> int:
+        s = self.spec
+        random.seed(s.train.seed)
+        np.random.seed(s.train.seed)
+        torch.manual_seed(s.train.seed)
+        self.backend = make_backend(s, self.rank, self.world_size, self.master)
+        params = self.backend.setup(s.model_dir)
+        self.device = self.backend.device
+        self.weights = WeightSource(s.weight_sync, self._named_tensors, adopt=self.backend.weights_are_live)
+        hidden_size = 0
+        if s.algorithm.name == "ppo":
+            from transformers import AutoConfig
+
+            hidden_size = int(AutoConfig.from_pretrained(s.model_dir).hidden_size)
+        self.algo = Algorithm(
+            s.algorithm,
+            max_tokens=s.generators.max_tokens,
+            temperature=s.generators.temperature,
+            model_dir=s.reference_model_dir,
+            dtype=getattr(torch, s.model.dtype),
+            hidden_size=hidden_size,
+            seed=s.train.seed,
+            max_grad_norm=s.learner.max_grad_norm,
+        )
+        return params
+
+    def _batch_client(self) -> BatchClient | None:
+        """The buffer connection of a fetching rank, opened at its first fetch (a rank driven only
+        through `train_on_shard` opens no socket)."""
+        info = self.backend.info
+        if self.batches is None and info.fetches_batch:
+            s = self.spec
+            self.batches = BatchClient(s.buffer_address, s.run_id, info.dp_rank, info.dp_size, s.curve)
+        return self.batches
+
+    # ---- training --------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> StepMetrics:
+        t0 = time.perf_counter()
+        client = self._batch_client()
+        groups = client.fetch(step, self.spec.batch_timeout_s) if client is not None else None
+        groups = self.backend.share_shard(groups)
+        wait_s = time.perf_counter() - t0
+        with self._weights_lock:
+            metrics = self.train_on_shard(step, groups)
+            self.version = step + 1
+        metrics.wait_s = wait_s
+        return metrics
+
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.all_reduce(x, "sum")
+
+    def _score_padded(self, b: PaddedShard, with_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The current weights' no-grad log-probs [B, T] (and hidden states) on the padded shard, for
+        the algorithm's prepare, on the CPU like the shard. Zeros on ranks without outputs (they
+        compute no loss)."""
+        scores = self.backend.score(padded_inputs(b).to(self.device), self.spec.generators.temperature,
+                                    hidden=with_hidden)
+        if scores is None:
+            return torch.zeros(b.loss_mask.shape), None
+        hidden = None if scores.hidden is None else scores.hidden[:, :-1].float().cpu()
+        return scores.logp[:, :-1].cpu(), hidden
+
+    def _micro_batches(self, samples: list[SeqSample]) -> list[MicroBatch]:
+        """This rank's micro-batches, padded with empty ones to the most any rank has: every rank
+        runs as many forward/backward passes, so the collectives inside them line up."""
+        c = self.spec.learner
+        mbs = micro_batches(samples, c.packing, c.micro_batch_size, c.micro_batch_tokens, c.pack_row_tokens)
+        count = int(self.backend.all_reduce(torch.tensor([len(mbs)], device=self.device), "max").item())
+        return [mb.to(self.device) for mb in mbs] + [dummy_micro_batch().to(self.device)] * (count - len(mbs))
+
+    def train_on_shard(self, step: int, groups: list[TrajectoryGroup]) -> StepMetrics:
+        t0 = time.perf_counter()
+        s = self.spec
+        # The algorithm's no-grad passes and advantages run on the shard as padded rows; the gradient
+        # passes then run on packed micro-batches. Its denominator is the global batch's.
+        shard = PaddedShard(groups)
+        prepared = self.algo.prepare(shard, lambda h: self._score_padded(shard, h), self._dp_sum)
+        samples = shard_samples(groups, prepared)
+        self._last_samples = samples
+        mbs = self._micro_batches(samples)
+        local_tokens = max(1, sum(mb.loss_tokens for mb in mbs))
+        acc = torch.zeros(len(_STATS), dtype=torch.float64)
+
+        def loss_fn(i: int, scores: TokenScores) -> torch.Tensor:
+            mb = mbs[i]
+            loss, st = self.algo.loss(prepared.for_micro_batch(mb), scores.logp)
+            share = mb.loss_tokens / local_tokens  # statistics: token-weighted over this rank's shard
+            entropy = float((scores.entropy * mb.loss_mask).sum()) / max(1, mb.loss_tokens)
+            values = [st.loss] + [share * v for v in (st.clip_frac, st.tis_frac, st.kl_behav,
+                                                      st.logprob_abs_diff, st.masked_frac, st.kl_ref, entropy)]
+            acc.add_(torch.tensor(values, dtype=torch.float64))
+            return loss
+
+        self.backend.forward_backward(mbs, s.generators.temperature, loss_fn)
+        c = s.learner
+        lr = c.lr * lr_factor(self.step_count, c.lr_warmup_steps, s.train.total_steps, c.lr_decay, c.lr_min_ratio)
+        # No signal in the whole batch (every rank agrees: `signal` is global): the weights and
+        # the optimizer state stay as they are; the step still counts (version and LR schedule).
+        grad_norm = self.backend.optimizer_step(lr, c.max_grad_norm) if prepared.signal else 0.0
+        self.step_count += 1
+        stats = dict(zip(_STATS, self.backend.share_outputs(acc).tolist(), strict=True))
+        # This rank's loss is its share of the global token mean; the controller averages over ranks.
+        stats["loss"] *= self.backend.info.dp_size
+        counted = self.backend.info.counts_samples
+        return StepMetrics(
+            step=step,
+            rank=self.rank,
+            reward_mean=float(np.mean([r for g in groups for r in g.rewards])),
+            grad_norm=grad_norm,
+            samples=len(samples) if counted else 0,
+            tokens=sum(x.completion_len for x in samples) if counted else 0,
+            wait_s=0.0,
+            compute_s=time.perf_counter() - t0,
+            lr=lr,
+            micro_batches=len(mbs),
+            value_loss=prepared.value_loss,
+            **stats,
+        )
+
+    def _score(self, samples: list[SeqSample], temperature: float) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        for mb in self._micro_batches(samples):
+            scores = self.backend.score(mb, temperature)
+            if scores is not None:
+                out.extend(mb.per_sequence(scores.logp))
+        return out
+
+    def compute_logprobs(self, groups: list[TrajectoryGroup], temperature: float = 1.0) -> list[np.ndarray]:
+        with self._weights_lock:
+            return self._score(shard_samples(groups), temperature)
+
+    def probe_logprobs(self, max_samples: int) -> Probe:
+        """Log-probs of the current weights on completion tokens of the last batch (temperature 1, the
+        same convention as vLLM's prompt log-probs): compared with a generator scoring the same tokens."""
+        samples = self._last_samples[:max_samples]
+        with self._weights_lock:
+            values = self._score(samples, 1.0)
+        return Probe(
+            token_ids=[x.tokens.tolist() for x in samples],
+            positions=[list(range(x.start, len(x.tokens))) for x in samples],
+            logprobs=[v.tolist() for v in values],
+        )
+
+    # ---- weights under HF names ------------------------------------------------------------------
+
+    def _named_tensors(self) -> dict[str, torch.Tensor]:
+        return self.backend.hf_weights()
+
+    def gather_weights(self) -> None:
+        self.backend.gather_weights()
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        return self.backend.hf_weights()
+
+    def weight_manifest(self) -> Manifest:
+        return self.weights.manifest()
+
+    def open_weight_group(self, world_size: int) -> WeightGroupInfo:
+        return self.weights.open(world_size)
+
+    def join_weight_group(self) -> None:
+        self.weights.join()
+
+    def broadcast_weights(self, version: int) -> UpdateReceipt:
+        return self.weights.broadcast(version)  # the caller pinned the weights (pin_weights)
+
+    def pin_weights(self, version: int) -> bool:
+        # Released by unpin_weights, from another call (possibly another thread): a plain Lock allows it.
+        self._weights_lock.acquire()
+        if self.version > version:  # trained past it (a resumed run may not have counted up to it)
+            self._weights_lock.release()
+            return False
+        return True
+
+    def unpin_weights(self) -> None:
+        if self._weights_lock.locked():
+            self._weights_lock.release()
+
+    def param_checksum(self) -> ParamChecksum:
+        with self._weights_lock:
+            return self.weights.checksum()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        self.backend.all_reduce(torch.zeros(1, device=self.device))
+
+    def save_checkpoint(self, directory: str) -> None:
+        d = Path(directory)
+        self.backend.save(directory)
+        if self.rank == 0:
+            state = {
+                "step": self.step_count,
+                "algorithm": self.algo.state_dict(),  # ppo's critic (replicated: rank 0's is everyone's)
+                "reference_model_dir": self.spec.reference_model_dir,
+            }
+            torch.save(state, d / TRAINER_STATE)
+        torch.save(rng_state(), d / f"rng_rank{self.rank}.pt")
+        self._barrier()
+
+    def load_checkpoint(self, directory: str) -> int:
+        d = Path(directory)
+        self.backend.load(directory)
+        # Our own file (Python objects): not an untrusted download.
+        state = torch.load(d / TRAINER_STATE, map_location="cpu", weights_only=False)
+        if state.get("algorithm"):
+            self.algo.load_state_dict(state["algorithm"])
+        self.step_count = int(state["step"])
+        rng_file = d / f"rng_rank{self.rank}.pt"
+        if not rng_file.is_file():  # more ranks than when saved: start from rank 0's streams
+            rng_file = d / "rng_rank0.pt"
+        set_rng_state(torch.load(rng_file, weights_only=False))
+        self._barrier()
+        return self.step_count
+
+    def redirect_buffer(self, address: str) -> None:
+        client = self._batch_client()
+        if client is not None:
+            client.redirect(address)
+
+    def shutdown(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
+        if self.backend is not None:
+            self.backend.shutdown()

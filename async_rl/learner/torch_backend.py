@@ -1,0 +1,240 @@
+"""The torch model backend: an HF causal LM under DDP or FSDP2 (gloo on CPU, nccl on GPU), AdamW.
+
+Pure data parallel: every rank fetches its own shard and has outputs. See backend.py for the contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from async_rl.config import LearnerConfig
+from async_rl.errors import RunError
+from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
+from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
+from async_rl.learner.packing import MicroBatch
+
+OPTIMIZER_STATE = "optimizer.pt"
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one (HF names their class in `_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) (with grad) and the distribution's entropy (detached), float32 [B, T]."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class TorchBackend(ModelBackend):
+    def __init__(self, cfg: LearnerConfig, dtype: str, rank: int, world_size: int, master: str) -> None:
+        self.cfg = cfg
+        self.dtype = getattr(torch, dtype)
+        self.rank = rank
+        self.world_size = world_size
+        self.master = master
+        self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
+
+    @property
+    def sharded(self) -> bool:
+        return self.cfg.parallel == "fsdp2"
+
+    @property
+    def weights_are_live(self) -> bool:
+        return not self.sharded
+
+    def setup(self, model_dir: str) -> int:
+        from transformers import AutoModelForCausalLM
+
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.world_size > 1 or self.sharded:  # FSDP2 needs a process group even for one rank
+            host, port = self.master.rsplit(":", 1)
+            dist.init_process_group(
+                "nccl" if self.device.type == "cuda" else "gloo",
+                init_method=f"tcp://{host}:{port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=300),
+            )
+        self.info = ParallelInfo(
+            rank=self.rank, world_size=self.world_size, dp_rank=self.rank, dp_size=self.world_size,
+            fetches_batch=True, has_outputs=True, counts_samples=True,
+        )
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        self.hidden_size = int(self.model.config.hidden_size)
+        self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
+        self.model.to(self.device).train()
+        self._param_names = [name for name, _ in self.model.named_parameters()]
+        compute = self._compute_dtype()
+        self._autocast = None
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else None
+            kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
+            layers = decoder_layers(self.model)
+            if not layers:
+                raise RunError("learner.parallel=fsdp2: the model names no decoder layer class (_no_split_modules)")
+            for layer in layers:
+                fully_shard(layer, **kwargs)
+            fully_shard(self.model, **kwargs)
+            self.wrapped = self.model
+        else:
+            self._autocast = compute
+            if self.world_size > 1:
+                ids = [self.device.index] if self.device.type == "cuda" else None
+                self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            else:
+                self.wrapped = self.model
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99)
+        )
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        """bf16 compute on CUDA (parameters and optimizer stay in `model.dtype`); none on CPU."""
+        mode = self.cfg.mixed_precision
+        if mode == "bf16" or (mode == "auto" and self.device.type == "cuda"):
+            return torch.bfloat16
+        return None
+
+    # ---- forward and backward ---------------------------------------------------------------------
+
+    def _forward(self, mb: MicroBatch, temperature: float, hidden: bool) -> TokenScores:
+        autocast = (
+            torch.autocast(self.device.type, dtype=self._autocast) if self._autocast else contextlib.nullcontext()
+        )
+        with autocast:
+            out = self.wrapped(**mb.model_inputs(self.device), output_hidden_states=hidden)
+        logp, entropy = token_scores(out.logits, mb.targets.to(self.device), temperature)
+        return TokenScores(logp=logp, entropy=entropy, hidden=out.hidden_states[-1].detach() if hidden else None)
+
+    def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False) -> TokenScores:
+        with torch.no_grad():
+            return self._forward(mb, temperature, hidden)
+
+    def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._full = None  # gathered weights go stale with this step
+        for i, mb in enumerate(mbs):
+            with self._grad_sync(i == len(mbs) - 1):
+                loss = loss_fn(i, self._forward(mb, temperature, hidden=False))
+                # DDP and FSDP2 average gradients over ranks; the contract is their sum.
+                (loss * self.world_size).backward()
+
+    def _grad_sync(self, sync: bool):
+        """Accumulate gradients locally except on the last micro-batch, which reduces them once."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        if sync or self.wrapped is self.model:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
+
+    def optimizer_step(self, lr: float, max_grad_norm: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        self.optimizer.step()
+        self._full = None
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def all_reduce(self, x: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+        if not dist.is_initialized() or self.world_size == 1:
+            return x
+        y = x.to(self.device if self.device.type == "cuda" else "cpu").clone()
+        dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return y.to(x.device)
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    def gather_weights(self) -> None:
+        if not self.sharded or self._full is not None:
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # CPU: only rank 0 keeps the gathered copy. CUDA: every rank does (the NCCL sender needs
+        # device tensors), at the cost of one full copy of the weights per GPU during the sync.
+        offload = self.device.type == "cpu"
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+        self._full = {name: full[name] for name in self._param_names} if full else {}
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        # named_parameters() lists a tied weight once, under its first name: what vLLM's loader expects.
+        if not self.sharded:
+            return dict(self.model.named_parameters())
+        if self._full is None:
+            raise RuntimeError("learner.parallel=fsdp2: hf_weights before gather_weights")
+        return self._full
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    def save(self, directory: str) -> None:
+        from async_rl.learner.base import checkpoint_model_dir
+
+        d = Path(directory)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            self.gather_weights()
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        else:
+            optim = self.optimizer.state_dict()  # replicas: rank 0's is everyone's
+        if self.rank == 0:
+            write_hf_folder(checkpoint_model_dir(d), self._model_files, self.hf_weights())
+            torch.save({"optimizer": optim, "parallel": self.cfg.parallel, "world_size": self.world_size},
+                       d / OPTIMIZER_STATE)
+
+    def load(self, directory: str) -> None:
+        from async_rl.learner.base import checkpoint_model_dir
+
+        d = Path(directory)
+        weights = read_hf_weights(checkpoint_model_dir(d))
+        missing = [n for n in self._param_names if n not in weights]
+        if missing:
+            raise RunError(f"checkpoint '{d}': model weights miss {len(missing)} parameter(s), e.g. '{missing[0]}'")
+        # Our own file (optimizer state plus Python objects): not an untrusted download.
+        state = torch.load(d / OPTIMIZER_STATE, map_location="cpu", weights_only=False)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self.model, {n: weights[n] for n in self._param_names}, options=opts)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
+        else:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(weights[name])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._full = None
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
