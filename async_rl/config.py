@@ -112,9 +112,6 @@ class TrainConfig(_Section):
 class MegatronConfig(_Section):
     tensor_parallel_size: Annotated[int, _f("megatron: tensor-parallel ranks per model replica", ge=1)] = 1
     pipeline_parallel_size: Annotated[int, _f("megatron: pipeline stages per model replica", ge=1)] = 1
-    micro_batches: Annotated[
-        int, _f("megatron: micro-batches per rank and step (gradients accumulate; must divide the shard)", ge=1)
-    ] = 1
     distributed_optimizer: Annotated[
         bool, _f("megatron: shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)")
     ] = True
@@ -450,15 +447,10 @@ def _validate_megatron(cfg: Config) -> None:
     """Megatron splits learner.world_size into TP x PP x DP; the buffer shards a step over DP."""
     m, world = cfg.learner.megatron, cfg.learner.world_size
     a = cfg.algorithm
-    if a.name != "grpo" or a.objective != "behaviour" or a.kl_coef or a.ratio_mask_low or a.ratio_mask_high:
+    if a.name == "ppo":
         raise ConfigError(
-            "learner.backend=megatron supports algorithm.name=grpo with algorithm.objective=behaviour, no KL "
-            "and no ratio masking so far (the other algorithms run on learner.backend=torch)"
-        )
-    if cfg.train.checkpoint_every or cfg.train.checkpoint_at_end:
-        raise ConfigError(
-            "learner.backend=megatron does not write checkpoints yet: set train.checkpoint_every=0 and "
-            "train.checkpoint_at_end=false (or use learner.backend=torch)"
+            "learner.backend=megatron does not run algorithm.name=ppo yet (its critic reads the last hidden "
+            "states, which the Megatron backend does not return); use learner.backend=torch"
         )
     model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size
     if m.device == "cpu":
@@ -473,12 +465,6 @@ def _validate_megatron(cfg: Config) -> None:
         raise ConfigError(
             f"train.prompts_per_step={cfg.train.prompts_per_step} is not divisible by the megatron "
             f"data-parallel size {dp} (learner.world_size / (tensor x pipeline parallel))"
-        )
-    shard = cfg.train.prompts_per_step // dp * cfg.generators.group_size
-    if shard % m.micro_batches:
-        raise ConfigError(
-            f"learner.megatron.micro_batches={m.micro_batches} does not divide a rank's {shard} sequences "
-            "(train.prompts_per_step / data-parallel size x generators.group_size)"
         )
 
 

