@@ -19,7 +19,6 @@ p2p sends fixed-shape activations).
 from __future__ import annotations
 
 import math
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from async_rl.errors import RunError
 from async_rl.learner import megatron_model as mm
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
+from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.packing import MicroBatch
 from async_rl.protocol import TrajectoryGroup
 
@@ -120,7 +120,6 @@ class MegatronBackend(ModelBackend):
         self.on_cpu = device == "cpu"
         self.seed = seed
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self.model_dir = ""
 
     # ---- setup ------------------------------------------------------------------------------------
 
@@ -154,7 +153,7 @@ class MegatronBackend(ModelBackend):
         if not self.on_cpu:
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
         torch.manual_seed(self.seed)
-        self.model_dir = model_dir
+        self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
         self.arch = mm.load_arch(model_dir)
         self.te_spec = te_spec
         self.policy = MegatronPolicy(
@@ -236,7 +235,21 @@ class MegatronBackend(ModelBackend):
 
         with torch.no_grad():
             self._run([mb], temperature, True, keep)
-        return out[0] if out else None
+        if self.pp == 1:
+            return out[0] if out else None
+        return self._from_last_stage(out[0] if out else None, mb)
+
+    def _from_last_stage(self, scores: TokenScores | None, mb: MicroBatch) -> TokenScores:
+        """Every pipeline stage gets the last stage's scores: the controller reads the mismatch probe
+        and compute_logprobs from global rank 0, the first stage."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_pipeline_model_parallel_group()
+        both = torch.zeros(2, *mb.input_ids.shape, dtype=torch.float32, device=self.device)
+        if scores is not None:
+            both[0], both[1] = scores.logp, scores.entropy
+        dist.broadcast(both, src=dist.get_process_group_ranks(group)[-1], group=group)
+        return TokenScores(logp=both[0], entropy=both[1])
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         # megatron divides each micro-batch's loss by their count and its DDP averages gradients
@@ -309,26 +322,29 @@ class MegatronBackend(ModelBackend):
     # ---- checkpoints --------------------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
+        """`model/`: an HF folder (rank 0); each rank's optimizer state (its shard's parameters)."""
+        from async_rl.learner.base import checkpoint_model_dir
+        from async_rl.learner.hf_io import write_hf_folder
+
         self.gather_weights()
         root = Path(directory)
         if self.rank == 0:
-            from safetensors.torch import save_file
-
-            model = root / "model"
-            model.mkdir(parents=True, exist_ok=True)
-            for f in Path(self.model_dir).iterdir():  # config, generation config, tokenizer, chat template
-                if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
-                    shutil.copy2(f, model / f.name)
-            save_file({n: t.contiguous().cpu() for n, t in self.hf_weights().items()}, model / "model.safetensors")
+            write_hf_folder(checkpoint_model_dir(root), self._model_files, self.hf_weights())
         torch.save(self.policy.optimizer.state_dict(), root / f"megatron_optimizer_rank{self.rank}.pt")
         dist.barrier()
 
     def load(self, directory: str) -> None:
+        from async_rl.learner.base import checkpoint_model_dir
+
         root = Path(directory)
-        mm.load_hf_weights(self.policy.model, mm.SafetensorsCheckpoint(root / "model"), self.arch, self.te_spec)
+        mm.load_hf_weights(
+            self.policy.model, mm.SafetensorsCheckpoint(checkpoint_model_dir(root)), self.arch, self.te_spec
+        )
+        # Our own file (optimizer state): not an untrusted download.
         state = torch.load(root / f"megatron_optimizer_rank{self.rank}.pt", weights_only=False, map_location=self.device)
         self.policy.optimizer.load_state_dict(state)
         self._snapshot = None
+        self.gather_weights()
 
     def shutdown(self) -> None:
         try:

@@ -86,9 +86,8 @@ def test_megatron_on_cpu_learns_and_vllm_holds_its_weights(layout, tmp_path, mod
     for ck in engine_cks[0]:
         assert ck.close_to(learner_ck), (ck, learner_ck)
     # the HF-format checkpoint holds the weights vLLM holds
-    from safetensors.torch import load_file
-
+    from async_rl.learner.hf_io import read_hf_weights
     from async_rl.weight_sync.checksum import checksum_of
 
     (model_dir,) = list((tmp_path / "checkpoints").glob("step_*/model"))
-    assert checksum_of(load_file(model_dir / "model.safetensors").values()).close_to(learner_ck)
+    assert checksum_of(read_hf_weights(model_dir).values()).close_to(learner_ck)
