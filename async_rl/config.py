@@ -221,9 +221,6 @@ class TrainConfig(_Section):
 class MegatronConfig(_Section):
     tensor_parallel_size: Annotated[int, _f("megatron: tensor-parallel ranks per model replica", ge=1)] = 1
     pipeline_parallel_size: Annotated[int, _f("megatron: pipeline stages per model replica", ge=1)] = 1
-    micro_batches: Annotated[
-        int, _f("megatron: micro-batches per rank and step (gradients accumulate; must divide the shard)", ge=1)
-    ] = 1
     distributed_optimizer: Annotated[
         bool, _f("megatron: shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)")
     ] = True
@@ -231,13 +228,18 @@ class MegatronConfig(_Section):
         Literal["auto", "on", "off"],
         _f("megatron layer spec: Transformer Engine (fused kernels) or the local spec; auto = TE if importable"),
     ] = "auto"
+    device: Annotated[
+        Literal["cuda", "cpu"],
+        _f("megatron: where the ranks train; cpu = gloo, float32, no GPU requested (tests and debugging, "
+           "see learner/megatron_cpu.py)"),
+    ] = "cuda"
 
 
 class LearnerConfig(_Section):
     backend: Annotated[
         Literal["torch", "megatron"],
         _f("learner implementation: torch (HF model, DDP; CPU and GPU) or megatron (megatron-core GPTModel "
-           "with TP/PP/DP; needs CUDA and the gpu extra; Llama and Qwen2 checkpoints)"),
+           "with TP/PP/DP; CUDA, or CPU with learner.megatron.device=cpu; Llama and Qwen2 checkpoints)"),
     ] = "torch"
     world_size: Annotated[
         int, _f("learner ranks (torch: data parallel; megatron: tensor x pipeline x data parallel)", ge=1)
@@ -646,20 +648,14 @@ def _validate_megatron(cfg: Config) -> None:
     """Megatron splits learner.world_size into TP x PP x DP; the buffer shards a step over DP."""
     m, world = cfg.learner.megatron, cfg.learner.world_size
     a = cfg.algorithm
-    if (
-        a.name != "grpo" or a.objective != "behaviour" or a.kl_coef or a.ratio_mask_low or a.ratio_mask_high
-        or a.overlong != "keep"
-    ):
+    if a.name == "ppo":
         raise ConfigError(
-            "learner.backend=megatron supports algorithm.name=grpo with algorithm.objective=behaviour, no KL, "
-            "no ratio masking and algorithm.overlong=keep so far (the others run on learner.backend=torch)"
-        )
-    if cfg.train.checkpoint_every or cfg.train.checkpoint_at_end:
-        raise ConfigError(
-            "learner.backend=megatron does not write checkpoints yet: set train.checkpoint_every=0 and "
-            "train.checkpoint_at_end=false (or use learner.backend=torch)"
+            "learner.backend=megatron does not run algorithm.name=ppo yet (its critic reads the last hidden "
+            "states, which the Megatron backend does not return); use learner.backend=torch"
         )
     model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size
+    if m.device == "cpu":
+        _validate_megatron_cpu(cfg, world // model_parallel if world % model_parallel == 0 else 1)
     if world % model_parallel:
         raise ConfigError(
             f"learner.world_size={world} is not a multiple of learner.megatron.tensor_parallel_size x "
@@ -671,11 +667,20 @@ def _validate_megatron(cfg: Config) -> None:
             f"train.prompts_per_step={cfg.train.prompts_per_step} is not divisible by the megatron "
             f"data-parallel size {dp} (learner.world_size / (tensor x pipeline parallel))"
         )
-    shard = cfg.train.prompts_per_step // dp * cfg.generators.group_size
-    if shard % m.micro_batches:
+
+
+def _validate_megatron_cpu(cfg: Config, dp: int) -> None:
+    """What megatron_cpu does not cover (megatron's mixed-precision and distributed optimizers check
+    for CUDA tensors; Transformer Engine is CUDA-only)."""
+    m = cfg.learner.megatron
+    if cfg.model.dtype != "float32":
+        raise ConfigError(f"learner.megatron.device=cpu trains in float32: set model.dtype=float32, not {cfg.model.dtype}")
+    if m.transformer_engine == "on":
+        raise ConfigError("learner.megatron.device=cpu: transformer_engine=on needs CUDA (use off or auto)")
+    if m.distributed_optimizer and dp > 1:
         raise ConfigError(
-            f"learner.megatron.micro_batches={m.micro_batches} does not divide a rank's {shard} sequences "
-            "(train.prompts_per_step / data-parallel size x generators.group_size)"
+            f"learner.megatron.device=cpu with data-parallel size {dp}: megatron's distributed optimizer needs "
+            "CUDA; set learner.megatron.distributed_optimizer=false"
         )
 
 

@@ -259,8 +259,8 @@ class Controller:
             cfg.generators.ray_resources,
         )
         rank_bundle = {"CPU": cfg.learner.cpus_per_rank, **cfg.learner.ray_resources}
-        if cfg.learner.backend == "megatron":
-            rank_bundle["GPU"] = 1  # megatron-core needs CUDA: one GPU per rank
+        if settings.learner_on_cuda(cfg):
+            rank_bundle["GPU"] = 1  # megatron on CUDA: one GPU per rank (learner.megatron.device=cpu: none)
         learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
         self._pools.append(learner_pool)
         spec = self.learner_spec(self.addresses.serve)
@@ -269,12 +269,6 @@ class Controller:
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
             # Two calls at once: a weight sync or buffer redirect while train_step waits for a batch.
             options = {**options, "max_concurrency": 2}
-            if cfg.learner.backend == "megatron":
-                from async_rl.learner.megatron_learner import MegatronLearnerRank
-
-                return ray.remote(MegatronLearnerRank).options(**options).remote(
-                    spec, settings.megatron_settings(cfg), rank, world, master, ranks[rank].cores
-                )
             return ray.remote(LearnerDriver).options(**options).remote(
                 spec, rank, world, master, ranks[rank].cores
             )

@@ -12,15 +12,14 @@ from async_rl.config import Config, DataConfig
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
-from async_rl.learner.megatron_learner import MegatronSettings
 from async_rl.security import RunKeys, frame_limit_bytes
 
 BATCH_TIMEOUT_S = 600.0
 
 
 def learner_on_cuda(cfg: Config) -> bool:
-    """The megatron learner trains on CUDA; the torch learner on CPU."""
-    return cfg.learner.backend == "megatron"
+    """The megatron learner trains on CUDA unless learner.megatron.device=cpu; the torch learner on CPU."""
+    return cfg.learner.backend == "megatron" and cfg.learner.megatron.device == "cuda"
 
 
 def resolve_backend(cfg: Config) -> str:
@@ -134,16 +133,4 @@ def learner_spec(
         buffer_address=serve,
         batch_timeout_s=BATCH_TIMEOUT_S,
         curve=keys.learner if keys is not None else None,
-    )
-
-
-def megatron_settings(cfg: Config) -> MegatronSettings:
-    m = cfg.learner.megatron
-    return MegatronSettings(
-        tensor_parallel_size=m.tensor_parallel_size,
-        pipeline_parallel_size=m.pipeline_parallel_size,
-        micro_batches=m.micro_batches,
-        distributed_optimizer=m.distributed_optimizer,
-        transformer_engine=m.transformer_engine,
-        probe_samples=cfg.train.mismatch_probe_samples,
     )

@@ -52,6 +52,25 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
         from async_rl.learner.torch_backend import TorchBackend
 
         return TorchBackend(spec.learner, spec.model.dtype, rank, world_size, master)
+    if spec.learner.backend == "megatron":
+        from async_rl.learner.megatron_backend import MegatronBackend
+
+        m = spec.learner.megatron
+        return MegatronBackend(
+            rank=rank,
+            world_size=world_size,
+            master=master,
+            tensor_parallel_size=m.tensor_parallel_size,
+            pipeline_parallel_size=m.pipeline_parallel_size,
+            dtype=spec.model.dtype,
+            lr=spec.learner.lr,
+            weight_decay=spec.learner.weight_decay,
+            max_grad_norm=spec.learner.max_grad_norm,
+            distributed_optimizer=m.distributed_optimizer,
+            transformer_engine=m.transformer_engine,
+            device=m.device,
+            seed=spec.train.seed,
+        )
     raise RunError(f"learner.backend={spec.learner.backend} has no model backend for the learner driver yet")
 
 

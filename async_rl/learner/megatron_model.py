@@ -35,7 +35,8 @@ def transformer_engine_available() -> bool:
 
 def transformer_config(arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipeline: int) -> Any:
     """Megatron's TransformerConfig for `arch`: RMSNorm, SwiGLU, GQA, RoPE, no dropout, no fusions
-    that need Apex/TE kernels (Transformer Engine, when used, brings its own)."""
+    that need Apex/TE kernels (Transformer Engine, when used, brings its own). `cpu_init`: the model
+    is built on the CPU and stays there (see megatron_cpu)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -67,6 +68,9 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipelin
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype if pipeline > 1 else None,
         use_cpu_initialization=cpu_init,
+        # A model initialised on the CPU trains there (megatron_cpu): gloo has no batched p2p, and the
+        # batched path ends in torch.cuda.synchronize.
+        batch_p2p_comm=not cpu_init,
         tensor_model_parallel_size=_tp_size(),
         pipeline_model_parallel_size=pipeline,
     )

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import pytest
 import torch
+import torch.distributed as dist
 
 
 def tiny_qwen2():
@@ -61,3 +66,21 @@ def on_policy_loss(b) -> float:
     """PPO loss at ratio 1: -(token mean of the advantages) over the loss mask."""
     adv = b.advantages.expand_as(b.loss_mask)
     return float(-(adv * b.loss_mask).sum() / b.loss_mask.sum())
+
+
+@contextlib.contextmanager
+def one_rank_model_parallel() -> Iterator[None]:
+    """A one-rank gloo group and Megatron's parallel state with TP=PP=1 (for a module fixture)."""
+    from megatron.core import parallel_state
+
+    from async_rl.cluster.resources import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

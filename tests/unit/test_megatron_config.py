@@ -8,8 +8,6 @@ from async_rl import settings
 from async_rl.config import load_config
 from async_rl.errors import ConfigError
 
-NO_CHECKPOINTS = ["train.checkpoint_every=0", "train.checkpoint_at_end=false"]  # not written by megatron yet
-
 
 def test_torch_stays_the_default_backend():
     cfg = load_config(None)
@@ -18,23 +16,12 @@ def test_torch_stays_the_default_backend():
     assert cfg.learner.megatron.distributed_optimizer is True
 
 
-def test_megatron_layout_is_passed_to_the_ranks():
-    cfg = load_config(
-        None,
-        [
-            "learner.backend=megatron",
-            "learner.world_size=8",
-            "learner.megatron.tensor_parallel_size=2",
-            "learner.megatron.pipeline_parallel_size=2",
-            "learner.megatron.micro_batches=4",
-            "train.prompts_per_step=8",
-            "generators.group_size=4",
-            *NO_CHECKPOINTS,
-        ],
-    )
-    m = settings.megatron_settings(cfg)
-    assert (m.tensor_parallel_size, m.pipeline_parallel_size, m.micro_batches) == (2, 2, 4)
-    assert m.probe_samples == cfg.train.mismatch_probe_samples
+def test_megatron_runs_every_algorithm_but_ppo_and_writes_checkpoints():
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+        cfg = load_config(None, ["learner.backend=megatron", f"algorithm.name={name}"])
+        assert cfg.train.checkpoint_at_end
+    with pytest.raises(ConfigError, match="algorithm.name=ppo"):
+        load_config(None, ["learner.backend=megatron", "algorithm.name=ppo"])
 
 
 @pytest.mark.parametrize(
@@ -43,19 +30,12 @@ def test_megatron_layout_is_passed_to_the_ranks():
         (["learner.world_size=6", "learner.megatron.tensor_parallel_size=4"], "not a multiple of"),
         (["learner.world_size=6", "learner.megatron.tensor_parallel_size=2", "train.prompts_per_step=8"],
          "not divisible by the megatron data-parallel size 3"),
-        (["learner.megatron.micro_batches=3", "train.prompts_per_step=4", "generators.group_size=4"],
-         "micro_batches=3 does not divide a rank's 16 sequences"),
         (["learner.megatron.transformer_engine=maybe"], "learner.megatron.transformer_engine"),
     ],
 )
 def test_megatron_layout_errors_name_the_fields(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, ["learner.backend=megatron", *NO_CHECKPOINTS, *overrides])
-
-
-def test_megatron_refuses_checkpoint_settings_it_cannot_honour():
-    with pytest.raises(ConfigError, match="does not write checkpoints yet"):
-        load_config(None, ["learner.backend=megatron"])
+        load_config(None, ["learner.backend=megatron", *overrides])
 
 
 def test_world_size_that_only_megatron_model_parallelism_explains_is_accepted():
@@ -63,6 +43,43 @@ def test_world_size_that_only_megatron_model_parallelism_explains_is_accepted():
     cfg = load_config(
         None,
         ["learner.backend=megatron", "learner.world_size=4", "learner.megatron.tensor_parallel_size=4",
-         "train.prompts_per_step=3", *NO_CHECKPOINTS],
+         "train.prompts_per_step=3"],
     )
     assert cfg.learner.world_size == 4
+
+
+CPU = ["learner.backend=megatron", "learner.megatron.device=cpu"]
+
+
+def test_megatron_on_cpu_requests_no_gpu_and_syncs_without_cuda_ipc():
+    cfg = load_config(None, [*CPU, "learner.world_size=2", "learner.megatron.pipeline_parallel_size=2"])
+    assert not settings.learner_on_cuda(cfg)
+    assert settings.learner_on_cuda(load_config(None, ["learner.backend=megatron"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.dtype=bfloat16"], "trains in float32"),
+        (["learner.megatron.transformer_engine='on'"], "transformer_engine=on needs CUDA"),
+        (["learner.world_size=2", "train.prompts_per_step=2"], "data-parallel size 2: .*distributed_optimizer=false"),
+    ],
+)
+def test_megatron_on_cpu_refuses_what_megatron_cpu_does_not_cover(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*CPU, *overrides])
+
+
+def test_megatron_rendezvous_is_on_the_node_ip(monkeypatch):
+    """Other ranks may run on other nodes: the master address is this node's IP, not loopback."""
+    from pathlib import Path
+
+    import ray
+
+    from async_rl.learner.driver import LearnerDriver
+
+    cfg = load_config(None, CPU)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.2")  # bindable, not 127.0.0.1
+    rank = LearnerDriver(settings.learner_spec(cfg, "r", Path("/m"), Path("/m"), "tcp://127.0.0.1:2", None), 0, 2, "", [])
+    host, port = rank.rendezvous_address().rsplit(":", 1)
+    assert host == "127.0.0.2" and int(port) > 0

@@ -2,68 +2,36 @@
 TP=PP=1), an exact HF -> Megatron -> HF round trip of the weights, and log-probs against the HF model.
 
 megatron-core allocates a few things on 'cuda' unconditionally (the RoPE frequencies, the CUDA RNG
-tracker's fork around attention dropout, a token counter in the pipeline schedules); `megatron_on_cpu`
-redirects exactly those for the forward/backward tests. Its optimizer is CUDA-only throughout. The GPU tier runs the same comparison without it (tests/gpu/test_megatron_gpu.py).
+tracker's fork around attention dropout, a token counter in the pipeline schedules);
+`megatron_cpu.patched()` redirects exactly those for the forward/backward tests. The GPU tier runs the same comparison without it (tests/gpu/test_megatron_gpu.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-from async_rl.cluster.resources import free_port  # noqa: E402
 from async_rl.learner import megatron_convert as mcv  # noqa: E402
+from async_rl.learner import megatron_cpu  # noqa: E402
 from async_rl.learner import megatron_model as mm  # noqa: E402
 from async_rl.learner.algorithms import token_logprobs  # noqa: E402
-from tests.unit._megatron_models import fixed_batch, on_policy_loss, tiny_llama, tiny_qwen2  # noqa: E402
-
-
-class _NoCudaRngTracker:
-    def fork(self, name: str = "") -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # dropout is 0: there is no randomness to track
-
-
-class _TorchOnCpu:
-    """`torch` as megatron's pipeline schedules see it: `zeros(..., device="cuda")` lands on the CPU."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device=None if device == "cuda" else device, **kwargs)
-
-
-@contextlib.contextmanager
-def megatron_on_cpu():
-    from megatron.core import tensor_parallel
-    from megatron.core.pipeline_parallel import schedules
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoCudaRngTracker())
-        mp.setattr(schedules, "torch", _TorchOnCpu())
-        yield
+from tests.unit._megatron_models import (  # noqa: E402
+    fixed_batch,
+    on_policy_loss,
+    one_rank_model_parallel,
+    tiny_llama,
+    tiny_qwen2,
+)
 
 
 @pytest.fixture(scope="module")
 def model_parallel():
-    """A one-rank gloo group and Megatron's parallel state with TP=PP=1."""
-    from megatron.core import parallel_state
-
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with one_rank_model_parallel():
+        yield
 
 
 MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama}
@@ -115,7 +83,7 @@ def test_megatron_logprobs_match_the_hf_model_on_cpu(pair, temperature):
     ids = torch.randint(0, arch.vocab_size, (3, 17), generator=gen)
     with torch.no_grad():
         ref = token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:], temperature)
-        with megatron_on_cpu():
+        with megatron_cpu.patched():
             logits = mm.forward_logits(model, ids)
         got = mm.vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], arch.vocab_size, temperature)
     assert got.shape == ref.shape
@@ -193,7 +161,7 @@ def test_policy_steps_lower_the_loss_and_export_what_it_trained(model_parallel, 
 
     hf = tiny_qwen2()
     arch = mcv.arch_from_hf_config(hf.config)
-    with megatron_on_cpu():
+    with megatron_cpu.patched():
         policy = MegatronPolicy(
             arch,
             dict(hf.named_parameters()),

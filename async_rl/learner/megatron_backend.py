@@ -1,0 +1,357 @@
+"""Megatron-core model backend (`learner.backend: megatron`) behind the `ModelBackend` interface:
+GPTModel with tensor, pipeline and data parallelism, megatron's DDP, optimizer and pipeline
+schedules; everything that is not the model (algorithms, micro-batching, the weights lock, sync,
+checkpoint bookkeeping, LR schedule) is the driver's.
+
+World layout: megatron's default rank order (`tp-cp-ep-dp-pp`, TP fastest); `ParallelInfo` is read
+back from `parallel_state`, so the driver never computes it. The first rank of each model-parallel group (TP rank 0 of stage 0) fetches
+its DP shard and `share_shard` broadcasts it to its peers; output ranks are the last stage.
+
+Micro-batches of both layouts from `packing` run through megatron: a packed row gets a block-diagonal
+causal mask built from its position ids (RoPE is relative, so positions that do not restart change
+nothing once no token attends across a boundary); a padded row is right-padded, so the causal mask
+is enough. With pipeline parallelism all micro-batches of a step are padded to one shape (megatron's
+p2p sends fixed-shape activations).
+
+`device=cpu` runs on gloo in float32 under the megatron_cpu patches (tests, debugging).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from async_rl.errors import RunError
+from async_rl.learner import megatron_model as mm
+from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
+from async_rl.learner.hf_io import read_model_files
+from async_rl.learner.packing import MicroBatch
+from async_rl.protocol import TrajectoryGroup
+
+
+def attention_mask(mb: MicroBatch) -> torch.Tensor:
+    """Megatron's boolean mask [B, 1, T, T] (True = masked): causal, and block-diagonal over the
+    sequences of a packed row (a sequence starts where its position id is 0)."""
+    b, t = mb.input_ids.shape
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=mb.input_ids.device), diagonal=1)
+    if mb.position_ids is None:
+        return causal.expand(b, 1, t, t)
+    segment = torch.cumsum((mb.position_ids == 0).long(), dim=1)  # [B, T]
+    across = segment[:, :, None] != segment[:, None, :]
+    return (causal[None] | across)[:, None]
+
+
+def pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
+    """`mb` grown to [rows, cols] with rows/columns that carry no loss (pipeline stages exchange one
+    activation shape per step)."""
+    b, t = mb.input_ids.shape
+    if (b, t) == (rows, cols):
+        return mb
+
+    def grow(x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        out = torch.zeros(rows, cols, dtype=x.dtype, device=x.device)
+        out[:b, :t] = x
+        return out
+
+    position_ids = grow(mb.position_ids)
+    if position_ids is not None:  # a row's tail continues its positions (no new sequence); new rows too
+        position_ids[:b, t:] = torch.arange(t, cols, device=position_ids.device) if t else 0
+        position_ids[b:] = torch.arange(cols, device=position_ids.device)
+    return MicroBatch(
+        grow(mb.input_ids), position_ids, grow(mb.attention_mask), grow(mb.targets), grow(mb.loss_mask),
+        grow(mb.behav_logp), grow(mb.advantages), mb.spans, grow(mb.prox_logp), grow(mb.ref_logp),
+    )
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """Entropy of the full next-token distribution from vocab-parallel logits [B, T, V/tp] -> [B, T]
+    float32 (max and sums reduced over the TP group; padding columns excluded). No gradient."""
+    from megatron.core import parallel_state
+
+    with torch.no_grad():
+        x = logits.float() / temperature
+        per_rank = x.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+        if start + per_rank > vocab_size:
+            x = x.masked_fill(torch.arange(start, start + per_rank, device=x.device) >= vocab_size, float("-inf"))
+        group = parallel_state.get_tensor_model_parallel_group()
+        m = x.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(x - m[..., None])
+        z = e.sum(dim=-1)
+        s = (e * torch.nan_to_num(x, neginf=0.0)).sum(dim=-1)
+        both = torch.stack([z, s])
+        dist.all_reduce(both, group=group)
+        z, s = both[0], both[1]
+        return torch.log(z) + m - s / z
+
+
+class MegatronBackend(ModelBackend):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        master: str,
+        tensor_parallel_size: int,
+        pipeline_parallel_size: int,
+        dtype: str,
+        lr: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        distributed_optimizer: bool,
+        transformer_engine: str,
+        device: str,
+        seed: int,
+    ) -> None:
+        self.rank, self.world_size, self.master = rank, world_size, master
+        self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
+        self.dtype = getattr(torch, dtype)
+        self.lr, self.weight_decay, self.max_grad_norm = lr, weight_decay, max_grad_norm
+        self.distributed_optimizer = distributed_optimizer
+        self.transformer_engine = transformer_engine
+        self.on_cpu = device == "cpu"
+        self.seed = seed
+        self._snapshot: dict[str, torch.Tensor] | None = None
+
+    # ---- setup ------------------------------------------------------------------------------------
+
+    def setup(self, model_dir: str) -> int:
+        from megatron.core import parallel_state, tensor_parallel
+
+        from async_rl.learner.megatron_learner import MegatronPolicy, use_transformer_engine
+
+        te_spec = use_transformer_engine(self.transformer_engine) and not self.on_cpu
+        distributed = self.distributed_optimizer and not self.on_cpu  # DP=1 on CPU: nothing to shard
+        if self.on_cpu:
+            from async_rl.learner import megatron_cpu
+
+            megatron_cpu.check_config(dtype=self.dtype, distributed_optimizer=False, te_spec=te_spec)
+            megatron_cpu.enable()
+        elif not torch.cuda.is_available():
+            raise RunError("learner.megatron.device=cuda but this rank sees no CUDA device")
+        else:
+            torch.cuda.set_device(0)  # Ray gives each rank one visible GPU
+        host, port = self.master.rsplit(":", 1)
+        dist.init_process_group(
+            "gloo" if self.on_cpu else "nccl",
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=300),
+        )
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp
+        )
+        if not self.on_cpu:
+            tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
+        torch.manual_seed(self.seed)
+        self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
+        self.arch = mm.load_arch(model_dir)
+        self.te_spec = te_spec
+        self.policy = MegatronPolicy(
+            self.arch,
+            mm.SafetensorsCheckpoint(model_dir),
+            dtype=self.dtype,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+            distributed_optimizer=distributed,
+            te_spec=te_spec,
+            cpu_init=self.on_cpu,
+        )
+        self.device = self.policy.device
+        first_stage = parallel_state.is_pipeline_first_stage()
+        self.info = ParallelInfo(
+            rank=self.rank,
+            world_size=self.world_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+            fetches_batch=parallel_state.get_tensor_model_parallel_rank() == 0 and first_stage,
+            has_outputs=parallel_state.is_pipeline_last_stage(),
+            counts_samples=parallel_state.get_tensor_model_parallel_rank() == 0 and first_stage,
+        )
+        self.gather_weights()  # rank 0 serves the sync manifest from the start
+        return sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
+
+    # ---- forward and backward ---------------------------------------------------------------------
+
+    def _run(self, mbs: list[MicroBatch], temperature: float, forward_only: bool, on_scores) -> None:
+        """megatron's schedule over `mbs`; `on_scores(i, logits)` on output ranks returns the loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        shape = (max(m.input_ids.shape[0] for m in mbs), max(m.input_ids.shape[1] for m in mbs))
+        sized = [pad_to(m, *shape) for m in mbs] if self.pp > 1 else mbs
+        items = iter(list(enumerate(sized)))
+        dev = self.device
+
+        def forward_step(data_iterator, model):
+            i, mb = next(data_iterator)
+            ids = mb.input_ids.to(dev)
+            positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand(ids.shape[0], -1)
+            mask = attention_mask(mb).to(dev)
+            if not self.on_cpu and mb.position_ids is None:
+                mask = None  # megatron's own causal mask (fused kernels)
+            output = model(ids, positions, mask)
+
+            def loss_func(logits: torch.Tensor):
+                b, t = mbs[i].input_ids.shape
+                loss = on_scores(i, logits[:b, :t], mbs[i].to(dev))
+                return loss, {}
+
+            return output, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=items,
+            model=[self.policy.model],
+            num_microbatches=len(sized),
+            seq_length=shape[1],
+            micro_batch_size=shape[0],
+            forward_only=forward_only,
+        )
+
+    def _scores(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, hidden: bool) -> TokenScores:
+        if hidden:
+            raise RunError("learner.backend=megatron: ppo's critic (last hidden states) is not supported yet")
+        logp = mm.vocab_parallel_logprobs(logits, mb.targets, self.arch.vocab_size, temperature)
+        entropy = vocab_parallel_entropy(logits.detach(), self.arch.vocab_size, temperature)
+        return TokenScores(logp=logp, entropy=entropy)
+
+    def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False) -> TokenScores | None:
+        out: list[TokenScores] = []
+
+        def keep(i: int, logits: torch.Tensor, m: MicroBatch) -> torch.Tensor:
+            s = self._scores(logits, m, temperature, hidden)
+            out.append(TokenScores(logp=s.logp.detach(), entropy=s.entropy))
+            return s.logp.sum()
+
+        with torch.no_grad():
+            self._run([mb], temperature, True, keep)
+        if self.pp == 1:
+            return out[0] if out else None
+        return self._from_last_stage(out[0] if out else None, mb)
+
+    def _from_last_stage(self, scores: TokenScores | None, mb: MicroBatch) -> TokenScores:
+        """Every pipeline stage gets the last stage's scores: the controller reads the mismatch probe
+        and compute_logprobs from global rank 0, the first stage."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_pipeline_model_parallel_group()
+        both = torch.zeros(2, *mb.input_ids.shape, dtype=torch.float32, device=self.device)
+        if scores is not None:
+            both[0], both[1] = scores.logp, scores.entropy
+        dist.broadcast(both, src=dist.get_process_group_ranks(group)[-1], group=group)
+        return TokenScores(logp=both[0], entropy=both[1])
+
+    def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
+        # megatron divides each micro-batch's loss by their count and its DDP averages gradients
+        # over DP ranks: scale back so the gradient is the SUM the interface promises.
+        scale = len(mbs) * self.info.dp_size
+
+        def loss(i: int, logits: torch.Tensor, m: MicroBatch) -> torch.Tensor:
+            return loss_fn(i, self._scores(logits, m, temperature, False)) * scale
+
+        self._snapshot = None
+        self._run(mbs, temperature, False, loss)
+
+    def optimizer_step(self, lr: float, max_grad_norm: float) -> float:
+        opt = self.policy.optimizer
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.config.clip_grad = max_grad_norm
+        ok, grad_norm, _ = opt.step()
+        if not ok:
+            raise RunError("megatron optimizer step skipped (inf/nan gradients)")
+        self.policy.model.zero_grad_buffer()
+        opt.zero_grad()
+        self._snapshot = None
+        return float(grad_norm if grad_norm is not None else 0.0)
+
+    def all_reduce(self, x: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        if self.info.dp_size == 1:
+            return x
+        y = x.to(self.device).clone()
+        dist.all_reduce(
+            y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
+            group=parallel_state.get_data_parallel_group(),
+        )
+        return y.to(x.device)
+
+    def share_shard(self, groups: list[TrajectoryGroup] | None) -> list[TrajectoryGroup]:
+        from megatron.core import parallel_state
+
+        if self.tp * self.pp == 1:
+            assert groups is not None
+            return groups
+        group = parallel_state.get_model_parallel_group()
+        box = [groups]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=self.device)
+        return box[0]
+
+    def share_outputs(self, values: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        if self.pp == 1:
+            return values
+        group = parallel_state.get_pipeline_model_parallel_group()
+        out = values.to(self.device, torch.float64).clone()
+        dist.broadcast(out, src=dist.get_process_group_ranks(group)[-1], group=group)
+        return out.to(values.device)
+
+    # ---- weights ----------------------------------------------------------------------------------
+
+    def gather_weights(self) -> None:
+        if self._snapshot is None:
+            self._snapshot = self.policy.hf_state_dict() or {}  # collective; full only on rank 0
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        if not self._snapshot:
+            raise RunError("megatron: hf_weights on a rank without gathered weights (call gather_weights first)")
+        return self._snapshot
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    def save(self, directory: str) -> None:
+        """`model/`: an HF folder (rank 0); each rank's optimizer state (its shard's parameters)."""
+        from async_rl.learner.base import checkpoint_model_dir
+        from async_rl.learner.hf_io import write_hf_folder
+
+        self.gather_weights()
+        root = Path(directory)
+        if self.rank == 0:
+            write_hf_folder(checkpoint_model_dir(root), self._model_files, self.hf_weights())
+        torch.save(self.policy.optimizer.state_dict(), root / f"megatron_optimizer_rank{self.rank}.pt")
+        dist.barrier()
+
+    def load(self, directory: str) -> None:
+        from async_rl.learner.base import checkpoint_model_dir
+
+        root = Path(directory)
+        mm.load_hf_weights(
+            self.policy.model, mm.SafetensorsCheckpoint(checkpoint_model_dir(root)), self.arch, self.te_spec
+        )
+        # Our own file (optimizer state): not an untrusted download.
+        state = torch.load(root / f"megatron_optimizer_rank{self.rank}.pt", weights_only=False, map_location=self.device)
+        self.policy.optimizer.load_state_dict(state)
+        self._snapshot = None
+        self.gather_weights()
+
+    def shutdown(self) -> None:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except ImportError:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()

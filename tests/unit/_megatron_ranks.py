@@ -1,0 +1,158 @@
+"""One gloo rank of a Megatron model-parallel group on CPU (spawned by test_megatron_parallel.py).
+
+Each rank builds the same HF model, loads its TP shard of its pipeline stage into a MegatronPolicy
+with megatron's own optimizer (fp32, CPU patches of megatron_cpu), and writes what it measured to
+`out_dir/rank{R}.pt`: the log-probs of a fixed batch before and after one training step (last stage),
+and the full weights gathered under HF names before and after the step (rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    if kind == "tiny-qwen2":
+        from tests.unit._megatron_models import tiny_qwen2
+
+        return tiny_qwen2().float().eval()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(kind, dtype=torch.float32).eval()
+
+
+def run_rank(rank: int, world: int, port: int, kind: str, tp: int, pp: int, out_dir: str) -> None:
+    from megatron.core import parallel_state
+
+    from async_rl.learner import megatron_convert as mcv
+    from async_rl.learner import megatron_cpu
+    from async_rl.learner.megatron_learner import MegatronPolicy, megatron_optimizer
+    from tests.unit._megatron_models import fixed_batch
+
+    torch.set_num_threads(1)
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    megatron_cpu.enable()
+    try:
+        hf = hf_model(kind)
+        arch = mcv.arch_from_hf_config(hf.config)
+        lr = 1e-3
+        policy = MegatronPolicy(
+            arch,
+            dict(hf.named_parameters()),
+            dtype=torch.float32,
+            lr=lr,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            distributed_optimizer=False,
+            te_spec=False,
+            cpu_init=True,
+            make_optimizer=lambda ddp: megatron_optimizer(ddp, torch.float32, lr, 0.0, 1.0, False),
+        )
+        b = fixed_batch(min(arch.vocab_size, 1000))
+        before = policy.logprobs(b.input_ids)
+        gathered_before = _copy(policy.hf_state_dict())  # replicated tensors are the live parameters
+        if parallel_state.is_pipeline_last_stage():
+            b.behav_logp = before.detach() * b.loss_mask  # on-policy
+        stats, grad_norm = policy.train_batch(b, 2, 1.0, 0.2, 0.2, 2.0)
+        after = policy.logprobs(b.input_ids)
+        gathered_after = _copy(policy.hf_state_dict())
+        result = {
+            "input_ids": b.input_ids,
+            "loss_mask": b.loss_mask,
+            "logp_before": before,
+            "logp_after": after,
+            "grad_norm": grad_norm,
+            "loss": None if stats is None else stats.loss,
+            "hf_before": gathered_before,
+            "hf_after": gathered_after,
+        }
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _copy(weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if weights is None else {n: t.detach().clone() for n, t in weights.items()}
+
+
+def seq_samples(vocab: int, seed: int = 7) -> list:
+    """Six sequences of different lengths (prompt + completion) with random tokens."""
+    import numpy as np
+
+    from async_rl.learner.packing import SeqSample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for prompt, completion in [(4, 3), (5, 6), (3, 2), (6, 5), (4, 4), (2, 7)]:
+        n = prompt + completion
+        out.append(
+            SeqSample(
+                tokens=rng.integers(3, vocab, size=n).astype(np.int64),
+                start=prompt,
+                behav_logp=np.zeros(completion, dtype=np.float32),
+                advantages=np.ones(completion, dtype=np.float32),
+            )
+        )
+    return out
+
+
+def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, pp: int, out_dir: str) -> None:
+    """MegatronBackend on one rank: scores of packed and padded micro-batches, one step of the loss
+    -sum(logp)/tokens over two micro-batches (gradient norm before clipping), HF weights before and
+    after, and a save/load round trip."""
+    from async_rl.learner import packing
+    from async_rl.learner.megatron_backend import MegatronBackend
+
+    torch.set_num_threads(1)
+    backend = MegatronBackend(
+        rank=rank, world_size=world, master=f"127.0.0.1:{port}", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        dtype="float32", lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, distributed_optimizer=True,
+        transformer_engine="auto", device="cpu", seed=0,
+    )
+    try:
+        backend.setup(model_dir)
+        samples = seq_samples(min(backend.arch.vocab_size, 1000))
+        mbs = {"packed": packing.packed(samples, row_tokens=16), "padded": packing.padded(samples)}
+        scores = {k: backend.score(mb, 1.0) for k, mb in mbs.items()}
+        backend.gather_weights()
+        before = _copy(backend.hf_weights()) if rank == 0 else None  # valid until the next step: copy
+        halves = packing.micro_batches(samples, pack=True, max_seqs=3, row_tokens=16)
+        tokens = sum(mb.loss_tokens for mb in halves)
+
+        def loss_fn(i, s):
+            return -(s.logp * halves[i].loss_mask.to(s.logp.device)).sum() / tokens
+
+        backend.forward_backward(halves, 1.0, loss_fn)
+        grad_norm = backend.optimizer_step(1e-3, 1e9)
+        backend.gather_weights()
+        after = _copy(backend.hf_weights()) if rank == 0 else None
+        ckpt = Path(out_dir) / "ckpt"
+        if rank == 0:
+            ckpt.mkdir()
+        dist.barrier()
+        backend.save(str(ckpt))
+        backend.load(str(ckpt))
+        backend.gather_weights()
+        reloaded = backend.hf_weights() if rank == 0 else None
+        torch.save(
+            {
+                "info": backend.info,
+                "mbs": mbs,
+                "scores": scores,
+                "halves": halves,
+                "grad_norm": grad_norm,
+                "before": before,
+                "after": after,
+                "reloaded": reloaded,
+            },
+            Path(out_dir) / f"backend{rank}.pt",
+        )
+    finally:
+        backend.shutdown()

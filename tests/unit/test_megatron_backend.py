@@ -1,0 +1,91 @@
+"""MegatronBackend (the ModelBackend interface over megatron-core) with two gloo ranks on CPU, as
+TP=2 and as PP=2, on tiny-qwen2: per-token log-probs and entropies of packed and padded
+micro-batches equal the HF model's, the gradient of a loss summed over two micro-batches has the
+HF model's norm (the interface's sum semantics), HF-named weights round-trip and change after a
+step, and save/load restores them.
+
+Starts torch.distributed: run through /work/tools/heavy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+
+from async_rl.cluster.resources import free_port  # noqa: E402
+from async_rl.learner.algorithms import token_logprobs  # noqa: E402
+from async_rl.models.tiny import resolve_model_path  # noqa: E402
+from tests.unit._megatron_ranks import run_backend_rank  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def run(request, tmp_path_factory):
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    tp, pp = request.param
+    model_dir = resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
+    out = tmp_path_factory.mktemp("backend")
+    mp.spawn(run_backend_rank, args=(2, free_port(), str(model_dir), tp, pp, str(out)), nprocs=2, join=True)
+    ranks = [torch.load(out / f"backend{r}.pt", weights_only=False) for r in range(2)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tp, pp, ranks, hf
+
+
+def _hf_scores(hf, mb):
+    with torch.no_grad():
+        logits = hf(**mb.model_inputs(torch.device("cpu"))).logits
+    logp = token_logprobs(logits, mb.targets)
+    p = torch.log_softmax(logits.float(), dim=-1)
+    return logp, -(p.exp() * p).sum(-1)
+
+
+def test_parallel_info_names_fetcher_and_output_ranks(run):
+    tp, pp, ranks, _ = run
+    infos = [r["info"] for r in ranks]
+    assert [i.dp_size for i in infos] == [1, 1]
+    assert [i.fetches_batch for i in infos] == ([True, False])
+    assert [i.has_outputs for i in infos] == ([True, True] if pp == 1 else [False, True])
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_scores_match_the_hf_model(run, layout):
+    tp, pp, ranks, hf = run
+    last = ranks[1]
+    mb = last["mbs"][layout]
+    logp, entropy = _hf_scores(hf, mb)
+    got = last["scores"][layout]
+    mask = mb.loss_mask.bool()
+    assert (got.logp - logp).abs()[mask].mean() < 1e-4, (got.logp - logp).abs()[mask].max()
+    assert (got.entropy - entropy).abs()[mask].max() < 1e-4
+    first = ranks[0]["scores"][layout]  # the first stage gets the last stage's scores (probe on rank 0)
+    assert torch.equal(first.logp, got.logp) and torch.equal(first.entropy, got.entropy)
+
+
+def test_gradient_is_the_sum_over_micro_batches(run):
+    """One loss -sum(logp)/tokens over two micro-batches: the gradient norm is the HF model's on the
+    whole batch (megatron's 1/num_microbatches undone)."""
+    tp, pp, ranks, hf = run
+    halves = ranks[0]["halves"]
+    tokens = sum(mb.loss_tokens for mb in halves)
+    hf.zero_grad()
+    for mb in halves:
+        logits = hf(**mb.model_inputs(torch.device("cpu"))).logits
+        (-(token_logprobs(logits, mb.targets) * mb.loss_mask).sum() / tokens).backward()
+    ref = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1e9)
+    for r in ranks:
+        assert abs(r["grad_norm"] - float(ref)) < 1e-4 * float(ref), (r["grad_norm"], float(ref))
+
+
+def test_weights_round_trip_change_after_a_step_and_reload(run):
+    tp, pp, ranks, hf = run
+    before, after, reloaded = ranks[0]["before"], ranks[0]["after"], ranks[0]["reloaded"]
+    ref = dict(hf.named_parameters())
+    assert list(before) == list(ref)
+    assert all(torch.equal(before[n], t.detach()) for n, t in ref.items())
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+    assert all(torch.equal(after[n], reloaded[n]) for n in after)
+    assert ranks[1]["before"] is None  # only rank 0 holds the gathered weights
+
