@@ -63,7 +63,14 @@ class CorruptUpdate(RuntimeError):
     """An update that failed verification; nothing of it may be served."""
 
 
+class SyncAborted(RuntimeError):
+    """A member of the broadcast group died, or the controller gave up on one: every member abandons
+    this membership at once instead of waiting for the group's timeout. Nothing of it is served."""
+
+
 class Pending(Protocol):
+    def is_completed(self) -> bool: ...
+
     def wait(self) -> object: ...
 
 
@@ -75,7 +82,12 @@ class BroadcastGroup(abc.ABC):
         """Rank 0: start sending `buf`; other ranks: start filling `buf`."""
 
     def broadcast(self, buf: torch.Tensor) -> None:
-        self.start_broadcast(buf).wait()
+        self.wait(self.start_broadcast(buf))
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for one operation of this group. A group that can learn of a dead member while it
+        waits (gloo: its rendezvous store) raises `SyncAborted` then."""
+        pending.wait()
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -170,12 +182,12 @@ class WeightSender:
             # Packing bucket k overlaps the transfer of bucket k-1; hashing it overlaps its own.
             buf = pack(bucket, tensors, self.channel.staging(k, bucket.nbytes))
             if pending is not None:
-                pending.wait()
+                self.group.wait(pending)
             pending = self.channel.start_send(k, buf)
             if checker:
                 checker.hash_bucket(k, buf)
         if pending is not None:
-            pending.wait()
+            self.group.wait(pending)
         table = ChunkTable(self.manifest)
         if checker:
             table.fill(checker)
@@ -213,7 +225,7 @@ class WeightReceiver:
             # Take the rest of the update off the group without loading it, so the sender and the
             # other receivers finish this update instead of timing out; then refuse it.
             for k, b in enumerate(self.manifest.buckets):
-                self.channel.post_receive(k, b.nbytes)[1].wait()
+                self.group.wait(self.channel.post_receive(k, b.nbytes)[1])
             self.group.broadcast(torch.empty(self.trailer_bytes, dtype=torch.uint8))
             self._trailer_received = True
             raise CorruptUpdate(rejected)
@@ -239,13 +251,13 @@ class WeightReceiver:
         checker = ChunkChecker(self.manifest, self.checksum, random.Random(seed)) if self.checksum != "off" else None
         for k, bucket in enumerate(buckets):
             buf, pending = posted.popleft()
-            pending.wait()
+            self.group.wait(pending)
             self.channel.check(k)
             if checker:
                 checker.hash_bucket(k, buf)
             post_ahead()
             yield from unpack(bucket, buf)
-        trailer_pending.wait()
+        self.group.wait(trailer_pending)
         self._trailer_received = True
         table = ChunkTable.from_bytes(self.manifest, trailer.numpy().tobytes()) if checker else None
         if checker and (bad := checker.bad_chunks(table)):

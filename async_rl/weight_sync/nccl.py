@@ -27,6 +27,9 @@ class _CudaPending:
     def __init__(self, event: torch.cuda.Event) -> None:
         self._event = event
 
+    def is_completed(self) -> bool:
+        return self._event.query()
+
     def wait(self) -> None:
         self._event.synchronize()
 
