@@ -45,6 +45,55 @@ class TaskConfig(_Section):
     reward_workers: Annotated[int, _f("threads per engine that run reward functions", ge=1)] = 2
 
 
+class DataConfig(_Section):
+    """Prompt datasets (verl-style JSONL or parquet) and how prompts become token ids."""
+
+    train_files: Annotated[
+        list[str],
+        _f("training prompt files (.jsonl, .json or .parquet), read in order then shuffled; set: the prompts "
+           "come from these files and task.name supplies only the reward; empty: from task.name's stream"),
+    ] = msgspec.field(default_factory=list)
+    eval_files: Annotated[
+        list[str], _f("held-out prompt files for evaluation; empty: eval_task_prompts prompts of the task's held-out seed")
+    ] = msgspec.field(default_factory=list)
+    prompt_key: Annotated[
+        str, _f("column with the prompt: a string, or a list of chat messages {role, content}")
+    ] = "prompt"
+    answer_key: Annotated[
+        str,
+        _f("column with what the reward checks against (a string or number); a dotted path reads a nested field "
+           "(verl: reward_model.ground_truth); '' = the files have no answer"),
+    ] = "answer"
+    data_source_key: Annotated[
+        str, _f("column naming each row's data source (eval metrics per source); missing: the file's name")
+    ] = "data_source"
+    system_prompt: Annotated[
+        str, _f("prepended as a system message to every chat prompt that has none ('' = none)")
+    ] = ""
+    chat_template_for_text: Annotated[
+        bool,
+        _f("a plain-text prompt is rendered as one user message with the model's chat template (when it has "
+           "one); false: text is tokenized as it is"),
+    ] = True
+    epochs: Annotated[
+        int, _f("passes over data.train_files; then the prompt stream ends and the run stops", ge=1)
+    ] = 1
+    shuffle: Annotated[bool, _f("shuffle the training rows anew each epoch (seeded by data.seed and the epoch)")] = True
+    seed: Annotated[int, _f("seed of the per-epoch shuffle")] = 0
+    skip_bad_rows: Annotated[
+        bool,
+        _f("a bad row (missing column, wrong type, empty prompt, prompt longer than generators.max_model_len "
+           "- generators.max_tokens) is skipped and counted; false: the launch fails on the first one, "
+           "naming file and row"),
+    ] = False
+    eval_task_prompts: Annotated[
+        int, _f("without eval_files: how many held-out prompts the task's stream gives for evaluation", ge=1)
+    ] = 64
+    eval_task_seed: Annotated[
+        int, _f("without eval_files: seed of the task's held-out prompt stream (not task.seed)")
+    ] = 1_000_000
+
+
 class AutoscaleConfig(_Section):
     enabled: Annotated[bool, _f("grow and shrink the generator pool from learner wait time and buffer fill")] = False
     min_engines: Annotated[int, _f("the pool never shrinks below this many engines", ge=1)] = 1
@@ -291,6 +340,7 @@ class Config(_Section):
     ] = "disaggregated"
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
     generators: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
@@ -424,6 +474,24 @@ def validate(cfg: Config) -> None:
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
     validate_algorithm(cfg.algorithm)
+    validate_data(cfg)
+
+
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def validate_data(cfg: Config) -> None:
+    d = cfg.data
+    for field, files in (("data.train_files", d.train_files), ("data.eval_files", d.eval_files)):
+        for f in files:
+            if not f.endswith(_DATA_SUFFIXES):
+                raise ConfigError(f"{field}: '{f}' is not a {'/'.join(_DATA_SUFFIXES)} file")
+            if not Path(f).expanduser().is_file():
+                raise ConfigError(f"{field}: '{f}' does not exist")
+    if not d.prompt_key:
+        raise ConfigError("data.prompt_key is empty: name the prompt column")
+    if not d.eval_files and d.eval_task_seed == cfg.task.seed:
+        raise ConfigError(f"data.eval_task_seed={d.eval_task_seed} equals task.seed: evaluation would use training prompts")
 
 
 def validate_algorithm(a: AlgorithmConfig) -> None:

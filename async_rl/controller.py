@@ -23,7 +23,7 @@ from async_rl.buffer.actor import BufferAddresses, BufferStats
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.cluster.resources import ResourcePool, WorkerGroup
 from async_rl.config import Config
-from async_rl.elastic import Elastic, buffer_actor
+from async_rl.elastic import Elastic, PromptsExhausted, buffer_actor
 from async_rl.errors import RunError
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
@@ -91,7 +91,11 @@ class Controller:
             t0 = time.perf_counter()
             if self.cfg.placement == "colocated":
                 self.take_turns()
-            per_rank: list[StepMetrics] = self.elastic.train_step(step)  # watches for dead processes
+            try:
+                per_rank: list[StepMetrics] = self.elastic.train_step(step)  # watches for dead processes
+            except PromptsExhausted as exc:
+                print(f"data: {exc}", file=metrics.stream, flush=True)
+                break
             self.version = step + 1
             sync_s, mismatch = 0.0, None
             if self.version % self.cfg.train.sync_every == 0:
@@ -219,6 +223,8 @@ class Controller:
         self.buffer, self.addresses = self.make_buffer()
         if self.resume_from is not None:  # before any lease: accounting and prompt position go on
             ray.get(self.buffer.restore.remote(checkpoint.load_state(self.resume_from).buffer))
+            pos = ray.get(self.buffer.stats.remote()).data_position
+            print(f"resumed data position: epoch {pos.epoch}, index {pos.index}", flush=True)
         self.generators = GeneratorPool(
             # reads self.addresses when an engine starts: a restarted buffer has new ones
             lambda i: settings.engine_settings(
@@ -337,4 +343,7 @@ def make_record(
         kl_ref=sum(m.kl_ref for m in per_rank) / n,
         value_loss=sum(m.value_loss for m in per_rank) / n,
         filtered_groups=buffer.last_batch_filtered_groups,
+        data_epoch=buffer.data_position.epoch,
+        data_index=buffer.data_position.index,
+        skipped_prompts=sum(buffer.skipped_prompts.values()),
     )

@@ -41,6 +41,11 @@ SYNC_ATTEMPTS = 3
 START_TIMEOUT_S = 600.0
 
 
+class PromptsExhausted(Exception):
+    """The prompt stream ended (data.epochs done, or a finite task) and no full batch can be made
+    any more: the run ends after its last complete step."""
+
+
 class ScaleEvent(msgspec.Struct, frozen=True):
     """One change of the pool (or a decision not to), as logged to RUN_DIR/scaling.jsonl."""
 
@@ -102,6 +107,21 @@ class Elastic:
             if len(done) == len(refs):
                 return ray.get(refs)
             self.recover(step)
+            self.check_prompts(step)
+
+    def check_prompts(self, step: int) -> None:
+        """No prompt left, none in flight, too few groups waiting: this step's batch never fills."""
+        stats = self.on_buffer(step, lambda b: b.stats.remote())
+        if (
+            stats.prompts_exhausted
+            and stats.accounts.in_flight == 0
+            and stats.waiting_groups < self.ctl.cfg.train.prompts_per_step
+        ):
+            pos = stats.data_position
+            raise PromptsExhausted(
+                f"the prompt stream ended at epoch {pos.epoch}, index {pos.index} (data.epochs="
+                f"{self.ctl.cfg.data.epochs}): step {step + 1} cannot be filled; stopping after step {step}"
+            )
 
     def recover(self, step: int) -> None:
         """Restart a dead buffer; replace dead engines (they get the current weights at once)."""
@@ -262,7 +282,7 @@ def _dead_learner_rank(ctl: Controller) -> int | None:
 def buffer_actor(ctl: Controller, restore: bool):
     """A buffer actor that snapshots into the run directory (and restores from it on a restart)."""
     s = msgspec.structs.replace(
-        settings.buffer_settings(ctl.cfg, ctl.run_id, ctl.keys),
+        settings.buffer_settings(ctl.cfg, ctl.run_id, ctl.keys, ctl.model_dir),
         snapshot_path=str(ctl.run_dir / SNAPSHOT_NAME),
         restore=restore,
     )

@@ -81,8 +81,11 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
 
     from async_rl import checkpoint
     from async_rl.controller import Controller
+    from async_rl.data import check_train_data
     from async_rl.metrics import MetricsSink
 
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    loaded = check_train_data(cfg, model_dir)  # a bad data row fails here, before anything starts
     if resume_from is None:
         run_dir = make_run_dir(cfg)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -93,8 +96,10 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
         dropped = checkpoint.trim_metrics(run_dir, step)
         print(f"resuming from {resume_from} (step {step}); {dropped} later metrics record(s) dropped", flush=True)
     print(f"run directory: {run_dir}", flush=True)
-    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     print(f"model: {model_dir}", flush=True)
+    if loaded is not None:
+        skipped = f", {sum(loaded.skipped.values())} bad row(s) skipped {dict(loaded.skipped)}" if loaded.skipped else ""
+        print(f"data: {len(loaded.prompts)} training prompts x {cfg.data.epochs} epoch(s){skipped}", flush=True)
     print(plan.render(), flush=True)
     start_ray(cfg, plan)
     controller = Controller(cfg, model_dir, run_dir, plan, resume_from)

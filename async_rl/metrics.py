@@ -51,6 +51,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     filtered_groups: int = 0  # groups dropped by dynamic sampling while this step's batch was collected
     requeued: int = 0  # leases handed back to the prompt pool (engine drained or died), leased again
     num_engines: int = 0  # generator engines in the pool at the end of the step
+    data_epoch: int = 0  # the prompt stream's position after the step: epoch ...
+    data_index: int = 0  # ... and items of that epoch's order drawn (a task: prompts drawn)
+    skipped_prompts: int = 0  # prompts or data rows that could not be used (bad rows, too long), so far
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:

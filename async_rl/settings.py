@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from async_rl.buffer.actor import BufferSettings
 from async_rl.cluster.placement import PlacementPlan, available_cores
-from async_rl.config import Config
+from async_rl.config import Config, DataConfig
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSettings
@@ -31,7 +33,16 @@ def resolve_backend(cfg: Config) -> str:
     return "gloo" if cfg.ray.address else "shm"
 
 
-def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None) -> BufferSettings:
+def with_absolute_paths(data: DataConfig) -> DataConfig:
+    """Data file paths as the launch directory sees them: the buffer actor may run elsewhere."""
+
+    def absolute(files: list[str]) -> list[str]:
+        return [str(Path(f).expanduser().resolve()) for f in files]
+
+    return msgspec.structs.replace(data, train_files=absolute(data.train_files), eval_files=absolute(data.eval_files))
+
+
+def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: Path) -> BufferSettings:
     return BufferSettings(
         run_id=run_id,
         host=cfg.buffer.host,
@@ -46,6 +57,9 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None) -> BufferSet
         ),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
+        model_dir=str(model_dir),
+        max_prompt_tokens=cfg.generators.max_model_len - cfg.generators.max_tokens,
+        data=with_absolute_paths(cfg.data),
         curve=keys.server if keys is not None else None,
     )
 

@@ -70,7 +70,7 @@ def generation(engines: int, warmup_s: float, window_s: float, quick: bool) -> d
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     run_id = uuid.uuid4().hex[:12]
     keys = make_run_keys()  # CURVE on, as in a real run
-    buffer = ray.remote(ReplayBuffer).options(num_cpus=0).remote(settings.buffer_settings(cfg, run_id, keys))
+    buffer = ray.remote(ReplayBuffer).options(num_cpus=0).remote(settings.buffer_settings(cfg, run_id, keys, model_dir))
     addresses = ray.get(buffer.start.remote())
     pool = GeneratorPool(
         lambda i: settings.engine_settings(cfg, run_id, model_dir, plan, i, addresses.ingest, keys),

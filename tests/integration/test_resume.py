@@ -1,6 +1,7 @@
 """Kill a run after a checkpoint and resume it with `--resume RUN_DIR`: the step and version numbering
-continue, the run finishes, and the resumed learner (and the vLLM engines, which start from the
-checkpoint's HF folder) begin with exactly the checkpoint's weights."""
+continue, the run finishes, the resumed learner (and the vLLM engines, which start from the
+checkpoint's HF folder) begin with exactly the checkpoint's weights, and the prompt stream (a
+shuffled data file over several epochs) continues at the checkpoint's exact data position."""
 
 from __future__ import annotations
 
@@ -23,10 +24,23 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 TOTAL = 8
+ROWS = 12  # 3 epochs of 12 rows: more than the run draws, and the stream crosses epochs
+
+
+def data_file(tmp_path) -> Path:
+    """Rows for the 'repeat' reward: prompt 'c:', answer 'c' (the tiny preset tokenizes text plainly)."""
+    path = tmp_path / "letters.jsonl"
+    if not path.exists():
+        letters = "abcdefgh"
+        path.write_text("".join(json.dumps({"prompt": f"{letters[i % 8]}:", "answer": letters[i % 8], "row": i}) + "\n" for i in range(ROWS)))
+    return path
 
 
 def overrides(tmp_path, model_cache) -> list[str]:
     return [
+        f"data.train_files=[{data_file(tmp_path)}]",
+        "data.epochs=3",
+        "data.seed=5",
         f"model.cache_dir={model_cache}",
         f"logging.run_dir={tmp_path}",
         "logging.run_name=killed",
@@ -63,6 +77,7 @@ def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
 
     ckpt = completed(run_dir)[-1]
     n = load_state(ckpt).step
+    saved = load_state(ckpt).buffer
     assert ckpt.name == f"step_{n}" and n % 2 == 0 and 2 <= n < TOTAL
     assert load_state(ckpt).version == n
     weights = read_hf_weights(checkpoint_model_dir(ckpt))
@@ -74,6 +89,10 @@ def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
     out, err = p.communicate(timeout=900)
     assert p.returncode == 0, err
     assert f"resuming from {ckpt}" in out
+    # The restored buffer stands exactly where the checkpoint's stream stood, before any lease; the
+    # prompts in flight then are leased again first (unit tests check the very next prompts).
+    assert saved.position is not None and saved.prompts_drawn == saved.position.epoch * ROWS + saved.position.index
+    assert f"resumed data position: epoch {saved.position.epoch}, index {saved.position.index}" in out
 
     # The resumed learner's weights before its first step are the checkpoint's, bit for bit (the
     # controller also checked that every vLLM engine loaded the same from the checkpoint folder).
@@ -90,6 +109,8 @@ def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
     batch = 2 * 4
     assert resumed[0]["trained"] == batch * (n + 1)  # the accounting goes on from the checkpoint
     assert all(r["accounting_balanced"] for r in resumed)
+    drawn = [r["data_epoch"] * ROWS + r["data_index"] for r in resumed]
+    assert drawn == sorted(drawn) and drawn[0] >= saved.prompts_drawn  # the stream goes on from there
     assert all(r["lag_max"] <= 1 for r in resumed)
     # The engines serve the learner's weights from the first resumed sync on.
     assert all(r["logprob_mismatch"] is not None and r["logprob_mismatch"] < 1e-4 for r in resumed)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from async_rl.config import load_config
@@ -46,5 +48,5 @@ def test_ratio_mask_bounds_must_straddle_one():
 
 
 def test_dynamic_sampling_switches_the_buffer_filter():
-    assert buffer_settings(load_config(None, ["algorithm.dynamic_sampling=true"]), "r", None).filter_uniform_groups
-    assert not buffer_settings(load_config(None), "r", None).filter_uniform_groups
+    assert buffer_settings(load_config(None, ["algorithm.dynamic_sampling=true"]), "r", None, Path("m")).filter_uniform_groups
+    assert not buffer_settings(load_config(None), "r", None, Path("m")).filter_uniform_groups

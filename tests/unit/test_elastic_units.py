@@ -77,8 +77,8 @@ def group(prompt_id: int, engine_id: int, version: int = 0) -> TrajectoryGroup:
 
 
 def deliver(buf: ReplayBuffer, g: TrajectoryGroup) -> None:
-    buf._check_group(g, set())
-    buf._accept(g)
+    buf.ingest.check_group(g, set())
+    buf.ingest.accept(g)
 
 
 def test_requeue_hands_prompts_to_the_next_lease_and_rejects_late_frames(tmp_path):
@@ -94,7 +94,7 @@ def test_requeue_hands_prompts_to_the_next_lease_and_rejects_late_frames(tmp_pat
         assert [p.prompt_id for p in again][:3] == [0, 1, 2]  # handed-back prompts first, none lost
         # A late frame from the dead engine's lease is refused: no sample trained twice.
         with pytest.raises(Exception, match="leased to engine 1"):
-            buf._check_group(group(0, engine_id=0), set())
+            buf.ingest.check_group(group(0, engine_id=0), set())
         assert buf.ledger.accounts.balanced()
 
     asyncio.run(scenario())
@@ -118,9 +118,8 @@ def test_restore_from_snapshot_redoes_nothing_twice_and_loses_nothing(tmp_path):
         await buf.lease(engine_id=0, max_groups=4, wait_s=0)  # prompts 0..3
         for pid in (0, 1, 2):
             deliver(buf, group(pid, 0))
-        shards = await buf._build_batch(step=0, world_size=1)  # trains groups 0, 1
+        shards = await buf.server.build(step=0, world_size=1)  # trains groups 0, 1
         assert [g.prompt_id for g in shards[0]] == [0, 1]
-        buf._batches[0] = shards
         buf.save_snapshot()
         # After the snapshot, more happens, then the buffer dies.
         await buf.lease(engine_id=0, max_groups=2, wait_s=0)
@@ -130,8 +129,8 @@ def test_restore_from_snapshot_redoes_nothing_twice_and_loses_nothing(tmp_path):
     new = make_buffer(tmp_path, restore=True)
     a = new.ledger.accounts
     assert a.balanced() and a.trained == 4
-    assert [g.prompt_id for g in new._waiting] == [2]  # trained groups 0, 1 are not waiting again
-    assert list(new._batches) == [0]  # a batch built but maybe not served to every rank is kept
+    assert [g.prompt_id for g in new.server.waiting()] == [2]  # trained groups 0, 1 are not waiting again
+    assert list(new.server.built()) == [0]  # a batch built but maybe not served to every rank is kept
     # Prompt 3 was in flight at snapshot time: handed back; the stream continues after it.
     assert a.requeued == 2 and a.in_flight == 0
 

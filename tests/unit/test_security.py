@@ -37,7 +37,7 @@ def test_secret_keys_never_appear_in_a_repr():
     plan = plan_placement(cfg, cores=[0, 1])
     texts = [
         repr(keys),
-        repr(settings.buffer_settings(cfg, "r", keys)),
+        repr(settings.buffer_settings(cfg, "r", keys, Path("m"))),
         repr(settings.engine_settings(cfg, "r", Path("/m"), plan, 0, "tcp://127.0.0.1:1", keys)),
         repr(settings.learner_settings(cfg, "r", Path("/m"), "tcp://127.0.0.1:2", keys)),
     ]
@@ -50,11 +50,11 @@ def test_each_process_gets_only_its_own_keys():
     keys = make_run_keys()
     cfg = load_config(None)
     plan = plan_placement(cfg, cores=[0, 1])
-    assert settings.buffer_settings(cfg, "r", keys).curve == keys.server
+    assert settings.buffer_settings(cfg, "r", keys, Path("m")).curve == keys.server
     assert settings.engine_settings(cfg, "r", Path("/m"), plan, 0, "tcp://x:1", keys).curve == keys.engine
     assert settings.learner_settings(cfg, "r", Path("/m"), "tcp://x:2", keys).curve == keys.learner
     # CURVE off: nobody gets keys.
-    assert settings.buffer_settings(cfg, "r", None).curve is None
+    assert settings.buffer_settings(cfg, "r", None, Path("m")).curve is None
     assert settings.engine_settings(cfg, "r", Path("/m"), plan, 0, "tcp://x:1", None).curve is None
     assert settings.learner_settings(cfg, "r", Path("/m"), "tcp://x:2", None).curve is None
 
@@ -114,9 +114,9 @@ def test_computed_frame_limit_admits_the_largest_group_the_engines_can_make(grou
 
 def test_computed_frame_limit_for_the_default_config_is_one_mib():
     cfg = load_config(None)
-    assert settings.buffer_settings(cfg, "r", None).max_frame_bytes == 1 << 20
+    assert settings.buffer_settings(cfg, "r", None, Path("m")).max_frame_bytes == 1 << 20
     cfg = load_config(None, ["buffer.max_frame_mb=5"])
-    assert settings.buffer_settings(cfg, "r", None).max_frame_bytes == 5 << 20
+    assert settings.buffer_settings(cfg, "r", None, Path("m")).max_frame_bytes == 5 << 20
 
 
 # ---------------------------------------------------------------- config

@@ -1,0 +1,121 @@
+"""Batch serving: complete groups wait here until a learner rank asks for a step's batch.
+
+The first request for a step builds its batch (FIFO, stale groups dropped); every rank then gets its
+shard over the ZMQ ROUTER socket. A built batch is kept until every rank of that step was served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from async_rl.buffer.ledger import Ledger
+from async_rl.protocol import FrameError, TrajectoryGroup, decode_request, encode_groups
+
+
+class BatchServer:
+    def __init__(
+        self,
+        run_id: str,
+        prompts_per_step: int,
+        max_lag: int,
+        ledger: Ledger,
+        rejected: collections.Counter[str],
+        filtered_groups: Callable[[], int],
+        changed: asyncio.Condition,
+    ) -> None:
+        self._run_id = run_id
+        self._prompts_per_step = prompts_per_step
+        self._max_lag = max_lag
+        self._ledger = ledger
+        self._rejected = rejected  # the buffer's tally of rejected frames (shared with ingest)
+        self._filtered_groups = filtered_groups  # groups dropped by dynamic sampling so far (ingest's count)
+        self._changed = changed  # the buffer's condition: notified on every state change
+        self._waiting: collections.deque[TrajectoryGroup] = collections.deque()
+        self._batches: dict[int, list[list[TrajectoryGroup]]] = {}  # step -> per-rank shards
+        self._served: dict[int, set[int]] = collections.defaultdict(set)
+        self.last_batch = (-1, 0, 0.0)  # (step, max lag, mean lag)
+        self._filtered_at_batch = (0, 0)  # (filtered groups at the last batch, the last batch's share)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def add(self, g: TrajectoryGroup) -> None:
+        """A complete group arrived (its samples are counted `waiting` by the ledger)."""
+        self._waiting.append(g)
+
+    @property
+    def waiting_groups(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def last_batch_filtered_groups(self) -> int:
+        return self._filtered_at_batch[1]
+
+    def waiting(self) -> list[TrajectoryGroup]:
+        return list(self._waiting)
+
+    def built(self) -> dict[int, list[list[TrajectoryGroup]]]:
+        """Batches built but not yet served to every rank."""
+        return dict(self._batches)
+
+    def restore(self, waiting: list[TrajectoryGroup], built: dict[int, list[list[TrajectoryGroup]]]) -> None:
+        self._waiting.extend(waiting)
+        self._batches.update(built)
+
+    # ---- serving -------------------------------------------------------------------------------
+
+    async def build(self, step: int, world_size: int) -> list[list[TrajectoryGroup]]:
+        """Take `prompts_per_step` fresh groups (FIFO), dropping stale ones; learner version == step.
+        The batch is kept, split in per-rank shards, until every rank of the step was served."""
+        need = self._prompts_per_step
+        batch: list[TrajectoryGroup] = []
+        changed = self._changed
+        async with changed:
+            while len(batch) < need:
+                while not self._waiting:
+                    await changed.wait()
+                g = self._waiting.popleft()
+                if Ledger.is_stale(g.oldest_version, step, self._max_lag):
+                    self._ledger.dropped_stale(g.size)
+                    changed.notify_all()  # dropping frees admission capacity
+                    continue
+                batch.append(g)
+            for g in batch:
+                self._ledger.trained(g.size)
+            changed.notify_all()
+        lags = [step - g.oldest_version for g in batch]
+        self.last_batch = (step, max(lags), sum(lags) / len(lags))
+        filtered = self._filtered_groups()
+        self._filtered_at_batch = (filtered, filtered - self._filtered_at_batch[0])
+        per_rank = need // world_size
+        shards = self._batches[step] = [batch[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
+        return shards
+
+    async def run(self, router: zmq.asyncio.Socket, on_built: Callable[[], None]) -> None:
+        """The serve loop: answer each rank's request with its shard of the step's batch.
+        `on_built` runs right after a batch is built (the moment samples become 'trained')."""
+        while True:
+            try:
+                identity, *parts = await router.recv_multipart()
+            except zmq.Again:
+                continue  # spurious wake-up, see SPURIOUS_WAKEUP in buffer/actor.py
+            try:
+                if len(parts) != 1:
+                    raise FrameError("bad_request", f"expected 1 part, got {len(parts)}")
+                req = decode_request(parts[0], self._run_id)
+            except FrameError as exc:
+                self._rejected[exc.reason] += 1
+                continue
+            if req.step not in self._batches:
+                await self.build(req.step, req.world_size)
+                on_built()  # no await since the build: the state it sees is the batch's
+            shards = self._batches[req.step]
+            frames = encode_groups(self._run_id, shards[req.rank], step=req.step)
+            await router.send_multipart([identity, *frames])
+            self._served[req.step].add(req.rank)
+            if len(self._served[req.step]) == req.world_size:
+                del self._batches[req.step], self._served[req.step]

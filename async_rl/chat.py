@@ -1,0 +1,85 @@
+"""Prompt rendering: a prompt (text or chat messages) -> the token ids the model generates from.
+
+Rendered once, in the buffer's prompt source, with the model's own tokenizer: chat messages go
+through its chat template with the generation prompt added (the assistant turn opened), so the
+token ids vLLM generates from and the learner trains on are exactly what the template gives.
+`data.system_prompt`, when set, is prepended as a system message (unless the prompt has its own).
+
+A model without a chat template: text is tokenized as it is; chat messages are an error.
+A model with one: text is rendered as one user message (`data.chat_template_for_text`, default on),
+or tokenized as it is when that is off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from async_rl.protocol import ChatMessage, Prompt
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RenderError(ValueError):
+    """A prompt that cannot become token ids: `reason` is the counter it lands in, the message one line."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class PromptRenderer:
+    def __init__(self, model_dir: str | Path, system_prompt: str = "", template_for_text: bool = True) -> None:
+        from transformers import AutoTokenizer  # heavy: only where prompts are rendered
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self.system_prompt = system_prompt
+        self.template_for_text = template_for_text
+
+    def messages_of(self, prompt: Prompt) -> list[ChatMessage] | None:
+        """The chat the template renders (system prompt included), or None: tokenize `text` as it is."""
+        if prompt.messages:
+            chat = list(prompt.messages)
+        elif self.has_template and self.template_for_text:
+            chat = [ChatMessage(role="user", content=prompt.text)]
+        else:
+            return None
+        if self.system_prompt and chat[0].role != "system":
+            chat.insert(0, ChatMessage(role="system", content=self.system_prompt))
+        return chat
+
+    def render(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids. RenderError: empty prompt, chat without a template, bad role."""
+        if not prompt.messages and not prompt.text.strip():
+            raise RenderError("empty_prompt", "empty prompt")
+        if prompt.messages and not any(m.content.strip() for m in prompt.messages):
+            raise RenderError("empty_prompt", "empty prompt (every message is empty)")
+        if prompt.messages and not self.has_template:
+            raise RenderError("no_chat_template", "chat messages, but the model's tokenizer has no chat template")
+        chat = self.messages_of(prompt)
+        if chat is None:
+            return list(self.tokenizer.encode(prompt.text))
+        for m in chat:
+            if m.role not in ROLES:
+                raise RenderError("bad_role", f"message role '{m.role}' is not one of {ROLES}")
+        rendered: Any = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in chat],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )
+        return list(rendered["input_ids"])
+
+    def rendered(self, prompt: Prompt, max_tokens: int) -> Prompt:
+        """`prompt` with its token ids; RenderError also when longer than `max_tokens` (0 = no limit)."""
+        ids = self.render(prompt)
+        if max_tokens and len(ids) > max_tokens:
+            raise RenderError(
+                "too_long",
+                f"prompt of {len(ids)} tokens is longer than the model allows "
+                f"({max_tokens} = generators.max_model_len - generators.max_tokens)"
+            )
+        return msgspec.structs.replace(prompt, token_ids=ids)

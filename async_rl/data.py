@@ -1,0 +1,211 @@
+"""Prompt datasets: JSONL or parquet files in the verl-style layout, read with Hugging Face `datasets`.
+
+A row holds a prompt (`data.prompt_key`: a string, or a list of chat messages {role, content}), an
+answer (`data.answer_key`, a dotted path may reach into a nested column, e.g. verl's
+`reward_model.ground_truth`), optionally a data source (`data.data_source_key`; missing: the file's
+name), and any other columns, kept as `Prompt.metadata` (nested columns flattened to dotted keys,
+lists as JSON text). Rows are counted from 0.
+
+Every row is checked and rendered (see chat.py) when the files are loaded, at start-up: a bad row
+(missing column, wrong type, empty prompt, prompt longer than the model allows) is a one-line
+`ConfigError` naming file and row, or with `data.skip_bad_rows` it is skipped and counted by reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from async_rl.chat import PromptRenderer, RenderError
+from async_rl.config import Config, DataConfig
+from async_rl.errors import ConfigError
+from async_rl.protocol import ChatMessage, MetaValue, Prompt
+
+
+class BadRow(ValueError):
+    """One row that cannot be a prompt: `reason` is the counter it lands in, the message one line."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class LoadedPrompts:
+    """The rendered prompts of some files, in file and row order, and the rows skipped (by reason)."""
+
+    def __init__(self, prompts: list[Prompt], skipped: collections.Counter[str]) -> None:
+        self.prompts = prompts
+        self.skipped = skipped
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of a .jsonl/.json or .parquet file as a dict (the `datasets` library, offline)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    datasets.disable_progress_bars()
+    p = Path(path).expanduser()
+    builder = "parquet" if p.suffix == ".parquet" else "json"
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(p)], split="train", keep_in_memory=True)
+    except Exception as exc:  # the reader's error (often the cause) names the row where it knows it
+        cause = exc.__cause__ or exc
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ConfigError(f"data file '{p}' cannot be read as {builder}: {text}") from None
+    return ds.to_list()
+
+
+def _field(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    """(present, value) of a column or a dotted path into nested columns; None counts as missing."""
+    node: Any = row
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or node.get(key) is None:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, MetaValue]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}", v, out)
+    elif value is None or isinstance(value, (str, int, float, bool)):
+        out[prefix] = value
+    else:  # lists and other structures: kept as JSON text (metadata values are scalars)
+        out[prefix] = json.dumps(value, default=str)
+
+
+def _messages(value: list[Any], where: str, key: str) -> list[ChatMessage]:
+    messages = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRow("wrong_type", f"{where}: column '{key}' message {j} is not {{role: str, content: str}}")
+        messages.append(ChatMessage(role=m["role"], content=m["content"]))
+    return messages
+
+
+def row_to_prompt(row: dict[str, Any], index: int, source_name: str, data: DataConfig, where: str) -> Prompt:
+    """One row -> an unrendered Prompt (prompt_id = row index); BadRow names `where` and why."""
+    present, value = _field(row, data.prompt_key)
+    if not present:
+        raise BadRow("missing_column", f"{where}: missing column '{data.prompt_key}'")
+    text, messages = "", []
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, list):
+        messages = _messages(value, where, data.prompt_key)
+    else:
+        raise BadRow(
+            "wrong_type", f"{where}: column '{data.prompt_key}' is {type(value).__name__}, not a string or chat messages"
+        )
+    if not text.strip() and not any(m.content.strip() for m in messages):
+        raise BadRow("empty_prompt", f"{where}: empty prompt in column '{data.prompt_key}'")
+    answer = ""
+    if data.answer_key:
+        present, value = _field(row, data.answer_key)
+        if not present:
+            raise BadRow("missing_column", f"{where}: missing column '{data.answer_key}'")
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise BadRow(
+                "wrong_type", f"{where}: column '{data.answer_key}' is {type(value).__name__}, not a string or number"
+            )
+        answer = str(value)
+    present, value = _field(row, data.data_source_key) if data.data_source_key else (False, None)
+    if present and not isinstance(value, str):
+        raise BadRow("wrong_type", f"{where}: column '{data.data_source_key}' is {type(value).__name__}, not a string")
+    data_source = value if present else source_name
+    metadata: dict[str, MetaValue] = {}
+    consumed = {data.prompt_key, data.answer_key, data.data_source_key}
+    for k, v in row.items():
+        _flatten(k, v, metadata)
+    for k in consumed:
+        metadata.pop(k, None)
+    return Prompt(prompt_id=index, text=text, messages=messages, answer=answer, data_source=data_source, metadata=metadata)
+
+
+def load_prompt_files(
+    files: list[str], data: DataConfig, renderer: PromptRenderer, max_prompt_tokens: int, field: str
+) -> LoadedPrompts:
+    """Read, check and render every row of `files` (in order). A bad row raises a one-line
+    ConfigError naming `field`, file and row, or is skipped and counted with data.skip_bad_rows."""
+    prompts: list[Prompt] = []
+    skipped: collections.Counter[str] = collections.Counter()
+    for f in files:
+        for i, row in enumerate(read_rows(f)):
+            where = f"{field}: '{f}' row {i}"
+            try:
+                prompt = row_to_prompt(row, i, Path(f).stem, data, where)
+                prompt = renderer.rendered(prompt, max_prompt_tokens)
+            except RenderError as exc:
+                if not data.skip_bad_rows:
+                    raise ConfigError(f"{where}: {exc}") from None
+                skipped[exc.reason] += 1
+                continue
+            except BadRow as exc:
+                if not data.skip_bad_rows:
+                    raise ConfigError(str(exc)) from None
+                skipped[exc.reason] += 1
+                continue
+            prompts.append(prompt)
+    if not prompts and files:
+        raise ConfigError(f"{field}: no usable row in {files} ({dict(skipped)} skipped)")
+    return LoadedPrompts(prompts, skipped)
+
+
+def max_prompt_tokens(cfg: Config) -> int:
+    """The longest prompt the model allows: what is left of max_model_len after the completion."""
+    return cfg.generators.max_model_len - cfg.generators.max_tokens
+
+
+def make_renderer(cfg: Config, model_dir: str | Path) -> PromptRenderer:
+    return PromptRenderer(model_dir, cfg.data.system_prompt, cfg.data.chat_template_for_text)
+
+
+def check_train_data(cfg: Config, model_dir: str | Path) -> LoadedPrompts | None:
+    """Start-up check of data.train_files and data.eval_files (one-line ConfigError on a bad row)."""
+    if not cfg.data.train_files and not cfg.data.eval_files:
+        return None
+    renderer = make_renderer(cfg, model_dir)
+    train = load_prompt_files(cfg.data.train_files, cfg.data, renderer, max_prompt_tokens(cfg), "data.train_files")
+    load_prompt_files(cfg.data.eval_files, cfg.data, renderer, max_prompt_tokens(cfg), "data.eval_files")
+    return train
+
+
+def load_eval_prompts(
+    cfg: Config, model_dir: str | Path, skipped: collections.Counter[str] | None = None
+) -> list[Prompt]:
+    """The rendered evaluation prompts, `data_source` set, `prompt_id` their index: every row of
+    data.eval_files (file order), or else the first data.eval_task_prompts prompts of the task's
+    stream under the held-out seed data.eval_task_seed. A task's bad prompt is skipped and counted
+    in `skipped` (by reason); a bad file row follows data.skip_bad_rows.
+    Called by evaluation (the controller); renders with the model's tokenizer, so call it once."""
+    renderer = make_renderer(cfg, model_dir)
+    limit = max_prompt_tokens(cfg)
+    if cfg.data.eval_files:
+        loaded = load_prompt_files(cfg.data.eval_files, cfg.data, renderer, limit, "data.eval_files")
+        if skipped is not None:
+            skipped.update(loaded.skipped)
+        return [_renumbered(p, i) for i, p in enumerate(loaded.prompts)]
+    from async_rl.tasks.base import load_task
+
+    out: list[Prompt] = []
+    stream = load_task(cfg.task.name).prompts(cfg.data.eval_task_seed)
+    for prompt in itertools.islice(stream, cfg.data.eval_task_prompts):
+        try:
+            rendered = renderer.rendered(prompt, limit)
+        except RenderError as exc:  # a task's bad prompt: counted, skipped, never a crash
+            if skipped is not None:
+                skipped[exc.reason] += 1
+            continue
+        out.append(_renumbered(rendered, len(out), data_source=prompt.data_source or cfg.task.name))
+    return out
+
+
+def _renumbered(prompt: Prompt, prompt_id: int, data_source: str = "") -> Prompt:
+    return msgspec.structs.replace(prompt, prompt_id=prompt_id, data_source=data_source or prompt.data_source)
