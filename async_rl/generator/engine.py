@@ -82,6 +82,8 @@ class GeneratorEngine:
         self._running = asyncio.Event()
         self._stop = False
         self._inflight: dict[str, asyncio.Task] = {}
+        self._requests = 0  # request ids are e{engine}-r{n}-p{prompt}: unique for the run, also when a
+        # restarted buffer leases a prompt id again (engine ids are never reused within a run)
         self._loop_task: asyncio.Task | None = None
         self._groups = 0
         self._samples = 0
@@ -126,7 +128,8 @@ class GeneratorEngine:
                 if not self._inflight and not prompts:
                     self._idle_s += loop.time() - t0
                 for p in prompts:
-                    rid = f"e{self.s.engine_id}-p{p.prompt_id}"
+                    self._requests += 1
+                    rid = f"e{self.s.engine_id}-r{self._requests}-p{p.prompt_id}"
                     self._inflight[rid] = asyncio.create_task(self._run_prompt(p, rid))
             except asyncio.CancelledError:
                 raise
@@ -196,8 +199,13 @@ class GeneratorEngine:
         return self._llm is not None and not vc.is_dead(self._llm)
 
     async def reconnect(self, buffer, ingest_address: str) -> None:
-        """A restarted buffer: lease from the new actor, push to its new ingest socket. Requests in
-        flight still push there; the new buffer rejects those it never leased (counted)."""
+        """A restarted buffer: lease from the new actor, push to its new ingest socket. The requests
+        in flight are cancelled: the new buffer handed every lease it restored back to the prompt
+        pool and never knew the later ones, so their groups could only be rejected."""
+        stale = list(self._inflight.values())
+        for t in stale:
+            t.cancel()
+        await asyncio.gather(*stale, return_exceptions=True)
         self.buffer = buffer
         old = self._push
         self._push = self._ctx.socket(zmq.PUSH)

@@ -19,6 +19,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
 from typing import Protocol
 
 import msgspec
@@ -69,9 +70,9 @@ class SyncAborted(RuntimeError):
 
 
 class Pending(Protocol):
-    def is_completed(self) -> bool: ...
-
-    def wait(self) -> object: ...
+    def wait(self, timeout: timedelta | None = None) -> object:
+        """Block until done; with `timeout`, raise RuntimeError('... timed out ...') if not done by then
+        (the operation goes on), as torch's c10d Work does."""
 
 
 class BroadcastGroup(abc.ABC):

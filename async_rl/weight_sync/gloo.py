@@ -25,6 +25,7 @@ from async_rl.weight_sync.base import (
 _PREFIX = "async_rl/weights"
 _ABORT = "abort"  # set (with the reason) by any member, or the controller, that gave up on this membership
 ABORT_POLL_S = 0.05  # how often a waiting member looks for the abort key on the store
+_SLICE_TIMED_OUT = "timed out"  # c10d Work.wait(timeout) raises this when the slice ran out (the op goes on)
 
 
 def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -77,22 +78,39 @@ class GlooGroup(BroadcastGroup):
             time.sleep(ABORT_POLL_S)
 
     def wait(self, pending: Pending) -> None:
-        """Poll the operation, and the store for an abort, so a dead member costs every other one
-        at most ABORT_POLL_S after someone noticed, not the group's timeout. A member whose own
-        operation fails (gloo saw a peer's connection drop) sets the abort for the others."""
-        delay = 0.0002
-        while not pending.is_completed():
-            self._check_abort()
-            time.sleep(delay)
-            delay = min(2 * delay, 0.005)
+        """Wait in slices, looking at the store for an abort between them, so a dead member costs
+        every other one at most ABORT_POLL_S after someone noticed, not the group's timeout. A member
+        whose own operation fails (gloo saw a peer's connection drop) sets the abort for the others.
+        (Not `is_completed()` polling: with that, a peer's death froze every Python thread of the
+        process until gloo's timeout, seen here with torch 2.13; `wait` releases the GIL.)"""
+        slice_ = timedelta(seconds=ABORT_POLL_S)
+        while True:
+            try:
+                pending.wait(slice_)
+                return
+            except (CorruptUpdate, SyncAborted):
+                raise
+            except RuntimeError as exc:
+                if _SLICE_TIMED_OUT not in str(exc):
+                    text = str(exc).strip()
+                    reason = f"rank {self.rank}: {text.splitlines()[0] if text else type(exc).__name__}"
+                    self.abort(reason)
+                    self._abandon()
+                    raise SyncAborted(f"weight sync abandoned: {reason}") from None
+            try:
+                self._check_abort(force=True)
+            except SyncAborted:
+                self._abandon()
+                raise
+
+    def _abandon(self) -> None:
+        """Cancel this group's operations still posted (a receiver posts ahead): otherwise gloo's
+        destructor, which runs with the GIL held, waits for them until the group's timeout and
+        freezes the whole process."""
         try:
-            pending.wait()
-        except (CorruptUpdate, SyncAborted):
-            raise
-        except RuntimeError as exc:
-            reason = f"rank {self.rank}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
-            self.abort(reason)
-            raise SyncAborted(f"weight sync abandoned: {reason}") from None
+            self._pg.abort()
+        except RuntimeError:
+            pass
 
     def abort(self, reason: str) -> None:
         """Tell every member to abandon this membership (the first reason set wins)."""

@@ -111,11 +111,8 @@ def test_corrupted_bucket_is_detected(backend, checksum):
             seen = torch.empty_like(buf)  # what this receiver read; never write into a shared region
 
             class Corrupting:
-                def is_completed(self):
-                    return pending.is_completed()
-
-                def wait(self):
-                    pending.wait()
+                def wait(self, timeout=None):
+                    pending.wait(timeout)
                     seen.copy_(buf)
                     if k == 1:
                         seen[3] ^= 0xFF  # one flipped byte, as a faulty link or a torn write would do
@@ -161,11 +158,8 @@ def test_sampled_checksum_catches_a_flip_only_in_the_chunks_it_checks():
             seen = torch.empty_like(buf)
 
             class Corrupting:
-                def is_completed(self):
-                    return pending.is_completed()
-
-                def wait(self):
-                    pending.wait()
+                def wait(self, timeout=None):
+                    pending.wait(timeout)
                     seen.copy_(buf)
                     seen[10] ^= 0x01  # chunk 0 of every bucket: never a bucket's last chunk here
 
