@@ -194,8 +194,8 @@ class Controller:
     # ---- the generator pool, while the run goes on ----------------------------------------------
 
     def add_engines(self, count: int) -> list[int]:
-        """New engines start paused and receive the current weights at once."""
-        return self.supervisor.add_engines(count, self.version)
+        """New engines start paused and receive the current weights at the next sync."""
+        return self.supervisor.add_engines(count)
 
     def remove_engine(self, engine_id: int) -> int:
         """Drain and stop one engine; returns how many of its leases went back to the prompt pool."""

@@ -228,11 +228,10 @@ class Supervisor:
         after = len(self.rt.generators.engines)
         self.inbox.answer(ScaleReply(req.request_id, True, before, after, f"applied after step {step + 1}"))
 
-    def add_engines(self, count: int, version: int) -> list[int]:
-        """New engines start paused and receive `version` at once."""
+    def add_engines(self, count: int) -> list[int]:
+        """New engines start paused and receive the current weights at the next sync."""
         new = self.rt.generators.add(count, paused=True)
         self.target = len(self.rt.generators.engines)
-        self.sync(version)
         return new
 
     def remove_engine(self, engine_id: int) -> int:
