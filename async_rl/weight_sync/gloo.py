@@ -25,6 +25,7 @@ from async_rl.weight_sync.base import (
 _PREFIX = "async_rl/weights"
 _ABORT = "abort"  # set (with the reason) by any member, or the controller, that gave up on this membership
 ABORT_POLL_S = 0.05  # how often a waiting member looks for the abort key on the store
+_ABANDONED: list[dist.ProcessGroupGloo] = []  # groups given up on (see GlooGroup._abandon)
 _SLICE_TIMED_OUT = "timed out"  # c10d Work.wait(timeout) raises this when the slice ran out (the op goes on)
 
 
@@ -111,6 +112,9 @@ class GlooGroup(BroadcastGroup):
             self._pg.abort()
         except RuntimeError:
             pass
+        # Kept referenced: should abort leave an operation posted, the group is destroyed only once
+        # that operation timed out, never while a later membership is in use.
+        _ABANDONED.append(self._pg)
 
     def abort(self, reason: str) -> None:
         """Tell every member to abandon this membership (the first reason set wins)."""
