@@ -147,7 +147,12 @@ class Controller:
         if n == 0:
             return None
         probe = self.learner.call(lambda a: a.probe_logprobs.remote(n))[0]  # collective; rank 0's probe
-        return ray.get(self.generators.actors[0].score.remote(probe), timeout=START_TIMEOUT_S)
+        for engine in self.generators.actors:
+            try:
+                return ray.get(engine.score.remote(probe), timeout=START_TIMEOUT_S)
+            except ray.exceptions.RayError:
+                continue  # it died since the sync: the supervisor replaces it at its next check
+        return None
 
     def checksums(self) -> tuple[ParamChecksum, dict[int, list[ParamChecksum]]]:
         """The learner's parameter checksum and every generator worker's, by engine id."""
