@@ -253,7 +253,8 @@ class GeneratorEngine:
         for i, (ids, positions, learner_lps) in enumerate(
             zip(probe.token_ids, probe.positions, probe.logprobs, strict=True)
         ):
-            ours = await vc.score_tokens(self._llm, ids, f"e{self.s.engine_id}-probe-v{self.version}-{i}")
+            rid = f"e{self.s.engine_id}-probe-v{self.version}-{i}"
+            ours = await vc.watched(self._llm, vc.score_tokens(self._llm, ids, rid), "score")
             diffs.extend(abs(ours[p] - lp) for p, lp in zip(positions, learner_lps, strict=True))
         return sum(diffs) / len(diffs) if diffs else 0.0
 
