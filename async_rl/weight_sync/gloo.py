@@ -26,7 +26,7 @@ _PREFIX = "async_rl/weights"
 _ABORT = "abort"  # set (with the reason) by any member, or the controller, that gave up on this membership
 ABORT_POLL_S = 0.05  # how often a waiting member looks for the abort key on the store
 _ABANDONED: list[dist.ProcessGroupGloo] = []  # groups given up on (see GlooGroup._abandon)
-_SLICE_TIMED_OUT = "timed out"  # c10d Work.wait(timeout) raises this when the slice ran out (the op goes on)
+_SLICE_TIMED_OUT = "Operation timed out"  # c10d Work.wait(timeout) when the slice ran out (the op goes on)
 
 
 def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
