@@ -11,31 +11,27 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from async_rl import checkpoint, settings
+from async_rl import checkpoint
 from async_rl.autoscale import ScaleSignal
-from async_rl.buffer.actor import BufferAddresses, BufferStats
+from async_rl.buffer.actor import BufferStats
 from async_rl.cluster.placement import PlacementPlan
-from async_rl.cluster.resources import ResourcePool, WorkerGroup
+from async_rl.cluster.resources import WorkerGroup
 from async_rl.config import Config
-from async_rl.elastic import Elastic, PromptsExhausted, buffer_actor
 from async_rl.errors import RunError
 from async_rl.evaluation.phase import Evaluation, eval_prompts
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec, StepMetrics, checkpoint_model_dir
-from async_rl.learner.driver import LearnerDriver
 from async_rl.metrics import LengthStats, MetricsSink, StepRecord
-from async_rl.security import RunKeys, make_run_keys, warn_insecure
+from async_rl.runtime import START_TIMEOUT_S, Runtime
+from async_rl.supervisor import PromptsExhausted, Supervisor
 from async_rl.weight_sync.checksum import ParamChecksum
-
-START_TIMEOUT_S = 600.0
 
 
 class RunSummary(msgspec.Struct):
@@ -49,6 +45,8 @@ class RunSummary(msgspec.Struct):
 
 
 class Controller:
+    """The training loop. Processes are owned by the Runtime; failures are handled by the Supervisor."""
+
     def __init__(
         self, cfg: Config, model_dir: Path, run_dir: Path, plan: PlacementPlan, resume_from: Path | None = None
     ) -> None:
@@ -65,19 +63,25 @@ class Controller:
         recorded = checkpoint.load_state(resume_from).initial_model_dir if resume_from is not None else ""
         self.initial_model_dir = Path(recorded) if recorded else model_dir
         self.run_dir = run_dir
-        self.plan = plan
         self.run_id = uuid.uuid4().hex[:12]
         self.version = 0
-        self.generators_version = 0  # the version every engine holds (after the last sync)
-        self.buffer: ActorHandle | None = None
-        self.addresses: BufferAddresses | None = None
-        self.elastic: Elastic | None = None
-        self.generators: GeneratorPool | None = None
-        self.learner: WorkerGroup | None = None
-        self._pools: list[ResourcePool] = []
-        self.keys: RunKeys | None = None  # this run's data-plane CURVE keys (made at start)
+        self.runtime = Runtime(cfg, self.run_id, self.model_dir, run_dir, plan, self.initial_model_dir)
+        self.supervisor: Supervisor | None = None
         eval_set = eval_prompts(cfg, self.model_dir) if cfg.eval.enabled else []  # rendered once, here
         self.evaluation = Evaluation(cfg.eval, eval_set, cfg.generators.max_tokens, cfg.train.total_steps)
+
+    # read-only views of the runtime's handles (tests and benchmarks reach the processes through them)
+    @property
+    def generators(self) -> GeneratorPool:
+        return self.runtime.generators
+
+    @property
+    def buffer(self) -> ActorHandle:
+        return self.runtime.buffer
+
+    @property
+    def learner(self) -> WorkerGroup:
+        return self.runtime.learner
 
     # ---- the training loop -----------------------------------------------------------------------
 
@@ -86,10 +90,11 @@ class Controller:
         and operators use it to change the generator pool while the run goes on)."""
         t_ready = time.perf_counter()
         self.start()
-        self.elastic = Elastic(self, metrics.stream)
+        rt = self.runtime
+        sup = self.supervisor = Supervisor(rt, self.cfg, self.run_dir, self.run_id, metrics.stream)
         print(
-            f"ready in {time.perf_counter() - t_ready:.0f}s: {len(self.generators.engines)} engine(s), "
-            f"{self.learner.world_size} learner rank(s); training",
+            f"ready in {time.perf_counter() - t_ready:.0f}s: {len(rt.generators.engines)} engine(s), "
+            f"{rt.learner.world_size} learner rank(s); training",
             file=metrics.stream,
             flush=True,
         )
@@ -101,26 +106,26 @@ class Controller:
             if self.cfg.placement == "colocated":
                 self.take_turns()
             try:
-                per_rank: list[StepMetrics] = self.elastic.train_step(step)  # watches for dead processes
+                per_rank: list[StepMetrics] = sup.train_step(step)  # watches for dead processes
             except PromptsExhausted as exc:
                 print(f"data: {exc}", file=metrics.stream, flush=True)
                 break
             self.version = step + 1
             sync_s, mismatch = 0.0, None
             if self.version % self.cfg.train.sync_every == 0:
-                sync_s = self.sync_weights(self.version)
+                sync_s = sup.sync(self.version)
                 mismatch = self.logprob_mismatch()
-            buffer: BufferStats = self.elastic.on_buffer(step, lambda b: b.stats.remote())
+            buffer: BufferStats = sup.on_buffer(step, rt.buffer_stats)
             elapsed = time.perf_counter() - t0
             record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
-            record.num_engines = len(self.generators.engines)
+            record.num_engines = len(rt.generators.engines)
             metrics.log(record)
             rewards.append(record.reward_mean)
             if self.checkpoint_due(step):
                 self.save_checkpoint()
             self.evaluate(metrics, t_start)
             signal = ScaleSignal(elapsed, record.learner_wait_s, buffer.waiting_groups, self.cfg.train.prompts_per_step)
-            self.elastic.between_steps(step, signal)  # operator requests, autoscaling
+            sup.between_steps(step, signal)  # operator requests, autoscaling
             if between_steps is not None:
                 between_steps(step)
         if not rewards:
@@ -135,8 +140,8 @@ class Controller:
             final_version=self.version,
             first_rewards=rewards[:k],
             last_rewards=rewards[-k:],
-            buffer=ray.get(self.buffer.stats.remote()),
-            engines=self.generators.stats(),
+            buffer=rt.buffer_stats(),
+            engines=rt.generators.stats(),
         )
 
     def evaluate(self, metrics: MetricsSink, t_start: float, at_start: bool = False) -> None:
@@ -144,8 +149,8 @@ class Controller:
         eval set with the current weights; the results are logged apart from training."""
         if not self.evaluation.due(self.version, at_start):
             return
-        if self.generators_version != self.version:  # the last step's weights, not yet synced
-            self.sync_weights(self.version)
+        if self.runtime.generators_version != self.version:  # the last step's weights, not yet synced
+            self.supervisor.sync(self.version)
         record = self.evaluation.run(self.generators.actors, self.version, time.perf_counter() - t_start)
         metrics.log_eval(record)
 
@@ -156,21 +161,18 @@ class Controller:
             raise RunError(f"no full batch within {START_TIMEOUT_S:.0f}s: the generators produce nothing")
         self.generators.sleep()
 
-    def sync_weights(self, version: int) -> float:
-        """Weights of `version` from learner rank 0 into every engine; then admission may use them.
-        A dead engine is replaced and the sync retried (see elastic.py)."""
-        t0 = time.perf_counter()
-        self.learner.call(lambda a: a.gather_weights.remote())  # sharded learners gather to rank 0
-        self.elastic.sync(version)
-        return time.perf_counter() - t0
-
     def logprob_mismatch(self) -> float | None:
         """Right after a sync both sides hold the same version: score the same tokens on each."""
         n = self.cfg.train.mismatch_probe_samples
         if n == 0:
             return None
         probe = self.learner.call(lambda a: a.probe_logprobs.remote(n))[0]  # collective; rank 0's probe
-        return ray.get(self.generators.actors[0].score.remote(probe), timeout=START_TIMEOUT_S)
+        for engine in self.generators.actors:
+            try:
+                return ray.get(engine.score.remote(probe), timeout=START_TIMEOUT_S)
+            except ray.exceptions.RayError:
+                continue  # it died since the sync: the supervisor replaces it at its next check
+        return None
 
     def checksums(self) -> tuple[ParamChecksum, dict[int, list[ParamChecksum]]]:
         """The learner's parameter checksum and every generator worker's, by engine id."""
@@ -213,103 +215,39 @@ class Controller:
         ray.get(self.buffer.set_generator_version.remote(state.version))
         ray.get([a.resume.remote(state.version) for a in self.generators.actors], timeout=START_TIMEOUT_S)
         self.start_step, self.version = state.step, state.version
-        self.generators_version = state.version
+        self.runtime.engines_hold(state.version)
         self.resumed_checksum = learner_ck
 
     # ---- the generator pool, while the run goes on ----------------------------------------------
 
     def add_engines(self, count: int) -> list[int]:
         """New engines start paused and receive the current weights at the next sync."""
-        new = self.generators.add(count, paused=True)
-        self.elastic.target = len(self.generators.engines)
-        return new
+        return self.supervisor.add_engines(count)
 
     def remove_engine(self, engine_id: int) -> int:
         """Drain and stop one engine; returns how many of its leases went back to the prompt pool."""
-        back = self.generators.remove(engine_id, self.cfg.generators.drain_timeout_s)
-        self.elastic.target = len(self.generators.engines)
-        return back
-
-    def make_buffer(self, restore: bool = False) -> tuple[ActorHandle, BufferAddresses]:
-        buffer = buffer_actor(self, restore)
-        return buffer, ray.get(buffer.start.remote(), timeout=START_TIMEOUT_S)
+        return self.supervisor.remove_engine(engine_id)
 
     # ---- start and stop --------------------------------------------------------------------------
 
     def start(self) -> None:
-        cfg = self.cfg
-        if cfg.security.curve:
-            self.keys = make_run_keys()
-        else:
-            warn_insecure()
-        self.buffer, self.addresses = self.make_buffer()
-        if self.resume_from is not None:  # before any lease: accounting and prompt position go on
-            ray.get(self.buffer.restore.remote(checkpoint.load_state(self.resume_from).buffer))
-            pos = ray.get(self.buffer.stats.remote()).data_position
-            print(f"resumed data position: epoch {pos.epoch}, index {pos.index}", flush=True)
-        self.generators = GeneratorPool(
-            # reads self.addresses when an engine starts: a restarted buffer has new ones
-            lambda i: settings.engine_settings(
-                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys
-            ),
-            self.buffer,
-            cfg.generators.cpus_per_engine,
-            cfg.generators.tensor_parallel_size,
-            cfg.weight_sync.timeout_s,
-            cfg.generators.ray_resources,
-        )
-        rank_bundle = {"CPU": cfg.learner.cpus_per_rank, **cfg.learner.ray_resources}
-        if settings.learner_on_cuda(cfg):
-            rank_bundle["GPU"] = 1  # megatron on CUDA: one GPU per rank (learner.megatron.device=cpu: none)
-        learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
-        self._pools.append(learner_pool)
-        spec = self.learner_spec(self.addresses.serve)
-        world, ranks = cfg.learner.world_size, self.plan.learner_ranks
-
-        def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
-            # Two calls at once: a weight sync or buffer redirect while train_step waits for a batch.
-            options = {**options, "max_concurrency": 2}
-            return ray.remote(LearnerDriver).options(**options).remote(
-                spec, rank, world, master, ranks[rank].cores
-            )
-
-        self.learner = WorkerGroup(learner_pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
-        setup = [a.setup.remote() for a in self.learner.actors]  # overlaps vLLM's ~30 s start-up
         resuming = self.resume_from is not None
-        self.generators.add(cfg.generators.num_engines, paused=resuming)  # version 0 = the checkpoint
-        ray.get(setup, timeout=START_TIMEOUT_S)
-        self.generators.rebuild_membership(self.learner.actors[0])
+        # before any lease: accounting and prompt position go on; engines start paused (version 0 = the checkpoint)
+        state = checkpoint.load_state(self.resume_from).buffer if resuming else None
+        self.runtime.start(state, engines_paused=resuming)
         if resuming:
             self._resume()
 
     def learner_spec(self, serve: str) -> LearnerSpec:
         """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
-        return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
+        return self.runtime.learner_spec(serve)
 
     def shutdown(self) -> BufferStats | None:
-        """Stop everything this controller started, through its handles. Safe to call twice."""
-        final = None
-        if self.elastic is not None:
-            self.elastic.close()
-            self.elastic = None
-        if self.generators is not None:
-            self.generators.shutdown()
-        if self.buffer is not None:
-            try:
-                final = ray.get(self.buffer.close.remote(), timeout=30)
-            except Exception:
-                pass
-            ray.kill(self.buffer, no_restart=True)
-        if self.learner is not None:
-            try:
-                self.learner.call(lambda a: a.shutdown.remote(), timeout_s=30)
-            except Exception:
-                pass  # a dead or wedged rank is killed below all the same
-            self.learner.kill()
-        for pool in self._pools:
-            pool.remove()
-        self.generators, self.buffer, self.learner, self._pools = None, None, None, []
-        return final
+        """Stop everything this controller started. Safe to call twice."""
+        if self.supervisor is not None:
+            self.supervisor.close()
+            self.supervisor = None
+        return self.runtime.shutdown()
 
 
 def make_record(

@@ -215,6 +215,16 @@ class ReplayBuffer:
             self._changed.notify_all()
         return back
 
+    async def ack_batch(self, step: int) -> int:
+        """Every learner rank finished step `step`: its batch's samples count `trained` now (see
+        BatchServer.ack). Idempotent. Returns how many samples."""
+        async with self._changed:
+            samples = self.server.ack(step)
+            self._changed.notify_all()
+        if samples:
+            self.save_snapshot()
+        return samples
+
     def pid(self) -> int:
         """This actor's process (operators and crash tests kill it by pid)."""
         return os.getpid()
@@ -272,11 +282,13 @@ class ReplayBuffer:
             write_snapshot(Path(self.s.snapshot_path), self._parts.snapshot())
 
     async def close(self) -> BufferStats:
-        """Stop serving; what is still in flight is counted lost. Returns the final stats."""
+        """Stop serving; what is still in flight, and batches handed out but never acknowledged, are
+        counted lost. Returns the final stats."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.leases.lose_all()
+        self.server.lose_unacked()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

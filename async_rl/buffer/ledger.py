@@ -76,8 +76,14 @@ class Ledger:
         self.accounts.filtered += samples
 
     def trained(self, samples: int) -> None:
+        """The learner acknowledged a batch holding these samples (not merely fetched it)."""
         self.accounts.waiting -= samples
         self.accounts.trained += samples
+
+    def lost_waiting(self, samples: int) -> None:
+        """Arrived samples that will never be trained: their batch went to a learner that died."""
+        self.accounts.waiting -= samples
+        self.accounts.lost += samples
 
     def dropped_stale(self, samples: int) -> None:
         self.accounts.waiting -= samples

@@ -1,7 +1,9 @@
 """Batch serving: complete groups wait here until a learner rank asks for a step's batch.
 
 The first request for a step builds its batch (FIFO, stale groups dropped); every rank then gets its
-shard over the ZMQ ROUTER socket. A built batch is kept until every rank of that step was served.
+shard over the ZMQ ROUTER socket. A built batch is kept (and served again to a rank that asks again)
+until the controller acknowledges that the learner trained on it: only then are its samples counted
+`trained`. A batch never acknowledged (its learner died) is counted lost when the buffer closes.
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ class BatchServer:
         self._filtered_groups = filtered_groups  # groups dropped by dynamic sampling so far (ingest's count)
         self._changed = changed  # the buffer's condition: notified on every state change
         self._waiting: collections.deque[TrajectoryGroup] = collections.deque()
-        self._batches: dict[int, list[list[TrajectoryGroup]]] = {}  # step -> per-rank shards
-        self._served: dict[int, set[int]] = collections.defaultdict(set)
+        self._batches: dict[int, list[list[TrajectoryGroup]]] = {}  # step -> per-rank shards, until acked
         self.last_batch = (-1, 0, 0.0)  # (step, max lag, mean lag)
         self._filtered_at_batch = (0, 0)  # (filtered groups at the last batch, the last batch's share)
 
@@ -59,8 +60,25 @@ class BatchServer:
         return list(self._waiting)
 
     def built(self) -> dict[int, list[list[TrajectoryGroup]]]:
-        """Batches built but not yet served to every rank."""
+        """Batches built but not yet acknowledged as trained."""
         return dict(self._batches)
+
+    def ack(self, step: int) -> int:
+        """The learner trained on batch `step`: its samples are `trained` now. Returns how many;
+        0 for a step already acknowledged (an ack repeated to a restarted buffer)."""
+        shards = self._batches.pop(step, None)
+        if shards is None:
+            return 0
+        samples = sum(g.size for shard in shards for g in shard)
+        self._ledger.trained(samples)
+        return samples
+
+    def lose_unacked(self) -> int:
+        """The buffer closes: batches handed out but never acknowledged are counted lost."""
+        samples = sum(g.size for shards in self._batches.values() for shard in shards for g in shard)
+        self._ledger.lost_waiting(samples)
+        self._batches.clear()
+        return samples
 
     def restore(self, waiting: list[TrajectoryGroup], built: dict[int, list[list[TrajectoryGroup]]]) -> None:
         self._waiting.extend(waiting)
@@ -70,7 +88,8 @@ class BatchServer:
 
     async def build(self, step: int, world_size: int) -> list[list[TrajectoryGroup]]:
         """Take `prompts_per_step` fresh groups (FIFO), dropping stale ones; learner version == step.
-        The batch is kept, split in per-rank shards, until every rank of the step was served."""
+        The batch is kept, split in per-rank shards, until it is acknowledged (`ack`); its samples
+        stay counted `waiting` until then."""
         need = self._prompts_per_step
         batch: list[TrajectoryGroup] = []
         changed = self._changed
@@ -84,8 +103,6 @@ class BatchServer:
                     changed.notify_all()  # dropping frees admission capacity
                     continue
                 batch.append(g)
-            for g in batch:
-                self._ledger.trained(g.size)
             changed.notify_all()
         lags = [step - g.oldest_version for g in batch]
         self.last_batch = (step, max(lags), sum(lags) / len(lags))
@@ -97,7 +114,8 @@ class BatchServer:
 
     async def run(self, router: zmq.asyncio.Socket, on_built: Callable[[], None]) -> None:
         """The serve loop: answer each rank's request with its shard of the step's batch.
-        `on_built` runs right after a batch is built (the moment samples become 'trained')."""
+        `on_built` runs right after a batch is built (the batch is then in the snapshot: a restarted
+        buffer serves the same batch again)."""
         while True:
             try:
                 identity, *parts = await router.recv_multipart()
@@ -116,6 +134,3 @@ class BatchServer:
             shards = self._batches[req.step]
             frames = encode_groups(self._run_id, shards[req.rank], step=req.step)
             await router.send_multipart([identity, *frames])
-            self._served[req.step].add(req.rank)
-            if len(self._served[req.step]) == req.world_size:
-                del self._batches[req.step], self._served[req.step]

@@ -107,6 +107,8 @@ class GeneratorEngine:
         self._running = asyncio.Event()
         self._stop = False
         self._inflight: dict[str, asyncio.Task] = {}
+        self._requests = 0  # request ids are e{engine}-r{n}-p{prompt}: unique for the run, also when a
+        # restarted buffer leases a prompt id again (engine ids are never reused within a run)
         self._loop_task: asyncio.Task | None = None
         self._groups = 0
         self._samples = 0
@@ -160,7 +162,8 @@ class GeneratorEngine:
                 if not self._inflight and not prompts:
                     self._idle_s += loop.time() - t0
                 for p in prompts:
-                    rid = f"e{self.s.engine_id}-p{p.prompt_id}"
+                    self._requests += 1
+                    rid = f"e{self.s.engine_id}-r{self._requests}-p{p.prompt_id}"
                     self._inflight[rid] = asyncio.create_task(self._run_prompt(p, rid))
             except asyncio.CancelledError:
                 raise
@@ -280,8 +283,13 @@ class GeneratorEngine:
         return self._llm is not None and not vc.is_dead(self._llm)
 
     async def reconnect(self, buffer, ingest_address: str) -> None:
-        """A restarted buffer: lease from the new actor, push to its new ingest socket. Requests in
-        flight still push there; the new buffer rejects those it never leased (counted)."""
+        """A restarted buffer: lease from the new actor, push to its new ingest socket. The requests
+        in flight are cancelled: the new buffer handed every lease it restored back to the prompt
+        pool and never knew the later ones, so their groups could only be rejected."""
+        stale = list(self._inflight.values())
+        for t in stale:
+            t.cancel()
+        await asyncio.gather(*stale, return_exceptions=True)
         self.buffer = buffer
         old = self._push
         self._push = self._ctx.socket(zmq.PUSH)
@@ -329,7 +337,8 @@ class GeneratorEngine:
         for i, (ids, positions, learner_lps) in enumerate(
             zip(probe.token_ids, probe.positions, probe.logprobs, strict=True)
         ):
-            ours = await vc.score_tokens(self._llm, ids, f"e{self.s.engine_id}-probe-v{self.version}-{i}")
+            rid = f"e{self.s.engine_id}-probe-v{self.version}-{i}"
+            ours = await vc.watched(self._llm, vc.score_tokens(self._llm, ids, rid), "score")
             diffs.extend(abs(ours[p] - lp) for p, lp in zip(positions, learner_lps, strict=True))
         return sum(diffs) / len(diffs) if diffs else 0.0
 

@@ -19,8 +19,9 @@ from ray.actor import ActorHandle
 from async_rl.cluster.resources import ResourcePool
 from async_rl.errors import RunError
 from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
-from async_rl.weight_sync.base import UpdateReceipt
+from async_rl.weight_sync.base import WeightGroupInfo
 from async_rl.weight_sync.checksum import ParamChecksum
+from async_rl.weight_sync.gloo import abort_membership
 
 TIMEOUT_S = 600.0
 
@@ -53,6 +54,7 @@ class GeneratorPool:
         self.engines: dict[int, EngineHandle] = {}
         self._next_id = 0
         self.membership_stale = True
+        self._group: WeightGroupInfo | None = None  # the current broadcast membership
 
     @property
     def actors(self) -> list[ActorHandle]:
@@ -127,10 +129,11 @@ class GeneratorPool:
     def rebuild_membership(self, sender: ActorHandle) -> None:
         """A new broadcast group: learner rank 0 plus every worker of every current engine."""
         tp = self.workers_per_engine
-        info = ray.get(sender.open_weight_group.remote(1 + len(self.engines) * tp))
+        self.membership_stale = True  # until every member is in
+        info = self._group = ray.get(sender.open_weight_group.remote(1 + len(self.engines) * tp))
         manifest = ray.get(sender.weight_manifest.remote())
         joins = [h.actor.join_weight_group.remote(info, 1 + i * tp, manifest) for i, h in enumerate(self.engines.values())]
-        ray.get([sender.join_weight_group.remote(), *joins], timeout=self.weight_timeout_s)
+        self._gather([sender.join_weight_group.remote(), *joins], self.weight_timeout_s, "joining the weight group")
         self.membership_stale = False
 
     def sleep(self) -> None:
@@ -144,20 +147,39 @@ class GeneratorPool:
         if self.membership_stale:
             self.rebuild_membership(sender)
         actors = self.actors
-        ray.get([a.pause.remote() for a in actors], timeout=TIMEOUT_S)  # also wakes a sleeping engine
+        self._gather([a.pause.remote() for a in actors], TIMEOUT_S, "pausing")  # also wakes a sleeping engine
         sent, received = self._broadcast(sender, actors, version)
-        ours: UpdateReceipt = ray.get(sent, timeout=TIMEOUT_S)
         try:
-            per_engine: list[list[UpdateReceipt]] = ray.get(received, timeout=TIMEOUT_S)
+            ours, *per_engine = self._gather([sent, *received], TIMEOUT_S, f"weight update v{version}")
         except ray.exceptions.RayTaskError as exc:
-            # A receiver refused the update (CorruptUpdate): its engine stays paused, never serving it.
-            raise RunError(f"weight update v{version} failed on a generator: {str(exc).splitlines()[-1]}") from None
+            # A receiver refused the update (CorruptUpdate; its engine stays paused, never serving
+            # it), or a member died and the others abandoned it (SyncAborted).
+            self.membership_stale = True
+            raise RunError(f"weight update v{version} failed: {str(exc).strip().splitlines()[-1]}") from None
         for engine_id, receipts in zip(self.engines, per_engine, strict=True):
             for r in receipts:
                 if (r.checksum, r.manifest_digest) != (ours.checksum, ours.manifest_digest):
                     raise RunError(f"weight update v{version}: engine {engine_id} received a corrupt update")
         ray.get([a.resume.remote(version) for a in actors], timeout=TIMEOUT_S)
         return time.perf_counter() - t0
+
+    def _gather(self, refs: list[ray.ObjectRef], timeout_s: float, what: str) -> list:
+        """ray.get of every ref, but the first failure (a dead engine or engine core, a refused
+        update) raises at once, and first aborts the weight group so every other member stops
+        waiting for the failed one (see weight_sync/gloo.py)."""
+        pending, deadline = list(refs), time.monotonic() + timeout_s
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s")
+                ray.get(done[0])
+        except Exception as exc:
+            if self._group is not None:
+                abort_membership(self._group, f"{what}: {type(exc).__name__}")
+            self.membership_stale = True
+            raise
+        return ray.get(refs)
 
     def _broadcast(self, sender: ActorHandle, actors: list[ActorHandle], version: int):
         """Start the sender and every receiver (one method, so a test can strike in the middle)."""

@@ -6,7 +6,10 @@ worker extension's named methods.
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import msgspec
 
@@ -22,6 +25,28 @@ EXTENSION_CLS = f"{ext.__name__}.{ext.WeightReceiverExtension.__name__}"
 _JOIN = ext.WeightReceiverExtension.async_rl_join_weight_group.__name__
 _RECEIVE = ext.WeightReceiverExtension.async_rl_receive_weights.__name__
 _CHECKSUM = ext.WeightReceiverExtension.async_rl_param_checksum.__name__
+
+
+T = TypeVar("T")
+DEATH_POLL_S = 0.2  # how often a call into the engine core looks whether the core is still alive
+
+
+class EngineDied(RuntimeError):
+    """vLLM's engine core process died while (or before) we called into it."""
+
+
+async def watched(llm, call: Awaitable[T], what: str) -> T:
+    """Await a call into vLLM's engine core, raising EngineDied as soon as the core is dead. vLLM 0.32
+    marks the client dead when the core process exits, but leaves a call already in flight (a
+    collective_rpc receiving weights, a pause) waiting for an answer that never comes."""
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
+        if done:
+            return task.result()
+        if is_dead(llm):
+            task.cancel()
+            raise EngineDied(f"{what}: vLLM's engine core died")
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
@@ -220,7 +245,7 @@ async def score_tokens(llm, token_ids: list[int], request_id: str) -> list[float
 async def pause(llm, mode: str) -> None:
     # clear_cache=True: kept requests recompute their KV cache with the new weights on resume.
     # With False they would continue on the old weights' cache and match neither policy.
-    await llm.pause_generation(mode=mode, clear_cache=True)
+    await watched(llm, llm.pause_generation(mode=mode, clear_cache=True), "pause")
 
 
 async def sleep(llm) -> bool:
@@ -230,33 +255,31 @@ async def sleep(llm) -> bool:
 
     if not torch.cuda.is_available():
         return False
-    await llm.sleep(level=1, mode="keep")
+    await watched(llm, llm.sleep(level=1, mode="keep"), "sleep")
     return True
 
 
 async def wake_up(llm) -> None:
-    await llm.wake_up()
+    await watched(llm, llm.wake_up(), "wake_up")
 
 
 async def resume(llm) -> None:
-    await llm.resume_generation()
+    await watched(llm, llm.resume_generation(), "resume")
 
 
 async def join_weight_group(llm, info: WeightGroupInfo, first_rank: int, manifest: Manifest) -> None:
     """Every worker of this engine joins; worker w takes rank first_rank + w (its TP rank)."""
-    await llm.collective_rpc(
-        _JOIN,
-        args=(msgspec.msgpack.encode(info), first_rank, msgspec.msgpack.encode(manifest)),
-    )
+    call = llm.collective_rpc(_JOIN, args=(msgspec.msgpack.encode(info), first_rank, msgspec.msgpack.encode(manifest)))
+    await watched(llm, call, "join_weight_group")
 
 
 async def receive_weights(llm, version: int) -> list[UpdateReceipt]:
-    raw = await llm.collective_rpc(_RECEIVE, args=(version,))
+    raw = await watched(llm, llm.collective_rpc(_RECEIVE, args=(version,)), f"receive_weights v{version}")
     return [msgspec.msgpack.decode(r, type=UpdateReceipt) for r in raw]
 
 
 async def param_checksums(llm) -> list[ParamChecksum]:
-    raw = await llm.collective_rpc(_CHECKSUM)
+    raw = await watched(llm, llm.collective_rpc(_CHECKSUM), "param_checksum")
     return [msgspec.msgpack.decode(r, type=ParamChecksum) for r in raw]
 
 

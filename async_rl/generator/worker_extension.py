@@ -7,6 +7,11 @@ them. Kept free of vLLM imports at module level: it is imported by vLLM itself.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import sys
+
 import msgspec
 
 from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver
@@ -19,6 +24,7 @@ class WeightReceiverExtension:
     _async_rl_receiver: WeightReceiver | None = None
 
     def async_rl_join_weight_group(self, info_bytes: bytes, first_rank: int, manifest_bytes: bytes) -> None:
+        _die_with_parent()
         rank = first_rank + self.rank  # self.rank: this worker's rank inside its engine (TP rank)
         info = msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo)
         manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
@@ -39,6 +45,20 @@ class WeightReceiverExtension:
     def async_rl_param_checksum(self) -> bytes:
         """Checksum of the weights this worker computes with (see `loaded_weights`)."""
         return msgspec.msgpack.encode(checksum_of(loaded_weights(self.model_runner.get_model())))
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies. A SIGKILLed engine actor otherwise leaves vLLM's
+    engine core running as an orphan (Ray does not reap it), holding the model and its KV cache, and
+    still a member of the weight group. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the call above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _refresh_tied_cpu_gemm(model) -> None:

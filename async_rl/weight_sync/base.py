@@ -19,6 +19,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
 from typing import Protocol
 
 import msgspec
@@ -63,8 +64,15 @@ class CorruptUpdate(RuntimeError):
     """An update that failed verification; nothing of it may be served."""
 
 
+class SyncAborted(RuntimeError):
+    """A member of the broadcast group died, or the controller gave up on one: every member abandons
+    this membership at once instead of waiting for the group's timeout. Nothing of it is served."""
+
+
 class Pending(Protocol):
-    def wait(self) -> object: ...
+    def wait(self, timeout: timedelta | None = None) -> object:
+        """Block until done; with `timeout`, raise RuntimeError('... timed out ...') if not done by then
+        (the operation goes on), as torch's c10d Work does."""
 
 
 class BroadcastGroup(abc.ABC):
@@ -75,7 +83,12 @@ class BroadcastGroup(abc.ABC):
         """Rank 0: start sending `buf`; other ranks: start filling `buf`."""
 
     def broadcast(self, buf: torch.Tensor) -> None:
-        self.start_broadcast(buf).wait()
+        self.wait(self.start_broadcast(buf))
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for one operation of this group. A group that can learn of a dead member while it
+        waits (gloo: its rendezvous store) raises `SyncAborted` then."""
+        pending.wait()
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -170,12 +183,12 @@ class WeightSender:
             # Packing bucket k overlaps the transfer of bucket k-1; hashing it overlaps its own.
             buf = pack(bucket, tensors, self.channel.staging(k, bucket.nbytes))
             if pending is not None:
-                pending.wait()
+                self.group.wait(pending)
             pending = self.channel.start_send(k, buf)
             if checker:
                 checker.hash_bucket(k, buf)
         if pending is not None:
-            pending.wait()
+            self.group.wait(pending)
         table = ChunkTable(self.manifest)
         if checker:
             table.fill(checker)
@@ -213,7 +226,7 @@ class WeightReceiver:
             # Take the rest of the update off the group without loading it, so the sender and the
             # other receivers finish this update instead of timing out; then refuse it.
             for k, b in enumerate(self.manifest.buckets):
-                self.channel.post_receive(k, b.nbytes)[1].wait()
+                self.group.wait(self.channel.post_receive(k, b.nbytes)[1])
             self.group.broadcast(torch.empty(self.trailer_bytes, dtype=torch.uint8))
             self._trailer_received = True
             raise CorruptUpdate(rejected)
@@ -239,13 +252,13 @@ class WeightReceiver:
         checker = ChunkChecker(self.manifest, self.checksum, random.Random(seed)) if self.checksum != "off" else None
         for k, bucket in enumerate(buckets):
             buf, pending = posted.popleft()
-            pending.wait()
+            self.group.wait(pending)
             self.channel.check(k)
             if checker:
                 checker.hash_bucket(k, buf)
             post_ahead()
             yield from unpack(bucket, buf)
-        trailer_pending.wait()
+        self.group.wait(trailer_pending)
         self._trailer_received = True
         table = ChunkTable.from_bytes(self.manifest, trailer.numpy().tobytes()) if checker else None
         if checker and (bad := checker.bad_chunks(table)):

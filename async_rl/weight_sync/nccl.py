@@ -11,6 +11,8 @@ accelerator. One GPU can host only one NCCL rank, so a real broadcast needs two 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 
 from async_rl.weight_sync.base import BucketChannel, Pending
@@ -27,8 +29,8 @@ class _CudaPending:
     def __init__(self, event: torch.cuda.Event) -> None:
         self._event = event
 
-    def wait(self) -> None:
-        self._event.synchronize()
+    def wait(self, timeout: timedelta | None = None) -> None:
+        self._event.synchronize()  # a GPU stream cannot be abandoned half-way: no slices
 
 
 class NcclChannel(BucketChannel):

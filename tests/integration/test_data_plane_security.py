@@ -258,6 +258,8 @@ def test_fuzzed_ingest_rejects_and_counts_every_frame_and_keeps_working(buffer, 
     finally:
         client.close()
     assert served.prompt_id == prompt.prompt_id and served.size == GROUP
+    assert stats(actor).accounts.trained == 0  # fetched is not trained: the learner may still die
+    assert ray.get(actor.ack_batch.remote(0)) == GROUP
     assert stats(actor).accounts.trained == GROUP
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from async_rl.weight_sync.base import CorruptUpdate, UpdateReceipt
+from async_rl.weight_sync.base import CorruptUpdate, SyncAborted, UpdateReceipt
 from async_rl.weight_sync.bucketing import build_manifest
-from async_rl.weight_sync.gloo import GlooChannel
+from async_rl.weight_sync.gloo import GlooChannel, abort_membership
 from async_rl.weight_sync.shm import SHM_DIR
 from async_rl.weight_sync.transport import join_receiver, join_sender, open_membership
 
@@ -108,8 +111,8 @@ def test_corrupted_bucket_is_detected(backend, checksum):
             seen = torch.empty_like(buf)  # what this receiver read; never write into a shared region
 
             class Corrupting:
-                def wait(self):
-                    pending.wait()
+                def wait(self, timeout=None):
+                    pending.wait(timeout)
                     seen.copy_(buf)
                     if k == 1:
                         seen[3] ^= 0xFF  # one flipped byte, as a faulty link or a torn write would do
@@ -155,8 +158,8 @@ def test_sampled_checksum_catches_a_flip_only_in_the_chunks_it_checks():
             seen = torch.empty_like(buf)
 
             class Corrupting:
-                def wait(self):
-                    pending.wait()
+                def wait(self, timeout=None):
+                    pending.wait(timeout)
                     seen.copy_(buf)
                     seen[10] ^= 0x01  # chunk 0 of every bucket: never a bucket's last chunk here
 
@@ -204,3 +207,61 @@ def test_gloo_channel_double_buffers():
     channel = GlooChannel(NoGroup(), max_bucket_bytes=128)
     a, b, c = (channel.staging(k, 64) for k in range(3))
     assert a.data_ptr() != b.data_ptr() and a.data_ptr() == c.data_ptr()
+
+
+def _receiver_that_dies(info, rank, manifest, ready):
+    """A receiver process that joins, then is SIGKILLed once the first bucket of the update landed."""
+    rx = join_receiver(info, rank, manifest)
+    ready.set()
+
+    def die(named):
+        next(iter(named))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    rx.receive(1, die)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_dead_receiver_fails_the_update_for_everyone_within_seconds(backend):
+    # The group's timeout is 120 s; a member dying mid-update must cost the others far less.
+    state = big_state()
+    manifest = build_manifest(state.items(), bucket_bytes=1 << 20)
+    info, store = open_membership("127.0.0.1", 0, 3, 120, backend, manifest, "sampled", 1)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    victim = ctx.Process(target=_receiver_that_dies, args=(info, 2, manifest, ready))
+    victim.start()
+
+    def survivor():
+        rx = join_receiver(info, 1, manifest)
+        t0 = time.monotonic()
+        with pytest.raises(SyncAborted):
+            rx.receive(1, lambda it: [t.sum() for _, t in it])
+        return time.monotonic() - t0
+
+    with ThreadPoolExecutor(1) as pool:
+        survived = pool.submit(survivor)
+        sender = join_sender(info, store, manifest)
+        assert ready.wait(60)
+        t0 = time.monotonic()
+        with pytest.raises(SyncAborted):
+            sender.send(state, 1)
+        sender_s = time.monotonic() - t0
+        survivor_s = survived.result(timeout=60)
+    victim.join(10)
+    assert victim.exitcode == -signal.SIGKILL
+    assert sender_s < 10 and survivor_s < 10, (sender_s, survivor_s)
+
+
+def test_controller_abort_frees_a_sender_waiting_for_a_member_that_never_joins():
+    manifest = build_manifest(model_state().items(), bucket_bytes=4096)
+    info, store = open_membership("127.0.0.1", 0, 2, 120, "gloo", manifest, "sampled", 1)
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(join_sender, info, store, manifest)
+        time.sleep(0.5)  # the sender is waiting for rank 1, which died before it joined
+        assert not joining.done()
+        t0 = time.monotonic()
+        abort_membership(info, "engine 3 died")
+        with pytest.raises(SyncAborted, match="engine 3 died"):
+            joining.result(timeout=30)
+    assert time.monotonic() - t0 < 5

@@ -18,9 +18,9 @@ from async_rl.buffer.ledger import Ledger
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.config import AutoscaleConfig, load_config
 from async_rl.control import ControlInbox, NotRunning, ScaleReply, send_scale
-from async_rl.elastic import latest_checkpoint, learner_died
 from async_rl.errors import ConfigError
 from async_rl.protocol import REWARD_CRASH, REWARD_ERROR, REWARD_TIMEOUT, TrajectoryGroup
+from async_rl.supervisor import latest_checkpoint, learner_died
 
 # ---- ledger ------------------------------------------------------------------------------------
 
@@ -129,9 +129,12 @@ def test_restore_from_snapshot_redoes_nothing_twice_and_loses_nothing(tmp_path):
     asyncio.run(scenario())
     new = make_buffer(tmp_path, restore=True)
     a = new.ledger.accounts
-    assert a.balanced() and a.trained == 4
-    assert [g.prompt_id for g in new.server.waiting()] == [2]  # trained groups 0, 1 are not waiting again
-    assert list(new.server.built()) == [0]  # a batch built but maybe not served to every rank is kept
+    assert a.balanced() and a.trained == 0  # built, maybe fetched, never acknowledged: not trained
+    assert [g.prompt_id for g in new.server.waiting()] == [2]  # the batch's groups 0, 1 are not waiting again
+    assert list(new.server.built()) == [0]  # a batch built but not acknowledged is kept (served again)
+    # The controller repeats its acknowledgement to a restarted buffer; a second one changes nothing.
+    assert asyncio.run(new.ack_batch(0)) == 4 and asyncio.run(new.ack_batch(0)) == 0
+    assert a.balanced() and a.trained == 4 and not new.server.built()
     # Prompt 3 was in flight at snapshot time: handed back; the stream continues after it.
     assert a.requeued == 2 and a.in_flight == 0
 
@@ -333,3 +336,17 @@ def test_reward_outcomes_counted_per_reason_and_kept_by_the_snapshot(tmp_path):
     asyncio.run(scenario())
     stats = make_buffer(tmp_path, restore=True).stats()
     assert (stats.reward_errors, stats.reward_timeouts, stats.reward_crashes) == (1, 1, 2)
+
+
+def test_batch_fetched_by_a_learner_that_died_is_lost_never_trained(tmp_path):
+    async def scenario():
+        buf = make_buffer(tmp_path)
+        await buf.lease(engine_id=0, max_groups=3, wait_s=0)
+        for pid in (0, 1, 2):
+            deliver(buf, group(pid, 0))
+        await buf.server.build(step=0, world_size=1)  # fetched by the learner, which then died
+        return await buf.close()
+
+    final = asyncio.run(scenario())
+    a = final.accounts
+    assert a.balanced() and a.trained == 0 and a.lost == 4 and a.waiting == 2

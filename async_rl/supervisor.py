@@ -1,14 +1,16 @@
-"""The elastic side of the controller: pool size (operator and autoscaler), death and recovery.
-
-Kept out of controller.py so its training loop stays on one screen. What happens when:
+"""Supervision of a run: death and recovery of its processes, and the pool size (operator and
+autoscaler). It acts only through the Runtime (runtime.py), which owns every process handle, and never
+touches the controller; the controller's loop calls it. What happens when:
 
 - the learner waits for a batch: every `generators.health_check_s` the engines and the buffer are
   checked. A dead engine (its Ray actor, or its vLLM engine core) is removed, its leases go back to
   the prompt pool (`requeued`; a late frame from it is rejected), and a replacement starts and gets
   the current weights at once (the learner rank serves a sync while it waits). A dead buffer is
   restarted from its last snapshot and engines and learner ranks reconnect to it.
-- a weight sync fails: dead members are found and replaced, the broadcast group is rebuilt, and the
-  sync is retried for everyone left. A failure without a dead engine stops the run.
+- a weight sync fails: a member that dies mid-sync fails it within seconds (every member watches the
+  group's abort key, see weight_sync/gloo.py; the pool aborts the group as soon as any call fails);
+  dead members are found and replaced, the broadcast group is rebuilt, and the sync is retried for
+  everyone left. A failure without a dead engine stops the run.
 - a learner rank dies: the run stops with exit code 1 and one line naming the checkpoint to resume
   from.
 - between steps: operator requests (`python -m async_rl.scale`) and, if enabled, the autoscaler set
@@ -20,25 +22,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TextIO, TypeVar
 
 import msgspec
 import ray
-from ray.actor import ActorHandle
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from async_rl import checkpoint, settings
+from async_rl import checkpoint
 from async_rl.autoscale import ScaleDecision, ScaleSignal, decide
-from async_rl.buffer.actor import ReplayBuffer
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
+from async_rl.config import Config
 from async_rl.control import ControlInbox, ScaleReply, ScaleRequest
 from async_rl.errors import RunError
 from async_rl.learner.base import StepMetrics
-
-if TYPE_CHECKING:
-    from async_rl.controller import Controller
+from async_rl.runtime import Runtime
 
 SYNC_ATTEMPTS = 3
+T = TypeVar("T")
 START_TIMEOUT_S = 600.0
 
 
@@ -55,6 +54,7 @@ class ScaleEvent(msgspec.Struct, frozen=True):
     engines_before: int
     engines_after: int
     reason: str
+    at: float = 0.0  # wall-clock time (time.time()) the event was logged: detection delays are measured from it
 
 
 def latest_checkpoint(run_dir: Path) -> str | None:
@@ -70,15 +70,19 @@ def learner_died(run_dir: Path, rank: int, exc: BaseException) -> RunError:
     return RunError(f"learner rank {rank} died ({cause}); {where}")
 
 
-class Elastic:
-    def __init__(self, ctl: Controller, stream: TextIO) -> None:
-        self.ctl = ctl
+class Supervisor:
+    """Detects dead processes and recovers them through the Runtime; resizes the pool between steps."""
+
+    def __init__(self, rt: Runtime, cfg: Config, run_dir: Path, run_id: str, stream: TextIO) -> None:
+        self.rt = rt
+        self.cfg = cfg
+        self.run_dir = run_dir
         self.stream = stream
-        self.target = ctl.cfg.generators.num_engines
-        self.inbox = ControlInbox(ctl.run_dir, ctl.run_id)
+        self.target = cfg.generators.num_engines
+        self.inbox = ControlInbox(run_dir, run_id)
         self.signals: list[ScaleSignal] = []
         self.steps_since_change = 0
-        self._log = open(ctl.run_dir / "scaling.jsonl", "ab")
+        self._log = open(run_dir / "scaling.jsonl", "ab")
         self.events: list[ScaleEvent] = []
 
     def close(self) -> None:
@@ -86,7 +90,7 @@ class Elastic:
         self._log.close()
 
     def _event(self, step: int, source: str, before: int, after: int, reason: str) -> None:
-        event = ScaleEvent(step, source, before, after, reason)
+        event = ScaleEvent(step, source, before, after, reason, at=time.time())
         self.events.append(event)
         self._log.write(msgspec.json.encode(event) + b"\n")
         self._log.flush()
@@ -95,50 +99,50 @@ class Elastic:
     # ---- the learner's step, watched ------------------------------------------------------------
 
     def train_step(self, step: int) -> list[StepMetrics]:
-        learner = self.ctl.learner
-        refs = [a.train_step.remote(step) for a in learner.actors]
+        """Run step `step` on every rank; while it runs, every `generators.health_check_s` look for
+        dead processes and recover them. The batch counts as trained once every rank returned."""
+        refs = self.rt.start_train_step(step)
         while True:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.ctl.cfg.generators.health_check_s)
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.generators.health_check_s)
             for rank, ref in enumerate(refs):
                 if ref in done:
                     try:
                         ray.get(ref, timeout=0)
                     except ray.exceptions.RayActorError as exc:
-                        raise learner_died(self.ctl.run_dir, rank, exc) from None
+                        raise learner_died(self.run_dir, rank, exc) from None
             if len(done) == len(refs):
-                return ray.get(refs)
+                metrics = ray.get(refs)
+                self.on_buffer(step, lambda: self.rt.ack_batch(step))
+                return metrics
             self.recover(step)
             self.check_prompts(step)
 
     def check_prompts(self, step: int) -> None:
         """No prompt left, none in flight, too few groups waiting: this step's batch never fills."""
-        stats = self.on_buffer(step, lambda b: b.stats.remote())
+        stats = self.on_buffer(step, self.rt.buffer_stats)
         if (
             stats.prompts_exhausted
             and stats.accounts.in_flight == 0
-            and stats.waiting_groups < self.ctl.cfg.train.prompts_per_step
+            and stats.waiting_groups < self.cfg.train.prompts_per_step
         ):
             pos = stats.data_position
             raise PromptsExhausted(
                 f"the prompt stream ended at epoch {pos.epoch}, index {pos.index} (data.epochs="
-                f"{self.ctl.cfg.data.epochs}): step {step + 1} cannot be filled; stopping after step {step}"
+                f"{self.cfg.data.epochs}): step {step + 1} cannot be filled; stopping after step {step}"
             )
 
     def recover(self, step: int) -> None:
-        """Restart a dead buffer; replace dead engines (they get the current weights at once)."""
-        ctl = self.ctl
-        try:
-            ray.get(ctl.buffer.stats.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
+        """Restart a dead buffer; replace dead engines (they get the learner's version `step` at once)."""
+        if not self.rt.buffer_alive():
             self.restart_buffer(step)
-        dead = ctl.generators.find_dead()
+        dead = self.rt.generators.find_dead()
         if not dead:
             return
         self.replace(step, dead)
-        self.sync(ctl.version)
+        self.sync(step)
 
     def replace(self, step: int, dead: list[int]) -> None:
-        pool = self.ctl.generators
+        pool = self.rt.generators
         before = len(pool.engines)
         for engine_id in dead:
             back = pool.drop_dead(engine_id)
@@ -150,56 +154,41 @@ class Elastic:
             self._event(step, "recovery", before, len(pool.engines), f"started engine(s) {new} in its place")
 
     def restart_buffer(self, step: int) -> None:
-        ctl = self.ctl
-        try:
-            ray.kill(ctl.buffer, no_restart=True)
-        except Exception:
-            pass
-        ctl.buffer, ctl.addresses = ctl.make_buffer(restore=True)
-        ray.get(ctl.buffer.set_generator_version.remote(ctl.generators_version), timeout=START_TIMEOUT_S)
-        ctl.generators.reconnect(ctl.buffer, ctl.addresses.ingest)
-        ray.get([a.redirect_buffer.remote(ctl.addresses.serve) for a in ctl.learner.actors], timeout=START_TIMEOUT_S)
-        n = len(ctl.generators.engines)
-        self._event(step, "recovery", n, n, f"buffer died; restarted from {ctl.run_dir / SNAPSHOT_NAME}")
+        self.rt.restart_buffer()
+        n = len(self.rt.generators.engines)
+        self._event(step, "recovery", n, n, f"buffer died; restarted from {self.run_dir / SNAPSHOT_NAME}")
 
     # ---- weight sync with recovery --------------------------------------------------------------
 
     def sync(self, version: int) -> float:
-        ctl = self.ctl
+        """Learner weights of `version` into every engine; dead engines are replaced and the sync
+        retried. Returns the seconds it took."""
         t0 = time.perf_counter()
-        sender = ctl.learner.actors[0]
         for attempt in range(1, SYNC_ATTEMPTS + 1):
             try:
-                # A sync while train_step waits (recovery) must not send weights the step is changing.
-                if not ray.get(sender.pin_weights.remote(version), timeout=START_TIMEOUT_S):
+                if not self.rt.sync_weights(version):
                     return 0.0  # the learner moved on; the sync after its step delivers the weights
-                try:
-                    ctl.generators.sync(sender, version)
-                finally:
-                    _unpin(sender)
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
-                dead_rank = _dead_learner_rank(ctl)
+                dead_rank = self.rt.dead_learner_rank()
                 if dead_rank is not None:
-                    raise learner_died(ctl.run_dir, dead_rank, exc) from None
-                dead = ctl.generators.find_dead()
+                    raise learner_died(self.run_dir, dead_rank, exc) from None
+                dead = self.rt.generators.find_dead()
                 if not dead or attempt == SYNC_ATTEMPTS:
                     if isinstance(exc, RunError):
                         raise
                     raise RunError(f"weight sync v{version} failed: {str(exc).strip().splitlines()[-1]}") from None
-                ctl.generators.membership_stale = True
                 self.replace(version - 1, dead)
-        ctl.generators_version = version  # before the call: a restarted buffer is told this version
-        self.on_buffer(version - 1, lambda b: b.set_generator_version.remote(version))
+        self.on_buffer(version - 1, self.rt.tell_buffer_version)
         return time.perf_counter() - t0
 
-    def on_buffer(self, step: int, call: Callable[[ActorHandle], ray.ObjectRef]) -> Any:
-        """A control call to the buffer; a dead buffer is restarted from its snapshot and asked again."""
+    def on_buffer(self, step: int, call: Callable[[], T]) -> T:
+        """A Runtime call to the buffer; a dead buffer is restarted from its snapshot and asked again."""
         try:
-            return ray.get(call(self.ctl.buffer), timeout=START_TIMEOUT_S)
+            return call()
         except ray.exceptions.RayActorError:
             self.restart_buffer(step)
-            return ray.get(call(self.ctl.buffer), timeout=START_TIMEOUT_S)
+            return call()
 
     # ---- pool size between steps ----------------------------------------------------------------
 
@@ -212,35 +201,47 @@ class Elastic:
                 print(f"[operator] {item.message}", file=self.stream, flush=True)
                 continue
             self._operator(step, item)
-        policy = self.ctl.cfg.generators.autoscale
+        policy = self.cfg.generators.autoscale
         if policy.enabled:
-            current = len(self.ctl.generators.engines)
+            current = len(self.rt.generators.engines)
             decision: ScaleDecision = decide(policy, self.signals, current, self.steps_since_change)
             if decision.changes(current):
                 try:
                     self.resize(step, "autoscale", decision.engines, decision.reason)
                 except (RunError, ray.exceptions.RayError) as exc:  # e.g. no room: try again after cooldown
                     self.steps_since_change = 0
-                    after = len(self.ctl.generators.engines)
+                    after = len(self.rt.generators.engines)
                     self._event(step, "autoscale", current, after, f"{decision.reason}: failed: {exc}")
 
     def _operator(self, step: int, req: ScaleRequest) -> None:
-        before = len(self.ctl.generators.engines)
+        before = len(self.rt.generators.engines)
         try:
             if req.engines < 1:
                 raise RunError(f"engines must be at least 1, not {req.engines}")
             self.resize(step, "operator", req.engines, f"operator asked for {req.engines} engine(s)")
         except (RunError, ray.exceptions.RayError) as exc:  # a refused request never stops the run
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            now = len(self.ctl.generators.engines)
+            now = len(self.rt.generators.engines)
             self.inbox.answer(ScaleReply(req.request_id, False, before, now, message))
             self._event(step, "operator", before, now, f"request for {req.engines} engine(s) failed: {message}")
             return
-        after = len(self.ctl.generators.engines)
+        after = len(self.rt.generators.engines)
         self.inbox.answer(ScaleReply(req.request_id, True, before, after, f"applied after step {step + 1}"))
 
+    def add_engines(self, count: int) -> list[int]:
+        """New engines start paused and receive the current weights at the next sync."""
+        new = self.rt.generators.add(count, paused=True)
+        self.target = len(self.rt.generators.engines)
+        return new
+
+    def remove_engine(self, engine_id: int) -> int:
+        """Drain and stop one engine; returns how many of its leases went back to the prompt pool."""
+        back = self.rt.generators.remove(engine_id, self.cfg.generators.drain_timeout_s)
+        self.target = len(self.rt.generators.engines)
+        return back
+
     def resize(self, step: int, source: str, engines: int, reason: str) -> None:
-        pool, cfg = self.ctl.generators, self.ctl.cfg
+        pool, cfg = self.rt.generators, self.cfg
         before = len(pool.engines)
         if engines > before:
             need = (engines - before) * cfg.generators.cpus_per_engine
@@ -248,7 +249,7 @@ class Elastic:
             if free < need:  # refuse now rather than wait for a placement that cannot happen
                 raise RunError(f"{engines - before} more engine(s) need {need} CPU(s), the Ray cluster has {free:g} free")
             new = pool.add(engines - before, paused=True)
-            self.sync(self.ctl.version)  # added engines generate only with the current weights
+            self.sync(step + 1)  # added engines generate only with the current weights
             detail = f"added engine(s) {new}"
         elif engines < before:
             leaving = sorted(pool.engines)[engines - before :]  # the newest go first
@@ -260,37 +261,3 @@ class Elastic:
         if engines != before:
             self.steps_since_change = 0
         self._event(step, source, before, len(pool.engines), f"{reason}: {detail}")
-
-
-def _unpin(sender) -> None:
-    try:
-        ray.get(sender.unpin_weights.remote(), timeout=START_TIMEOUT_S)
-    except ray.exceptions.RayError:
-        pass  # a dead sender holds nothing
-
-
-def _dead_learner_rank(ctl: Controller) -> int | None:
-    for rank, actor in enumerate(ctl.learner.actors):
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            return rank
-        except ray.exceptions.GetTimeoutError:
-            pass  # busy is not dead
-    return None
-
-
-def buffer_actor(ctl: Controller, restore: bool):
-    """A buffer actor that snapshots into the run directory (and restores from it on a restart)."""
-    s = msgspec.structs.replace(
-        settings.buffer_settings(ctl.cfg, ctl.run_id, ctl.keys, ctl.model_dir),
-        snapshot_path=str(ctl.run_dir / SNAPSHOT_NAME),
-        restore=restore,
-    )
-    # On the controller's node: its snapshot goes to the run directory there, where a restart reads it.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return (
-        ray.remote(ReplayBuffer)
-        .options(num_cpus=0, name=f"buffer-{ctl.run_id}-{time.time_ns()}", scheduling_strategy=here)
-        .remote(s)
-    )

@@ -1,0 +1,239 @@
+"""The run's processes: the one object that owns their handles and makes the calls on them.
+
+`Runtime` starts and stops the replay buffer, the generator pool and the learner group, and holds
+their Ray handles and addresses. The training loop (controller.py) and the supervisor that detects
+and recovers failures (supervisor.py) both go through it; neither keeps a handle of its own, so a
+restarted buffer or a replaced engine is seen by both at once.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import ray
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from async_rl import settings
+from async_rl.buffer.actor import BufferAddresses, BufferState, BufferStats, ReplayBuffer
+from async_rl.buffer.snapshot import SNAPSHOT_NAME
+from async_rl.cluster.placement import PlacementPlan
+from async_rl.cluster.resources import ResourcePool, WorkerGroup
+from async_rl.config import Config
+from async_rl.generator.pool import GeneratorPool
+from async_rl.learner.base import LearnerSpec
+from async_rl.learner.driver import LearnerDriver
+from async_rl.security import RunKeys, make_run_keys, warn_insecure
+
+START_TIMEOUT_S = 600.0
+
+
+class Runtime:
+    def __init__(
+        self, cfg: Config, run_id: str, model_dir: Path, run_dir: Path, plan: PlacementPlan, initial_model_dir: Path
+    ) -> None:
+        """`initial_model_dir`: the run's first weights (the KL reference), kept across resumes."""
+        self.cfg = cfg
+        self.run_id = run_id
+        self.model_dir = model_dir
+        self.initial_model_dir = initial_model_dir
+        self.run_dir = run_dir
+        self.plan = plan
+        self.keys: RunKeys | None = None  # this run's data-plane CURVE keys (made at start)
+        self._buffer: ActorHandle | None = None
+        self._addresses: BufferAddresses | None = None
+        self._generators: GeneratorPool | None = None
+        self._learner: WorkerGroup | None = None
+        self._pools: list[ResourcePool] = []
+        self._generators_version = 0  # the version every engine holds (after the last sync)
+        self._acked_step = -1  # the last batch acknowledged to the buffer (repeated to a restarted one)
+
+    # ---- handles (read-only for everyone else) ----------------------------------------------------
+
+    @property
+    def buffer(self) -> ActorHandle:
+        assert self._buffer is not None, "runtime not started"
+        return self._buffer
+
+    @property
+    def addresses(self) -> BufferAddresses:
+        assert self._addresses is not None, "runtime not started"
+        return self._addresses
+
+    @property
+    def generators(self) -> GeneratorPool:
+        assert self._generators is not None, "runtime not started"
+        return self._generators
+
+    @property
+    def learner(self) -> WorkerGroup:
+        assert self._learner is not None, "runtime not started"
+        return self._learner
+
+    @property
+    def generators_version(self) -> int:
+        return self._generators_version
+
+    # ---- start and stop --------------------------------------------------------------------------
+
+    def start(self, resume_state: BufferState | None, engines_paused: bool) -> None:
+        """Buffer first (restored from `resume_state` before any lease), then the learner ranks and
+        the engines, started side by side; then the weight broadcast group."""
+        cfg = self.cfg
+        if cfg.security.curve:
+            self.keys = make_run_keys()
+        else:
+            warn_insecure()
+        self._buffer, self._addresses = self._make_buffer(restore=False)
+        if resume_state is not None:
+            ray.get(self._buffer.restore.remote(resume_state))
+            pos = ray.get(self._buffer.stats.remote()).data_position
+            print(f"resumed data position: epoch {pos.epoch}, index {pos.index}", flush=True)
+        self._generators = GeneratorPool(
+            # reads the addresses when an engine starts: a restarted buffer has new ones
+            lambda i: settings.engine_settings(
+                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys
+            ),
+            self._buffer,
+            cfg.generators.cpus_per_engine,
+            cfg.generators.tensor_parallel_size,
+            cfg.weight_sync.timeout_s,
+            cfg.generators.ray_resources,
+        )
+        self._learner = self._make_learner()
+        setup = [a.setup.remote() for a in self._learner.actors]  # overlaps vLLM's ~30 s start-up
+        self._generators.add(cfg.generators.num_engines, paused=engines_paused)
+        ray.get(setup, timeout=START_TIMEOUT_S)
+        self._generators.rebuild_membership(self._learner.actors[0])
+
+    def learner_spec(self, serve: str) -> LearnerSpec:
+        """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
+        return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
+
+    def _make_learner(self) -> WorkerGroup:
+        cfg = self.cfg
+        rank_bundle = {"CPU": cfg.learner.cpus_per_rank, **cfg.learner.ray_resources}
+        if settings.learner_on_cuda(cfg):
+            rank_bundle["GPU"] = 1  # megatron on CUDA: one GPU per rank (learner.megatron.device=cpu: none)
+        learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
+        self._pools.append(learner_pool)
+        spec = self.learner_spec(self.addresses.serve)
+        world, ranks = cfg.learner.world_size, self.plan.learner_ranks
+
+        def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
+            # Two calls at once: a weight sync or buffer redirect while train_step waits for a batch.
+            options = {**options, "max_concurrency": 2}
+            return ray.remote(LearnerDriver).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
+
+        return WorkerGroup(learner_pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
+
+    def _make_buffer(self, restore: bool) -> tuple[ActorHandle, BufferAddresses]:
+        """A buffer actor that snapshots into the run directory (and restores from it on a restart)."""
+        s = msgspec.structs.replace(
+            settings.buffer_settings(self.cfg, self.run_id, self.keys, self.model_dir),
+            snapshot_path=str(self.run_dir / SNAPSHOT_NAME),
+            restore=restore,
+        )
+        name = f"buffer-{self.run_id}-{time.time_ns()}"
+        # On the controller's node: its snapshot goes to the run directory there, where a restart reads it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        buffer = ray.remote(ReplayBuffer).options(num_cpus=0, name=name, scheduling_strategy=here).remote(s)
+        return buffer, ray.get(buffer.start.remote(), timeout=START_TIMEOUT_S)
+
+    def shutdown(self) -> BufferStats | None:
+        """Stop every process, through its handle. Safe to call twice."""
+        final = None
+        if self._generators is not None:
+            self._generators.shutdown()
+        if self._buffer is not None:
+            try:
+                final = ray.get(self._buffer.close.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(self._buffer, no_restart=True)
+        if self._learner is not None:
+            try:
+                self._learner.call(lambda a: a.shutdown.remote(), timeout_s=30)
+            except Exception:
+                pass  # a dead or wedged rank is killed below all the same
+            self._learner.kill()
+        for pool in self._pools:
+            pool.remove()
+        self._generators, self._buffer, self._learner, self._pools = None, None, None, []
+        return final
+
+    # ---- the calls the training loop makes --------------------------------------------------------
+
+    def start_train_step(self, step: int) -> list[ray.ObjectRef]:
+        """Every learner rank fetches its shard of batch `step` and trains on it."""
+        return [a.train_step.remote(step) for a in self.learner.actors]
+
+    def ack_batch(self, step: int) -> int:
+        """Every rank finished step `step`: its samples count `trained` in the buffer."""
+        samples = ray.get(self.buffer.ack_batch.remote(step), timeout=START_TIMEOUT_S)
+        self._acked_step = step
+        return samples
+
+    def buffer_stats(self) -> BufferStats:
+        return ray.get(self.buffer.stats.remote(), timeout=START_TIMEOUT_S)
+
+    def buffer_alive(self) -> bool:
+        try:
+            ray.get(self.buffer.stats.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return False
+        return True
+
+    def sync_weights(self, version: int) -> bool:
+        """One attempt to move learner weights of `version` into every engine (see GeneratorPool.sync).
+        False: the learner already trained past `version` (the sync after its step delivers)."""
+        self.learner.call(lambda a: a.gather_weights.remote())  # sharded learners gather to rank 0
+        sender = self.learner.actors[0]
+        # A sync while train_step waits (recovery) must not send weights the step is changing.
+        if not ray.get(sender.pin_weights.remote(version), timeout=START_TIMEOUT_S):
+            return False
+        try:
+            self.generators.sync(sender, version)
+        finally:
+            try:
+                ray.get(sender.unpin_weights.remote(), timeout=START_TIMEOUT_S)
+            except ray.exceptions.RayError:
+                pass  # a dead sender holds nothing
+        self._generators_version = version
+        return True
+
+    def engines_hold(self, version: int) -> None:
+        """The engines started from a checkpoint of `version` (a resume): they hold it without a sync."""
+        self._generators_version = version
+
+    def tell_buffer_version(self) -> None:
+        ray.get(self.buffer.set_generator_version.remote(self._generators_version), timeout=START_TIMEOUT_S)
+
+    def dead_learner_rank(self) -> int | None:
+        for rank, actor in enumerate(self.learner.actors):
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                return rank
+            except ray.exceptions.GetTimeoutError:
+                pass  # busy is not dead
+        return None
+
+    # ---- recovery (called by the supervisor) ------------------------------------------------------
+
+    def restart_buffer(self) -> None:
+        """A new buffer from the last snapshot; engines and learner ranks reconnect to it, and it
+        learns the generators' version and the last acknowledged batch (an ack lost with the old one)."""
+        try:
+            ray.kill(self.buffer, no_restart=True)
+        except Exception:
+            pass
+        self._buffer, self._addresses = self._make_buffer(restore=True)
+        ray.get(self._buffer.set_generator_version.remote(self._generators_version), timeout=START_TIMEOUT_S)
+        if self._acked_step >= 0:
+            ray.get(self._buffer.ack_batch.remote(self._acked_step), timeout=START_TIMEOUT_S)
+        self.generators.reconnect(self._buffer, self._addresses.ingest)
+        ray.get([a.redirect_buffer.remote(self._addresses.serve) for a in self.learner.actors], timeout=START_TIMEOUT_S)

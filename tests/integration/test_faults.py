@@ -1,0 +1,79 @@
+"""SIGKILL at a random moment, one of each kind of process, during one real run (tiny model):
+a vLLM engine core (its Ray actor lives on), an engine's Ray actor, the buffer. The moment is drawn
+from a seeded generator and printed, so a failure can be replayed. (A learner rank's death stops the
+run with one line: test_elastic.py.)"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import ray
+from test_elastic import SHORT, events
+from test_training_run import check_common, run_short
+
+pytestmark = pytest.mark.integration
+
+SEED = int(os.environ.get("FAULTS_SEED", "13"))
+DETECT_S = 10.0  # a death is noticed (and logged) within this
+MARGIN_S = 30.0  # a step may take the replacement's start-up plus this
+
+
+def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path, model_cache):
+    rng = random.Random(SEED)
+    plan = {1: "engine_core", 3: "engine_actor", 5: "buffer"}  # after step k, during step k + 1
+    delays = {k: rng.uniform(0.0, 3.0) for k in plan}
+    print(f"faults seed {SEED}: " + ", ".join(f"{plan[k]} {delays[k]:.2f}s after step {k + 1}" for k in plan))
+    killed: dict[str, float] = {}  # kind -> wall time of the kill
+
+    def kill(controller, kind: str) -> None:
+        if kind == "buffer":
+            pids = [ray.get(controller.buffer.pid.remote())]
+        else:
+            victim = controller.generators.pids()[sorted(controller.generators.engines)[0]]
+            pids = victim.engine_core if kind == "engine_core" else [victim.actor]
+        killed[kind] = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    def between(controller, step):
+        if step in plan:  # a timer, so the kill lands wherever the run is then (step, sync, lease)
+            threading.Timer(delays[step], kill, (controller, plan[step])).start()
+
+    out = run_short(
+        tmp_path, model_cache, [*SHORT, "train.total_steps=8", "generators.num_engines=2"], between=between
+    )
+    cfg, summary, _, engine_cks, final, records = out
+    assert set(killed) == set(plan.values()), killed
+    log = events(tmp_path)
+    died = {e["reason"].split(";")[0]: e for e in log if "died" in e["reason"]}
+    # Detection: from the kill to the supervisor's event, for each kind.
+    core_ev = next(e for r, e in died.items() if r.startswith("engine ") and e["at"] > killed["engine_core"])
+    actor_ev = next(e for r, e in died.items() if r.startswith("engine ") and e["at"] > killed["engine_actor"])
+    buffer_ev = died["buffer died"]
+    detect = {
+        "engine_core": core_ev["at"] - killed["engine_core"],
+        "engine_actor": actor_ev["at"] - killed["engine_actor"],
+        "buffer": buffer_ev["at"] - killed["buffer"],
+    }
+    print("detection s:", {k: round(v, 2) for k, v in detect.items()})
+    assert all(0 <= v < DETECT_S for v in detect.values()), detect
+    # No step held up longer than a replacement's start-up (measured here) plus a margin.
+    started = [e["at"] for e in log if e["reason"].startswith("started engine")]
+    startup = max(min(t for t in started if t >= d["at"]) - d["at"] for d in (core_ev, actor_ev))
+    steps = [records[0]["elapsed_s"]] + [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(records)]
+    print(f"replacement start-up {startup:.1f}s; step times", [round(s, 1) for s in steps])
+    assert max(steps[1:]) < startup + MARGIN_S
+    # Every process is back: two engines hold the learner's weights, every step trained a full batch,
+    # the accounting balances and nothing was lost (dead engines' and the dead buffer's leases requeued).
+    check_common(*out, engines=sorted(engine_cks), rejected_ok=("unknown_prompt", "wrong_engine"))
+    assert len(engine_cks) == 2 and summary.steps == cfg.train.total_steps
+    assert final.accounts.lost == 0 and final.accounts.requeued > 0
+    # Nothing trained twice: exactly one batch per step was acknowledged.
+    batch = cfg.train.prompts_per_step * cfg.generators.group_size
+    assert final.accounts.trained == batch * cfg.train.total_steps
