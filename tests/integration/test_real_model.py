@@ -30,6 +30,7 @@ STEPS = 3
 PROMPTS, GROUP = 2, 4
 MAX_TOKENS = 40
 EOS = 2  # SmolLM2's <|im_end|>
+EVAL_PROMPTS = 4
 
 
 class RealRun(msgspec.Struct):
@@ -40,6 +41,10 @@ class RealRun(msgspec.Struct):
     learner_ok: list[bool]  # per engine worker: checksum equals the learner's after the last sync
     reward_errors: int
     rendered: list[list[int]]  # the task's first prompts, rendered
+    evals: list[dict]  # RUN_DIR/eval.jsonl
+    pushed: int  # samples the engines pushed to the buffer (training only)
+    leased: int  # samples the buffer leased (training prompts x group size)
+    rejected: dict[str, int]  # frames the buffer rejected, by reason
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +72,9 @@ def run(tmp_path_factory) -> RealRun:
             "generators.max_inflight_prompts=4",
             f"generators.stop=[{json.dumps(STOP)}]",
             "learner.lr=1e-5",
+            "eval.enabled=true",
+            "eval.every=2",
+            f"eval.max_prompts={EVAL_PROMPTS}",
         ],
     )
     plan = plan_placement(cfg)
@@ -86,6 +94,7 @@ def run(tmp_path_factory) -> RealRun:
     try:
         controller.run(sink, after_step)
         learner_ck, engine_cks = controller.checksums()
+        pushed = sum(e.samples_pushed for e in controller.generators.stats())
         final = controller.shutdown()
     finally:
         controller.shutdown()
@@ -108,6 +117,10 @@ def run(tmp_path_factory) -> RealRun:
         learner_ok=[ck.close_to(learner_ck) for cks in engine_cks.values() for ck in cks],
         reward_errors=final.reward_errors,
         rendered=[next(prompts).token_ids for _ in range(64)],
+        evals=[json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()],
+        pushed=pushed,
+        leased=final.accounts.leased,
+        rejected=dict(final.rejected_frames),
     )
 
 
@@ -156,3 +169,16 @@ def test_sampling_params_for_vllm():
     assert (p.n, p.max_tokens, p.temperature, p.stop, p.stop_token_ids) == (4, 8, 0.7, ["\n\n"], [2, 7])
     assert p.include_stop_str_in_output and p.logprobs == 0 and not p.ignore_eos
     assert vc.params_for(SamplingSpec(n=1, max_tokens=8, temperature=1.0, ignore_eos=True)).ignore_eos
+
+
+def test_evaluation_runs_on_the_real_preset_apart_from_training(run):
+    # At the start, every eval.every steps and at the end, greedy, on held-out prompts.
+    assert [(e["step"], e["version"]) for e in run.evals] == [(0, 0), (2, 2), (3, 3)]
+    for e in run.evals:
+        assert e["prompts"] == EVAL_PROMPTS and e["samples"] == EVAL_PROMPTS
+        assert e["reward_failures"] == 0 and 0.0 <= e["pass_at_1"] <= 1.0 and e["eval_s"] > 0
+        assert list(e["per_source"]) == ["chat_check"]
+    assert all("pass_at_1" not in r for r in run.records)  # metrics.jsonl holds training steps only
+    # Eval samples never reach the buffer: the engines pushed only leased training samples (an eval
+    # group pushed there would be rejected as not leased), and their training counters ignore eval.
+    assert 0 < run.pushed <= run.leased and not run.rejected
