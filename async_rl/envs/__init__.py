@@ -1,0 +1,1 @@
+"""Multi-turn environments: the Environment interface, tool calls and tools, the sandbox, games."""
