@@ -68,10 +68,6 @@ class GlooGroup(BroadcastGroup):
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         self._store = store
         prefixed = dist.PrefixStore(f"{_PREFIX}/{generation}", store)
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))]
-        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
         self._control = control_store(store, generation)
         self._values = dist.PrefixStore("async_rl/values", prefixed)  # apart from gloo's own keys
         self.rank = rank
@@ -79,7 +75,11 @@ class GlooGroup(BroadcastGroup):
         self.timeout_s = timeout_s
         self._next_abort_check = 0.0
         self._await_members()
-        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # Gloo pairs bind on the route to the rendezvous host (see local_address_towards).
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))]
+        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
 
     def _await_members(self) -> None:
         """Our own rendezvous before gloo's, because gloo's cannot be interrupted: a member that died
