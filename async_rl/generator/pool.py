@@ -189,7 +189,15 @@ class GeneratorPool:
         return dict(zip(self.engines, ray.get([a.pids.remote() for a in self.actors], timeout=TIMEOUT_S), strict=True))
 
     def stats(self) -> list[EngineStats]:
-        return ray.get([a.stats.remote() for a in self.actors])
+        """Every engine that answers. One that died since the supervisor's last check is left out
+        (the next check replaces it): a run whose last step is done must not fail on its summary."""
+        out: list[EngineStats] = []
+        for ref in [a.stats.remote() for a in self.actors]:
+            try:
+                out.append(ray.get(ref, timeout=60))
+            except ray.exceptions.RayError:
+                continue
+        return out
 
     def checksums(self) -> dict[int, list[ParamChecksum]]:
         return dict(zip(self.engines, ray.get([a.param_checksums.remote() for a in self.actors]), strict=True))
