@@ -3,7 +3,7 @@ judged by its mean reward over the last 50 steps (the bar: >= 0.95 in every seed
 
 Runs each seed as `python -m async_rl.launch configs/quickstart.yaml train.total_steps=STEPS
 train.seed=S generators.seed=S task.seed=S` (one after the other; on the shared 2-core machine wrap
-the script in /work/tools/heavy), or, with --runs, only reads finished runs' metrics.jsonl. Writes
+the script alone on a quiet machine), or, with --runs, only reads finished runs' metrics.jsonl. Writes
 benchmarks/results/stability.json (per-step reward, KL to behaviour, grad norm, entropy per seed)
 and stability.png.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import msgspec
@@ -19,8 +20,10 @@ from async_rl.errors import ConfigError
 from async_rl.models.tiny import resolve_model_path
 from async_rl.protocol import ChatMessage, Prompt
 
-SMOLLM2 = Path("/work/models/smollm2-135m")
-needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="no local SmolLM2 folder")
+# The smollm2-135m preset in the shared model cache (the real-model integration test, which runs
+# first in `make test`, converts it there once per machine).
+SMOLLM2 = Path(os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")).expanduser() / "smollm2-135m-v1"
+needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="the smollm2-135m preset is not in the model cache yet")
 
 
 @pytest.fixture(scope="module")

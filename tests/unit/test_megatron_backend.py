@@ -4,7 +4,7 @@ micro-batches equal the HF model's, the gradient of a loss summed over two micro
 HF model's norm (the interface's sum semantics), HF-named weights round-trip and change after a
 step, and save/load restores them.
 
-Starts torch.distributed: run through /work/tools/heavy.
+Starts torch.distributed (two gloo ranks on loopback).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 version, or fail here naming the version and the place that broke (run after any upgrade).
 
 One gloo rank (TP=PP=1): forward, backward and megatron's own fp32 optimizer step on CPU.
-Starts torch.distributed: run through /work/tools/heavy. The two-rank TP/PP tests are in
+Starts torch.distributed (two gloo ranks on loopback). The two-rank TP/PP tests are in
 test_megatron_parallel.py.
 """
 

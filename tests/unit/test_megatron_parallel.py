@@ -7,7 +7,7 @@ model's (fp32, mean abs < 1e-4), the full weights gathered under HF names equal 
 (conversion round trip), one optimizer step changes them, and the HF model loaded with the gathered
 weights after the step gives the log-probs the Megatron model gives.
 
-Starts torch.distributed: run through /work/tools/heavy.
+Starts torch.distributed (two gloo ranks on loopback).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from async_rl.cluster.resources import free_port  # noqa: E402
 from async_rl.learner.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_ranks import hf_model, run_rank  # noqa: E402
 
-SMOLLM2 = os.environ.get("ASYNC_RL_SMOLLM2_DIR", "/work/models/smollm2-135m")
+# The smollm2-135m preset in the shared model cache (converted by the real-model integration test).
+SMOLLM2 = str(Path(os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")).expanduser() / "smollm2-135m-v1")
 
 LAYOUTS = [
     pytest.param(("tiny-qwen2", 2, 1), id="tiny-qwen2-tp2"),
