@@ -51,8 +51,7 @@ FAST_FAILURE_DETECTION = {
 # Process titles of our Ray actors (Ray names an actor's worker "ray::Class.method") and vLLM's.
 ROLES = {
     "GeneratorEngine": "engine",
-    "TorchLearnerRank": "learner",
-    "MegatronLearnerRank": "learner",
+    "LearnerDriver": "learner",  # every learner backend runs under the one driver actor
     "ReplayBuffer": "buffer",
     "VLLM::EngineCore": "vllm engine core",
     "VLLM::Worker": "vllm worker",
