@@ -146,7 +146,11 @@ class Supervisor:
         before = len(pool.engines)
         for engine_id in dead:
             back = pool.drop_dead(engine_id)
-            self._event(step, "recovery", before, before - 1, f"engine {engine_id} died; {back} leased prompts requeued")
+            if back is None:  # the buffer died too: its restart from the snapshot requeues the leases
+                self._event(step, "recovery", before, before - 1, f"engine {engine_id} died; the buffer is down too")
+                self.restart_buffer(step)
+            else:
+                self._event(step, "recovery", before, before - 1, f"engine {engine_id} died; {back} leased prompts requeued")
             before -= 1
         missing = self.target - len(pool.engines)
         if missing > 0:

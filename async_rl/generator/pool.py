@@ -99,13 +99,17 @@ class GeneratorPool:
         self._stop(handle)
         return ray.get(self.buffer.requeue.remote(engine_id), timeout=TIMEOUT_S)
 
-    def drop_dead(self, engine_id: int) -> int:
-        """An engine that died: kill what is left of it, hand its leases back. Returns how many."""
+    def drop_dead(self, engine_id: int) -> int | None:
+        """An engine that died: kill what is left of it, hand its leases back. Returns how many, or
+        None when the buffer is dead too (its restart from the snapshot requeues every lease)."""
         handle = self.engines.pop(engine_id)
         self.membership_stale = True
         ray.kill(handle.actor, no_restart=True)
         handle.pool.remove()
-        return ray.get(self.buffer.requeue.remote(engine_id), timeout=TIMEOUT_S)
+        try:
+            return ray.get(self.buffer.requeue.remote(engine_id), timeout=TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            return None
 
     def find_dead(self, timeout_s: float = 10.0) -> list[int]:
         """Engines whose actor died or whose vLLM engine core died. A slow reply is not death."""

@@ -88,7 +88,8 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
         requeued=final.accounts.requeued, late_groups=True,
     )
     assert len(engine_cks) == 2 and summary.steps == cfg.train.total_steps
-    assert final.accounts.lost == 0 and final.accounts.requeued > 0
+    # (requeued may be 0: a kill can land when every group of the dead engine had already arrived)
+    assert final.accounts.lost == 0
     # Nothing trained twice: exactly one batch per step was acknowledged.
     batch = cfg.train.prompts_per_step * cfg.generators.group_size
     assert final.accounts.trained == batch * cfg.train.total_steps
