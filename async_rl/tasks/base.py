@@ -37,6 +37,20 @@ def _builtin_factories() -> dict[str, Callable[[], Task]]:
 BUILTIN_TASKS = ("repeat", "modsum")
 
 
+def load_callable(field: str, name: str) -> Callable:
+    """The callable a config field names as 'pkg.module:attr'; a one-line ConfigError naming `field`
+    when the module does not import or has no such callable."""
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import can fail with any error; name it in one line
+        raise ConfigError(f"{field} '{name}' does not import: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ConfigError(f"{field} '{name}': module '{module_name}' has no callable '{attr}'")
+    return fn
+
+
 def load_task(name: str) -> Task:
     """Built-in task by name, a reasoning-gym dataset 'reasoning_gym:<dataset>', or a user task from
     'pkg.module:factory' (factory() -> Task)."""
@@ -51,14 +65,7 @@ def load_task(name: str) -> Task:
         raise ConfigError(
             f"task.name '{name}' is not a built-in task {BUILTIN_TASKS}, 'reasoning_gym:<dataset>' nor 'pkg.module:factory'"
         )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an import can fail with any error; name it in one line
-        raise ConfigError(f"task.name '{name}' does not import: {type(exc).__name__}: {exc}") from None
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ConfigError(f"task.name '{name}': module '{module_name}' has no callable '{attr}'")
+    factory = load_callable("task.name", name)
     try:
         task = factory()
     except Exception as exc:

@@ -8,14 +8,13 @@ every reward worker process rebuilds it for itself."""
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from async_rl.errors import ConfigError
 from async_rl.protocol import Sample
-from async_rl.tasks.base import load_task
+from async_rl.tasks.base import load_callable, load_task
 
 if TYPE_CHECKING:
     from async_rl.config import TaskConfig
@@ -79,15 +78,7 @@ def math_reward(sample: Sample) -> float:
 
 
 def _load_user_reward(name: str) -> RewardFn:
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an import can fail with any error; name it in one line
-        raise ConfigError(f"task.reward '{name}' does not import: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ConfigError(f"task.reward '{name}': module '{module_name}' has no callable '{attr}'")
-    return fn
+    return load_callable("task.reward", name)
 
 
 def load_reward(cfg: TaskConfig) -> RewardFn:
