@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import ray
 
 from async_rl.models.tiny import resolve_model_path
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +18,17 @@ def model_cache(tmp_path_factory) -> str:
     cache = tmp_path_factory.mktemp("models")
     resolve_model_path("tiny-qwen2", str(cache))
     return str(cache)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray for one module whose workers import this checkout (a module may define its own)."""
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=200 << 20,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+    )
+    yield
+    ray.shutdown()

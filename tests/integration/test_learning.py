@@ -15,7 +15,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-import ray
 
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import WandbConfig, load_config
@@ -55,19 +54,6 @@ CASES = {
     ],
     "ppo": ["algorithm.name=ppo"],
 }
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        object_store_memory=200 << 20,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )
-    yield
-    ray.shutdown()
 
 
 def train(run_dir: Path, model_cache: str, overrides: list[str]) -> list[dict]:

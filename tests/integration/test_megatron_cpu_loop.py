@@ -15,7 +15,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-import ray
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
@@ -46,19 +45,6 @@ LAYOUTS = {
     "tp2": ["learner.megatron.tensor_parallel_size=2"],
     "pp2": ["learner.megatron.pipeline_parallel_size=2", "learner.micro_batch_size=16"],
 }
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        object_store_memory=200 << 20,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
