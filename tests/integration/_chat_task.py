@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
-from functools import cached_property
 
 from async_rl.protocol import ChatMessage, Prompt, Sample
 from async_rl.tasks.base import Task
@@ -29,11 +28,13 @@ def render(tokenizer, messages: list[ChatMessage]) -> list[int]:
 class ChatCheckTask(Task):
     name = "chat_check"
 
-    @cached_property
-    def tokenizer(self):
+    def __init__(self) -> None:
+        # Loaded when the task is built (in a reward worker: its initializer), not on the first reward
+        # call: importing transformers takes ~4 s on 2 cores, which would eat task.reward_timeout_s
+        # (5 s) and time out the first samples a fresh worker scores.
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(os.environ[MODEL_ENV])
+        self.tokenizer = AutoTokenizer.from_pretrained(os.environ[MODEL_ENV])
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
         rng = random.Random(seed)
