@@ -36,8 +36,11 @@ class WeightSource:
         self._hooks: list[BucketHook] = []
 
     def on_bucket(self, hook: BucketHook) -> None:
-        """Call `hook` after every bucket every later sender moves (kept across memberships)."""
+        """Call `hook` after every bucket of every later update, on this membership's sender and on
+        the senders of later memberships."""
         self._hooks.append(hook)
+        if self._sender is not None:
+            self._sender.on_bucket(hook)
 
     def progress(self) -> SendProgress:
         """How far the current (or last) update of this membership got."""

@@ -170,6 +170,10 @@ class WeightSender:
         self._hooks = list(on_bucket)
         self.progress = SendProgress()  # read by anyone; written only here, one bucket at a time
 
+    def on_bucket(self, hook: BucketHook) -> None:
+        """Call `hook` after every bucket of every later update (see `__init__`)."""
+        self._hooks.append(hook)
+
     def _moved(self, version: int, sent: int) -> None:
         self.progress = SendProgress(version, sent, len(self.manifest.buckets))
         for hook in self._hooks:
