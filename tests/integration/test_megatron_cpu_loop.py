@@ -86,9 +86,10 @@ def test_megatron_on_cpu_learns_and_vllm_holds_its_weights(layout, tmp_path, mod
 
 
 def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, ray_cluster):
-    """2 steps at TP=2 with a KL penalty and a checkpoint, then `--resume` of that run (the Controller
-    the launcher makes for it) to step 4: the step and version numbering go on, the learner and the
-    engines start from the checkpoint's weights, and the KL reference is still the initial weights."""
+    """2 steps of ppo at TP=2 with a KL penalty and a checkpoint, then `--resume` of that run (the
+    Controller the launcher makes for it) to step 4: the step and version numbering go on, the learner
+    and the engines start from the checkpoint's weights, the KL reference is still the initial
+    weights, and the critic (on the Megatron model's last hidden states) trains throughout."""
     from async_rl.checkpoint import completed, load_state
     from async_rl.learner.base import checkpoint_model_dir
     from async_rl.learner.hf_io import read_hf_weights
@@ -98,7 +99,7 @@ def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, ra
         return load_config(None, [
             f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *BASE, *LAYOUTS["tp2"],
             f"train.total_steps={steps}", "train.prompts_per_step=4", "generators.group_size=4",
-            "algorithm.kl_coef=0.05",
+            "algorithm.name=ppo", "algorithm.kl_coef=0.05",
         ])
 
     initial = resolve_model_path(config(2).model.path, model_cache)
@@ -127,6 +128,6 @@ def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, ra
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3] and [r["version"] for r in records] == [1, 2, 3, 4]
     assert [r["trained"] for r in records] == [16, 32, 48, 64]  # the accounting goes on from the checkpoint
-    assert all(r["kl_ref"] > 0 for r in records[2:])
+    assert all(r["kl_ref"] > 0 for r in records[2:]) and all(r["value_loss"] > 0 for r in records)
     for ck in engine_cks[0]:
         assert ck.close_to(learner_ck), (ck, learner_ck)
