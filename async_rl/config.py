@@ -647,12 +647,6 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
 def _validate_megatron(cfg: Config) -> None:
     """Megatron splits learner.world_size into TP x PP x DP; the buffer shards a step over DP."""
     m, world = cfg.learner.megatron, cfg.learner.world_size
-    a = cfg.algorithm
-    if a.name == "ppo":
-        raise ConfigError(
-            "learner.backend=megatron does not run algorithm.name=ppo yet (its critic reads the last hidden "
-            "states, which the Megatron backend does not return); use learner.backend=torch"
-        )
     model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size
     if m.device == "cpu":
         _validate_megatron_cpu(cfg, world // model_parallel if world % model_parallel == 0 else 1)

@@ -190,7 +190,9 @@ class Runtime:
     def sync_weights(self, version: int) -> bool:
         """One attempt to move learner weights of `version` into every engine (see GeneratorPool.sync).
         False: the learner already trained past `version` (the sync after its step delivers)."""
-        self.learner.call(lambda a: a.gather_weights.remote())  # sharded learners gather to rank 0
+        # Sharded learners gather to rank 0, each rank under its weights lock, so never mid-step.
+        if not all(self.learner.call(lambda a: a.gather_weights.remote(version))):
+            return False  # the learner trained past `version`: the sync after its step delivers
         sender = self.learner.actors[0]
         # A sync while train_step waits (recovery) must not send weights the step is changing.
         if not ray.get(sender.pin_weights.remote(version), timeout=START_TIMEOUT_S):

@@ -129,11 +129,13 @@ class LearnerRank(abc.ABC):
 
     # ---- weights under HF names -----------------------------------------------------------------
 
-    def gather_weights(self) -> None:
+    def gather_weights(self, version: int | None = None) -> bool:
         """Collective. Make the full parameters available to rank 0's `hf_weights` (a sharded backend
         all-gathers and converts here; a replicated one has nothing to do). Called before every
-        weight sync and before `param_checksum`; valid until the next optimizer step."""
-        return None  # replicated backends: the parameters are already full on rank 0
+        weight sync and before `param_checksum`; valid until the next optimizer step. Runs under the
+        weights lock (never inside an optimizer step). With `version`: False, gathering nothing, when
+        this rank already trained past that version (the sync is skipped)."""
+        return True  # replicated backends: the parameters are already full on rank 0
 
     @abc.abstractmethod
     def hf_weights(self) -> dict[str, torch.Tensor]:

@@ -293,8 +293,14 @@ class LearnerDriver(LearnerRank):
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         return self.backend.hf_weights()
 
-    def gather_weights(self) -> None:
-        self.backend.gather_weights()
+    def gather_weights(self, version: int | None = None) -> bool:
+        # Under the weights lock: a recovery sync that lands during train_step waits for the step's
+        # end instead of reading (or gathering) parameters in the middle of the optimizer step.
+        with self._weights_lock:
+            if version is not None and self.version > version:
+                return False  # trained past it: no collective, the caller skips this sync
+            self.backend.gather_weights()
+            return True
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.hf_weights()
@@ -314,7 +320,7 @@ class LearnerDriver(LearnerRank):
     def pin_weights(self, version: int) -> bool:
         # Released by unpin_weights, from another call (possibly another thread): a plain Lock allows it.
         self._weights_lock.acquire()
-        if self.version > version:  # trained past it (a resumed run may not have counted up to it)
+        if self.version > version:  # trained past it
             self._weights_lock.release()
             return False
         return True
@@ -353,6 +359,7 @@ class LearnerDriver(LearnerRank):
         if state.get("algorithm"):
             self.algo.load_state_dict(state["algorithm"])
         self.step_count = int(state["step"])
+        self.version = self.step_count
         rng_file = d / f"rng_rank{self.rank}.pt"
         if not rng_file.is_file():  # more ranks than when saved: start from rank 0's streams
             rng_file = d / "rng_rank0.pt"

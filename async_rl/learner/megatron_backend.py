@@ -218,38 +218,56 @@ class MegatronBackend(ModelBackend):
             forward_only=forward_only,
         )
 
-    def _scores(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, hidden: bool) -> TokenScores:
-        if hidden:
-            raise RunError("learner.backend=megatron: ppo's critic (last hidden states) is not supported yet")
+    def _scores(self, logits: torch.Tensor, mb: MicroBatch, temperature: float) -> TokenScores:
         logp = mm.vocab_parallel_logprobs(logits, mb.targets, self.arch.vocab_size, temperature)
         entropy = vocab_parallel_entropy(logits.detach(), self.arch.vocab_size, temperature)
         return TokenScores(logp=logp, entropy=entropy)
 
     def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False) -> TokenScores | None:
         out: list[TokenScores] = []
+        # The last hidden states (ppo's critic): the final layernorm's output on the last stage, what
+        # the output layer reads and HF's `hidden_states[-1]`. Without sequence parallelism it is
+        # whole on every TP rank; [S, B, H] in megatron's layout.
+        final: list[torch.Tensor] = []
+        norm = self.policy.model.module.decoder.final_layernorm if hidden else None
+        handle = norm.register_forward_hook(lambda _m, _i, o: final.append(o)) if norm is not None else None
 
         def keep(i: int, logits: torch.Tensor, m: MicroBatch) -> torch.Tensor:
-            s = self._scores(logits, m, temperature, hidden)
-            out.append(TokenScores(logp=s.logp.detach(), entropy=s.entropy))
+            s = self._scores(logits, m, temperature)
+            b, t = m.input_ids.shape
+            h = final[-1].transpose(0, 1)[:b, :t].float() if hidden else None
+            out.append(TokenScores(logp=s.logp.detach(), entropy=s.entropy, hidden=h))
             return s.logp.sum()
 
-        with torch.no_grad():
-            self._run([mb], temperature, True, keep)
+        try:
+            with torch.no_grad():
+                self._run([mb], temperature, True, keep)
+        finally:
+            if handle is not None:
+                handle.remove()
         if self.pp == 1:
             return out[0] if out else None
-        return self._from_last_stage(out[0] if out else None, mb)
+        return self._from_last_stage(out[0] if out else None, mb, hidden)
 
-    def _from_last_stage(self, scores: TokenScores | None, mb: MicroBatch) -> TokenScores:
-        """Every pipeline stage gets the last stage's scores: the controller reads the mismatch probe
-        and compute_logprobs from global rank 0, the first stage."""
+    def _from_last_stage(self, scores: TokenScores | None, mb: MicroBatch, hidden: bool) -> TokenScores:
+        """Every pipeline stage gets the last stage's scores (and hidden states): the controller reads
+        the mismatch probe and compute_logprobs from global rank 0, the first stage, and ppo's critic
+        trains on every rank alike."""
         from megatron.core import parallel_state
 
         group = parallel_state.get_pipeline_model_parallel_group()
+        src = dist.get_process_group_ranks(group)[-1]
         both = torch.zeros(2, *mb.input_ids.shape, dtype=torch.float32, device=self.device)
         if scores is not None:
             both[0], both[1] = scores.logp, scores.entropy
-        dist.broadcast(both, src=dist.get_process_group_ranks(group)[-1], group=group)
-        return TokenScores(logp=both[0], entropy=both[1])
+        dist.broadcast(both, src=src, group=group)
+        h = None
+        if hidden:
+            h = torch.zeros(*mb.input_ids.shape, self.arch.hidden_size, dtype=torch.float32, device=self.device)
+            if scores is not None:
+                h.copy_(scores.hidden)
+            dist.broadcast(h, src=src, group=group)
+        return TokenScores(logp=both[0], entropy=both[1], hidden=h)
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         # megatron divides each micro-batch's loss by their count and its DDP averages gradients
@@ -257,7 +275,7 @@ class MegatronBackend(ModelBackend):
         scale = len(mbs) * self.info.dp_size
 
         def loss(i: int, logits: torch.Tensor, m: MicroBatch) -> torch.Tensor:
-            return loss_fn(i, self._scores(logits, m, temperature, False)) * scale
+            return loss_fn(i, self._scores(logits, m, temperature)) * scale
 
         self._snapshot = None
         self._run(mbs, temperature, False, loss)

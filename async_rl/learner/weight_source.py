@@ -12,7 +12,7 @@ import torch
 
 from async_rl.cluster.resources import advertised_host
 from async_rl.config import WeightSyncConfig
-from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo, WeightSender
+from async_rl.weight_sync.base import BucketHook, SendProgress, UpdateReceipt, WeightGroupInfo, WeightSender
 from async_rl.weight_sync.bucketing import Manifest, build_manifest, to_dtype
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from async_rl.weight_sync.shm import ShmChannel
@@ -33,6 +33,18 @@ class WeightSource:
         self._info: WeightGroupInfo | None = None
         self._generation = 0
         self._manifest: Manifest | None = None
+        self._hooks: list[BucketHook] = []
+
+    def on_bucket(self, hook: BucketHook) -> None:
+        """Call `hook` after every bucket of every later update, on this membership's sender and on
+        the senders of later memberships."""
+        self._hooks.append(hook)
+        if self._sender is not None:
+            self._sender.on_bucket(hook)
+
+    def progress(self) -> SendProgress:
+        """How far the current (or last) update of this membership got."""
+        return self._sender.progress if self._sender is not None else SendProgress()
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
@@ -58,7 +70,7 @@ class WeightSource:
         return self._info
 
     def join(self) -> None:
-        self._sender = join_sender(self._info, self._store, self.manifest())
+        self._sender = join_sender(self._info, self._store, self.manifest(), self._hooks)
         if self._adopt:
             # shm: the parameters move into the shared mapping, so an update needs no packing copy
             # (a sharded backend gathers fresh full tensors for every sync: nothing to keep there).

@@ -60,6 +60,19 @@ class UpdateReceipt(msgspec.Struct, frozen=True):
     chunks_checked: int = 0  # chunks this member hashed (the same ones on every member)
 
 
+class SendProgress(msgspec.Struct, frozen=True):
+    """How far the sender's current (or last) update got: `buckets_sent` of `buckets_total` buckets
+    of `version` have left the sender (their channel operation completed)."""
+
+    version: int = -1
+    buckets_sent: int = 0
+    buckets_total: int = 0
+
+
+# Called on the sender after each bucket has moved (a metric, or a test that strikes mid-update).
+BucketHook = Callable[[SendProgress], None]
+
+
 class CorruptUpdate(RuntimeError):
     """An update that failed verification; nothing of it may be served."""
 
@@ -143,9 +156,28 @@ def _check_mode(mode: str) -> str:
 
 
 class WeightSender:
-    def __init__(self, group: BroadcastGroup, channel: BucketChannel, manifest: Manifest, checksum: str) -> None:
+    def __init__(
+        self,
+        group: BroadcastGroup,
+        channel: BucketChannel,
+        manifest: Manifest,
+        checksum: str,
+        on_bucket: Iterable[BucketHook] = (),
+    ) -> None:
+        """`on_bucket`: hooks called, in the sending thread, with the progress after every bucket."""
         self.group, self.channel, self.manifest = group, channel, manifest
         self.checksum = _check_mode(checksum)
+        self._hooks = list(on_bucket)
+        self.progress = SendProgress()  # read by anyone; written only here, one bucket at a time
+
+    def on_bucket(self, hook: BucketHook) -> None:
+        """Call `hook` after every bucket of every later update (see `__init__`)."""
+        self._hooks.append(hook)
+
+    def _moved(self, version: int, sent: int) -> None:
+        self.progress = SendProgress(version, sent, len(self.manifest.buckets))
+        for hook in self._hooks:
+            hook(self.progress)
 
     def adopt(self, tensors: dict[str, torch.Tensor]) -> int:
         """Move tensors (e.g. the learner's parameters) into the channel's resident buffers, in place
@@ -179,16 +211,19 @@ class WeightSender:
         self.group.broadcast(_header(version, self.manifest, seed))
         checker = ChunkChecker(self.manifest, self.checksum, random.Random(seed)) if self.checksum != "off" else None
         pending: Pending | None = None
+        self._moved(version, 0)
         for k, bucket in enumerate(self.manifest.buckets):
             # Packing bucket k overlaps the transfer of bucket k-1; hashing it overlaps its own.
             buf = pack(bucket, tensors, self.channel.staging(k, bucket.nbytes))
             if pending is not None:
                 self.group.wait(pending)
+                self._moved(version, k)
             pending = self.channel.start_send(k, buf)
             if checker:
                 checker.hash_bucket(k, buf)
         if pending is not None:
             self.group.wait(pending)
+            self._moved(version, len(self.manifest.buckets))
         table = ChunkTable(self.manifest)
         if checker:
             table.fill(checker)

@@ -7,9 +7,11 @@ member is in). Receivers call `join_receiver` with the `WeightGroupInfo` the sen
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch.distributed as dist
 
-from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver, WeightSender
+from async_rl.weight_sync.base import BucketHook, WeightGroupInfo, WeightReceiver, WeightSender
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.gloo import GlooChannel, GlooGroup, host_store
 from async_rl.weight_sync.shm import ShmChannel, create_region_file, new_shm_path
@@ -70,13 +72,16 @@ def _channel(info: WeightGroupInfo, group: GlooGroup, manifest: Manifest):
     return GlooChannel(group, largest)
 
 
-def join_sender(info: WeightGroupInfo, store: dist.TCPStore, manifest: Manifest) -> WeightSender:
-    """Blocks until every receiver joined; then the shm file name is no longer needed."""
+def join_sender(
+    info: WeightGroupInfo, store: dist.TCPStore, manifest: Manifest, on_bucket: Iterable[BucketHook] = ()
+) -> WeightSender:
+    """Blocks until every receiver joined; then the shm file name is no longer needed. `on_bucket`:
+    see `WeightSender`."""
     try:
         group = GlooGroup(
             info.host, info.port, 0, info.world_size, info.timeout_s, store=store, generation=info.generation
         )
-        sender = WeightSender(group, _channel(info, group, manifest), manifest, info.checksum)
+        sender = WeightSender(group, _channel(info, group, manifest), manifest, info.checksum, on_bucket)
         if info.backend in _MAPPED:
             group.barrier()  # every receiver has mapped the file or region
     finally:

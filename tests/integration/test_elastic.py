@@ -17,6 +17,7 @@ from test_training_run import REPO, check_common, run_short
 
 from async_rl.errors import RunError
 from async_rl.generator.pool import GeneratorPool
+from async_rl.weight_sync.base import SendProgress
 
 pytestmark = pytest.mark.integration
 
@@ -27,6 +28,7 @@ SHORT = [
     "generators.group_size=4",
     "generators.health_check_s=1",
     "weight_sync.timeout_s=30",  # a sync to a dead receiver fails within this
+    "weight_sync.bucket_mb=1",  # tiny-qwen2 in more than one bucket: a kill can land between two
 ]
 
 
@@ -106,17 +108,36 @@ def test_scale_command_up_and_down_and_buffer_restart(tmp_path, model_cache):
     assert not (tmp_path / "control.json").exists()  # a finished run is not 'running'
 
 
+def _kill_after_first_bucket(pids: list[int], version: int, record: Path):
+    """A sender hook (it runs in learner rank 0): SIGKILL `pids` once the first bucket of update
+    `version` has left the sender, once; `record` says how far that update was."""
+    fired: list[bool] = []
+
+    def hook(progress: SendProgress) -> None:
+        if progress.version == version and progress.buckets_sent == 1 and not fired:
+            fired.append(True)
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            record.write_text(f"{progress.buckets_sent}/{progress.buckets_total}")
+
+    return hook
+
+
 def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache, monkeypatch):
     struck: list[int] = []
+    record = tmp_path / "struck_at_bucket"
     real_broadcast = GeneratorPool._broadcast
 
     def strike_mid_sync(self, sender, actors, version):
-        # The engines are paused and the group is formed; one dies as the weights start to move.
+        # The engines are paused and the group is formed; one dies once the first bucket has moved.
         if version == 4 and not struck:
             victim = sorted(self.engines)[0]
             pids = ray.get(self.engines[victim].actor.pids.remote())
-            for pid in [pids.actor, *pids.engine_core]:
-                os.kill(pid, signal.SIGKILL)
+            hook = _kill_after_first_bucket([pids.actor, *pids.engine_core], version, record)
+            ray.get(sender.__ray_call__.remote(lambda rank: rank.weights.on_bucket(hook)))
             struck.append(victim)
         return real_broadcast(self, sender, actors, version)
 
@@ -129,6 +150,8 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
     slow = ["task.name=tests.integration._slow_task:make_task", "task.reward_workers=16", "task.reward_timeout_s=10"]
     out = run_short(tmp_path, model_cache, [*SHORT, *slow], between=between)
     assert struck == [1]  # the replacement of engine 0 was the one killed mid-sync
+    sent, total = map(int, record.read_text().split("/"))
+    assert sent == 1 and total > 1  # killed with the update under way: a bucket moved, others not
     log = events(tmp_path)
     died = [e for e in log if "died" in e["reason"]]
     assert [e["reason"].split(";")[0] for e in died] == ["engine 0 died", "engine 1 died"]

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import ray
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
@@ -47,19 +48,24 @@ LAYOUTS = {
 }
 
 
+def _run(cfg, model_dir: Path, run_dir: Path, resume_from: Path | None = None, between=None):
+    controller = Controller(cfg, model_dir, run_dir, plan_placement(cfg), resume_from)
+    sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
+    try:
+        summary = controller.run(sink, (lambda step: between(controller, step)) if between else None)
+        learner_ck, engine_cks = controller.checksums()
+    finally:
+        controller.shutdown()
+        sink.close()
+    return controller, summary, learner_ck, engine_cks
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_megatron_on_cpu_learns_and_vllm_holds_its_weights(layout, tmp_path, model_cache, ray_cluster):
     cfg = load_config(
         None, [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *BASE, *LAYOUTS[layout]]
     )
-    controller = Controller(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir), tmp_path, plan_placement(cfg))
-    sink = MetricsSink(tmp_path, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
-    try:
-        summary = controller.run(sink)
-        learner_ck, engine_cks = controller.checksums()
-    finally:
-        controller.shutdown()
-        sink.close()
+    _, summary, learner_ck, engine_cks = _run(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir), tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in records]
     first, last = statistics.mean(rewards[:K]), statistics.mean(rewards[-K:])
@@ -77,3 +83,51 @@ def test_megatron_on_cpu_learns_and_vllm_holds_its_weights(layout, tmp_path, mod
 
     (model_dir,) = list((tmp_path / "checkpoints").glob("step_*/model"))
     assert checksum_of(read_hf_weights(model_dir).values()).close_to(learner_ck)
+
+
+def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, ray_cluster):
+    """2 steps of ppo at TP=2 with a KL penalty and a checkpoint, then `--resume` of that run (the
+    Controller the launcher makes for it) to step 4: the step and version numbering go on, the learner
+    and the engines start from the checkpoint's weights, the KL reference is still the initial
+    weights, and the critic (on the Megatron model's last hidden states) trains throughout."""
+    from async_rl.checkpoint import completed, load_state
+    from async_rl.learner.base import checkpoint_model_dir
+    from async_rl.learner.hf_io import read_hf_weights
+    from async_rl.weight_sync.checksum import checksum_of
+
+    def config(steps: int):
+        return load_config(None, [
+            f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *BASE, *LAYOUTS["tp2"],
+            f"train.total_steps={steps}", "train.prompts_per_step=4", "generators.group_size=4",
+            "algorithm.name=ppo", "algorithm.kl_coef=0.05",
+        ])
+
+    initial = resolve_model_path(config(2).model.path, model_cache)
+    _run(config(2), initial, tmp_path)
+    (ckpt,) = completed(tmp_path)
+    assert ckpt.name == "step_2" and load_state(ckpt).version == 2
+    saved = checksum_of(read_hf_weights(checkpoint_model_dir(ckpt)).values())
+    start = checksum_of(read_hf_weights(initial).values())
+    assert not saved.close_to(start)  # two steps moved the weights
+
+    def reference_checksum(controller, step):
+        def ask(rank):
+            ref = rank.algo.reference.model
+            return rank.spec.reference_model_dir, checksum_of(p.detach() for _, p in ref.named_parameters())
+
+        if step == 2:
+            references.append(ray.get(controller.learner.actors[0].__ray_call__.remote(ask)))
+
+    references: list = []
+    controller, summary, learner_ck, engine_cks = _run(config(4), initial, tmp_path, ckpt, reference_checksum)
+    assert controller.start_step == 2 and summary.final_version == 4
+    # The resumed learner began with the checkpoint's weights (the controller checked the engines too).
+    assert controller.resumed_checksum.close_to(saved, rtol=1e-12)
+    (ref_dir, ref_ck), = references
+    assert Path(ref_dir) == Path(initial) and ref_ck.close_to(start) and not ref_ck.close_to(saved)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and [r["version"] for r in records] == [1, 2, 3, 4]
+    assert [r["trained"] for r in records] == [16, 32, 48, 64]  # the accounting goes on from the checkpoint
+    assert all(r["kl_ref"] > 0 for r in records[2:]) and all(r["value_loss"] > 0 for r in records)
+    for ck in engine_cks[0]:
+        assert ck.close_to(learner_ck), (ck, learner_ck)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from async_rl.weight_sync.base import CorruptUpdate, SyncAborted, UpdateReceipt
+from async_rl.weight_sync.base import CorruptUpdate, SendProgress, SyncAborted, UpdateReceipt
 from async_rl.weight_sync.bucketing import build_manifest
 from async_rl.weight_sync.gloo import GlooChannel, abort_membership
 from async_rl.weight_sync.shm import SHM_DIR
@@ -193,6 +193,21 @@ def test_adopted_sender_tensors_live_in_the_mapping_and_updates_follow_them():
             assert torch.equal(loaded[0][name], t), name
             assert torch.equal(loaded[1][name], t + 1), name
         assert [r.checksum for r in receipts] == [s.checksum for s in sent]
+
+
+def test_sender_reports_each_bucket_as_it_moves():
+    state = model_state()
+    manifest = build_manifest(state.items(), bucket_bytes=4096)
+    info, store = open_membership("127.0.0.1", 0, 2, 30, "gloo", manifest, "sampled", 1)
+    seen: list[SendProgress] = []
+    with ThreadPoolExecutor(1) as pool:
+        received = pool.submit(lambda: join_receiver(info, 1, manifest).receive(3, lambda it: list(it)))
+        sender = join_sender(info, store, manifest, on_bucket=[seen.append])
+        sender.send(state, 3)
+        received.result(timeout=60)
+    n = len(manifest.buckets)
+    assert n > 1 and seen == [SendProgress(3, k, n) for k in range(n + 1)]
+    assert sender.progress == SendProgress(3, n, n)
 
 
 def test_update_of_another_version_is_rejected():

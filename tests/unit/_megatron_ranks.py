@@ -121,6 +121,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         samples = seq_samples(min(backend.arch.vocab_size, 1000))
         mbs = {"packed": packing.packed(samples, row_tokens=16), "padded": packing.padded(samples)}
         scores = {k: backend.score(mb, 1.0) for k, mb in mbs.items()}
+        hidden = backend.score(mbs["padded"], 1.0, hidden=True).hidden  # ppo's critic reads these
         backend.gather_weights()
         before = _copy(backend.hf_weights()) if rank == 0 else None  # valid until the next step: copy
         halves = packing.micro_batches(samples, pack=True, max_seqs=3, row_tokens=16)
@@ -146,6 +147,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 "info": backend.info,
                 "mbs": mbs,
                 "scores": scores,
+                "hidden": hidden,
                 "halves": halves,
                 "grad_norm": grad_norm,
                 "before": before,

@@ -253,3 +253,56 @@ def test_batch_without_signal_takes_no_optimizer_step(model_dir):
     for n, s in zip(before, rank.backend.optimizer.state.values(), strict=True):
         assert torch.equal(s["exp_avg_sq"], state[n]), n
     assert rank.step_count == 2  # the step still counts (policy version, LR schedule)
+
+
+class _Batches:
+    """The buffer's side of `train_step` for a rank driven without a buffer: hands over one shard."""
+
+    def __init__(self, shard) -> None:
+        self.shard = shard
+
+    def fetch(self, step: int, timeout_s: float):
+        return self.shard
+
+
+def test_gather_weights_waits_for_the_optimizer_step(model_dir):
+    """A weight gather issued while train_step is inside its optimizer step runs only after the step
+    (the weights lock), and a gather for the version the step just replaced gathers nothing."""
+    import threading
+
+    rank = make_rank(model_dir)
+    rank.batches = _Batches(groups(3))
+    order: list[str] = []
+    in_step, calling, gathered = threading.Event(), threading.Event(), threading.Event()
+    step, gather = rank.backend.optimizer_step, rank.backend.gather_weights
+
+    def optimizer_step(lr, max_grad_norm):
+        order.append("step begins")
+        in_step.set()
+        calling.wait(timeout=30)
+        gathered.wait(timeout=2.0)  # without the lock the gather lands here, inside the step
+        out = step(lr, max_grad_norm)
+        order.append("step ends")
+        return out
+
+    def backend_gather():
+        order.append("gather")
+        gathered.set()
+        gather()
+
+    rank.backend.optimizer_step = optimizer_step
+    rank.backend.gather_weights = backend_gather
+    results: list[bool] = []
+
+    def recovery_sync():
+        in_step.wait(timeout=30)
+        calling.set()
+        results.append(rank.gather_weights(0))  # the version the step is replacing
+        results.append(rank.gather_weights(1))
+
+    t = threading.Thread(target=recovery_sync)
+    t.start()
+    rank.train_step(0)
+    t.join(timeout=30)
+    assert order == ["step begins", "step ends", "gather"]
+    assert results == [False, True] and rank.version == 1

@@ -64,6 +64,19 @@ def test_scores_match_the_hf_model(run, layout):
     assert torch.equal(first.logp, got.logp) and torch.equal(first.entropy, got.entropy)
 
 
+def test_last_hidden_states_match_the_hf_model_on_every_rank(run):
+    """ppo's critic input: the final layernorm's output, HF's hidden_states[-1], on both TP ranks and
+    on both pipeline stages (the first gets the last stage's)."""
+    tp, pp, ranks, hf = run
+    mb = ranks[1]["mbs"]["padded"]
+    with torch.no_grad():
+        want = hf(**mb.model_inputs(torch.device("cpu")), output_hidden_states=True).hidden_states[-1]
+    mask = mb.attention_mask.bool()
+    for r in ranks:
+        assert r["hidden"].shape == want.shape
+        assert (r["hidden"] - want).abs()[mask].max() < 1e-4, (r["hidden"] - want).abs()[mask].max()
+
+
 def test_gradient_is_the_sum_over_micro_batches(run):
     """One loss -sum(logp)/tokens over two micro-batches: the gradient norm is the HF model's on the
     whole batch (megatron's 1/num_microbatches undone)."""

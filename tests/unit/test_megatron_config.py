@@ -16,12 +16,10 @@ def test_torch_stays_the_default_backend():
     assert cfg.learner.megatron.distributed_optimizer is True
 
 
-def test_megatron_runs_every_algorithm_but_ppo_and_writes_checkpoints():
-    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+def test_megatron_runs_every_algorithm_and_writes_checkpoints():
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"):
         cfg = load_config(None, ["learner.backend=megatron", f"algorithm.name={name}"])
         assert cfg.train.checkpoint_at_end
-    with pytest.raises(ConfigError, match="algorithm.name=ppo"):
-        load_config(None, ["learner.backend=megatron", "algorithm.name=ppo"])
 
 
 @pytest.mark.parametrize(
