@@ -87,6 +87,9 @@ REAL_WORKLOAD = {
     "lr": 2.0e-5,
     # the same prompts in file order on every side; no evaluation inside the timed run
     "extra": ["data.shuffle=false", "eval.enabled=false"],
+    # TRL's micro-batch: 2 groups (~12 x 170 tokens), near ours (learner.micro_batch_tokens 2048); its
+    # whole batch at once would hold GBs of logits (vocabulary 49152)
+    "trl_micro_groups": 2,
 }
 PRESETS = {"context": WORKLOAD, "wide": WIDE_WORKLOAD, "real": REAL_WORKLOAD}
 
@@ -340,10 +343,13 @@ def run_trl(py: Path, w: dict, steps: int, warmup: int, generation: str, out: Pa
 
     model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
     context = CONTEXT if w["task"] == WORKLOAD["task"] else ""
+    micro = w.get("trl_micro_groups", 0)
+    micro = micro if micro and w["prompts_per_step"] % micro == 0 else (1 if micro else 0)
     cmd = [str(py), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", str(model_dir), "--context", context,
            "--prompts", str(w["prompts_per_step"]), "--group", str(w["group_size"]), "--tokens", str(w["max_tokens"]),
            "--steps", str(steps), "--warmup", str(warmup), "--generation", generation, "--out", str(out),
-           "--temperature", str(w["temperature"]), "--lr", str(w["lr"])]
+           "--temperature", str(w["temperature"]), "--lr", str(w["lr"]),
+           "--micro-groups", str(micro)]
     if not w["task"]:  # the real workload: the same data file, system prompt and math reward
         cmd += ["--data", str(real_task.TRAIN_FILE), "--system-prompt", real_task.system_prompt()]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--data", default="", help="JSONL {prompt, answer}: chat prompts, math reward, natural EOS")
     ap.add_argument("--system-prompt", default="")
+    ap.add_argument("--micro-groups", type=int, default=0,
+                    help="prompt groups per forward/backward micro-batch, accumulated to one optimizer step "
+                         "(0: the whole batch at once)")
     ap.add_argument("--context", default="", help="fixed text before every prompt (bench_e2e's e2e_task.CONTEXT)")
     ap.add_argument("--generation", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--out", required=True)
@@ -110,12 +113,15 @@ def main() -> None:
         return score(prompts, completions, answer, **kw)
 
     batch = args.prompts * args.group
+    micro = args.micro_groups or args.prompts
+    if args.prompts % micro:
+        raise SystemExit(f"--micro-groups {micro} does not divide --prompts {args.prompts}")
     config = GRPOConfig(
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl-out"),
         use_cpu=True,
         bf16=False,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro * args.group,
+        gradient_accumulation_steps=args.prompts // micro,  # one optimizer step per generation round
         num_generations=args.group,
         generation_batch_size=batch,  # one generation round per optimizer step, as ours
         num_iterations=1,
@@ -124,6 +130,7 @@ def main() -> None:
         learning_rate=args.lr,
         lr_scheduler_type="constant",  # as ours
         beta=0.0,  # no reference model: ours trains without a KL term too
+        gradient_checkpointing=False,  # TRL 1.x defaults to True (recomputes the forward); ours does not
         mask_truncated_completions=False,
         generation_kwargs=gen_kwargs,
         max_steps=args.steps,
