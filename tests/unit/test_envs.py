@@ -338,3 +338,22 @@ def test_verifiers_env_fails_with_one_line_config_error():
         build("vf-math", cfg=None, reward=lambda s: 0.0)
     message = str(info.value)
     assert "\n" not in message and "env.name 'verifiers:vf-math'" in message and "pkg.module:factory" in message
+
+
+def test_call_bonus_is_paid_once_for_a_turn_whose_calls_all_ran_ok(chat_tokenizer):
+    tok = chat_tokenizer
+    prompt = Prompt(prompt_id=1, messages=[ChatMessage("user", "What is 12*7?")], answer="84")
+    turns = ['<tool name="calculator">1/0</tool>', '<tool name="calculator">12*7</tool>',
+             '<tool name="calculator">84</tool>', "The answer is 84."]
+
+    def run(bonus: float, reward: float):
+        generate, _ = scripted(tok, turns)
+        env = ToolEnvironment([Calculator()], reward=lambda s: reward, fmt="tag", call_bonus=bonus)
+        return asyncio.run(run_episode(env.start(prompt), render(tok, prompt.messages, True), list(prompt.messages),
+                                       generate, ChatDelta(tok, tok.eos_token_id), max_turns=4, max_total_tokens=4096))
+
+    assert run(0.0, 1.0).reward == 1.0  # off by default: the task's reward only
+    assert run(0.2, 1.0).reward == pytest.approx(1.2)  # the failed call earns nothing, two ok calls earn it once
+    assert run(0.2, 0.0).reward == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="call_bonus"):
+        ToolEnvironment([Calculator()], reward=lambda s: 0.0, call_bonus=-1.0)
