@@ -10,6 +10,12 @@ instructions are applied when the files are loaded), `answer` (the integer resul
 `math` reward), `data_source` (the problem kind, so eval pass@1 is reported per kind: `mul` a*b,
 `mul_add` a*b+c, `mul_sub` a*b-c, `two_mul` a*b+c*d). The eval file holds no question of the train
 file.
+
+By default `prompt` is a chat: two worked examples in the tag tool format (a question, the
+assistant's calculator call, the tool's result, the boxed answer), then the question. The probe of
+the starting model (benchmarks/results/tools_probe.md) found that SmolLM2-135M makes almost no
+calls from instructions alone (<= 3% of episodes), 8% with one worked example and 72% with these
+two. `--no-examples` writes the question alone as text.
 """
 
 from __future__ import annotations
@@ -48,13 +54,45 @@ def question(rng: random.Random) -> tuple[str, int, str]:
     return text, a * b + c * d, kind
 
 
+def _example(question_text: str, expression: str, result: int) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": question_text},
+        {"role": "assistant", "content": f'<tool name="calculator">{expression}</tool>'},
+        {"role": "tool", "content": f"calculator: {result}"},
+        {"role": "assistant", "content": f"The answer is \\boxed{{{result}}}."},
+    ]
+
+
+# Worked examples put before every question (one one-step, one two-step problem; not in the data:
+# their numbers are fixed here). Their tool message is what ToolEnvironment answers for that call.
+WORKED_EXAMPLES = _example(
+    "There are 123 boxes with 45 pens in each. How many pens are there in total?", "123*45", 123 * 45
+) + _example(
+    "A shop has 214 bags with 36 marbles in each and 158 bags with 27 marbles in each. "
+    "How many marbles does it have in total?",
+    "214*36+158*27",
+    214 * 36 + 158 * 27,
+)
+
+
 def tool_row(rng: random.Random) -> dict[str, str]:
     text, answer, kind = question(rng)
     return {"prompt": text, "answer": str(answer), "data_source": kind}
 
 
+def chat_row(rng: random.Random) -> dict:
+    """`tool_row` with the worked examples before the question, as a chat."""
+    r = tool_row(rng)
+    return {**r, "prompt": [*WORKED_EXAMPLES, {"role": "user", "content": r["prompt"]}]}
+
+
 def main() -> None:
-    write_splits(__doc__, "tools", tool_row)
+    write_splits(
+        __doc__,
+        "tools",
+        lambda args: tool_row if args.no_examples else chat_row,
+        lambda ap: ap.add_argument("--no-examples", action="store_true", help="the question alone, as text"),
+    )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,17 @@ HERMES_SHOT = (
     'assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "123*45"}}</tool_call>\n'
     "tool: calculator: 5535\nassistant: The answer is \\boxed{5535}."
 )
+SHOT_QUESTION_TWO_STEP = (
+    "A shop has 214 bags with 36 marbles in each and 158 bags with 27 marbles in each. "
+    "How many marbles does it have in total?"
+)
+TAG_CHAT_SHOT_TWO_STEP = (("user", SHOT_QUESTION_TWO_STEP), ("assistant", '<tool name="calculator">214*36+158*27</tool>'),
+                          ("tool", "calculator: 11970"), ("assistant", "The answer is \\boxed{11970}."))
+HERMES_CHAT_SHOT_TWO_STEP = (
+    ("user", SHOT_QUESTION_TWO_STEP),
+    ("assistant", '<tool_call>{"name": "calculator", "arguments": {"expression": "214*36+158*27"}}</tool_call>'),
+    ("tool", "calculator: 11970"), ("assistant", "The answer is \\boxed{11970}."),
+)
 TOOL_FIRST = "Always use the calculator for arithmetic, then answer with the final number in \\boxed{}."
 
 
@@ -62,6 +73,8 @@ CANDIDATES = [
     Candidate("hermes_fewshot", TOOL_FIRST + "\n\n" + HERMES_SHOT, "hermes"),
     Candidate("tag_chatshot", TOOL_FIRST, "tag", TAG_CHAT_SHOT),
     Candidate("hermes_chatshot", TOOL_FIRST, "hermes", HERMES_CHAT_SHOT),
+    Candidate("tag_chatshot2", TOOL_FIRST, "tag", TAG_CHAT_SHOT + TAG_CHAT_SHOT_TWO_STEP),
+    Candidate("hermes_chatshot2", TOOL_FIRST, "hermes", HERMES_CHAT_SHOT + HERMES_CHAT_SHOT_TWO_STEP),
 ]
 
 
@@ -116,7 +129,7 @@ async def run_all(llm, tokenizer, rows, args) -> dict[str, list]:
     delta = ChatDelta(tokenizer, end_of_turn_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
     batcher = Batcher(llm, args.temperature)
     jobs = []
-    for c in CANDIDATES:
+    for c in selected(args):
         env = ToolEnvironment(tools, math_reward, fmt="tag" if c.tool_format == "none" else c.tool_format)
         system = system_text(c, tools)
         for i, row in enumerate(rows):
@@ -137,11 +150,30 @@ async def run_all(llm, tokenizer, rows, args) -> dict[str, list]:
         live = sum(not t.done() for _, t in jobs)
         if batcher.pending and len(batcher.pending) == live:
             batcher.flush()
-    results: dict[str, list] = {c.name: [] for c in CANDIDATES}
+    results: dict[str, list] = {c.name: [] for c in selected(args)}
     for name, t in jobs:
         results[name].append(t.result())
     print(f"generated {batcher.generated_tokens} tokens")
     return results
+
+
+def selected(args) -> list[Candidate]:
+    names = args.candidates.split(",") if args.candidates else [c.name for c in CANDIDATES]
+    unknown = set(names) - {c.name for c in CANDIDATES}
+    if unknown:
+        raise SystemExit(f"--candidates: unknown {sorted(unknown)} (known: {[c.name for c in CANDIDATES]})")
+    return [c for c in CANDIDATES if c.name in names]
+
+
+def shaped_signal(results, samples: int, bonus: float) -> dict[str, float]:
+    """groups_with_signal if episodes with a successful call earned `bonus` on top of the task reward
+    (an upper bound for ToolEnvironment(call_bonus=...), which also requires no failed call in that turn)."""
+    out = {}
+    for name, eps in results.items():
+        groups = [eps[i : i + samples] for i in range(0, len(eps), samples)]
+        shaped = [{e.reward + bonus * (e.tool_outcomes.get("ok", 0) > 0) for e in g} for g in groups]
+        out[name] = sum(len(r) > 1 for r in shaped) / len(groups)
+    return out
 
 
 def summarise(results) -> dict[str, dict[str, float]]:
@@ -187,7 +219,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", type=Path, default=ROOT / "configs" / "data" / "tools_eval.jsonl")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tools_probe")
-    ap.add_argument("--examples", type=int, default=2, help="transcripts kept per candidate")
+    ap.add_argument("--examples", type=int, default=3, help="transcripts kept per candidate (calls first)")
+    ap.add_argument("--candidates", default="", help="comma-separated candidate names (default: all)")
+    ap.add_argument("--bonus", type=float, default=0.2, help="call bonus for the shaped-signal column")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -207,23 +241,34 @@ def main() -> None:
     table = summarise(results)
     for name, share in group_signal(results, args.samples).items():
         table[name]["groups_with_signal"] = share
+    for name, share in shaped_signal(results, args.samples, args.bonus).items():
+        table[name]["signal_with_bonus"] = share
+    for name, eps in results.items():
+        kinds: dict[str, list[float]] = {}
+        for e, row in zip(eps, [r for r in rows for _ in range(args.samples)], strict=True):
+            kinds.setdefault(row["data_source"], []).append(e.reward)
+        table[name]["accuracy_by_kind"] = {k: sum(v) / len(v) for k, v in sorted(kinds.items())}
     skip = {c.name: 1 + len(c.shot) for c in CANDIDATES}  # the system prompt and the worked example
     examples = {
-        name: [[f"{m.role}: {m.content}" for m in e.transcript[skip[name] :]] for e in eps[: args.examples]]
+        name: [[f"{m.role}: {m.content}" for m in e.transcript[skip[name] :]]
+               for e in sorted(eps, key=lambda e: -(e.tool_calls + e.tool_errors))[: args.examples]]
         for name, eps in results.items()
     }
     candidates = {c.name: {"system_prompt": c.system_prompt, "tool_format": c.tool_format, "shot": c.shot}
-                  for c in CANDIDATES}
+                  for c in selected(args)}
     report = {"command": "benchmarks/probe_tools.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                  vars(args).items() if k not in ("data", "out")),
+                                                                  vars(args).items() if k not in ("data", "out") and v != ""),
               "engine_start_s": round(t1 - t0, 1), "episodes_s": round(t2 - t1, 1), "candidates": candidates,
-              "table": table, "examples": examples}
+              "table": table, "examples": examples,
+              "episodes": {name: [{"reward": e.reward, "turns": e.turns, "tool_calls": e.tool_calls,
+                                   "tool_errors": e.tool_errors, "outcomes": e.tool_outcomes,
+                                   "finish": e.finish_reason} for e in eps] for name, eps in results.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     cols = ["call_rate", "ok_call_rate", "well_formed", "tool_errors_per_ep", "turns_per_ep", "accuracy",
-            "accuracy_given_ok_call", "groups_with_signal"]
+            "accuracy_given_ok_call", "groups_with_signal", "signal_with_bonus"]
     lines = ["| candidate | format | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
-    for c in CANDIDATES:
+    for c in selected(args):
         row = table[c.name]
         lines.append(f"| {c.name} | {c.tool_format} | " + " | ".join(f"{row[k]:.2f}" for k in cols) + " |")
     print("\n".join(lines))
@@ -232,7 +277,8 @@ def main() -> None:
           f"samples; engine start {report['engine_start_s']} s, episodes {report['episodes_s']} s)\n",
           *lines, "", "Columns: call_rate = episodes with any tool-call attempt; ok_call_rate = episodes with a "
           "successful calculator call; well_formed = successful calls / attempts; accuracy = math reward of "
-          "the final turn; groups_with_signal = prompts whose samples differ in reward (GRPO gradient).", "",
+          "the final turn; groups_with_signal = prompts whose samples differ in reward (GRPO gradient); "
+          f"signal_with_bonus = the same with +{args.bonus} for an episode with a successful call.", "",
           "System prompts: see the json (`candidates`); transcripts: `examples`."]
     args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
 
