@@ -134,12 +134,14 @@ async def run_all(llm, tokenizer, rows, args) -> dict[str, list]:
         system = system_text(c, tools)
         for i, row in enumerate(rows):
             shot = [ChatMessage(role, content) for role, content in c.shot]
-            messages = [ChatMessage("system", system), *shot, ChatMessage("user", row["prompt"])]
+            # The data rows may carry their own worked examples (a chat): the candidates set those here.
+            question = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
+            messages = [ChatMessage("system", system), *shot, ChatMessage("user", question)]
             ids = list(tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True,
                 tokenize=True, return_dict=False,
             ))
-            prompt = Prompt(prompt_id=i, text=row["prompt"], answer=row["answer"], messages=messages,
+            prompt = Prompt(prompt_id=i, text=question, answer=row["answer"], messages=messages,
                             data_source=row["data_source"])
             for _ in range(args.samples):
                 turns = 1 if c.tool_format == "none" else args.max_turns
