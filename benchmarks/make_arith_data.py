@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "configs" / "data"
@@ -30,31 +31,56 @@ def question(rng: random.Random) -> tuple[str, int, str]:
     return f"{a} {op} {b}", answer, SOURCES[op]
 
 
-def rows(rng: random.Random, count: int, exclude: set[str]) -> list[dict[str, str]]:
+def unique_rows(
+    rng: random.Random, count: int, exclude: set[str], make_row: Callable[[random.Random], dict]
+) -> list[dict]:
+    """`count` rows from `make_row`, no two with the same prompt, none with a prompt in `exclude`
+    (prompts compared as JSON: a prompt may be text or a list of chat messages)."""
     out, seen = [], set(exclude)
     while len(out) < count:
-        expr, answer, source = question(rng)
-        if expr in seen:
+        row = make_row(rng)
+        key = json.dumps(row["prompt"])
+        if key in seen:
             continue
-        seen.add(expr)
-        out.append({"prompt": f"What is {expr}?", "answer": str(answer), "data_source": source})
+        seen.add(key)
+        out.append(row)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arith_row(rng: random.Random) -> dict[str, str]:
+    expr, answer, source = question(rng)
+    return {"prompt": f"What is {expr}?", "answer": str(answer), "data_source": source}
+
+
+def write_splits(
+    doc: str,
+    prefix: str,
+    row_maker: Callable[[argparse.Namespace], Callable[[random.Random], dict]],
+    add_arguments: Callable[[argparse.ArgumentParser], object] | None = None,
+) -> None:
+    """The command line shared by the data scripts: held-out eval rows first, then train rows that
+    repeat none of them, written to OUT/{prefix}_{train,eval}.jsonl. `row_maker(args)` gives the
+    row function; `add_arguments` adds a script's own options."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--train", type=int, default=4000, help="training rows")
     ap.add_argument("--eval", type=int, default=96, help="held-out eval rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
+    if add_arguments is not None:
+        add_arguments(ap)
     args = ap.parse_args()
+    make_row = row_maker(args)
     rng = random.Random(args.seed)
-    eval_rows = rows(rng, args.eval, set())
-    train_rows = rows(rng, args.train, {r["prompt"][len("What is ") : -1] for r in eval_rows})
+    eval_rows = unique_rows(rng, args.eval, set(), make_row)
+    train_rows = unique_rows(rng, args.train, {json.dumps(r["prompt"]) for r in eval_rows}, make_row)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, data in (("arith_train.jsonl", train_rows), ("arith_eval.jsonl", eval_rows)):
+    for name, data in ((f"{prefix}_train.jsonl", train_rows), (f"{prefix}_eval.jsonl", eval_rows)):
         (args.out / name).write_text("".join(json.dumps(r) + "\n" for r in data))
         print(f"{args.out / name}: {len(data)} rows")
+
+
+def main() -> None:
+    write_splits(__doc__, "arith", lambda args: arith_row)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ Each model turn is parsed for tool calls (`tool_calls.py`). Calls run off the ev
 tool in its own sandboxed process per call, `sandbox.py`); their results come back as `tool`
 messages. A malformed call or an unknown tool gets an error message as its observation and is
 counted. A turn without a call is the final answer, scored by the task's reward function.
+
+`call_bonus` (default 0) optionally shapes the reward: the first model turn of an episode whose
+tool calls all ran ok earns it once. A small model that never calls the tool gets no GRPO gradient
+toward calling it; the bonus gives one, and being paid once per episode and well below the
+answer's reward it cannot outweigh a correct answer (see benchmarks/results/tools_probe.md).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class ToolEpisode(Episode):
     def __init__(self, env: ToolEnvironment, prompt: Prompt) -> None:
         self.env = env
         self.prompt = prompt
+        self.bonus_paid = False
 
     async def step(self, model_text: str, finished: bool) -> EnvTurn:
         parsed = parse_turn(model_text, self.env.fmt, self.env.tools.keys())
@@ -50,8 +56,13 @@ class ToolEpisode(Episode):
             messages.append(ChatMessage("tool", f"{call.name}: {result.text}"))
             outcomes.append(result.outcome)
             failed += result.outcome != "ok"
+        reward = None
+        if self.env.call_bonus and not self.bonus_paid and parsed.calls and not parsed.errors and not failed:
+            self.bonus_paid = True
+            reward = self.env.call_bonus
         return EnvTurn(
             messages=messages,
+            reward=reward,
             tool_calls=len(parsed.calls),
             tool_errors=len(parsed.errors) + failed,
             tool_outcomes=outcomes,
@@ -68,9 +79,12 @@ class ToolEpisode(Episode):
 class ToolEnvironment(Environment):
     name = "tools"
 
-    def __init__(self, tools: list[Tool], reward: RewardFn, fmt: ToolFormat = "tag") -> None:
+    def __init__(self, tools: list[Tool], reward: RewardFn, fmt: ToolFormat = "tag", call_bonus: float = 0.0) -> None:
         if len({t.name for t in tools}) != len(tools):
             raise ValueError("tool names must be unique")
+        if call_bonus < 0:
+            raise ValueError(f"call_bonus must be >= 0, got {call_bonus}")
+        self.call_bonus = call_bonus  # paid once per episode for the first turn whose calls all ran ok
         self.tools = {t.name: t for t in tools}
         self.reward = reward
         self.fmt = fmt

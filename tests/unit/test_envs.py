@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
@@ -85,6 +86,37 @@ def test_parse_bad_calls_become_errors(fmt, text, reason):
     assert not parsed.is_final  # the model attempted a call: it gets the error, not a score
 
 
+def test_parse_mixed_turn_keeps_good_calls_and_reports_each_bad_one():
+    text = (
+        '<tool name="calculator">2*3</tool> then <tool name="search">cats</tool>'
+        ' and <tool name="python">print(1)</tool> and <tool name="calculator">7'
+    )
+    parsed = parse_turn(text, "tag", TOOLS)
+    assert parsed.calls == [ToolCall("calculator", {"input": "2*3"}), ToolCall("python", {"input": "print(1)"})]
+    assert [e.reason for e in parsed.errors] == ["unknown_tool", "malformed"]  # in the order written
+    assert "search" in parsed.errors[0].message and "calculator, python" in parsed.errors[0].message
+
+
+def test_tool_episode_answers_bad_calls_with_error_observations():
+    prompt = Prompt(prompt_id=0, text="q", answer="6")
+    env = ToolEnvironment([Calculator()], reward=lambda s: 0.0, fmt="hermes")
+    turn = asyncio.run(
+        env.start(prompt).step(
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
+            "<tool_call>{oops}</tool_call>"
+            '<tool_call>{"name": "web", "arguments": {}}</tool_call>',
+            finished=True,
+        )
+    )
+    assert not turn.done
+    assert (turn.tool_calls, turn.tool_errors) == (1, 3)  # the call ran but failed, plus two bad calls
+    assert sorted(turn.tool_outcomes) == ["error", "malformed", "unknown_tool"]
+    assert all(m.role == "tool" for m in turn.messages)
+    texts = [m.content for m in turn.messages]
+    assert all(t.startswith(("error: ", "calculator: error: ")) for t in texts)
+    assert "calculator: error: division by zero" in texts
+
+
 # ---- tools -----------------------------------------------------------------------------------------
 
 
@@ -137,10 +169,30 @@ def test_sandbox_refuses_network():
     assert network_isolation() in ("namespace", "socket-stub")
 
 
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_sandbox_killed_past_wall_time_with_its_children():
-    r = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(60)\ntime.sleep(60)", SandboxLimits(wall_s=1.0))
+    code = (
+        "import os, sys, time\npid = os.fork()\n"
+        "if pid == 0:\n    time.sleep(60)\n    sys.exit()\n"
+        "print(os.getpid(), pid, flush=True)\ntime.sleep(60)"
+    )
+    r = run_python(code, SandboxLimits(wall_s=1.0))
     assert r.timed_out and r.outcome == "timeout"
     assert r.wall_s < 10
+    pids = [int(p) for p in r.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # SIGKILL is delivered asynchronously
+    assert not any(_alive(p) for p in pids), "the sandboxed process or its child outlived the timeout"
 
 
 def test_sandbox_cpu_memory_and_output_limits():
@@ -273,3 +325,35 @@ def test_episode_stops_at_the_token_budget(chat_tokenizer):
     assert result.finish_reason == "length"
     assert len(result.prompt_ids) + len(result.completion_ids) <= len(prompt_ids) + 12
     assert result.reward == 0.0
+
+
+# ---- verifiers environments ------------------------------------------------------------------------
+
+
+def test_verifiers_env_fails_with_one_line_config_error():
+    from async_rl.envs.verifiers_env import build
+    from async_rl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        build("vf-math", cfg=None, reward=lambda s: 0.0)
+    message = str(info.value)
+    assert "\n" not in message and "env.name 'verifiers:vf-math'" in message and "pkg.module:factory" in message
+
+
+def test_call_bonus_is_paid_once_for_a_turn_whose_calls_all_ran_ok(chat_tokenizer):
+    tok = chat_tokenizer
+    prompt = Prompt(prompt_id=1, messages=[ChatMessage("user", "What is 12*7?")], answer="84")
+    turns = ['<tool name="calculator">1/0</tool>', '<tool name="calculator">12*7</tool>',
+             '<tool name="calculator">84</tool>', "The answer is 84."]
+
+    def run(bonus: float, reward: float):
+        generate, _ = scripted(tok, turns)
+        env = ToolEnvironment([Calculator()], reward=lambda s: reward, fmt="tag", call_bonus=bonus)
+        return asyncio.run(run_episode(env.start(prompt), render(tok, prompt.messages, True), list(prompt.messages),
+                                       generate, ChatDelta(tok, tok.eos_token_id), max_turns=4, max_total_tokens=4096))
+
+    assert run(0.0, 1.0).reward == 1.0  # off by default: the task's reward only
+    assert run(0.2, 1.0).reward == pytest.approx(1.2)  # the failed call earns nothing, two ok calls earn it once
+    assert run(0.2, 0.0).reward == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="call_bonus"):
+        ToolEnvironment([Calculator()], reward=lambda s: 0.0, call_bonus=-1.0)

@@ -1,0 +1,58 @@
+"""`env.name: "verifiers:ID"`: environments of the `verifiers` library (what prime-rl users write).
+
+Not supported, for reasons measured on verifiers 0.4.0 (the current release on the package index):
+
+1. Control is inverted. Our engine owns the episode loop: it generates a model turn token in /
+   token out and asks the environment for the next observation (`Episode.step(text)`). A verifiers
+   0.4 environment (`verifiers.v1`: Env -> Rollout -> Harness) owns the loop instead: each rollout
+   boots a runtime (subprocess, Docker, Podman, Apptainer or a Prime sandbox), serves an HTTP
+   interception server on it, and runs a harness program that calls the model at `{base_url}/v1`
+   as an OpenAI-compatible chat endpoint (`Client.get_response(dialect, body, ...)` receives the
+   whole native request body: messages and function-calling tools). Adapting it would mean parking
+   that request until our engine produced the turn, diffing the request's messages against the
+   tokens we already hold (a harness may rewrite history, which breaks token in / token out), and
+   turning the model's text back into native `tool_calls` (their train client does this with the
+   `renderers` library). That is a second rollout system bridged into ours, not an adapter.
+2. It does not install cleanly next to our stack: `pip install verifiers` (0.4.0) pulls in ~20
+   packages (gepa, mcp, prime-sandboxes, prime-tunnel, prime-runs, renderers, openai-harmony, ...)
+   and downgrades `openai` 3.54 -> 2.54 and `mcp` 2.3 -> 2.0 (exact pins), which vLLM's server uses.
+3. The pre-0.4 API (`MultiTurnEnv.env_response` / `is_completed`, `Rubric`) would map onto
+   `Episode.step` / `final_reward`, but it changed signatures (sync -> async, return shapes) across
+   the 0.1.x releases and is gone from the current one; an adapter for it would pin a dead API.
+
+So `build` fails with one line that says this; nothing is imported at module load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from async_rl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from async_rl.envs.base import Environment
+    from async_rl.envs.tool_env import RewardFn
+
+
+def _installed_version() -> str | None:
+    """The installed verifiers version, or None when the library is not installed."""
+    if importlib.util.find_spec("verifiers") is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verifiers")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build(env_id: str, cfg: object, reward: RewardFn) -> Environment:
+    """The Environment for `env.name: "verifiers:<env_id>"`; always a ConfigError (see the module doc)."""
+    found = _installed_version()
+    where = f"verifiers {found} is installed" if found else "verifiers is not installed"
+    raise ConfigError(
+        f"env.name 'verifiers:{env_id}' is not supported ({where}): verifiers environments run their own "
+        "rollout loop against an OpenAI-compatible HTTP endpoint, which does not fit our token-in/token-out "
+        "episodes; write the environment as async_rl.envs.base.Environment and name it 'pkg.module:factory'"
+    )
