@@ -25,9 +25,14 @@ from async_rl.learner.padded import PaddedShard
 from async_rl.models.tiny import resolve_model_path
 from async_rl.protocol import EpisodeInfo, FrameError, TrajectoryGroup, decode_groups, encode_groups
 from tests.unit._learner_fixtures import settings
-from tests.unit.test_envs import chat_tokenizer, render, scripted  # noqa: F401  (chat_tokenizer: a fixture)
+from tests.unit.test_envs import build_chat_tokenizer, render, scripted
 
 RUN = "mt"
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    return build_chat_tokenizer()
 
 
 @pytest.fixture(scope="module")
