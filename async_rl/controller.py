@@ -320,6 +320,7 @@ def make_record(
         tool_errors_per_episode=ep.tool_errors_per_episode,
         sandbox_timeouts=ep.sandbox_timeouts,
         env_token_share=ep.env_token_share,
+        samples_across_updates=sum(m.across_updates for m in per_rank),
     )
 
 

@@ -92,6 +92,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     tool_errors_per_episode: float = 0.0
     sandbox_timeouts: int = 0
     env_token_share: float = 0.0
+    samples_across_updates: int = 0  # trained samples whose tokens came from more than one policy version
     data_epoch: int = 0  # the prompt stream's position after the step: epoch ...
     data_index: int = 0  # ... and items of that epoch's order drawn (a task: prompts drawn)
     skipped_prompts: int = 0  # prompts or data rows that could not be used (bad rows, too long), so far

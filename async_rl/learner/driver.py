@@ -28,6 +28,7 @@ from async_rl.learner.base import (
     LearnerSpec,
     Probe,
     StepMetrics,
+    across_updates_count,
     completion_lengths,
     env_token_count,
     episode_infos,
@@ -266,6 +267,7 @@ class LearnerDriver(LearnerRank):
             truncated=truncated_count(groups) if counted else 0,
             episodes=episode_infos(groups) if counted else [],
             env_tokens=env_token_count(groups) if counted else 0,
+            across_updates=across_updates_count(groups) if counted else 0,
             **stats,
         )
 
