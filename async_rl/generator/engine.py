@@ -205,7 +205,7 @@ class GeneratorEngine:
         try:
             await self._running.wait()
             if self.env is not None:
-                await self._push_group(await self._run_episodes(prompt, request_id))
+                await self._push_group(await self._run_episodes(prompt, request_id, self.sampling, self.s.group_size))
                 return
             version_first = self.version
             prompt_ids, completions, scored = await self._generate_scored(prompt, self._params, request_id)
@@ -267,13 +267,15 @@ class GeneratorEngine:
             holder[0] = status
         return value
 
-    async def _run_episodes(self, prompt: Prompt, request_id: str) -> TrajectoryGroup:
+    async def _run_episodes(self, prompt: Prompt, request_id: str, sampling: SamplingSpec, n: int) -> TrajectoryGroup:
+        """`n` episodes of `prompt` as one group; each model turn samples with `sampling` (its max_tokens
+        bounds a turn)."""
         if not prompt.token_ids:
             raise RuntimeError(f"prompt {prompt.prompt_id}: an episode needs the rendered prompt tokens")
         messages = list(prompt.messages) or [ChatMessage("user", prompt.text)]
         limit = self.s.env.max_total_tokens or self.s.spec.max_model_len
         runs = await asyncio.gather(
-            *(self._episode(prompt, messages, limit, f"{request_id}-s{i}") for i in range(self.s.group_size))
+            *(self._episode(prompt, messages, limit, f"{request_id}-s{i}", sampling) for i in range(n))
         )
         results = [r for r, _, _ in runs]
         if any(not r.turn_versions for r in results):
@@ -305,7 +307,7 @@ class GeneratorEngine:
         )
 
     async def _episode(
-        self, prompt: Prompt, messages: list[ChatMessage], limit: int, request_id: str
+        self, prompt: Prompt, messages: list[ChatMessage], limit: int, request_id: str, sampling: SamplingSpec
     ) -> tuple[EpisodeResult, int, int]:
         """One episode: (result, policy version when its last model turn ended, reward status)."""
         status = [REWARD_OK]
@@ -318,7 +320,7 @@ class GeneratorEngine:
             version = self.version
             turns[0] += 1
             params = vc.params_for(
-                msgspec.structs.replace(self.sampling, n=1, max_tokens=min(self.s.max_tokens, budget))
+                msgspec.structs.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, budget))
             )
             _, (c,) = await vc.generate(self._llm, vc.generation_input(ids, ""), params, f"{request_id}-t{turns[0]}")
             last_version[0] = self.version
@@ -359,6 +361,8 @@ class GeneratorEngine:
             )
         )
         self._evals += 1
+        if self.env is not None:
+            return await self._evaluate_episodes(prompts, params, version)
         outcomes = await asyncio.gather(
             *(
                 self._generate_scored(p, eval_params, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}")
@@ -381,6 +385,39 @@ class GeneratorEngine:
                     completion_lens=[len(c.token_ids) for c in completions],
                     finish_reasons=[FINISH_REASONS.get(c.finish_reason, 0) for c in completions],
                     reward_failures=sum(1 for _, st in scored if st != REWARD_OK),
+                )
+            )
+        return EvalBatch(
+            engine_id=self.s.engine_id, version=version, version_last=self.version, results=results, failed_prompts=failed
+        )
+
+    async def _evaluate_episodes(self, prompts: list[Prompt], params: EvalParams, version: int) -> EvalBatch:
+        """Evaluation with an environment: `params.n` whole episodes per prompt (the episode's reward;
+        its length counts every completion token, the environment's too)."""
+        sampling = msgspec.structs.replace(
+            self.sampling, n=1, temperature=params.temperature, max_tokens=params.max_tokens
+        )
+        outcomes = await asyncio.gather(
+            *(
+                self._run_episodes(p, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}", sampling, params.n)
+                for p in prompts
+            ),
+            return_exceptions=True,
+        )
+        results, failed = [], 0
+        for p, out in zip(prompts, outcomes, strict=True):
+            if isinstance(out, BaseException):
+                failed += 1
+                self._last_error = f"eval: {type(out).__name__}: {out}"
+                continue
+            results.append(
+                EvalResult(
+                    prompt_id=p.prompt_id,
+                    data_source=p.data_source,
+                    rewards=list(out.rewards),
+                    completion_lens=[len(c) for c in out.completions],
+                    finish_reasons=list(out.finish_reasons or []),
+                    reward_failures=sum(1 for st in out.reward_status if st != REWARD_OK),
                 )
             )
         return EvalBatch(
