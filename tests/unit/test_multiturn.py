@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -333,3 +335,69 @@ def test_episode_metrics_of_a_step():
     assert st.tool_calls_per_episode == 1.0 and st.tool_errors_per_episode == pytest.approx(1 / 3)
     assert st.env_token_share == pytest.approx(40 / 200)
     assert episode_stats([rank([], 0, [5])]).turns_max == 0  # single-turn: all zero
+
+
+# ---------------------------------------------------------------- the engine's episode loop
+
+
+def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypatch):
+    """A weight update after the first turn: the second turn does not start while the engine is
+    paused, and starts on the new version once it resumes. The group records the first turn's
+    version as version_first and the later one as version_last; the mask marks the game's answers."""
+    from async_rl.config import TaskConfig
+    from async_rl.generator import engine as engine_mod
+    from async_rl.generator import vllm_compat as vc
+    from async_rl.generator.engine import EngineSettings, GeneratorEngine
+    from async_rl.generator.sampling import SamplingSpec
+
+    tok = chat_tokenizer
+    eos = tok.eos_token_id
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    prompt = game_prompt(5, 1, 100, seed=0)
+    prompt = msgspec.structs.replace(prompt, token_ids=render(tok, prompt.messages, add_generation_prompt=True))
+    secret = int(prompt.answer)
+    spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=4096,
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
+    s = EngineSettings(engine_id=0, run_id=RUN, spec=spec, cores=[], kv_cache_gib=1.0, group_size=1, max_tokens=8,
+                       temperature=1.0, max_inflight_prompts=1, pause_mode="keep", task=TaskConfig(),
+                       reward_timeout_s=1.0, reward_workers=1, ingest_address="", env=EnvConfig(name="guess"))
+    started: list[tuple[str, int, list[int]]] = []
+
+    async def scenario():
+        eng = GeneratorEngine(s, buffer=None)
+        eng.sampling = SamplingSpec(n=1, max_tokens=8, temperature=1.0, stop_token_ids=[eos])
+        eng.env = build_environment(s.env, lambda sample: 0.0)
+        eng._delta = ChatDelta(tok, eos)
+        eng._running.set()
+
+        async def generate(llm, source, params, request_id):
+            started.append((request_id, eng.version, list(source["prompt_token_ids"])))
+            if len(started) == 1:
+                eng._running.clear()  # the controller pauses the engine right after the first turn
+            text = str(secret - 1) if len(started) == 1 else str(secret)
+            ids = tok.encode(text, add_special_tokens=False) + [eos]
+            return list(source["prompt_token_ids"]), [vc.Completion(ids, [-0.25] * len(ids), text, "stop")]
+
+        async def no_op(*args, **kwargs):
+            return None
+
+        monkeypatch.setattr(vc, "generate", generate)
+        monkeypatch.setattr(vc, "resume", no_op)
+        task = asyncio.create_task(eng._run_episodes(prompt, "r1", eng.sampling, 1))
+        for _ in range(50):  # every ready callback runs: the episode reaches its second turn's wait
+            await asyncio.sleep(0)
+        assert len(started) == 1 and not task.done()  # paused: the second turn has not started
+        await eng.resume(1)
+        return await task
+
+    group = asyncio.run(scenario())
+    assert [(rid, v) for rid, v, _ in started] == [("r1-s0-t1", 0), ("r1-s0-t2", 1)]
+    assert group.version_first == [0] and group.version_last == [1] and group.oldest_version == 0
+    assert group.episodes == [EpisodeInfo(turns=2)] and group.rewards == [pytest.approx(0.9)]
+    assert group.finish_reasons == [engine_mod.FINISH_STOP]
+    full = list(group.prompt_tokens) + list(group.completions[0])
+    assert full[: len(started[1][2])] == started[1][2]  # turn 2 generated from the kept tokens
+    env_text = tok.decode([t for t, m in zip(group.completions[0], group.loss_mask(0), strict=True) if not m])
+    assert "lower" in env_text or "higher" in env_text
