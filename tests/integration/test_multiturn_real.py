@@ -23,9 +23,8 @@ from async_rl.models.tiny import resolve_model_path
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 3
+STEPS = 4
 PROMPTS, GROUP = 2, 4
-EOS = 2  # SmolLM2's <|im_end|>: ends each model turn
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +40,9 @@ def run(tmp_path_factory):
             "logging.wandb.mode=disabled",
             "task.name=async_rl.envs.guess:GuessNumberTask",
             "env.name=guess",
-            "env.max_turns=4",
+            "env.max_turns=5",
             f"train.total_steps={STEPS}",
-            "train.max_lag=2",
+            "train.max_lag=1",  # the first syncs land while later groups are still in their episodes
             f"train.prompts_per_step={PROMPTS}",
             f"train.mismatch_probe_samples={PROMPTS * GROUP}",
             "train.checkpoint_at_end=false",
