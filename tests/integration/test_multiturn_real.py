@@ -42,14 +42,14 @@ def run(tmp_path_factory):
             "env.name=guess",
             "env.max_turns=5",
             f"train.total_steps={STEPS}",
-            "train.max_lag=1",  # the first syncs land while later groups are still in their episodes
+            "train.max_lag=2",
             f"train.prompts_per_step={PROMPTS}",
             f"train.mismatch_probe_samples={PROMPTS * GROUP}",
             "train.checkpoint_at_end=false",
             f"generators.group_size={GROUP}",
             "generators.max_tokens=24",
             "generators.max_model_len=320",
-            "generators.max_inflight_prompts=4",
+            "generators.max_inflight_prompts=1",  # one group at a time: the engine is busy at every sync
             "generators.pause_mode=abort",
             "learner.lr=1e-5",
         ],
