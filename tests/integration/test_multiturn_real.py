@@ -1,6 +1,8 @@
 """Multi-turn episodes on the real preset (smollm2-135m): the guess-the-number game, a few steps, one
 engine for the module. Each turn is a vLLM request from the running token ids; weight updates land
 between and inside turns (pause_mode=abort: a cut turn is resubmitted and finished on the new weights).
+The second step's prompts hold their first environment turn until the first sync happened
+(`_gated_guess.py`), so their later turns run on newer weights than their first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from async_rl.controller import Controller
 from async_rl.learner.base import Probe
 from async_rl.metrics import MetricsSink
 from async_rl.models.tiny import resolve_model_path
+from tests.integration._gated_guess import MARKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +35,7 @@ def run(tmp_path_factory):
     cache = os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")
     model_dir = str(resolve_model_path("smollm2-135m", cache))
     run_dir = tmp_path_factory.mktemp("multiturn_run")
+    marker = run_dir / "first_sync_done"  # written after step 0's sync: the gated episodes go on then
     cfg = load_config(
         None,
         [
@@ -39,7 +43,7 @@ def run(tmp_path_factory):
             f"model.cache_dir={cache}",
             "logging.wandb.mode=disabled",
             "task.name=async_rl.envs.guess:GuessNumberTask",
-            "env.name=guess",
+            "env.name=tests.integration._gated_guess:make_env",
             "env.max_turns=5",
             f"train.total_steps={STEPS}",
             "train.max_lag=1",
@@ -47,21 +51,22 @@ def run(tmp_path_factory):
             f"train.mismatch_probe_samples={PROMPTS * GROUP}",
             "train.checkpoint_at_end=false",
             f"generators.group_size={GROUP}",
-            "generators.max_tokens=24",
+            "generators.max_tokens=40",
             "generators.max_model_len=320",
-            "generators.max_inflight_prompts=1",  # one group at a time: the engine is busy at every sync
+            "generators.max_inflight_prompts=4",
             "generators.pause_mode=abort",
             "learner.lr=1e-5",
         ],
     )
     plan = plan_placement(cfg)
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), MARKER_ENV: str(marker)}})
     controller = Controller(cfg, Path(model_dir), run_dir, plan)
     sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, STEPS, stream=io.StringIO())
     probes: list[Probe] = []
 
     def after_step(step: int) -> None:
+        marker.touch()
         probes.append(controller.learner.call(lambda a: a.probe_logprobs.remote(PROMPTS * GROUP))[0])
 
     try:
@@ -112,6 +117,7 @@ def test_episodes_are_multi_turn_and_environment_tokens_carry_no_loss(run):
 
 def test_a_weight_update_inside_an_episode(run):
     records, _, _, _ = run
-    # Trained samples whose later turns ran on newer weights than their first turn.
-    assert sum(r["samples_across_updates"] for r in records) > 0, [r["samples_across_updates"] for r in records]
+    # Trained samples whose later turns ran on newer weights than their first turn: the gated ones of
+    # step 1 that went on to a second turn (and any other episode a sync landed in).
+    assert records[1]["samples_across_updates"] > 0, [r["samples_across_updates"] for r in records]
     assert [r["version"] for r in records] == list(range(1, STEPS + 1))
