@@ -29,8 +29,11 @@ class GatedEpisode(GuessEpisode):
             self.gated = False
             marker = Path(os.environ[MARKER_ENV])
             deadline = time.monotonic() + WAIT_S
+            t0 = time.monotonic()
             while not marker.exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
+            with open(marker.parent / "gate.log", "a") as log:  # read by the test (-s) when it fails
+                log.write(f"secret {self.secret}: held {time.monotonic() - t0:.1f}s, marker {marker.exists()}\n")
         return await super().step(model_text, finished)
 
 

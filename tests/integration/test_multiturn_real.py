@@ -46,7 +46,7 @@ def run(tmp_path_factory):
             "env.name=tests.integration._gated_guess:make_env",
             "env.max_turns=5",
             f"train.total_steps={STEPS}",
-            "train.max_lag=1",
+            "train.max_lag=2",  # the gated groups (held until the first sync) are not dropped as stale
             f"train.prompts_per_step={PROMPTS}",
             f"train.mismatch_probe_samples={PROMPTS * GROUP}",
             "train.checkpoint_at_end=false",
@@ -67,6 +67,7 @@ def run(tmp_path_factory):
 
     def after_step(step: int) -> None:
         marker.touch()
+        print(f"after step {step}: engine versions {[e.version for e in controller.generators.stats()]}")
         probes.append(controller.learner.call(lambda a: a.probe_logprobs.remote(PROMPTS * GROUP))[0])
 
     try:
@@ -84,6 +85,8 @@ def run(tmp_path_factory):
             f"max {r['completion_len_max']} across updates {r['samples_across_updates']} lag max {r['lag_max']} "
             f"reward {r['reward_mean']:.3f}"
         )
+    gate_log = run_dir / "gate.log"
+    print(gate_log.read_text() if gate_log.exists() else "no gated episode reached its first environment turn")
     from transformers import AutoTokenizer
 
     return records, probes, final, AutoTokenizer.from_pretrained(model_dir)
@@ -118,6 +121,6 @@ def test_episodes_are_multi_turn_and_environment_tokens_carry_no_loss(run):
 def test_a_weight_update_inside_an_episode(run):
     records, _, _, _ = run
     # Trained samples whose later turns ran on newer weights than their first turn: the gated ones of
-    # step 1 that went on to a second turn (and any other episode a sync landed in).
-    assert records[1]["samples_across_updates"] > 0, [r["samples_across_updates"] for r in records]
+    # steps 1-2 that went on to a second turn (and any other episode a sync landed in).
+    assert sum(r["samples_across_updates"] for r in records) > 0, [r["samples_across_updates"] for r in records]
     assert [r["version"] for r in records] == list(range(1, STEPS + 1))
