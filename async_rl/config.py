@@ -428,6 +428,40 @@ class LoggingConfig(_Section):
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
 
 
+class EnvConfig(_Section):
+    """Multi-turn episodes: the model alternates with an environment (tools, a game) before the reward."""
+
+    name: Annotated[
+        str,
+        _f("'' = single-turn (one completion per sample); 'tools' (the model may call env.tools before it "
+           "answers; task.reward scores the final answer); 'guess' (guess-the-number game, prompts from "
+           "task.name 'async_rl.envs.guess:GuessNumberTask'); 'verifiers:ID' (a verifiers-library "
+           "environment); or a factory 'pkg.module:make_env', called as make_env(env_config, reward) -> Environment"),
+    ] = ""
+    tools: Annotated[
+        list[Literal["calculator", "python"]],
+        _f("env=tools: the tools the model may call (calculator: arithmetic; python: a program run in a sandbox)"),
+    ] = msgspec.field(default_factory=lambda: ["calculator"])
+    tool_format: Annotated[
+        Literal["tag", "hermes"],
+        _f("how the model writes a call: tag (<tool name=\"NAME\">INPUT</tool>, models without a tool format) or "
+           "hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>)"),
+    ] = "tag"
+    max_turns: Annotated[int, _f("model turns per episode at most (then it ends: finish 'max_turns')", ge=1)] = 4
+    max_total_tokens: Annotated[
+        int,
+        _f("tokens per episode (prompt, model and environment turns) at most; 0 = generators.max_model_len", ge=0),
+    ] = 0
+    sandbox_wall_s: Annotated[
+        float, _f("python tool: a program is killed (with its process group) after this many seconds", gt=0)
+    ] = 5.0
+    sandbox_cpu_s: Annotated[int, _f("python tool: CPU seconds a program may use (RLIMIT_CPU)", ge=1)] = 3
+    sandbox_memory_mb: Annotated[int, _f("python tool: address space of a program, MiB (RLIMIT_AS)", ge=16)] = 512
+    sandbox_output_bytes: Annotated[
+        int, _f("python tool: stdout/stderr bytes kept per program (more kills it; the model sees at most this)", ge=1)
+    ] = 16_384
+
+
 class RayConfig(_Section):
     address: Annotated[str, _f("Ray cluster address ('' = start a local Ray)")] = ""
     num_cpus: Annotated[int, _f("logical CPUs of a local Ray (0 = enough for the placement plan)", ge=0)] = 0
@@ -443,6 +477,7 @@ class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     generators: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
@@ -586,6 +621,38 @@ def validate(cfg: Config) -> None:
     validate_algorithm(cfg.algorithm)
     validate_eval(cfg)
     validate_data(cfg)
+    validate_env(cfg)
+
+
+_ENV_BUILTINS = ("tools", "guess")
+
+
+def validate_env(cfg: Config) -> None:
+    """Multi-turn settings: a known environment, and the rest of the run able to train on episodes."""
+    e = cfg.env
+    if not e.name:
+        return
+    if e.name not in _ENV_BUILTINS and ":" not in e.name:
+        raise ConfigError(
+            f"env.name '{e.name}' is not a built-in environment {_ENV_BUILTINS}, 'verifiers:<id>' nor 'pkg.module:factory'"
+        )
+    if e.name == "verifiers:":
+        raise ConfigError("env.name 'verifiers:' names no environment: give verifiers:<id>")
+    if e.name == "tools" and not e.tools:
+        raise ConfigError("env.name=tools with an empty env.tools: give at least one tool (calculator, python)")
+    if e.name == "tools" and len(set(e.tools)) != len(e.tools):
+        raise ConfigError(f"env.tools={e.tools} names a tool twice")
+    g = cfg.generators
+    if e.max_total_tokens > g.max_model_len:
+        raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} is above generators.max_model_len={g.max_model_len}")
+    if g.ignore_eos:
+        raise ConfigError("env with generators.ignore_eos: a model turn would never end before max_tokens")
+    if not cfg.data.chat_template_for_text:
+        raise ConfigError("env with data.chat_template_for_text=false: episodes render their turns with the chat template")
+    if cfg.algorithm.overlong == "penalty":
+        raise ConfigError(
+            "env with algorithm.overlong=penalty: an episode's length counts the environment's tokens; use keep or mask"
+        )
 
 
 def validate_eval(cfg: Config) -> None:

@@ -28,7 +28,7 @@ from async_rl.evaluation.phase import Evaluation, eval_prompts
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec, StepMetrics, checkpoint_model_dir
-from async_rl.metrics import LengthStats, MetricsSink, StepRecord
+from async_rl.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
 from async_rl.runtime import START_TIMEOUT_S, Runtime
 from async_rl.supervisor import PromptsExhausted, Supervisor
 from async_rl.weight_sync.checksum import ParamChecksum
@@ -265,6 +265,7 @@ def make_record(
     tokens = sum(m.tokens for m in per_rank)
     a = buffer.accounts
     lengths = length_stats(per_rank)
+    ep = episode_stats(per_rank)
     return StepRecord(
         step=step,
         version=version,
@@ -313,6 +314,29 @@ def make_record(
         completion_len_p90=lengths.p90,
         completion_len_max=lengths.max,
         truncation_rate=lengths.truncation_rate,
+        turns_mean=ep.turns_mean,
+        turns_max=ep.turns_max,
+        tool_calls_per_episode=ep.tool_calls_per_episode,
+        tool_errors_per_episode=ep.tool_errors_per_episode,
+        sandbox_timeouts=ep.sandbox_timeouts,
+        env_token_share=ep.env_token_share,
+        samples_across_updates=sum(m.across_updates for m in per_rank),
+    )
+
+
+def episode_stats(per_rank: list[StepMetrics]) -> EpisodeStats:
+    """Turns and tool use of the trained batch's multi-turn episodes (every rank's shard)."""
+    eps = [e for m in per_rank for e in m.episodes]
+    if not eps:
+        return EpisodeStats()
+    tokens = sum(n for m in per_rank for n in m.completion_lens)
+    return EpisodeStats(
+        turns_mean=sum(e.turns for e in eps) / len(eps),
+        turns_max=max(e.turns for e in eps),
+        tool_calls_per_episode=sum(e.tool_calls for e in eps) / len(eps),
+        tool_errors_per_episode=sum(e.tool_errors for e in eps) / len(eps),
+        sandbox_timeouts=sum(e.tool_timeouts for e in eps),
+        env_token_share=sum(m.env_tokens for m in per_rank) / max(1, tokens),
     )
 
 

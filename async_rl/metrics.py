@@ -26,6 +26,18 @@ class LengthStats(msgspec.Struct, frozen=True):
     truncation_rate: float = 0.0
 
 
+class EpisodeStats(msgspec.Struct, frozen=True):
+    """Multi-turn episodes of one trained batch (all 0 for single-turn samples). Episode lengths are
+    the completion_len_* fields (an episode's completion holds its model and environment turns)."""
+
+    turns_mean: float = 0.0
+    turns_max: int = 0
+    tool_calls_per_episode: float = 0.0
+    tool_errors_per_episode: float = 0.0
+    sandbox_timeouts: int = 0  # tool calls killed at the sandbox's time limit
+    env_token_share: float = 0.0  # completion tokens written by the environment / all completion tokens
+
+
 class StepRecord(msgspec.Struct, kw_only=True):
     step: int
     version: int  # learner policy version after this step
@@ -73,6 +85,14 @@ class StepRecord(msgspec.Struct, kw_only=True):
     completion_len_p90: float = 0.0
     completion_len_max: int = 0
     truncation_rate: float = 0.0
+    # multi-turn episodes (env): see EpisodeStats
+    turns_mean: float = 0.0
+    turns_max: int = 0
+    tool_calls_per_episode: float = 0.0
+    tool_errors_per_episode: float = 0.0
+    sandbox_timeouts: int = 0
+    env_token_share: float = 0.0
+    samples_across_updates: int = 0  # trained samples whose tokens came from more than one policy version
     data_epoch: int = 0  # the prompt stream's position after the step: epoch ...
     data_index: int = 0  # ... and items of that epoch's order drawn (a task: prompts drawn)
     skipped_prompts: int = 0  # prompts or data rows that could not be used (bad rows, too long), so far
@@ -88,6 +108,12 @@ def console_line(r: StepRecord, total_steps: int) -> str:
         f"trunc {r.truncation_rate:.0%} | "
         f"trained {r.trained} stale {r.dropped_stale} filtered {r.filtered} lost {r.lost}"
         + (f" requeued {r.requeued}" if r.requeued else "")
+        + (
+            f" | turns {r.turns_mean:.1f} max {r.turns_max} tools {r.tool_calls_per_episode:.2f} "
+            f"err {r.tool_errors_per_episode:.2f} env {r.env_token_share:.0%}"
+            if r.turns_max
+            else ""
+        )
     )
 
 

@@ -6,6 +6,10 @@ A trajectory message is a ZMQ multipart frame of three parts:
   [1] int32 little-endian token ids: for each group its prompt tokens, then each completion's tokens
   [2] float32 little-endian behaviour log-probs: one per completion token, in the same order
 
+A multi-turn episode's completion holds the model's turns and the environment's turns (tool results,
+feedback) in order; its sample carries a loss mask (1 byte per completion token: 1 the model's, 0 the
+environment's; log-prob 0.0 there) in the header. No mask: every completion token is the model's.
+
 Token ids and log-probs never travel as lists of Python numbers. The same framing carries groups
 from generators to the buffer and batches from the buffer to learner ranks. A frame that fails any
 check raises `FrameError` with a short reason that the receiver counts.
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: finish reason per sample
+SCHEMA_VERSION = 3  # 2: finish reason per sample; 3: multi-turn episodes (loss mask, turns, tool counts)
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -38,13 +42,24 @@ FINISH_ABORT = 2  # cut by an abort-mode pause and not resumed
 FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
 
 
+class EpisodeInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """Counts of one multi-turn episode (metrics: turns, tool use)."""
+
+    turns: int = 1  # model turns
+    tool_calls: int = 0  # well-formed calls of known tools
+    tool_errors: int = 0  # malformed calls, unknown tools, failed tools
+    tool_timeouts: int = 0  # tool calls killed at their time limit (the sandbox)
+
+
 class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     completion_len: int
     reward: float
-    version_first: int  # policy version when the first token was generated
-    version_last: int  # policy version when the last token was generated
+    version_first: int  # policy version when the first token was generated (first model turn)
+    version_last: int  # policy version when the last token was generated (last model turn)
     reward_status: int = REWARD_OK
     finish_reason: int = FINISH_STOP
+    loss_mask: bytes | None = None  # per completion token 0/1 (None: every token is the model's)
+    episode: EpisodeInfo | None = None  # multi-turn episodes only
 
 
 class GroupMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -129,6 +144,14 @@ class TrajectoryGroup:
     version_last: list[int]
     reward_status: list[int]
     finish_reasons: list[int] | None = None  # FINISH_* per sample (None: all FINISH_STOP)
+    # uint8 0/1 per completion token (1 = the model's), per sample; None (all or one): all the model's
+    loss_masks: list[np.ndarray | None] | None = None
+    episodes: list[EpisodeInfo] | None = None  # multi-turn episodes: per sample counts
+
+    def loss_mask(self, i: int) -> np.ndarray:
+        """Sample i's loss mask as uint8 0/1 (all 1 without one)."""
+        m = self.loss_masks[i] if self.loss_masks is not None else None
+        return np.ones(len(self.completions[i]), np.uint8) if m is None else np.asarray(m, np.uint8)
 
     @property
     def size(self) -> int:
@@ -137,6 +160,24 @@ class TrajectoryGroup:
     @property
     def oldest_version(self) -> int:
         return min(self.version_first)
+
+
+def _mask_bytes(mask: np.ndarray | None) -> bytes | None:
+    return None if mask is None else np.asarray(mask, dtype=np.uint8).tobytes()
+
+
+def _decode_mask(s: SampleMeta, prompt_id: int) -> np.ndarray | None:
+    """The sample's loss mask, checked: one 0/1 per completion token, at least one model token."""
+    if s.loss_mask is None:
+        return None
+    mask = np.frombuffer(s.loss_mask, dtype=np.uint8)
+    if len(mask) != s.completion_len:
+        raise FrameError("bad_mask", f"prompt {prompt_id}: loss mask of {len(mask)} for {s.completion_len} tokens")
+    if mask.size and int(mask.max()) > 1:
+        raise FrameError("bad_mask", f"prompt {prompt_id}: loss mask values must be 0 or 1")
+    if s.completion_len and not mask.any():
+        raise FrameError("bad_mask", f"prompt {prompt_id}: loss mask has no model token")
+    return mask
 
 
 _header_encoder = msgspec.msgpack.Encoder()
@@ -162,6 +203,8 @@ def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) ->
                     version_last=int(g.version_last[i]),
                     reward_status=int(g.reward_status[i]),
                     finish_reason=int(g.finish_reasons[i]) if g.finish_reasons is not None else FINISH_STOP,
+                    loss_mask=_mask_bytes(g.loss_masks[i]) if g.loss_masks is not None else None,
+                    episode=g.episodes[i] if g.episodes is not None else None,
                 )
             )
         metas.append(GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples))
@@ -226,6 +269,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
         prompt = tokens[t : t + g.prompt_len]
         t += g.prompt_len
         comps, lps = [], []
+        masks = [_decode_mask(s, g.prompt_id) for s in g.samples]
         for s in g.samples:
             comps.append(tokens[t : t + s.completion_len])
             lps.append(logprobs[lp : lp + s.completion_len])
@@ -243,6 +287,10 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 version_last=[s.version_last for s in g.samples],
                 reward_status=[s.reward_status for s in g.samples],
                 finish_reasons=[s.finish_reason for s in g.samples],
+                loss_masks=masks if any(m is not None for m in masks) else None,
+                episodes=[s.episode or EpisodeInfo() for s in g.samples]
+                if any(s.episode is not None for s in g.samples)
+                else None,
             )
         )
     if tokens.size and int(tokens.min()) < 0:

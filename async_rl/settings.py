@@ -41,6 +41,14 @@ def with_absolute_paths(data: DataConfig) -> DataConfig:
     return msgspec.structs.replace(data, train_files=absolute(data.train_files), eval_files=absolute(data.eval_files))
 
 
+def with_env_system_prompt(data: DataConfig, cfg: Config) -> DataConfig:
+    """The buffer renders prompts with data.system_prompt: the environment's instructions (the tools and
+    how to call them) go there too, so they are in every prompt's token ids."""
+    from async_rl.envs.factory import combined_system_prompt
+
+    return msgspec.structs.replace(data, system_prompt=combined_system_prompt(data.system_prompt, cfg.env))
+
+
 def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: Path) -> BufferSettings:
     return BufferSettings(
         run_id=run_id,
@@ -58,7 +66,7 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         task_seed=cfg.task.seed,
         model_dir=str(model_dir),
         max_prompt_tokens=cfg.generators.max_model_len - cfg.generators.max_tokens,
-        data=with_absolute_paths(cfg.data),
+        data=with_env_system_prompt(with_absolute_paths(cfg.data), cfg),
         curve=keys.server if keys is not None else None,
     )
 
@@ -107,6 +115,7 @@ def engine_settings(
         stop=list(g.stop),
         max_inflight_prompts=g.max_inflight_prompts,
         pause_mode=g.pause_mode,
+        env=cfg.env,
         task=cfg.task,
         reward_timeout_s=cfg.task.reward_timeout_s,
         reward_workers=cfg.task.reward_workers,

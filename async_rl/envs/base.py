@@ -44,6 +44,11 @@ class Environment(abc.ABC):
 
     name: str = "environment"
 
+    def system_prompt(self) -> str:
+        """Text the model must see in its system prompt (how to call the tools, the rules); appended to
+        data.system_prompt when prompts are rendered, so it is in the prompt's token ids."""
+        return ""
+
     @abc.abstractmethod
     def start(self, prompt: Prompt) -> Episode:
         """A fresh episode for `prompt` (several are started per prompt: the group)."""

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator
 
 from async_rl.envs.base import Environment, EnvTurn, Episode
-from async_rl.protocol import ChatMessage, Prompt
+from async_rl.protocol import ChatMessage, Prompt, Sample
+from async_rl.tasks.base import Task
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -60,3 +62,24 @@ class GuessNumberEnvironment(Environment):
 
     def start(self, prompt: Prompt) -> GuessEpisode:
         return GuessEpisode(int(prompt.answer), self.turn_penalty)
+
+
+class GuessNumberTask(Task):
+    """The game's prompts (task.name 'async_rl.envs.guess:GuessNumberTask' with env.name 'guess'): a
+    secret in [1, 100] per prompt. Its `reward` scores a single answer (the environment scores episodes)."""
+
+    name = "guess_number"
+
+    def __init__(self, low: int = 1, high: int = 100) -> None:
+        self.low = low
+        self.high = high
+
+    def prompts(self, seed: int) -> Iterator[Prompt]:
+        prompt_id = 0
+        while True:
+            yield game_prompt(prompt_id, self.low, self.high, seed)
+            prompt_id += 1
+
+    def reward(self, sample: Sample) -> float:
+        numbers = _NUMBER.findall(sample.completion)
+        return float(bool(numbers) and numbers[-1] == sample.prompt.answer)

@@ -89,5 +89,8 @@ class ToolEnvironment(Environment):
         self.reward = reward
         self.fmt = fmt
 
+    def system_prompt(self) -> str:
+        return tool_instructions(list(self.tools.values()), self.fmt)
+
     def start(self, prompt: Prompt) -> ToolEpisode:
         return ToolEpisode(self, prompt)

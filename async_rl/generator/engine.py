@@ -5,11 +5,19 @@ Loop: lease prompts from the buffer (admission control decides), submit each as 
 loop, push it to the buffer over ZMQ. The controller pauses the engine for weight updates; requests
 in flight are kept (pause mode 'keep') and every sample records the first and last policy version
 that produced its tokens.
+
+With an environment (`env` config), each prompt's group is `group_size` multi-turn episodes
+(`envs/episode.py`): every model turn is one vLLM request from the running token ids, started only
+while the engine runs (a turn waits out a pause before it starts). A turn cut by an abort-mode pause
+is resubmitted from where it stopped like a single-turn completion (its rest comes from the new
+weights), so an episode survives every pause mode. The episode's final reward goes through the
+reward worker processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import time
 
@@ -18,16 +26,22 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from async_rl.config import TaskConfig
+from async_rl.config import EnvConfig, TaskConfig
+from async_rl.envs.base import Environment
+from async_rl.envs.episode import ChatDelta, EpisodeResult, ModelTurn, run_episode
 from async_rl.evaluation.scores import EvalBatch, EvalParams, EvalResult
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.sampling import SamplingSpec, stop_token_ids
 from async_rl.learner.base import Probe
 from async_rl.protocol import (
+    FINISH_LENGTH,
     FINISH_REASONS,
+    FINISH_STOP,
     REWARD_OK,
     TOKEN_DTYPE,
+    ChatMessage,
+    EpisodeInfo,
     Prompt,
     Sample,
     TrajectoryGroup,
@@ -61,6 +75,15 @@ class EngineSettings(msgspec.Struct, frozen=True):
     top_k: int = 0
     min_p: float = 0.0
     stop: list[str] = []  # stop strings; the model's EOS/stop tokens are read from model_dir
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)  # multi-turn episodes (env.name '' = single-turn samples)
+
+
+# An episode's finish -> the wire's: the environment ended it or its turns ran out ('stop'), the
+# token budget cut it ('length'), a turn was aborted and not resumed ('abort').
+EPISODE_FINISH = {"stop": FINISH_STOP, "max_turns": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_REASONS["abort"]}
+
+# The reward status of the episode the current task runs (each episode runs in its own task).
+_episode_reward_status: contextvars.ContextVar[list[int]] = contextvars.ContextVar("episode_reward_status")
 
 
 def finish_code(reason: str, prompt_id: int) -> int:
@@ -142,6 +165,12 @@ class GeneratorEngine:
             ignore_eos=self.s.ignore_eos,
         )
         self._params = vc.params_for(self.sampling)
+        self.env: Environment | None = None
+        if self.s.env.name:
+            from async_rl.envs.factory import build_environment
+
+            self.env = build_environment(self.s.env, self._episode_reward)
+            self._delta = self._chat_delta()
         if paused:
             self._paused_since = time.monotonic()
         else:
@@ -175,6 +204,9 @@ class GeneratorEngine:
     async def _run_prompt(self, prompt: Prompt, request_id: str) -> None:
         try:
             await self._running.wait()
+            if self.env is not None:
+                await self._push_group(await self._run_episodes(prompt, request_id, self.sampling, self.s.group_size))
+                return
             version_first = self.version
             prompt_ids, completions, scored = await self._generate_scored(prompt, self._params, request_id)
             version_last = self.version
@@ -190,10 +222,7 @@ class GeneratorEngine:
                 reward_status=[st for _, st in scored],
                 finish_reasons=[finish_code(c.finish_reason, prompt.prompt_id) for c in completions],
             )
-            await self._push.send_multipart(encode_groups(self.s.run_id, [group]))
-            self._groups += 1
-            self._samples += group.size
-            self._tokens += sum(len(c.token_ids) for c in completions)
+            await self._push_group(group)
         except Exception as exc:  # one bad request must not stop the engine; the buffer counts it lost
             self._failed += 1
             self._last_error = f"{type(exc).__name__}: {exc}"
@@ -205,6 +234,102 @@ class GeneratorEngine:
                 self._last_error += f"; mark_lost failed: {lost_exc}"
         finally:
             self._inflight.pop(request_id, None)
+
+    async def _push_group(self, group: TrajectoryGroup) -> None:
+        await self._push.send_multipart(encode_groups(self.s.run_id, [group]))
+        self._groups += 1
+        self._samples += group.size
+        masks = group.loss_masks or [None] * group.size
+        self._tokens += sum(len(c) if m is None else int(m.sum()) for c, m in zip(group.completions, masks, strict=True))
+
+    # ---- multi-turn episodes ---------------------------------------------------------------------
+
+    def _chat_delta(self) -> ChatDelta:
+        """Renders an environment turn's messages (and the next assistant header) as tokens. The model's
+        turn ends with one of its stop tokens: the first the chat template ends an assistant turn with."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.s.spec.model_dir)
+        errors = []
+        for token in self.sampling.stop_token_ids:
+            try:
+                return ChatDelta(tokenizer, token)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise RuntimeError(f"env={self.s.env.name}: cannot render environment turns: {'; '.join(errors) or 'no stop token'}")
+
+    async def _episode_reward(self, sample: Sample) -> float:
+        """The environment's reward function: the task's reward in the reward worker processes. Its
+        status (timeout, crash) is kept for the episode being run."""
+        value, status = await self.rewards.score(sample)
+        holder = _episode_reward_status.get(None)
+        if holder is not None:
+            holder[0] = status
+        return value
+
+    async def _run_episodes(self, prompt: Prompt, request_id: str, sampling: SamplingSpec, n: int) -> TrajectoryGroup:
+        """`n` episodes of `prompt` as one group; each model turn samples with `sampling` (its max_tokens
+        bounds a turn)."""
+        if not prompt.token_ids:
+            raise RuntimeError(f"prompt {prompt.prompt_id}: an episode needs the rendered prompt tokens")
+        messages = list(prompt.messages) or [ChatMessage("user", prompt.text)]
+        limit = self.s.env.max_total_tokens or self.s.spec.max_model_len
+        runs = await asyncio.gather(
+            *(self._episode(prompt, messages, limit, f"{request_id}-s{i}", sampling) for i in range(n))
+        )
+        results = [r for r, _, _ in runs]
+        if any(not r.turn_versions for r in results):
+            raise RuntimeError(
+                f"prompt {prompt.prompt_id}: its {len(prompt.token_ids)} tokens leave no room for a model turn "
+                f"under env.max_total_tokens={limit}"
+            )
+        return TrajectoryGroup(
+            prompt_id=prompt.prompt_id,
+            engine_id=self.s.engine_id,
+            prompt_tokens=np.asarray(prompt.token_ids, dtype=TOKEN_DTYPE),
+            completions=[np.asarray(r.completion_ids, dtype=TOKEN_DTYPE) for r in results],
+            logprobs=[np.asarray(r.logprobs, dtype=np.float32) for r in results],
+            rewards=[r.reward for r in results],
+            version_first=[r.turn_versions[0] for r in results],
+            version_last=[last for _, last, _ in runs],
+            reward_status=[st for _, _, st in runs],
+            finish_reasons=[EPISODE_FINISH[r.finish_reason] for r in results],
+            loss_masks=[np.asarray(r.loss_mask, dtype=np.uint8) for r in results],
+            episodes=[
+                EpisodeInfo(
+                    turns=r.turns,
+                    tool_calls=r.tool_calls,
+                    tool_errors=r.tool_errors,
+                    tool_timeouts=r.tool_outcomes.get("timeout", 0),
+                )
+                for r in results
+            ],
+        )
+
+    async def _episode(
+        self, prompt: Prompt, messages: list[ChatMessage], limit: int, request_id: str, sampling: SamplingSpec
+    ) -> tuple[EpisodeResult, int, int]:
+        """One episode: (result, policy version when its last model turn ended, reward status)."""
+        status = [REWARD_OK]
+        _episode_reward_status.set(status)  # this coroutine runs in its own task: its own context
+        last_version = [self.version]
+        turns = [0]
+
+        async def generate(ids: list[int], budget: int) -> ModelTurn:
+            await self._running.wait()  # a turn starts only while the engine runs (not mid weight update)
+            version = self.version
+            turns[0] += 1
+            params = vc.params_for(
+                msgspec.structs.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, budget))
+            )
+            _, (c,) = await vc.generate(self._llm, vc.generation_input(ids, ""), params, f"{request_id}-t{turns[0]}")
+            last_version[0] = self.version
+            return ModelTurn(c.token_ids, c.logprobs, c.text, c.finish_reason, version)
+
+        result = await run_episode(
+            self.env.start(prompt), list(prompt.token_ids), messages, generate, self._delta, self.s.env.max_turns, limit
+        )
+        return result, last_version[0], status[0]
 
     async def _generate_scored(self, prompt: Prompt, params, request_id: str):
         """One request: (prompt token ids, completions, (reward, status) per completion)."""
@@ -236,6 +361,8 @@ class GeneratorEngine:
             )
         )
         self._evals += 1
+        if self.env is not None:
+            return await self._evaluate_episodes(prompts, params, version)
         outcomes = await asyncio.gather(
             *(
                 self._generate_scored(p, eval_params, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}")
@@ -258,6 +385,39 @@ class GeneratorEngine:
                     completion_lens=[len(c.token_ids) for c in completions],
                     finish_reasons=[FINISH_REASONS.get(c.finish_reason, 0) for c in completions],
                     reward_failures=sum(1 for _, st in scored if st != REWARD_OK),
+                )
+            )
+        return EvalBatch(
+            engine_id=self.s.engine_id, version=version, version_last=self.version, results=results, failed_prompts=failed
+        )
+
+    async def _evaluate_episodes(self, prompts: list[Prompt], params: EvalParams, version: int) -> EvalBatch:
+        """Evaluation with an environment: `params.n` whole episodes per prompt (the episode's reward;
+        its length counts every completion token, the environment's too)."""
+        sampling = msgspec.structs.replace(
+            self.sampling, n=1, temperature=params.temperature, max_tokens=params.max_tokens
+        )
+        outcomes = await asyncio.gather(
+            *(
+                self._run_episodes(p, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}", sampling, params.n)
+                for p in prompts
+            ),
+            return_exceptions=True,
+        )
+        results, failed = [], 0
+        for p, out in zip(prompts, outcomes, strict=True):
+            if isinstance(out, BaseException):
+                failed += 1
+                self._last_error = f"eval: {type(out).__name__}: {out}"
+                continue
+            results.append(
+                EvalResult(
+                    prompt_id=p.prompt_id,
+                    data_source=p.data_source,
+                    rewards=list(out.rewards),
+                    completion_lens=[len(c) for c in out.completions],
+                    finish_reasons=list(out.finish_reasons or []),
+                    reward_failures=sum(1 for st in out.reward_status if st != REWARD_OK),
                 )
             )
         return EvalBatch(

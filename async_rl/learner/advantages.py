@@ -2,8 +2,10 @@
 
 Sequence-level estimators (GRPO, Dr.GRPO, RLOO) take rewards as [groups, n] (one row per prompt
 group) and return one advantage per sample. Token-level estimators (REINFORCE++, GAE) work on
-[batch, tokens] tensors aligned with the loss mask: the completion of each row is a contiguous run
-of 1s in the mask, and the sequence reward lands on its last token.
+[batch, tokens] tensors aligned with the loss mask: the 1s of a row are its model's tokens, in
+order; a multi-turn episode's environment tokens are holes (0s) between them. The sequence reward
+lands on the last model token, and returns/GAE run over the model's tokens only, skipping the holes
+(an environment turn is not a step of the policy: no discount, no value there).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def token_rewards(
     out = torch.zeros_like(mask)
     lengths = mask.sum(dim=1)
     has_tokens = lengths > 0
-    # Index of the last 1 in each row: the completion is contiguous, so it is the last argmax of a ramp.
+    # Index of the last 1 in each row (holes or not): the argmax of a ramp that is 0 outside the mask.
     ramp = torch.arange(mask.shape[1], dtype=torch.float32).expand_as(mask) * mask
     last = ramp.argmax(dim=1)
     rows = torch.arange(mask.shape[0])[has_tokens]
@@ -96,22 +98,24 @@ def gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over each row's completion tokens. [B, T] each.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token = 0), A_t = delta_t + gamma * lam * A_{t+1}.
+    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token = 0), A_t = delta_t + gamma * lam * A_{t+1},
+    where t+1 is the row's next *masked* token: holes (environment tokens) are skipped, not ended at.
     Returns (advantages, returns = advantages + values), both 0 outside the mask.
     """
     mask = mask.to(torch.float32)
     rewards = rewards.to(torch.float32)
     values = values.to(torch.float32) * mask
     adv = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0])
+    running = torch.zeros(rewards.shape[0])  # A of the next masked token (0 past the last one)
+    next_value = torch.zeros(rewards.shape[0])  # V of the next masked token
     for t in reversed(range(rewards.shape[1])):
-        if t + 1 < rewards.shape[1]:
-            continues, next_value = mask[:, t + 1], values[:, t + 1]
-        else:
-            continues, next_value = torch.zeros_like(running), torch.zeros_like(running)
-        delta = rewards[:, t] + gamma * next_value * continues - values[:, t]
-        running = (delta + gamma * lam * continues * running) * mask[:, t]
-        adv[:, t] = running
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        here = delta + gamma * lam * running
+        # Outside the mask the running values pass through unchanged (a hole, or prompt/padding).
+        running = m * here + (1 - m) * running
+        next_value = m * values[:, t] + (1 - m) * next_value
+        adv[:, t] = here * m
     return adv, (adv + values) * mask
 
 

@@ -28,7 +28,7 @@ from async_rl.config import (
     TrainConfig,
     WeightSyncConfig,
 )
-from async_rl.protocol import FINISH_LENGTH, TrajectoryGroup
+from async_rl.protocol import FINISH_LENGTH, EpisodeInfo, TrajectoryGroup
 from async_rl.security import ClientKeys
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -75,10 +75,26 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
     completion_lens: list[int] = []  # tokens of every completion of the shard (length percentiles)
     truncated: int = 0  # completions of the shard cut at max_tokens (finish reason length)
+    episodes: list[EpisodeInfo] = []  # multi-turn episodes of the shard: turns and tool counts
+    env_tokens: int = 0  # completion tokens of the shard that the environment wrote (no loss)
+    across_updates: int = 0  # samples of the shard whose tokens came from more than one policy version
 
 
 def completion_lengths(groups: list[TrajectoryGroup]) -> list[int]:
     return [len(c) for g in groups for c in g.completions]
+
+
+def episode_infos(groups: list[TrajectoryGroup]) -> list[EpisodeInfo]:
+    return [e for g in groups for e in (g.episodes or ())]
+
+
+def env_token_count(groups: list[TrajectoryGroup]) -> int:
+    return sum(int((g.loss_mask(i) == 0).sum()) for g in groups if g.loss_masks is not None for i in range(g.size))
+
+
+def across_updates_count(groups: list[TrajectoryGroup]) -> int:
+    """Samples generated across a weight update (an episode whose later turns ran on newer weights)."""
+    return sum(last > first for g in groups for first, last in zip(g.version_first, g.version_last, strict=True))
 
 
 def truncated_count(groups: list[TrajectoryGroup]) -> int:

@@ -28,7 +28,10 @@ from async_rl.learner.base import (
     LearnerSpec,
     Probe,
     StepMetrics,
+    across_updates_count,
     completion_lengths,
+    env_token_count,
+    episode_infos,
     truncated_count,
 )
 from async_rl.learner.batch_client import BatchClient
@@ -91,7 +94,7 @@ def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = Non
     row = 0
     for g in groups:
         prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
-        for comp, lp in zip(g.completions, g.logprobs, strict=True):
+        for i, (comp, lp) in enumerate(zip(g.completions, g.logprobs, strict=True)):
             col, n = len(prompt) - 1, len(comp)
             p = prepared
             samples.append(
@@ -103,6 +106,7 @@ def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = Non
                     prox_logp=_per_token(p.prox_logp, row, col, n) if p else None,
                     ref_logp=_per_token(p.ref_logp, row, col, n) if p else None,
                     in_loss=bool(p.mask[row].any()) if p else True,
+                    loss_mask=g.loss_mask(i) if g.loss_masks is not None else None,
                 )
             )
             row += 1
@@ -261,6 +265,9 @@ class LearnerDriver(LearnerRank):
             value_loss=prepared.value_loss,
             completion_lens=completion_lengths(groups) if counted else [],
             truncated=truncated_count(groups) if counted else 0,
+            episodes=episode_infos(groups) if counted else [],
+            env_tokens=env_token_count(groups) if counted else 0,
+            across_updates=across_updates_count(groups) if counted else 0,
             **stats,
         )
 
@@ -282,10 +289,12 @@ class LearnerDriver(LearnerRank):
         samples = self._last_samples[:max_samples]
         with self._weights_lock:
             values = self._score(samples, 1.0)
+        # The model's tokens only: a multi-turn episode's environment tokens were never sampled.
+        keep = [np.ones(x.completion_len, bool) if x.loss_mask is None else x.loss_mask.astype(bool) for x in samples]
         return Probe(
             token_ids=[x.tokens.tolist() for x in samples],
-            positions=[list(range(x.start, len(x.tokens))) for x in samples],
-            logprobs=[v.tolist() for v in values],
+            positions=[(x.start + np.flatnonzero(k)).tolist() for x, k in zip(samples, keep, strict=True)],
+            logprobs=[v[k].tolist() for v, k in zip(values, keep, strict=True)],
         )
 
     # ---- weights under HF names ------------------------------------------------------------------

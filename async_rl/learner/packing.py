@@ -31,6 +31,7 @@ class SeqSample:
     prox_logp: np.ndarray | None = None  # float32 [completion_len]: decoupled objective only
     ref_logp: np.ndarray | None = None  # float32 [completion_len]: KL penalty as a loss term only
     in_loss: bool = True  # False: scored but adds no loss (algorithm.overlong=mask on a truncated one)
+    loss_mask: np.ndarray | None = None  # per completion token 0/1: 0 on environment tokens (None: all 1)
 
     @property
     def completion_len(self) -> int:
@@ -52,7 +53,9 @@ class MicroBatch:
 
     @property
     def loss_tokens(self) -> int:
-        return sum(length for _, _, length in self.spans)
+        """Tokens that carry loss: the model's completion tokens (a multi-turn episode's environment
+        tokens and the samples left out of the loss add none)."""
+        return int(self.loss_mask.sum())
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | bool]:
         inputs: dict[str, torch.Tensor | bool] = {"input_ids": self.input_ids.to(device), "use_cache": False}
@@ -116,7 +119,12 @@ def _fill(row_targets, row_mask, row_behav, row_adv, offset: int, s: SeqSample) 
     row_targets[offset : offset + length - 1] = tokens[1:]
     first = offset + s.start - 1  # the logit that predicts the first completion token
     n = s.completion_len
-    row_mask[first : first + n] = 1.0 if s.in_loss else 0.0
+    if not s.in_loss:
+        row_mask[first : first + n] = 0.0
+    elif s.loss_mask is None:
+        row_mask[first : first + n] = 1.0
+    else:
+        row_mask[first : first + n] = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32))
     row_behav[first : first + n] = torch.from_numpy(np.asarray(s.behav_logp, dtype=np.float32))
     row_adv[first : first + n] = torch.from_numpy(np.asarray(s.advantages, dtype=np.float32))
     return first, n

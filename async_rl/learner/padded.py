@@ -2,7 +2,8 @@
 
 The torch backend's algorithm prepares on it (advantages and the no-grad passes) before the packed
 micro-batches; the megatron backend trains on it directly (its schedules take fixed shapes). Loss
-positions index the *targets* (input shifted by one).
+positions index the *targets* (input shifted by one). A multi-turn episode's loss mask has holes:
+its environment tokens are inputs (the model saw them) but carry no loss.
 """
 
 from __future__ import annotations
@@ -15,24 +16,25 @@ from async_rl.protocol import FINISH_LENGTH, TrajectoryGroup
 
 class PaddedShard:
     def __init__(self, groups: list[TrajectoryGroup]) -> None:
-        seqs, behav, starts, lengths = [], [], [], []
+        seqs, behav, starts, lengths, masks = [], [], [], [], []
         for g in groups:
-            for comp, lp in zip(g.completions, g.logprobs, strict=True):
+            for i, (comp, lp) in enumerate(zip(g.completions, g.logprobs, strict=True)):
                 seqs.append(np.concatenate([g.prompt_tokens, comp]))
                 behav.append(lp)
                 starts.append(len(g.prompt_tokens) - 1)
                 lengths.append(len(comp))
+                masks.append(g.loss_mask(i))
         width = max(len(s) for s in seqs)
         n = len(seqs)
         self.input_ids = torch.zeros(n, width, dtype=torch.long)
         self.attention_mask = torch.zeros(n, width, dtype=torch.long)
         self.behav_logp = torch.zeros(n, width - 1)
         self.loss_mask = torch.zeros(n, width - 1)
-        for i, (s, lp, start, length) in enumerate(zip(seqs, behav, starts, lengths, strict=True)):
+        for i, (s, lp, start, length, m) in enumerate(zip(seqs, behav, starts, lengths, masks, strict=True)):
             self.input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
             self.attention_mask[i, : len(s)] = 1
             self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
-            self.loss_mask[i, start : start + length] = 1
+            self.loss_mask[i, start : start + length] = torch.from_numpy(m.astype(np.float32))
         self.rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         self.completion_lens = torch.tensor(lengths, dtype=torch.long)
         # cut at max_tokens (finish reason length): algorithm.overlong decides what they count for
@@ -43,3 +45,4 @@ class PaddedShard:
         self.starts = starts
         self.lengths = lengths
         self.tokens = int(sum(lengths))
+        self.model_tokens = int(sum(int(m.sum()) for m in masks))  # tokens that carry loss

@@ -30,6 +30,10 @@ CHATML = (
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
+    return build_chat_tokenizer()
+
+
+def build_chat_tokenizer():
     """A small byte-level BPE tokenizer with ChatML special tokens, built offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -1,0 +1,85 @@
+"""The environment named by the `env` config section, built in each generator engine.
+
+'' is no environment (single-turn samples); 'tools' and 'guess' are built in; 'verifiers:ID' loads an
+environment of the verifiers library (`async_rl.envs.verifiers_env`, imported only then); anything
+else is a factory 'pkg.module:make_env' called as make_env(env_config, reward) -> Environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from async_rl.config import EnvConfig
+from async_rl.envs.base import Environment
+from async_rl.envs.sandbox import SandboxLimits
+from async_rl.envs.tool_env import RewardFn
+from async_rl.envs.tools import BUILTIN_TOOLS, PythonTool, Tool
+from async_rl.errors import ConfigError
+from async_rl.protocol import Sample
+
+VERIFIERS_PREFIX = "verifiers:"
+
+
+def sandbox_limits(cfg: EnvConfig) -> SandboxLimits:
+    return SandboxLimits(
+        wall_s=cfg.sandbox_wall_s,
+        cpu_s=cfg.sandbox_cpu_s,
+        memory_mb=cfg.sandbox_memory_mb,
+        output_bytes=cfg.sandbox_output_bytes,
+    )
+
+
+def make_tools(cfg: EnvConfig) -> list[Tool]:
+    tools: list[Tool] = []
+    for name in cfg.tools:
+        if name not in BUILTIN_TOOLS:
+            raise ConfigError(f"env.tools: unknown tool '{name}' (built in: {sorted(BUILTIN_TOOLS)})")
+        tools.append(PythonTool(sandbox_limits(cfg)) if name == "python" else BUILTIN_TOOLS[name]())
+    return tools
+
+
+def build_environment(cfg: EnvConfig, reward: RewardFn) -> Environment | None:
+    """The configured environment (None: single-turn). `reward` scores a final answer (a Sample)."""
+    if not cfg.name:
+        return None
+    if cfg.name == "tools":
+        from async_rl.envs.tool_env import ToolEnvironment
+
+        return ToolEnvironment(make_tools(cfg), reward, cfg.tool_format)
+    if cfg.name == "guess":
+        from async_rl.envs.guess import GuessNumberEnvironment
+
+        return GuessNumberEnvironment()
+    if cfg.name.startswith(VERIFIERS_PREFIX):
+        try:
+            module = importlib.import_module("async_rl.envs.verifiers_env")
+        except ModuleNotFoundError as exc:
+            raise ConfigError(f"env.name '{cfg.name}': verifiers environments are not available ({exc})") from None
+        return module.build(cfg.name.removeprefix(VERIFIERS_PREFIX), cfg, reward)
+    if ":" not in cfg.name:
+        raise ConfigError(f"env.name '{cfg.name}' is not 'tools', 'guess', 'verifiers:<id>' nor 'pkg.module:factory'")
+    from async_rl.tasks.base import load_callable
+
+    factory = load_callable("env.name", cfg.name)
+    try:
+        env = factory(cfg, reward)
+    except Exception as exc:
+        raise ConfigError(f"env.name '{cfg.name}': factory raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(env, Environment):
+        raise ConfigError(f"env.name '{cfg.name}': factory returned {type(env).__name__}, not an async_rl Environment")
+    return env
+
+
+def _no_reward(sample: Sample) -> float:
+    raise RuntimeError("the environment was built for its system prompt only: it scores nothing")
+
+
+def environment_system_prompt(cfg: EnvConfig) -> str:
+    """The configured environment's system-prompt text ('' for none)."""
+    env = build_environment(cfg, _no_reward)
+    return env.system_prompt() if env is not None else ""
+
+
+def combined_system_prompt(base: str, cfg: EnvConfig) -> str:
+    """data.system_prompt followed by the environment's text (a blank line between them)."""
+    return "\n\n".join(part for part in (base, environment_system_prompt(cfg)) if part)

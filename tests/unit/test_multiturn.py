@@ -1,0 +1,403 @@
+"""Multi-turn episodes end to end without vLLM: a scripted 3-turn episode through the wire and into the
+learner's batch (environment tokens carry no loss), loss-mask validation on the wire, advantages over
+masks with holes, the `env` config section and its factory, and the per-step episode metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from async_rl.config import AlgorithmConfig, Config, EnvConfig, load_config
+from async_rl.envs.episode import ChatDelta, run_episode
+from async_rl.envs.factory import build_environment, combined_system_prompt
+from async_rl.envs.guess import GuessNumberEnvironment, GuessNumberTask, game_prompt
+from async_rl.envs.tool_env import ToolEnvironment
+from async_rl.errors import ConfigError
+from async_rl.learner.advantages import discounted_returns, gae, token_rewards
+from async_rl.learner.base import StepMetrics
+from async_rl.learner.driver import LearnerDriver, shard_samples
+from async_rl.learner.packing import packed
+from async_rl.learner.padded import PaddedShard
+from async_rl.models.tiny import resolve_model_path
+from async_rl.protocol import EpisodeInfo, FrameError, TrajectoryGroup, decode_groups, encode_groups
+from tests.unit._learner_fixtures import settings
+from tests.unit.test_envs import build_chat_tokenizer, render, scripted
+
+RUN = "mt"
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    return build_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
+
+
+def three_turn_group(tok, group_size: int = 2) -> tuple[TrajectoryGroup, list]:
+    """`group_size` scripted guess-the-number episodes of 3 turns (solved on the 3rd, or never)."""
+    prompt = game_prompt(7, 1, 100, seed=0)
+    secret = int(prompt.answer)
+    prompt_ids = render(tok, prompt.messages, add_generation_prompt=True)
+    results = []
+    for i in range(group_size):
+        last = str(secret) if i == 0 else str(secret + 1)
+        generate, _ = scripted(tok, [str(secret - 10), str(secret + 5), last], logprob=-0.5 - 0.1 * i)
+        results.append(
+            asyncio.run(
+                run_episode(
+                    GuessNumberEnvironment().start(prompt),
+                    prompt_ids,
+                    list(prompt.messages),
+                    generate,
+                    ChatDelta(tok, tok.eos_token_id),
+                    max_turns=3,
+                    max_total_tokens=4096,
+                )
+            )
+        )
+    group = TrajectoryGroup(
+        prompt_id=prompt.prompt_id,
+        engine_id=0,
+        prompt_tokens=np.asarray(prompt_ids, np.int32),
+        completions=[np.asarray(r.completion_ids, np.int32) for r in results],
+        logprobs=[np.asarray(r.logprobs, np.float32) for r in results],
+        rewards=[r.reward for r in results],
+        version_first=[r.turn_versions[0] for r in results],
+        version_last=[r.turn_versions[-1] for r in results],
+        reward_status=[0] * group_size,
+        loss_masks=[np.asarray(r.loss_mask, np.uint8) for r in results],
+        episodes=[EpisodeInfo(turns=r.turns) for r in results],
+    )
+    return group, results
+
+
+def in_vocab(group: TrajectoryGroup, vocab: int) -> TrajectoryGroup:
+    """The same episode with token ids folded into the tiny model's vocabulary (positions, masks and
+    log-probs untouched: what the alignment checks are about)."""
+    return dataclasses.replace(
+        group,
+        prompt_tokens=group.prompt_tokens % vocab,
+        completions=[c % vocab for c in group.completions],
+    )
+
+
+# ---------------------------------------------------------------- wire
+
+
+def test_episode_masks_and_logprobs_survive_the_wire(chat_tokenizer):
+    group, results = three_turn_group(chat_tokenizer)
+    assert [r.turns for r in results] == [3, 3] and results[0].reward > 0 and results[1].reward == 0
+    _, (back,) = decode_groups(encode_groups(RUN, [group]), RUN)
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(back.loss_mask(i), r.loss_mask)
+        np.testing.assert_array_equal(back.completions[i], r.completion_ids)
+        np.testing.assert_array_equal(back.logprobs[i], np.asarray(r.logprobs, np.float32))
+        assert back.loss_mask(i).min() == 0  # environment turns are in the completion
+    assert back.episodes == [EpisodeInfo(turns=3), EpisodeInfo(turns=3)]
+    assert back.version_first == [0, 0] and back.version_last == [2, 2]
+    assert back.oldest_version == 0  # the buffer's staleness: the oldest first turn of the group
+
+
+def test_single_turn_groups_carry_no_mask():
+    g = TrajectoryGroup(0, 0, np.array([1, 2], np.int32), [np.array([3, 4], np.int32)], [np.array([-1, -1], np.float32)],
+                        [1.0], [0], [0], [0])
+    _, (back,) = decode_groups(encode_groups(RUN, [g]), RUN)
+    assert back.loss_masks is None and back.episodes is None
+    np.testing.assert_array_equal(back.loss_mask(0), [1, 1])
+
+
+@pytest.mark.parametrize(
+    ("mask", "why"),
+    [([1, 0], "loss mask of 2 for 3 tokens"), ([1, 2, 0], "must be 0 or 1"), ([0, 0, 0], "no model token")],
+)
+def test_bad_loss_masks_are_rejected_naming_the_prompt(mask, why):
+    g = TrajectoryGroup(42, 1, np.array([1], np.int32), [np.array([3, 4, 5], np.int32)],
+                        [np.zeros(3, np.float32)], [0.0], [0], [0], [0], loss_masks=[np.asarray(mask, np.uint8)])
+    with pytest.raises(FrameError) as info:
+        decode_groups(encode_groups(RUN, [g]), RUN)
+    assert info.value.reason == "bad_mask" and "prompt 42" in str(info.value) and why in str(info.value)
+    assert info.value.header is not None  # the buffer can release (count lost) the prompt it names
+
+
+# ---------------------------------------------------------------- learner batch
+
+
+def test_environment_tokens_have_zero_weight_in_the_trained_batch(chat_tokenizer, model_dir):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    group, results = three_turn_group(chat_tokenizer)
+    group = in_vocab(group, vocab)
+    shard = PaddedShard([group])
+    # The padded rows the algorithm prepares on: the mask is the episode's, shifted to target positions.
+    for i, r in enumerate(results):
+        start = len(group.prompt_tokens) - 1
+        np.testing.assert_array_equal(shard.loss_mask[i, start : start + len(r.loss_mask)].numpy(), r.loss_mask)
+        assert shard.loss_mask[i, :start].sum() == 0 and shard.loss_mask[i, start + len(r.loss_mask) :].sum() == 0
+    # The packed micro-batch the backend trains on: weight 0 on environment tokens, behaviour log-probs
+    # of the model's tokens exactly where the model's tokens are.
+    rank = LearnerDriver(settings(model_dir), 0, 1, "", [])
+    rank.setup()
+    prepared = rank.algo.prepare(shard, lambda h: rank._score_padded(shard, h))
+    mb = packed(shard_samples([group], prepared))
+    for (row, col, n), r in zip(mb.spans, results, strict=True):
+        np.testing.assert_array_equal(mb.loss_mask[row, col : col + n].numpy(), r.loss_mask)
+        model = np.asarray(r.loss_mask, bool)
+        np.testing.assert_array_equal(mb.behav_logp[row, col : col + n].numpy()[model], np.asarray(r.logprobs, np.float32)[model])
+    assert mb.loss_tokens == sum(sum(r.loss_mask) for r in results)
+    assert prepared.denominator == mb.loss_tokens  # the token mean counts the model's tokens only
+
+
+def test_environment_tokens_change_neither_loss_nor_gradient(chat_tokenizer, model_dir):
+    """Perturbing the behaviour log-probs of environment tokens leaves
+    the step's loss, gradient and vLLM-vs-learner mismatch metrics unchanged; perturbing a model
+    token's changes them (the check can fail)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    group, _ = three_turn_group(chat_tokenizer)
+    group = in_vocab(group, vocab)
+
+    def perturbed(on_env: bool) -> TrajectoryGroup:
+        lps = []
+        for i, lp in enumerate(group.logprobs):
+            where = group.loss_mask(i) == (0 if on_env else 1)
+            lps.append(np.where(where, lp - 5.0, lp).astype(np.float32))
+        return dataclasses.replace(group, logprobs=lps)
+
+    def step(g: TrajectoryGroup) -> StepMetrics:
+        rank = LearnerDriver(settings(model_dir, algorithm=AlgorithmConfig(name="reinforce_pp")), 0, 1, "", [])
+        rank.setup()
+        return rank.train_on_shard(0, [g])
+
+    base, env_changed, model_changed = step(group), step(perturbed(True)), step(perturbed(False))
+    for field in ("loss", "grad_norm", "kl_behav", "logprob_abs_diff", "entropy"):
+        assert getattr(env_changed, field) == pytest.approx(getattr(base, field), rel=1e-6, abs=1e-9), field
+    assert abs(model_changed.logprob_abs_diff - base.logprob_abs_diff) > 1.0
+    assert model_changed.loss != pytest.approx(base.loss, rel=1e-3)
+    assert base.env_tokens == sum(int((group.loss_mask(i) == 0).sum()) for i in range(group.size)) > 0
+    assert [e.turns for e in base.episodes] == [3, 3]
+
+
+def test_probe_scores_model_tokens_only(chat_tokenizer, model_dir):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    group, results = three_turn_group(chat_tokenizer)
+    group = in_vocab(group, vocab)
+    rank = LearnerDriver(settings(model_dir), 0, 1, "", [])
+    rank.setup()
+    rank.train_on_shard(0, [group])
+    probe = rank.probe_logprobs(2)
+    for positions, lps, r in zip(probe.positions, probe.logprobs, results, strict=True):
+        start = len(group.prompt_tokens)
+        assert positions == [start + i for i, m in enumerate(r.loss_mask) if m]
+        assert len(lps) == len(positions)
+
+
+# ---------------------------------------------------------------- advantages with holes
+
+
+def test_reward_lands_on_the_last_model_token_and_returns_skip_environment_tokens():
+    # completion: 2 model tokens, 2 environment tokens, 2 model tokens, then padding
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)
+    r = token_rewards(torch.tensor([1.0]), mask)
+    assert r.tolist() == [[0, 0, 0, 0, 0, 0, 1, 0]]
+    g = discounted_returns(r, mask, gamma=0.5)
+    # model tokens in order get 0.125, 0.25, 0.5, 1 (one discount step per model token, none per hole)
+    assert g.tolist() == [[0, 0.125, 0.25, 0, 0, 0.5, 1.0, 0]]
+
+
+def test_gae_with_holes_equals_gae_on_the_model_tokens_alone():
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1, 0, 1]], dtype=torch.float32)
+    rewards = torch.randn(1, 10, generator=gen) * mask
+    values = torch.randn(1, 10, generator=gen)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    keep = mask[0].bool()
+    dense_adv, dense_ret = gae(rewards[:, keep], values[:, keep], torch.ones(1, int(keep.sum())), 0.9, 0.8)
+    torch.testing.assert_close(adv[:, keep], dense_adv)
+    torch.testing.assert_close(ret[:, keep], dense_ret)
+    assert adv[:, ~keep].abs().sum() == 0 and ret[:, ~keep].abs().sum() == 0
+
+
+# ---------------------------------------------------------------- config and factory
+
+
+def test_env_config_defaults_and_yaml(tmp_path):
+    assert Config().env.name == ""  # single-turn unless asked
+    path = tmp_path / "c.yaml"
+    path.write_text("env:\n  name: tools\n  tools: [calculator, python]\n  tool_format: hermes\n  max_turns: 3\n")
+    e = load_config(path).env
+    assert (e.name, e.tools, e.tool_format, e.max_turns, e.max_total_tokens) == ("tools", ["calculator", "python"], "hermes", 3, 0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["env.name=chess"], "env.name 'chess' is not a built-in environment"),
+        (["env.name=tools", "env.tools=[calculator, web]"], "env.tools"),
+        (["env.name=tools", "env.tools=[]"], "empty env.tools"),
+        (["env.name=guess", "env.max_total_tokens=99999"], "above generators.max_model_len"),
+        (["env.name=guess", "generators.ignore_eos=true"], "ignore_eos"),
+        (["env.name=guess", "algorithm.overlong=penalty", "algorithm.overlong_buffer_tokens=4"], "overlong=penalty"),
+        (["env.name='verifiers:'"], "names no environment"),
+    ],
+)
+def test_env_config_errors_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_factory_builds_the_named_environments():
+    assert build_environment(EnvConfig(), lambda s: 0.0) is None
+    tools = build_environment(EnvConfig(name="tools", tools=["calculator", "python"], sandbox_wall_s=1.5), lambda s: 0.0)
+    assert isinstance(tools, ToolEnvironment) and sorted(tools.tools) == ["calculator", "python"]
+    assert tools.tools["python"].limits.wall_s == 1.5
+    assert isinstance(build_environment(EnvConfig(name="guess"), lambda s: 0.0), GuessNumberEnvironment)
+    custom = build_environment(EnvConfig(name="tests.unit.test_multiturn:make_guess"), lambda s: 0.0)
+    assert isinstance(custom, GuessNumberEnvironment) and custom.turn_penalty == 0.5
+    with pytest.raises(ConfigError, match="not an async_rl Environment"):
+        build_environment(EnvConfig(name="tests.unit.test_multiturn:not_an_env"), lambda s: 0.0)
+
+
+def make_guess(cfg: EnvConfig, reward) -> GuessNumberEnvironment:
+    return GuessNumberEnvironment(turn_penalty=0.5)
+
+
+def not_an_env(cfg: EnvConfig, reward) -> int:
+    return 3
+
+
+def test_verifiers_environment_is_imported_lazily_with_a_clear_error(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def missing(name, *a, **kw):
+        if name == "async_rl.envs.verifiers_env":
+            raise ModuleNotFoundError("No module named 'async_rl.envs.verifiers_env'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(ConfigError, match="env.name 'verifiers:wordle': verifiers environments are not available"):
+        build_environment(EnvConfig(name="verifiers:wordle"), lambda s: 0.0)
+
+
+def test_environment_instructions_are_in_the_rendered_prompt(model_dir):
+    from async_rl.data import make_renderer
+    from async_rl.settings import with_env_system_prompt
+
+    cfg = load_config(None, ["env.name=tools", "data.system_prompt=Be brief."])
+    text = combined_system_prompt(cfg.data.system_prompt, cfg.env)
+    assert text.startswith("Be brief.\n\nYou can use these tools:") and '<tool name="NAME">' in text
+    assert with_env_system_prompt(cfg.data, cfg).system_prompt == text  # what the buffer renders with
+    assert combined_system_prompt("", EnvConfig()) == ""  # single-turn: unchanged
+    renderer = make_renderer(cfg, model_dir)
+    chat = renderer.messages_of(GuessNumberTask().prompts(0).__next__())
+    assert chat[0].role == "system" and chat[0].content == text
+
+
+def test_guess_task_prompts_and_reward():
+    p = next(iter(GuessNumberTask().prompts(3)))
+    assert 1 <= int(p.answer) <= 100 and p.prompt_id == 0
+    from async_rl.protocol import Sample
+
+    assert GuessNumberTask().reward(Sample(prompt=p, completion=f"I guess {p.answer}")) == 1.0
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_episode_metrics_of_a_step():
+    from async_rl.controller import episode_stats
+
+    def rank(eps, env_tokens, lens):
+        return StepMetrics(step=0, rank=0, loss=0, reward_mean=0, kl_behav=0, logprob_abs_diff=0, grad_norm=0,
+                           clip_frac=0, tis_frac=0, samples=len(eps), tokens=0, wait_s=0, compute_s=0,
+                           episodes=eps, env_tokens=env_tokens, completion_lens=lens)
+
+    st = episode_stats([
+        rank([EpisodeInfo(turns=3, tool_calls=2, tool_errors=1, tool_timeouts=1), EpisodeInfo(turns=1)], 30, [60, 40]),
+        rank([EpisodeInfo(turns=2, tool_calls=1)], 10, [100]),
+    ])
+    assert (st.turns_mean, st.turns_max, st.sandbox_timeouts) == (2.0, 3, 1)
+    assert st.tool_calls_per_episode == 1.0 and st.tool_errors_per_episode == pytest.approx(1 / 3)
+    assert st.env_token_share == pytest.approx(40 / 200)
+    assert episode_stats([rank([], 0, [5])]).turns_max == 0  # single-turn: all zero
+
+
+# ---------------------------------------------------------------- the engine's episode loop
+
+
+def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypatch):
+    """A weight update after the first turn: the second turn does not start while the engine is
+    paused, and starts on the new version once it resumes. The group records the first turn's
+    version as version_first and the later one as version_last; the mask marks the game's answers."""
+    from async_rl.config import TaskConfig
+    from async_rl.generator import engine as engine_mod
+    from async_rl.generator import vllm_compat as vc
+    from async_rl.generator.engine import EngineSettings, GeneratorEngine
+    from async_rl.generator.sampling import SamplingSpec
+
+    tok = chat_tokenizer
+    eos = tok.eos_token_id
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    prompt = game_prompt(5, 1, 100, seed=0)
+    prompt = msgspec.structs.replace(prompt, token_ids=render(tok, prompt.messages, add_generation_prompt=True))
+    secret = int(prompt.answer)
+    spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=4096,
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
+    s = EngineSettings(engine_id=0, run_id=RUN, spec=spec, cores=[], kv_cache_gib=1.0, group_size=1, max_tokens=8,
+                       temperature=1.0, max_inflight_prompts=1, pause_mode="keep", task=TaskConfig(),
+                       reward_timeout_s=1.0, reward_workers=1, ingest_address="", env=EnvConfig(name="guess"))
+    started: list[tuple[str, int, list[int]]] = []
+
+    async def scenario():
+        eng = GeneratorEngine(s, buffer=None)
+        eng.sampling = SamplingSpec(n=1, max_tokens=8, temperature=1.0, stop_token_ids=[eos])
+        eng.env = build_environment(s.env, lambda sample: 0.0)
+        eng._delta = ChatDelta(tok, eos)
+        eng._running.set()
+
+        async def generate(llm, source, params, request_id):
+            started.append((request_id, eng.version, list(source["prompt_token_ids"])))
+            if len(started) == 1:
+                eng._running.clear()  # the controller pauses the engine right after the first turn
+            text = str(secret - 1) if len(started) == 1 else str(secret)
+            ids = tok.encode(text, add_special_tokens=False) + [eos]
+            return list(source["prompt_token_ids"]), [vc.Completion(ids, [-0.25] * len(ids), text, "stop")]
+
+        async def no_op(*args, **kwargs):
+            return None
+
+        monkeypatch.setattr(vc, "generate", generate)
+        monkeypatch.setattr(vc, "resume", no_op)
+        task = asyncio.create_task(eng._run_episodes(prompt, "r1", eng.sampling, 1))
+        for _ in range(50):  # every ready callback runs: the episode reaches its second turn's wait
+            await asyncio.sleep(0)
+        assert len(started) == 1 and not task.done()  # paused: the second turn has not started
+        await eng.resume(1)
+        return await task
+
+    group = asyncio.run(scenario())
+    assert [(rid, v) for rid, v, _ in started] == [("r1-s0-t1", 0), ("r1-s0-t2", 1)]
+    assert group.version_first == [0] and group.version_last == [1] and group.oldest_version == 0
+    assert group.episodes == [EpisodeInfo(turns=2)] and group.rewards == [pytest.approx(0.9)]
+    assert group.finish_reasons == [engine_mod.FINISH_STOP]
+    full = list(group.prompt_tokens) + list(group.completions[0])
+    assert full[: len(started[1][2])] == started[1][2]  # turn 2 generated from the kept tokens
+    env_text = tok.decode([t for t, m in zip(group.completions[0], group.loss_mask(0), strict=True) if not m])
+    assert "lower" in env_text or "higher" in env_text
