@@ -318,6 +318,7 @@ def make_record(
         turns_max=ep.turns_max,
         tool_calls_per_episode=ep.tool_calls_per_episode,
         tool_errors_per_episode=ep.tool_errors_per_episode,
+        tool_success=ep.tool_success,
         sandbox_timeouts=ep.sandbox_timeouts,
         env_token_share=ep.env_token_share,
         samples_across_updates=sum(m.across_updates for m in per_rank),
@@ -330,11 +331,13 @@ def episode_stats(per_rank: list[StepMetrics]) -> EpisodeStats:
     if not eps:
         return EpisodeStats()
     tokens = sum(n for m in per_rank for n in m.completion_lens)
+    attempts = sum(e.tool_ok + e.tool_errors for e in eps)
     return EpisodeStats(
         turns_mean=sum(e.turns for e in eps) / len(eps),
         turns_max=max(e.turns for e in eps),
         tool_calls_per_episode=sum(e.tool_calls for e in eps) / len(eps),
         tool_errors_per_episode=sum(e.tool_errors for e in eps) / len(eps),
+        tool_success=sum(e.tool_ok for e in eps) / attempts if attempts else 0.0,
         sandbox_timeouts=sum(e.tool_timeouts for e in eps),
         env_token_share=sum(m.env_tokens for m in per_rank) / max(1, tokens),
     )

@@ -34,6 +34,7 @@ class EpisodeStats(msgspec.Struct, frozen=True):
     turns_max: int = 0
     tool_calls_per_episode: float = 0.0
     tool_errors_per_episode: float = 0.0
+    tool_success: float = 0.0  # tool calls that ran ok / every call attempt (malformed, unknown, failed too)
     sandbox_timeouts: int = 0  # tool calls killed at the sandbox's time limit
     env_token_share: float = 0.0  # completion tokens written by the environment / all completion tokens
 
@@ -90,6 +91,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     turns_max: int = 0
     tool_calls_per_episode: float = 0.0
     tool_errors_per_episode: float = 0.0
+    tool_success: float = 0.0
     sandbox_timeouts: int = 0
     env_token_share: float = 0.0
     samples_across_updates: int = 0  # trained samples whose tokens came from more than one policy version
@@ -110,7 +112,7 @@ def console_line(r: StepRecord, total_steps: int) -> str:
         + (f" requeued {r.requeued}" if r.requeued else "")
         + (
             f" | turns {r.turns_mean:.1f} max {r.turns_max} tools {r.tool_calls_per_episode:.2f} "
-            f"err {r.tool_errors_per_episode:.2f} env {r.env_token_share:.0%}"
+            f"err {r.tool_errors_per_episode:.2f} ok {r.tool_success:.0%} env {r.env_token_share:.0%}"
             if r.turns_max
             else ""
         )

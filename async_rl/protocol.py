@@ -49,6 +49,7 @@ class EpisodeInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     tool_calls: int = 0  # well-formed calls of known tools
     tool_errors: int = 0  # malformed calls, unknown tools, failed tools
     tool_timeouts: int = 0  # tool calls killed at their time limit (the sandbox)
+    tool_ok: int = 0  # tool calls that ran and returned a result (every other attempt is a tool error)
 
 
 class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -301,6 +301,7 @@ class GeneratorEngine:
                     tool_calls=r.tool_calls,
                     tool_errors=r.tool_errors,
                     tool_timeouts=r.tool_outcomes.get("timeout", 0),
+                    tool_ok=r.tool_outcomes.get("ok", 0),
                 )
                 for r in results
             ],

@@ -328,12 +328,14 @@ def test_episode_metrics_of_a_step():
                            episodes=eps, env_tokens=env_tokens, completion_lens=lens)
 
     st = episode_stats([
-        rank([EpisodeInfo(turns=3, tool_calls=2, tool_errors=1, tool_timeouts=1), EpisodeInfo(turns=1)], 30, [60, 40]),
-        rank([EpisodeInfo(turns=2, tool_calls=1)], 10, [100]),
+        rank([EpisodeInfo(turns=3, tool_calls=2, tool_errors=1, tool_timeouts=1, tool_ok=1), EpisodeInfo(turns=1)],
+             30, [60, 40]),
+        rank([EpisodeInfo(turns=2, tool_calls=1, tool_ok=1)], 10, [100]),
     ])
     assert (st.turns_mean, st.turns_max, st.sandbox_timeouts) == (2.0, 3, 1)
     assert st.tool_calls_per_episode == 1.0 and st.tool_errors_per_episode == pytest.approx(1 / 3)
     assert st.env_token_share == pytest.approx(40 / 200)
+    assert st.tool_success == pytest.approx(2 / 3)  # 2 calls ran ok of 3 attempts (1 timed out)
     assert episode_stats([rank([], 0, [5])]).turns_max == 0  # single-turn: all zero
 
 
