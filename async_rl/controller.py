@@ -112,7 +112,7 @@ class Controller:
                 break
             self.version = step + 1
             sync_s, mismatch = 0.0, None
-            if self.version % self.cfg.train.sync_every == 0:
+            if self.version % self.cfg.train.sync_every == 0 or sup.sync_owed:
                 sync_s = sup.sync(self.version)
                 mismatch = self.logprob_mismatch()
             buffer: BufferStats = sup.on_buffer(step, rt.buffer_stats)

@@ -187,11 +187,12 @@ class Runtime:
             return False
         return True
 
-    def sync_weights(self, version: int) -> bool:
+    def sync_weights(self, version: int, during_step: bool = False) -> bool:
         """One attempt to move learner weights of `version` into every engine (see GeneratorPool.sync).
-        False: the learner already trained past `version` (the sync after its step delivers)."""
+        False: the learner already trained past `version`, or (`during_step`) a sharded learner would
+        need a collective gather while its ranks are in the step; the sync after its step delivers."""
         # Sharded learners gather to rank 0, each rank under its weights lock, so never mid-step.
-        if not all(self.learner.call(lambda a: a.gather_weights.remote(version))):
+        if not all(self.learner.call(lambda a: a.gather_weights.remote(version, during_step))):
             return False  # the learner trained past `version`: the sync after its step delivers
         sender = self.learner.actors[0]
         # A sync while train_step waits (recovery) must not send weights the step is changing.

@@ -84,6 +84,9 @@ class Supervisor:
         self.steps_since_change = 0
         self._log = open(run_dir / "scaling.jsonl", "ab")
         self.events: list[ScaleEvent] = []
+        # A sync was skipped (during a step), so a replaced engine may hold no weights yet: the
+        # controller syncs after the step even when train.sync_every would not.
+        self.sync_owed = False
 
     def close(self) -> None:
         self.inbox.close()
@@ -139,7 +142,7 @@ class Supervisor:
         if not dead:
             return
         self.replace(step, dead)
-        self.sync(step)
+        self.sync(step, during_step=True)
 
     def replace(self, step: int, dead: list[int]) -> None:
         pool = self.rt.generators
@@ -164,14 +167,16 @@ class Supervisor:
 
     # ---- weight sync with recovery --------------------------------------------------------------
 
-    def sync(self, version: int) -> float:
+    def sync(self, version: int, during_step: bool = False) -> float:
         """Learner weights of `version` into every engine; dead engines are replaced and the sync
-        retried. Returns the seconds it took."""
+        retried. Returns the seconds it took. `during_step`: a train step is running (recovery)."""
         t0 = time.perf_counter()
         for attempt in range(1, SYNC_ATTEMPTS + 1):
             try:
-                if not self.rt.sync_weights(version):
-                    return 0.0  # the learner moved on; the sync after its step delivers the weights
+                if not self.rt.sync_weights(version, during_step):
+                    self.sync_owed = True  # the learner moved on, or is sharded and mid-step
+                    return 0.0
+                self.sync_owed = False
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
                 dead_rank = self.rt.dead_learner_rank()

@@ -119,6 +119,12 @@ class ModelBackend(abc.ABC):
         all-gathers and converts here). Called before every weight sync, checksum and checkpoint;
         valid until the next `optimizer_step`."""
 
+    def weights_gathered(self) -> bool:
+        """`hf_weights` can be read without a collective (replicated, or gathered since the last
+        optimizer step). A sync during a train step may only read weights then: peers in the step's
+        collectives would never join a gather."""
+        return True
+
     @abc.abstractmethod
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """Rank 0, after `gather_weights`: every parameter, full, under its HF name (tied once), the

@@ -302,12 +302,16 @@ class LearnerDriver(LearnerRank):
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         return self.backend.hf_weights()
 
-    def gather_weights(self, version: int | None = None) -> bool:
+    def gather_weights(self, version: int | None = None, during_step: bool = False) -> bool:
         # Under the weights lock: a recovery sync that lands during train_step waits for the step's
         # end instead of reading (or gathering) parameters in the middle of the optimizer step.
         with self._weights_lock:
             if version is not None and self.version > version:
                 return False  # trained past it: no collective, the caller skips this sync
+            if during_step and not self.backend.weights_gathered():
+                # Gathering is a collective, and a peer rank may already be in the step's own
+                # collectives: both would wait for ever. The sync after the step delivers.
+                return False
             self.backend.gather_weights()
             return True
 

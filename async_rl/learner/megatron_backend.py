@@ -332,6 +332,9 @@ class MegatronBackend(ModelBackend):
         if self._snapshot is None:
             self._snapshot = self.policy.hf_state_dict() or {}  # collective; full only on rank 0
 
+    def weights_gathered(self) -> bool:
+        return self._snapshot is not None
+
     def hf_weights(self) -> dict[str, torch.Tensor]:
         if not self._snapshot:
             raise RunError("megatron: hf_weights on a rank without gathered weights (call gather_weights first)")

@@ -181,6 +181,9 @@ class TorchBackend(ModelBackend):
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
         self._full = {name: full[name] for name in self._param_names} if full else {}
 
+    def weights_gathered(self) -> bool:
+        return not self.sharded or self._full is not None
+
     def hf_weights(self) -> dict[str, torch.Tensor]:
         # named_parameters() lists a tied weight once, under its first name: what vLLM's loader expects.
         if not self.sharded:

@@ -16,6 +16,12 @@ def run_rank(rank: int, world: int, master: str, model_dir: str, out: str) -> No
     learner = LearnerDriver(s, rank, world, master, [])
     learner.setup()
     metrics = [learner.train_on_shard(k, groups(20 + k)) for k in range(2)]
+    # A recovery sync during a step must not start the gather collective (a peer may be in the step's
+    # own collectives): not gathered since the optimizer step, so each rank declines on its own.
+    # (train_on_shard leaves the driver's version at 0; train_step would set it.)
+    declined = learner.gather_weights(0, during_step=True)
+    gathered = learner.gather_weights(0)  # between steps: the collective gather
+    after_gather = learner.gather_weights(0, during_step=True)  # now readable without a collective
     ckpt = Path(out) / "ckpt"
     if rank == 0:
         ckpt.mkdir()
@@ -38,6 +44,7 @@ def run_rank(rank: int, world: int, master: str, model_dir: str, out: str) -> No
             json.dumps(
                 {
                     "step": step,
+                    "during_step": [declined, gathered, after_gather],
                     "same_after_load": same,
                     "names": sorted(saved),
                     "checksum": [checksum.total, checksum.sum_sq, checksum.count],

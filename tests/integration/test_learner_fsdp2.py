@@ -32,6 +32,7 @@ def test_fsdp2_two_ranks_match_one_replica_and_round_trip(tmp_path, model_cache)
     mp.spawn(_run, args=(2, master, model_dir, str(tmp_path)), nprocs=2, join=True)
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert report["step"] == 2 and report["same_after_load"]
+    assert report["during_step"] == [False, True, True]
     assert report["micro_batches"] == [3, 3]  # rank 0's count (rank 1 had 2 and ran a dummy)
 
     # Both ranks trained on the same shard, so the averaged gradient is one replica's: compare.
