@@ -50,6 +50,7 @@ class EpisodeInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     tool_errors: int = 0  # malformed calls, unknown tools, failed tools
     tool_timeouts: int = 0  # tool calls killed at their time limit (the sandbox)
     tool_ok: int = 0  # tool calls that ran and returned a result (every other attempt is a tool error)
+    turn_versions: list[int] = []  # the policy version each model turn started on, in order
 
 
 class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -167,6 +168,21 @@ def _mask_bytes(mask: np.ndarray | None) -> bytes | None:
     return None if mask is None else np.asarray(mask, dtype=np.uint8).tobytes()
 
 
+def _check_episode(s: SampleMeta, prompt_id: int) -> None:
+    """Per-turn versions agree with the sample's: one per model turn, non-decreasing, the first is
+    `version_first` (the buffer's staleness rule reads that), none after `version_last`."""
+    ep = s.episode
+    if ep is None or not ep.turn_versions:
+        return
+    v = ep.turn_versions
+    if len(v) != ep.turns or v[0] != s.version_first or v != sorted(v) or v[-1] > s.version_last:
+        raise FrameError(
+            "bad_episode",
+            f"prompt {prompt_id}: turn versions {v} do not fit {ep.turns} turns between versions "
+            f"{s.version_first} and {s.version_last}",
+        )
+
+
 def _decode_mask(s: SampleMeta, prompt_id: int) -> np.ndarray | None:
     """The sample's loss mask, checked: one 0/1 per completion token, at least one model token."""
     if s.loss_mask is None:
@@ -271,6 +287,8 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
         t += g.prompt_len
         comps, lps = [], []
         masks = [_decode_mask(s, g.prompt_id) for s in g.samples]
+        for s in g.samples:
+            _check_episode(s, g.prompt_id)
         for s in g.samples:
             comps.append(tokens[t : t + s.completion_len])
             lps.append(logprobs[lp : lp + s.completion_len])

@@ -302,6 +302,7 @@ class GeneratorEngine:
                     tool_errors=r.tool_errors,
                     tool_timeouts=r.tool_outcomes.get("timeout", 0),
                     tool_ok=r.tool_outcomes.get("ok", 0),
+                    turn_versions=list(r.turn_versions),
                 )
                 for r in results
             ],

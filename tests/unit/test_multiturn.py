@@ -75,7 +75,7 @@ def three_turn_group(tok, group_size: int = 2) -> tuple[TrajectoryGroup, list]:
         version_last=[r.turn_versions[-1] for r in results],
         reward_status=[0] * group_size,
         loss_masks=[np.asarray(r.loss_mask, np.uint8) for r in results],
-        episodes=[EpisodeInfo(turns=r.turns) for r in results],
+        episodes=[EpisodeInfo(turns=r.turns, turn_versions=r.turn_versions) for r in results],
     )
     return group, results
 
@@ -102,7 +102,8 @@ def test_episode_masks_and_logprobs_survive_the_wire(chat_tokenizer):
         np.testing.assert_array_equal(back.completions[i], r.completion_ids)
         np.testing.assert_array_equal(back.logprobs[i], np.asarray(r.logprobs, np.float32))
         assert back.loss_mask(i).min() == 0  # environment turns are in the completion
-    assert back.episodes == [EpisodeInfo(turns=3), EpisodeInfo(turns=3)]
+    assert [e.turns for e in back.episodes] == [3, 3]
+    assert [e.turn_versions for e in back.episodes] == [r.turn_versions for r in results]
     assert back.version_first == [0, 0] and back.version_last == [2, 2]
     assert back.oldest_version == 0  # the buffer's staleness: the oldest first turn of the group
 
@@ -126,6 +127,20 @@ def test_bad_loss_masks_are_rejected_naming_the_prompt(mask, why):
         decode_groups(encode_groups(RUN, [g]), RUN)
     assert info.value.reason == "bad_mask" and "prompt 42" in str(info.value) and why in str(info.value)
     assert info.value.header is not None  # the buffer can release (count lost) the prompt it names
+
+
+@pytest.mark.parametrize(
+    ("versions", "first", "last"),
+    [([1, 2], 1, 2), ([0, 1, 1], 1, 2), ([0, 2, 1], 0, 2), ([0, 1, 3], 0, 2)],
+    ids=["a turn missing", "first is not version_first", "decreasing", "after version_last"],
+)
+def test_turn_versions_that_contradict_the_sample_are_rejected(versions, first, last):
+    ep = EpisodeInfo(turns=3, turn_versions=versions)
+    g = TrajectoryGroup(7, 1, np.array([1], np.int32), [np.array([3, 4, 5], np.int32)], [np.zeros(3, np.float32)],
+                        [0.0], [first], [last], [0], loss_masks=[np.asarray([1, 0, 1], np.uint8)], episodes=[ep])
+    with pytest.raises(FrameError) as info:
+        decode_groups(encode_groups(RUN, [g]), RUN)
+    assert info.value.reason == "bad_episode" and "prompt 7" in str(info.value) and "\n" not in str(info.value)
 
 
 # ---------------------------------------------------------------- learner batch
@@ -397,7 +412,7 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
     group = asyncio.run(scenario())
     assert [(rid, v) for rid, v, _ in started] == [("r1-s0-t1", 0), ("r1-s0-t2", 1)]
     assert group.version_first == [0] and group.version_last == [1] and group.oldest_version == 0
-    assert group.episodes == [EpisodeInfo(turns=2)] and group.rewards == [pytest.approx(0.9)]
+    assert group.episodes == [EpisodeInfo(turns=2, turn_versions=[0, 1])] and group.rewards == [pytest.approx(0.9)]
     assert group.finish_reasons == [engine_mod.FINISH_STOP]
     full = list(group.prompt_tokens) + list(group.completions[0])
     assert full[: len(started[1][2])] == started[1][2]  # turn 2 generated from the kept tokens
