@@ -447,6 +447,11 @@ class EnvConfig(_Section):
         _f("how the model writes a call: tag (<tool name=\"NAME\">INPUT</tool>, models without a tool format) or "
            "hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>)"),
     ] = "tag"
+    call_bonus: Annotated[
+        float,
+        _f("env=tools: a shaped reward paid once per episode, for the first turn whose tool calls all ran ok "
+           "(0 = off: only task.reward counts); for prompts where calls are too rare to give GRPO a signal", ge=0),
+    ] = 0.0
     max_turns: Annotated[int, _f("model turns per episode at most (then it ends: finish 'max_turns')", ge=1)] = 4
     max_total_tokens: Annotated[
         int,

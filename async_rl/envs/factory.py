@@ -45,7 +45,7 @@ def build_environment(cfg: EnvConfig, reward: RewardFn) -> Environment | None:
     if cfg.name == "tools":
         from async_rl.envs.tool_env import ToolEnvironment
 
-        return ToolEnvironment(make_tools(cfg), reward, cfg.tool_format)
+        return ToolEnvironment(make_tools(cfg), reward, cfg.tool_format, call_bonus=cfg.call_bonus)
     if cfg.name == "guess":
         from async_rl.envs.guess import GuessNumberEnvironment
 

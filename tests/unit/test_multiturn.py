@@ -25,7 +25,7 @@ from async_rl.learner.driver import LearnerDriver, shard_samples
 from async_rl.learner.packing import packed
 from async_rl.learner.padded import PaddedShard
 from async_rl.models.tiny import resolve_model_path
-from async_rl.protocol import EpisodeInfo, FrameError, TrajectoryGroup, decode_groups, encode_groups
+from async_rl.protocol import EpisodeInfo, FrameError, Prompt, TrajectoryGroup, decode_groups, encode_groups
 from tests.unit._learner_fixtures import settings
 from tests.unit.test_envs import build_chat_tokenizer, render, scripted
 
@@ -280,6 +280,11 @@ def test_factory_builds_the_named_environments():
     assert isinstance(tools, ToolEnvironment) and sorted(tools.tools) == ["calculator", "python"]
     assert tools.tools["python"].limits.wall_s == 1.5
     assert isinstance(build_environment(EnvConfig(name="guess"), lambda s: 0.0), GuessNumberEnvironment)
+    shaped = build_environment(EnvConfig(name="tools", call_bonus=0.2), lambda s: 0.0)
+    episode = shaped.start(Prompt(prompt_id=0, text="12*7?"))
+    first = asyncio.run(episode.step('<tool name="calculator">12*7</tool>', finished=True))
+    again = asyncio.run(episode.step('<tool name="calculator">1+1</tool>', finished=True))
+    assert (first.reward, again.reward) == (0.2, None)  # env.call_bonus reaches the episode, paid once
     custom = build_environment(EnvConfig(name="tests.unit.test_multiturn:make_guess"), lambda s: 0.0)
     assert isinstance(custom, GuessNumberEnvironment) and custom.turn_penalty == 0.5
     with pytest.raises(ConfigError, match="not an async_rl Environment"):
