@@ -1,10 +1,12 @@
-"""Summarise a configs/smollm2_arith.yaml run: eval pass@1 before/after, the curves, the command.
+"""Summarise a real-model run (configs/smollm2_arith.yaml, configs/smollm2_tools.yaml): eval pass@1
+before/after, the curves, the command.
 
-    python benchmarks/report_arith.py RUN_DIR --command "..." [--load "..."]
+    python benchmarks/report_run.py RUN_DIR --name smollm2_arith --command "..." [--load "..."]
 
 Reads RUN_DIR/metrics.jsonl (one record per training step) and RUN_DIR/eval.jsonl (one record per
-evaluation) and writes benchmarks/results/smollm2_arith.{json,png,md}: eval pass@1 (overall and
-per operation) and train reward against step and wall time.
+evaluation) and writes benchmarks/results/NAME.{json,png}: eval pass@1 (overall and per data source)
+and train reward against step and wall time; for multi-turn runs (env) also tool calls, tool errors
+and tool-call success per episode. Prints the markdown table for NAME.md.
 """
 
 from __future__ import annotations
@@ -20,13 +22,21 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(steps: list[dict], evals: list[dict], out: Path) -> None:
+TOOL_KEYS = ("turns_mean", "tool_calls_per_episode", "tool_errors_per_episode", "tool_success")
+
+
+def is_multi_turn(steps: list[dict]) -> bool:
+    return any(r.get("turns_max", 0) for r in steps)
+
+
+def plot(steps: list[dict], evals: list[dict], title: str, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    tools = is_multi_turn(steps)
+    fig, axes = plt.subplots(1, 3 if tools else 2, figsize=(18 if tools else 12, 4.5))
     sources = sorted({s for e in evals for s in e["per_source"]})
     for ax, key, label in ((axes[0], "step", "optimizer step"), (axes[1], "elapsed_s", "wall time since training started (s)")):
         # train record `step` is the step index (policy version step+1 after it); eval `step` = steps done
@@ -41,7 +51,17 @@ def plot(steps: list[dict], evals: list[dict], out: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy / reward")
     axes[0].legend(fontsize=8, loc="upper left")
-    fig.suptitle("SmolLM2-135M-Instruct, GRPO on arithmetic, 2 CPU cores (configs/smollm2_arith.yaml)")
+    if tools:
+        ax = axes[2]
+        x = [r["step"] + 1 for r in steps]
+        for key in TOOL_KEYS:
+            if any(key in r for r in steps):
+                ax.plot(x, [r.get(key, float("nan")) for r in steps], "o-", lw=1.5, label=key)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("per episode of the trained batch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -49,6 +69,8 @@ def plot(steps: list[dict], evals: list[dict], out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--name", required=True, help="results file stem, e.g. smollm2_arith")
+    ap.add_argument("--title", default="", help="figure title (default: the name)")
     ap.add_argument("--command", required=True, help="the exact command that made the run")
     ap.add_argument("--load", default="", help="load average the run ran under")
     args = ap.parse_args()
@@ -67,13 +89,17 @@ def main() -> None:
             for e in evals
         ],
         "train": [
-            {k: r.get(k) for k in ("step", "elapsed_s", "reward_mean", "completion_len_mean", "truncation_rate", "logprob_mismatch")}
+            {
+                k: r.get(k)
+                for k in ("step", "elapsed_s", "reward_mean", "completion_len_mean", "truncation_rate", "logprob_mismatch")
+                + (TOOL_KEYS + ("env_token_share",) if is_multi_turn(steps) else ())
+            }
             for r in steps
         ],
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "smollm2_arith.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(steps, evals, RESULTS / "smollm2_arith.png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(steps, evals, args.title or args.name, RESULTS / f"{args.name}.png")
     rows = "\n".join(
         f"| {e['step']} | {e['elapsed_s']:.0f} | {e['pass_at_1']:.3f} | "
         + " | ".join(f"{e['per_source'][s]['pass_at_1']:.3f}" for s in sorted(e["per_source"]))
