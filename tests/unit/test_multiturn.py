@@ -25,7 +25,15 @@ from async_rl.learner.driver import LearnerDriver, shard_samples
 from async_rl.learner.packing import packed
 from async_rl.learner.padded import PaddedShard
 from async_rl.models.tiny import resolve_model_path
-from async_rl.protocol import EpisodeInfo, FrameError, Prompt, TrajectoryGroup, decode_groups, encode_groups
+from async_rl.protocol import (
+    ChatMessage,
+    EpisodeInfo,
+    FrameError,
+    Prompt,
+    TrajectoryGroup,
+    decode_groups,
+    encode_groups,
+)
 from tests.unit._learner_fixtures import settings
 from tests.unit.test_envs import build_chat_tokenizer, render, scripted
 
@@ -423,3 +431,58 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
     assert full[: len(started[1][2])] == started[1][2]  # turn 2 generated from the kept tokens
     env_text = tok.decode([t for t, m in zip(group.completions[0], group.loss_mask(0), strict=True) if not m])
     assert "lower" in env_text or "higher" in env_text
+
+
+def test_engine_tool_episodes_score_the_final_answer_in_the_reward_workers(chat_tokenizer, monkeypatch):
+    """Two tool episodes of one prompt: each calls the calculator, sees its result, then answers. The
+    final answer is scored by task.reward in the engine's reward worker processes; a reward that
+    raises marks its own episode (REWARD_ERROR, reward 0) and not its sibling."""
+    from async_rl.config import TaskConfig
+    from async_rl.generator import vllm_compat as vc
+    from async_rl.generator.engine import EngineSettings, GeneratorEngine
+    from async_rl.generator.rewards import RewardRunner
+    from async_rl.generator.sampling import SamplingSpec
+    from async_rl.protocol import REWARD_ERROR, REWARD_OK
+
+    tok = chat_tokenizer
+    eos = tok.eos_token_id
+    messages = [ChatMessage("user", "What is 12 * 7?")]
+    prompt = Prompt(prompt_id=3, messages=messages, token_ids=render(tok, messages, add_generation_prompt=True))
+    task = TaskConfig(reward="tests.unit._tool_reward:reward")
+    spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=4096,
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
+    s = EngineSettings(engine_id=0, run_id=RUN, spec=spec, cores=[], kv_cache_gib=1.0, group_size=2, max_tokens=16,
+                       temperature=1.0, max_inflight_prompts=1, pause_mode="keep", task=task,
+                       reward_timeout_s=10.0, reward_workers=2, ingest_address="", env=EnvConfig(name="tools"))
+    turns = {"s0": ['<tool name="calculator">12*7</tool>', "84"], "s1": ['<tool name="calculator">12*7</tool>', "85"]}
+    seen: list[list[int]] = []
+
+    async def scenario():
+        eng = GeneratorEngine(s, buffer=None)
+        eng.rewards = RewardRunner(task, s.reward_timeout_s, s.reward_workers)
+        eng.sampling = SamplingSpec(n=1, max_tokens=16, temperature=1.0, stop_token_ids=[eos])
+        eng.env = build_environment(s.env, eng._episode_reward)
+        eng._delta = ChatDelta(tok, eos)
+        eng._running.set()
+
+        async def generate(llm, source, params, request_id):
+            episode, turn = request_id.split("-")[-2:]  # r1-s0-t1
+            ids_in = list(source["prompt_token_ids"])
+            seen.append(ids_in)
+            text = turns[episode][int(turn[1:]) - 1]
+            ids = tok.encode(text, add_special_tokens=False) + [eos]
+            return ids_in, [vc.Completion(ids, [-0.5] * len(ids), text, "stop")]
+
+        monkeypatch.setattr(vc, "generate", generate)
+        try:
+            return await eng._run_episodes(prompt, "r1", eng.sampling, 2)
+        finally:
+            eng.rewards.close()
+
+    group = asyncio.run(scenario())
+    assert group.rewards == [1.0, 0.0] and group.reward_status == [REWARD_OK, REWARD_ERROR]
+    assert [(e.turns, e.tool_calls, e.tool_ok, e.tool_errors) for e in group.episodes] == [(2, 1, 1, 0)] * 2
+    for i in range(2):  # the calculator's answer is an environment turn: masked out of the loss
+        env_text = tok.decode([t for t, m in zip(group.completions[i], group.loss_mask(i), strict=True) if not m])
+        assert "calculator: 84" in env_text
+    assert any("calculator: 84" in tok.decode(ids) for ids in seen)  # the second turn was generated after it
