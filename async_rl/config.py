@@ -669,6 +669,11 @@ def validate_eval(cfg: Config) -> None:
         return
     if e.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError(f"eval.max_tokens={e.max_tokens} must be below generators.max_model_len={cfg.generators.max_model_len}")
+    if e.n > 1 and e.temperature == 0:
+        raise ConfigError(
+            f"eval.n={e.n} with eval.temperature=0: greedy samples are all the same (vLLM refuses n > 1 when "
+            "greedy); set eval.n=1 or a temperature above 0"
+        )
 
 
 def validate_sampling(g: GeneratorConfig) -> None:

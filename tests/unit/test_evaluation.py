@@ -106,6 +106,9 @@ def test_eval_config_errors_name_the_key():
         load_config(None, ["eval.enabled=true", "eval.max_tokens=500", "generators.max_model_len=128"])
     with pytest.raises(ConfigError, match="eval.temperature"):
         load_config(None, ["eval.temperature=-1"])
+    with pytest.raises(ConfigError, match=r"eval.n=4 with eval.temperature=0"):  # vLLM refuses n > 1 when greedy
+        load_config(None, ["eval.enabled=true", "eval.n=4", "eval.temperature=0"])
+    assert load_config(None, ["eval.enabled=true", "eval.n=4", "eval.temperature=0.6"]).eval.n == 4
 
 
 def test_eval_records_go_to_their_own_file(tmp_path):

@@ -438,6 +438,7 @@ def test_engine_tool_episodes_score_the_final_answer_in_the_reward_workers(chat_
     final answer is scored by task.reward in the engine's reward worker processes; a reward that
     raises marks its own episode (REWARD_ERROR, reward 0) and not its sibling."""
     from async_rl.config import TaskConfig
+    from async_rl.evaluation.scores import EvalParams
     from async_rl.generator import vllm_compat as vc
     from async_rl.generator.engine import EngineSettings, GeneratorEngine
     from async_rl.generator.rewards import RewardRunner
@@ -475,11 +476,17 @@ def test_engine_tool_episodes_score_the_final_answer_in_the_reward_workers(chat_
 
         monkeypatch.setattr(vc, "generate", generate)
         try:
-            return await eng._run_episodes(prompt, "r1", eng.sampling, 2)
+            group = await eng._run_episodes(prompt, "r1", eng.sampling, 2)
+            # evaluation runs whole episodes too, scored the same way (n=2: the same two scripts)
+            evaluated = await eng.evaluate([prompt], EvalParams(n=2, temperature=0.7, max_tokens=16))
+            return group, evaluated
         finally:
             eng.rewards.close()
 
-    group = asyncio.run(scenario())
+    group, evaluated = asyncio.run(scenario())
+    (result,) = evaluated.results
+    assert result.rewards == [1.0, 0.0] and result.reward_failures == 1 and evaluated.failed_prompts == 0
+    assert result.completion_lens == [len(c) for c in group.completions]
     assert group.rewards == [1.0, 0.0] and group.reward_status == [REWARD_OK, REWARD_ERROR]
     assert [(e.turns, e.tool_calls, e.tool_ok, e.tool_errors) for e in group.episodes] == [(2, 1, 1, 0)] * 2
     for i in range(2):  # the calculator's answer is an environment turn: masked out of the loss
