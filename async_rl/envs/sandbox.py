@@ -2,7 +2,8 @@
 
 One process per call: CPU time (RLIMIT_CPU), address space (RLIMIT_AS), output size (stdout and
 stderr go to files capped by RLIMIT_FSIZE, so a flood kills the process instead of our memory), open
-files, and a wall-clock timeout after which its whole process group is killed. No network: the
+files (set by util-linux `prlimit`, which execs the interpreter; without it, between fork and exec),
+and a wall-clock timeout after which its whole process group (its own session) is killed. No network: the
 process runs in a fresh network namespace (`unshare --net`, with a user namespace when not root)
 where only an unconfigured loopback exists; where namespaces cannot be made, `network` reports
 'socket-stub' and a prelude removes the socket module (weaker: documented, and reported by
@@ -88,14 +89,34 @@ def _unshare_args(unshare: str, root: bool) -> list[str]:
     return [unshare, "--net"] if root else [unshare, "--net", "--map-root-user"]
 
 
-def _limit(limits: SandboxLimits) -> None:  # runs in the child between fork and exec
-    os.setsid()
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+def _rlimits(limits: SandboxLimits) -> dict[int, tuple[int, int]]:
     mem = limits.memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return {
+        resource.RLIMIT_CPU: (limits.cpu_s, limits.cpu_s + 1),
+        resource.RLIMIT_AS: (mem, mem),
+        resource.RLIMIT_FSIZE: (limits.output_bytes, limits.output_bytes),
+        resource.RLIMIT_NOFILE: (64, 64),
+        resource.RLIMIT_CORE: (0, 0),
+    }
+
+
+_PRLIMIT_FLAGS = {
+    resource.RLIMIT_CPU: "--cpu",
+    resource.RLIMIT_AS: "--as",
+    resource.RLIMIT_FSIZE: "--fsize",
+    resource.RLIMIT_NOFILE: "--nofile",
+    resource.RLIMIT_CORE: "--core",
+}
+
+
+def _prlimit_args(prlimit: str, limits: SandboxLimits) -> list[str]:
+    """util-linux `prlimit`: sets the limits, then execs the command."""
+    return [prlimit, *(f"{_PRLIMIT_FLAGS[r]}={soft}:{hard}" for r, (soft, hard) in _rlimits(limits).items()), "--"]
+
+
+def _limit(limits: SandboxLimits) -> None:  # runs in the child between fork and exec (no prlimit only)
+    for r, pair in _rlimits(limits).items():
+        resource.setrlimit(r, pair)
 
 
 def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
@@ -107,6 +128,11 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         with open(script, "w") as f:
             f.write((_SOCKET_STUB if isolation == "socket-stub" else "") + code)
         cmd = [sys.executable, "-I", script]
+        # The limits are set by `prlimit` (exec'd in the child) rather than Python code between fork
+        # and exec: the caller is a threaded engine process, where preexec_fn may deadlock the child.
+        prlimit = shutil.which("prlimit")
+        if prlimit is not None:
+            cmd = [*_prlimit_args(prlimit, limits), *cmd]
         if isolation == "namespace":
             cmd = [*_unshare_args(shutil.which("unshare") or "unshare", os.geteuid() == 0), *cmd]
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
@@ -119,7 +145,8 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
                 stderr=err,
                 cwd=tmp,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                preexec_fn=functools.partial(_limit, limits),  # noqa: PLW1509 - limits must apply before exec
+                start_new_session=True,  # its own process group: killed as a whole at the wall limit
+                preexec_fn=None if prlimit else functools.partial(_limit, limits),  # noqa: PLW1509
             )
             timed_out = False
             try:

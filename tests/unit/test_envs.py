@@ -207,6 +207,26 @@ def test_sandbox_cpu_memory_and_output_limits():
     assert out.outcome == "output_limit" and len(out.stdout) <= 1000
 
 
+@pytest.mark.parametrize("prlimit", [True, False], ids=["prlimit", "preexec_fn"])
+def test_sandboxed_code_runs_under_exactly_the_configured_limits_in_its_own_session(prlimit, monkeypatch):
+    import shutil
+
+    if not prlimit:  # a machine without util-linux prlimit: the limits are set between fork and exec
+        which = shutil.which
+        monkeypatch.setattr(shutil, "which", lambda name: None if name == "prlimit" else which(name))
+    elif shutil.which("prlimit") is None:
+        pytest.skip("no prlimit on this machine")
+    code = (
+        "import os, resource as r\n"
+        "print([r.getrlimit(x) for x in (r.RLIMIT_CPU, r.RLIMIT_AS, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CORE)])\n"
+        "print(os.getsid(0) == os.getpid())\n"
+    )
+    res = run_python(code, SandboxLimits(cpu_s=2, memory_mb=300, output_bytes=5000))
+    mem = 300 * 1024 * 1024
+    assert res.outcome == "ok", res.stderr
+    assert res.stdout.split("\n")[:2] == [str([(2, 3), (mem, mem), (5000, 5000), (64, 64), (0, 0)]), "True"]
+
+
 def test_python_tool_reports_errors_and_limits():
     tool = PythonTool(SandboxLimits(wall_s=1.0))
     assert tool.run({"code": "print(6*7)"}).text == "42\n"
