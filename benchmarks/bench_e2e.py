@@ -94,7 +94,7 @@ REAL_WORKLOAD = {
 PRESETS = {"context": WORKLOAD, "wide": WIDE_WORKLOAD, "real": REAL_WORKLOAD}
 
 
-def overrides_for(setting: str, w: dict, steps: int, cores: int, run_dir: Path) -> list[str]:
+def overrides_for(setting: str, w: dict, steps: int, cores: int, run_dir: Path, seed: int = 0) -> list[str]:
     common = [
         f"model.path={w['model']}",
         *([f"task.name={w['task']}"] if w["task"] else []),
@@ -106,6 +106,7 @@ def overrides_for(setting: str, w: dict, steps: int, cores: int, run_dir: Path) 
         f"train.prompts_per_step={w['prompts_per_step']}",
         f"train.total_steps={steps}",
         "train.sync_every=1",
+        f"generators.seed={seed}",  # sampling: another draw per repetition (TRL's --seed likewise)
         "train.mismatch_probe_samples=0",  # a diagnostic, not part of training: off on every side
         f"logging.run_dir={run_dir.parent}",
         f"logging.run_name={run_dir.name}",
@@ -338,7 +339,8 @@ def ensure_trl_venv(with_vllm: bool) -> Path:
     return py
 
 
-def run_trl(py: Path, w: dict, steps: int, warmup: int, generation: str, out: Path, log: Path) -> dict:
+def run_trl(py: Path, w: dict, steps: int, warmup: int, generation: str, out: Path, log: Path,
+            seed: int = 0) -> dict:
     from async_rl.models.tiny import resolve_model_path
 
     model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
@@ -349,7 +351,7 @@ def run_trl(py: Path, w: dict, steps: int, warmup: int, generation: str, out: Pa
            "--prompts", str(w["prompts_per_step"]), "--group", str(w["group_size"]), "--tokens", str(w["max_tokens"]),
            "--steps", str(steps), "--warmup", str(warmup), "--generation", generation, "--out", str(out),
            "--temperature", str(w["temperature"]), "--lr", str(w["lr"]),
-           "--micro-groups", str(micro)]
+           "--micro-groups", str(micro), "--seed", str(seed)]
     if not w["task"]:  # the real workload: the same data file, system prompt and math reward
         cmd += ["--data", str(real_task.TRAIN_FILE), "--system-prompt", real_task.system_prompt()]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -374,6 +376,34 @@ def child(args: list[str], log: Path, timeout: float) -> None:
     with open(log, "ab") as f:
         subprocess.run([sys.executable, __file__, *args], cwd=REPO, check=True, stdout=f, stderr=subprocess.STDOUT,
                        env=env, timeout=timeout)
+
+
+def summary_rows(runs: dict[str, list[dict]], w: dict) -> list[dict]:
+    """A row per setting with runs: min/median/max over its repetitions."""
+    rows = []
+    for setting, rs in runs.items():
+        if not rs:
+            continue
+        rows.append({
+            "setting": setting,
+            "samples_per_s": summarize([r["samples_per_s"] for r in rs]),
+            "tokens_per_s": summarize([r["tokens_per_s"] for r in rs]),
+            "learner_idle_frac": summarize([r["learner_idle_frac"] for r in rs]),
+            "generator_idle_frac": summarize([r["generator_idle_frac"] for r in rs]),
+            "tokens_per_step_per_sample": w["max_tokens"] if w["ignore_eos"] else None,
+            "learner_wait_frac": summarize([r["learner_wait_frac"] for r in rs]),
+            # the share of the wall time the generator was busy (TRL: in generation + scoring)
+            "gen_share": summarize([1.0 - r["generator_idle_frac"] for r in rs]),
+            "length_p50": statistics.median(r["length_p50"] for r in rs),
+            "length_p90": statistics.median(r["length_p90"] for r in rs),
+            "length_max": max(r["length_max"] for r in rs),
+            "truncation_rate": statistics.median(r["truncation_rate"] for r in rs),
+            "sync_s_per_step": statistics.median(r["sync_s"] / r["steps_measured"] for r in rs),
+            "mean_lag": statistics.median(r["mean_lag"] for r in rs),
+            "accounting_balanced": all(r["accounting_balanced"] for r in rs),
+            "runs": rs,
+        })
+    return rows
 
 
 def summarize(values: list[float]) -> dict:
@@ -495,13 +525,16 @@ def main() -> None:
                 out = Path(tmp) / f"{setting}-{rep}.json"
                 t0 = time.perf_counter()
                 if setting.startswith("trl-"):
-                    r = run_trl(trl_py, w, steps, warmup, args.trl_generation, out, log)
+                    r = run_trl(trl_py, w, steps, warmup, args.trl_generation, out, log, seed=rep)
                 else:
-                    spec = {"config": w["config"], "overrides": overrides_for(setting, w, steps, len(cores), run_dir),
+                    spec = {"config": w["config"], "overrides": overrides_for(setting, w, steps, len(cores), run_dir, rep),
                             "warmup": warmup, "out": str(out)}
                     child(["--run-one", json.dumps(spec)], log, 1800)
                     r = json.loads(out.read_text())
                 runs[setting].append(r)
+                # the runs so far, rewritten after each: a run cut short keeps what it measured
+                (RESULTS / f"{args.out}.partial.json").write_text(json.dumps(
+                    {"note": args.note, "workload": w, "phases_s": phases, "rows": summary_rows(runs, w)}, indent=2))
                 print(f"rep {rep} {setting:<8} {r['samples_per_s']:7.2f} samples/s  learner idle "
                       f"{r['learner_idle_frac']:.0%}  generator idle {r['generator_idle_frac']:.0%}  "
                       f"lengths p50/p90/max {r['length_p50']:.0f}/{r['length_p90']:.0f}/{r['length_max']}  "
@@ -510,28 +543,7 @@ def main() -> None:
                       flush=True)
         print(f"(TRL: {args.trl_generation} generation)" if trl_py else "", flush=True)
 
-    rows = []
-    for setting in settings:
-        rs = runs[setting]
-        rows.append({
-            "setting": setting,
-            "samples_per_s": summarize([r["samples_per_s"] for r in rs]),
-            "tokens_per_s": summarize([r["tokens_per_s"] for r in rs]),
-            "learner_idle_frac": summarize([r["learner_idle_frac"] for r in rs]),
-            "generator_idle_frac": summarize([r["generator_idle_frac"] for r in rs]),
-            "tokens_per_step_per_sample": w["max_tokens"] if w["ignore_eos"] else None,
-            "learner_wait_frac": summarize([r["learner_wait_frac"] for r in rs]),
-            # the share of the wall time the generator was busy (TRL: in generation + scoring)
-            "gen_share": summarize([1.0 - r["generator_idle_frac"] for r in rs]),
-            "length_p50": statistics.median(r["length_p50"] for r in rs),
-            "length_p90": statistics.median(r["length_p90"] for r in rs),
-            "length_max": max(r["length_max"] for r in rs),
-            "truncation_rate": statistics.median(r["truncation_rate"] for r in rs),
-            "sync_s_per_step": statistics.median(r["sync_s"] / r["steps_measured"] for r in rs),
-            "mean_lag": statistics.median(r["mean_lag"] for r in rs),
-            "accounting_balanced": all(r["accounting_balanced"] for r in rs),
-            "runs": rs,
-        })
+    rows = summary_rows(runs, w)
     base = rows[0]["samples_per_s"]["median"]
     trl_row = next((r for r in rows if r["setting"].startswith("trl-")), None)
     if trl_row:

@@ -21,6 +21,6 @@ if [[ ${#QUICK[@]} -eq 0 ]]; then
   echo "== bench_e2e, wide preset"; "$PY" benchmarks/bench_e2e.py --preset wide --steps 8 --warmup 2 --lags 2
   echo "== bench_weight_sync"; "$PY" benchmarks/bench_weight_sync.py
   echo "== bench_e2e, real preset (SmolLM2-135M, arithmetic, natural EOS; + TRL)"
-  "$PY" benchmarks/bench_e2e.py --preset real --reps 3 --steps 8 --warmup 2 --lags 1,2
+  "$PY" benchmarks/bench_e2e.py --preset real --prompts 4 --group 4 --reps 3 --steps 6 --warmup 2 --lags 1,2
   echo "== bench_limits";    "$PY" benchmarks/bench_limits.py
 fi

@@ -75,6 +75,7 @@ def main() -> None:
                          "(0: the whole batch at once)")
     ap.add_argument("--context", default="", help="fixed text before every prompt (bench_e2e's e2e_task.CONTEXT)")
     ap.add_argument("--generation", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--seed", type=int, default=0, help="TrainingArguments.seed: sampling and initialization")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -140,7 +141,7 @@ def main() -> None:
         dataloader_num_workers=0,
         shuffle_dataset=False,
         log_completions=False,
-        seed=0,
+        seed=args.seed,
         use_vllm=args.generation == "vllm",
         vllm_mode="colocate",
         vllm_max_model_length=args.tokens + len(args.context) + (128 if args.data else 16),
