@@ -410,7 +410,8 @@ def summarize(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def plot(rows: list[dict], phases: dict, path: Path) -> None:
+def plot(rows: list[dict], phases: dict, path: Path, metric: str = "samples_per_s") -> None:
+    """Throughput (`metric`: samples_per_s, or tokens_per_s where lengths vary) and idle time per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -418,12 +419,12 @@ def plot(rows: list[dict], phases: dict, path: Path) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     names = [r["setting"] for r in rows]
-    med = [r["samples_per_s"]["median"] for r in rows]
-    lo = [m - r["samples_per_s"]["min"] for m, r in zip(med, rows, strict=True)]
-    hi = [r["samples_per_s"]["max"] - m for m, r in zip(med, rows, strict=True)]
+    med = [r[metric]["median"] for r in rows]
+    lo = [m - r[metric]["min"] for m, r in zip(med, rows, strict=True)]
+    hi = [r[metric]["max"] - m for m, r in zip(med, rows, strict=True)]
     colors = ["#888" if n == "sync" else "#c73" if n.startswith("trl-") else "#3a7" for n in names]
     a1.bar(names, med, yerr=[lo, hi], capsize=4, color=colors)
-    a1.set_ylabel("samples/s (median, min-max)")
+    a1.set_ylabel(f"{'samples/s' if metric == 'samples_per_s' else 'completion tokens/s'} (median, min-max)")
     a1.set_title("end-to-end throughput")
     x = range(len(rows))
     a2.bar([i - 0.2 for i in x], [r["learner_idle_frac"]["median"] * 100 for r in rows], 0.4, label="learner idle")
@@ -572,10 +573,20 @@ def main() -> None:
         asyncs = [r["samples_per_s"]["median"] for r in rows if r["setting"].startswith("async-")]
         if asyncs:
             print(f"best async / sync: {max(asyncs) / base:.2f}x = {max(asyncs) / base / ceiling:.0%} of the ceiling")
+    if not w["ignore_eos"]:  # lengths differ between settings: the same comparisons per completion token
+        tok = {r["setting"]: r["tokens_per_s"]["median"] for r in rows}
+        best_tok = max((v for k, v in tok.items() if k.startswith("async-")), default=None)
+        if best_tok is not None:
+            print(f"in tokens/s: best async / sync {best_tok / tok['sync']:.2f}x"
+                  + (f" = {best_tok / tok['sync'] / ceiling:.0%} of the ceiling" if ceiling else ""))
+        if trl_row:
+            print(f"in tokens/s: ours sync / TRL {tok['sync'] / trl_row['tokens_per_s']['median']:.2f}x")
     data = {"note": args.note, "load_avg_end": os.getloadavg(), "workload": w, "cores": len(cores), "repeats": repeats, "steps": steps, "warmup": warmup,
             "machine": machine(), "phases_s": phases, "async_ceiling": ceiling, "rows": rows}
     (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=2))
-    plot(rows, {k: {c: round(v, 2) for c, v in d.items()} for k, d in phases.items()}, RESULTS / f"{args.out}.png")
+    # natural EOS: lengths differ between settings and repetitions, so tokens/s measures the work
+    plot(rows, {k: {c: round(v, 2) for c, v in d.items()} for k, d in phases.items()}, RESULTS / f"{args.out}.png",
+         "samples_per_s" if w["ignore_eos"] else "tokens_per_s")
     print(f"wrote {RESULTS / (args.out + '.json')} and .png")
 
 
