@@ -416,9 +416,11 @@ def main() -> None:
     ap.add_argument("--max-mb-s", type=float, default=40.0, help="cap on the wire bytes/s the buffer ingests")
     ap.add_argument("--max-compression", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="repetitions of every point (seeds seed..seed+reps-1); tables give min/median/max")
     args = ap.parse_args()
     if args.quick:
-        args.gpus, args.splits, args.steps, args.warmup = [8, 16], 1, 2, 1
+        args.gpus, args.splits, args.steps, args.warmup, args.reps = [8, 16], 1, 2, 1, 1
     import ray
 
     lengths = Lengths()
@@ -440,8 +442,11 @@ def main() -> None:
         for n in args.gpus:
             ppstep = args.prompts_per_gpu * n
             split: int | None = None
-            # the split is searched at max_lag 2 (listed first among the async lags), then kept
-            for lag in sorted(args.lags, key=lambda k: (k != 0, k != 2, k)):
+            # the split is searched at max_lag 2 (listed first among the async lags) in the first
+            # repetition, then kept for the other lags and repetitions
+            for rep_i, lag in ((r, k) for r in range(args.reps)
+                               for k in sorted(args.lags, key=lambda k: (k != 0, k != 2, k))):
+                seed = args.seed + rep_i  # another draw of lengths and timings per repetition
                 if lag == 0:
                     candidates = [n]
                 elif split is None:
@@ -455,9 +460,10 @@ def main() -> None:
                     batch = args.prompts_per_gpu * GROUP if lag == 0 else MAX_NUM_SEQS // 2
                     c = compression_for(g, batch, lengths, args.max_mb_s, args.max_compression)
                     s = Setting(n, lag, g, train, ppstep, args.steps, args.warmup, c)
-                    r = run_setting(s, lengths, args.seed)
+                    r = run_setting(s, lengths, seed)
+                    r.extra["rep"] = rep_i
                     tried.append(r)
-                    print(f"gpus {n:4d} lag {lag} split {g:3d}:{train:3d} C {c:5.1f}: {r.samples_per_s:7.2f} "
+                    print(f"rep {rep_i} gpus {n:4d} lag {lag} split {g:3d}:{train:3d} C {c:5.1f}: {r.samples_per_s:7.2f} "
                           f"samples/s, step {r.step_s:6.1f}s, idle gen {r.gen_idle:.0%} train {r.train_idle:.0%} "
                           f"all {r.gpu_idle:.0%}, lag {r.mean_lag:.2f}/{r.max_lag_seen}, buffer CPU "
                           f"{r.buffer_cpu:.0%}, driver CPU {r.extra['driver_cpu']:.0%}, ingest "
@@ -470,15 +476,34 @@ def main() -> None:
                 write_results(results, lengths, p50, p99, g_rate, t_rate, args, t_all)
     finally:
         ray.shutdown()
-    rows = write_results(results, lengths, p50, p99, g_rate, t_rate, args, t_all)
+    write_results(results, lengths, p50, p99, g_rate, t_rate, args, t_all)
     name = "sim-quick" if args.quick else "sim"
-    print(f"{'gpus':>5} {'lag':>3} {'split':>8} {'samples/s':>10} {'speedup':>8} {'idle gen':>9} "
-          f"{'idle train':>10} {'buffer CPU':>10}")
-    for row, r in zip(rows, results, strict=True):
-        sp = row["speedup_vs_sync"]
-        print(f"{r.setting.gpus:5d} {r.setting.max_lag:3d} {r.setting.gen_gpus:4d}:{r.setting.train_gpus:<3d} "
-              f"{r.samples_per_s:10.2f} {sp:8.2f} {r.gen_idle:9.0%} {r.train_idle:10.0%} {r.buffer_cpu:10.0%}")
+    print(f"{'gpus':>5} {'lag':>3} {'split':>8} {'samples/s min/med/max':>24} {'speedup min/med/max':>20}")
+    for p in summarize_points(results):
+        s, sp = p["samples_per_s"], p["speedup_vs_sync"]
+        print(f"{p['gpus']:5d} {p['max_lag']:3d} {p['split']:>8} {s['min']:7.1f}/{s['median']:7.1f}/{s['max']:7.1f} "
+              f"{sp['min']:6.2f}/{sp['median']:5.2f}/{sp['max']:5.2f}")
     plot(results, RESULTS / f"{name}.png")
+
+
+def summarize_points(results: list[Result]) -> list[dict]:
+    """Per (GPUs, max_lag): samples/s and the speedup over sync of the same repetition, min/median/max
+    over the repetitions that have both."""
+    sync = {(r.setting.gpus, r.extra["rep"]): r.samples_per_s for r in results if r.setting.max_lag == 0}
+    points: dict[tuple[int, int], list[Result]] = {}
+    for r in results:
+        points.setdefault((r.setting.gpus, r.setting.max_lag), []).append(r)
+    out = []
+    for (gpus, lag), rs in points.items():
+        speedups = [r.samples_per_s / sync[gpus, r.extra["rep"]] for r in rs if (gpus, r.extra["rep"]) in sync]
+        out.append({"gpus": gpus, "max_lag": lag, "split": f"{rs[0].setting.gen_gpus}:{rs[0].setting.train_gpus}",
+                    "reps": len(rs), "samples_per_s": spread([r.samples_per_s for r in rs]),
+                    "speedup_vs_sync": spread(speedups) if speedups else None})
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": float(np.median(values)), "max": max(values)}
 
 
 def write_results(results: list[Result], lengths: Lengths, p50: float, p99: float, g_rate: float, t_rate: float,
@@ -486,11 +511,12 @@ def write_results(results: list[Result], lengths: Lengths, p50: float, p99: floa
     """results/sim.json (sim-quick.json with --quick), rewritten after every setting."""
     import psutil
 
-    sync = {r.setting.gpus: r.samples_per_s for r in results if r.setting.max_lag == 0}
+    sync = {(r.setting.gpus, r.extra["rep"]): r.samples_per_s for r in results if r.setting.max_lag == 0}
     rows = []
     for r in results:
         row = asdict(r)
-        row["speedup_vs_sync"] = r.samples_per_s / sync[r.setting.gpus] if r.setting.gpus in sync else None
+        key = (r.setting.gpus, r.extra["rep"])
+        row["speedup_vs_sync"] = r.samples_per_s / sync[key] if key in sync else None
         rows.append(row)
     out = {
         "machine": {"cpus": len(os.sched_getaffinity(0)), "mem_gb": psutil.virtual_memory().total / 1e9,
@@ -499,7 +525,8 @@ def write_results(results: list[Result], lengths: Lengths, p50: float, p99: floa
                         "length_p50": float(p50), "length_p99": float(p99), "gen_tokens_s_per_gpu": g_rate,
                         "train_tokens_s_per_gpu": t_rate, "sync_s": sync_s(), "max_num_seqs": MAX_NUM_SEQS,
                         "group": GROUP, "prompt_tokens": PROMPT_TOKENS, "prompts_per_gpu": args.prompts_per_gpu},
-        "args": vars(args), "wall_s": time.monotonic() - t_all, "results": rows,
+        "args": vars(args), "wall_s": time.monotonic() - t_all, "points": summarize_points(results),
+        "results": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / ("sim-quick.json" if args.quick else "sim.json")).write_text(json.dumps(out, indent=1))
@@ -513,12 +540,16 @@ def plot(results: list[Result], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    sync = {r.setting.gpus: r.samples_per_s for r in results if r.setting.max_lag == 0}
-    for lag in sorted({r.setting.max_lag for r in results}):
-        rs = sorted((r for r in results if r.setting.max_lag == lag), key=lambda r: r.setting.gpus)
+    points = summarize_points(results)
+    for lag in sorted({p["max_lag"] for p in points}):
+        ps = sorted((p for p in points if p["max_lag"] == lag and p["speedup_vs_sync"]), key=lambda p: p["gpus"])
         label = "sync (colocated)" if lag == 0 else f"max_lag {lag}"
-        a.plot([r.setting.gpus for r in rs], [r.samples_per_s for r in rs], "o-", label=label)
-        b.plot([r.setting.gpus for r in rs], [r.samples_per_s / sync[r.setting.gpus] for r in rs], "o-", label=label)
+        gpus = [p["gpus"] for p in ps]
+        for ax, key in ((a, "samples_per_s"), (b, "speedup_vs_sync")):
+            med = [p[key]["median"] for p in ps]
+            err = [[m - p[key]["min"] for m, p in zip(med, ps, strict=True)],
+                   [p[key]["max"] - m for m, p in zip(med, ps, strict=True)]]
+            ax.errorbar(gpus, med, yerr=err, fmt="o-", capsize=3, label=label)
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("simulated H100 GPUs")
