@@ -356,74 +356,55 @@ class GeneratorEngine:
         caller. Nothing is pushed to the buffer and the training counters do not move."""
         await self._running.wait()
         version = self.version
-        # The training sampler's stop tokens and strings, with the eval's n, temperature and length.
-        eval_params = vc.params_for(
-            msgspec.structs.replace(
-                self.sampling, n=params.n, temperature=params.temperature, max_tokens=params.max_tokens
-            )
-        )
         self._evals += 1
-        if self.env is not None:
-            return await self._evaluate_episodes(prompts, params, version)
+        evaluate_prompt = self._evaluate_episodes if self.env is not None else self._evaluate_completions
         outcomes = await asyncio.gather(
-            *(
-                self._generate_scored(p, eval_params, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}")
-                for p in prompts
-            ),
+            *(evaluate_prompt(p, params, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}") for p in prompts),
             return_exceptions=True,
         )
         results, failed = [], 0
-        for p, out in zip(prompts, outcomes, strict=True):
-            if isinstance(out, BaseException):
+        for out in outcomes:
+            if isinstance(out, BaseException):  # counted and reported; the other prompts' scores stand
                 failed += 1
                 self._last_error = f"eval: {type(out).__name__}: {out}"
                 continue
-            _, completions, scored = out
-            results.append(
-                EvalResult(
-                    prompt_id=p.prompt_id,
-                    data_source=p.data_source,
-                    rewards=[r for r, _ in scored],
-                    completion_lens=[len(c.token_ids) for c in completions],
-                    finish_reasons=[FINISH_REASONS.get(c.finish_reason, 0) for c in completions],
-                    reward_failures=sum(1 for _, st in scored if st != REWARD_OK),
-                )
-            )
+            results.append(out)
         return EvalBatch(
             engine_id=self.s.engine_id, version=version, version_last=self.version, results=results, failed_prompts=failed
         )
 
-    async def _evaluate_episodes(self, prompts: list[Prompt], params: EvalParams, version: int) -> EvalBatch:
-        """Evaluation with an environment: `params.n` whole episodes per prompt (the episode's reward;
-        its length counts every completion token, the environment's too)."""
+    async def _evaluate_completions(self, prompt: Prompt, params: EvalParams, request_id: str) -> EvalResult:
+        """`params.n` completions of `prompt`, scored; the training sampler's stop tokens and strings
+        with the eval's n, temperature and length."""
+        sampling = vc.params_for(
+            msgspec.structs.replace(
+                self.sampling, n=params.n, temperature=params.temperature, max_tokens=params.max_tokens
+            )
+        )
+        _, completions, scored = await self._generate_scored(prompt, sampling, request_id)
+        return EvalResult(
+            prompt_id=prompt.prompt_id,
+            data_source=prompt.data_source,
+            rewards=[r for r, _ in scored],
+            completion_lens=[len(c.token_ids) for c in completions],
+            finish_reasons=[FINISH_REASONS.get(c.finish_reason, 0) for c in completions],
+            reward_failures=sum(1 for _, st in scored if st != REWARD_OK),
+        )
+
+    async def _evaluate_episodes(self, prompt: Prompt, params: EvalParams, request_id: str) -> EvalResult:
+        """`params.n` whole episodes of `prompt` in the environment: the episode's reward; its length
+        counts every completion token, the environment's too."""
         sampling = msgspec.structs.replace(
             self.sampling, n=1, temperature=params.temperature, max_tokens=params.max_tokens
         )
-        outcomes = await asyncio.gather(
-            *(
-                self._run_episodes(p, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}", sampling, params.n)
-                for p in prompts
-            ),
-            return_exceptions=True,
-        )
-        results, failed = [], 0
-        for p, out in zip(prompts, outcomes, strict=True):
-            if isinstance(out, BaseException):
-                failed += 1
-                self._last_error = f"eval: {type(out).__name__}: {out}"
-                continue
-            results.append(
-                EvalResult(
-                    prompt_id=p.prompt_id,
-                    data_source=p.data_source,
-                    rewards=list(out.rewards),
-                    completion_lens=[len(c) for c in out.completions],
-                    finish_reasons=list(out.finish_reasons or []),
-                    reward_failures=sum(1 for st in out.reward_status if st != REWARD_OK),
-                )
-            )
-        return EvalBatch(
-            engine_id=self.s.engine_id, version=version, version_last=self.version, results=results, failed_prompts=failed
+        group = await self._run_episodes(prompt, request_id, sampling, params.n)
+        return EvalResult(
+            prompt_id=prompt.prompt_id,
+            data_source=prompt.data_source,
+            rewards=list(group.rewards),
+            completion_lens=[len(c) for c in group.completions],
+            finish_reasons=list(group.finish_reasons or []),
+            reward_failures=sum(1 for st in group.reward_status if st != REWARD_OK),
         )
 
     # ---- membership (called by the controller) ---------------------------------------------------

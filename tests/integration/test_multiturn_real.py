@@ -7,41 +7,24 @@ The second step's prompts hold their first environment turn until the first sync
 
 from __future__ import annotations
 
-import io
-import json
-import os
-from pathlib import Path
-
 import pytest
-import ray
 
-from async_rl.cluster.placement import plan_placement
-from async_rl.config import WandbConfig, load_config
-from async_rl.controller import Controller
 from async_rl.learner.base import Probe
-from async_rl.metrics import MetricsSink
-from async_rl.models.tiny import resolve_model_path
 from tests.integration._gated_guess import MARKER_ENV
+from tests.integration._real_run import read_jsonl, real_config, real_controller, smollm2_dir
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 PROMPTS, GROUP = 2, 4
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    cache = os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")
-    model_dir = str(resolve_model_path("smollm2-135m", cache))
     run_dir = tmp_path_factory.mktemp("multiturn_run")
     marker = run_dir / "first_sync_done"  # written after step 0's sync: the gated episodes go on then
-    cfg = load_config(
-        None,
+    cfg = real_config(
         [
-            "model.path=smollm2-135m",
-            f"model.cache_dir={cache}",
-            "logging.wandb.mode=disabled",
             "task.name=async_rl.envs.guess:GuessNumberTask",
             "env.name=tests.integration._gated_guess:make_env",
             "env.max_turns=5",
@@ -49,35 +32,25 @@ def run(tmp_path_factory):
             "train.max_lag=2",  # the gated groups (held until the first sync) are not dropped as stale
             f"train.prompts_per_step={PROMPTS}",
             f"train.mismatch_probe_samples={PROMPTS * GROUP}",
-            "train.checkpoint_at_end=false",
             f"generators.group_size={GROUP}",
             "generators.max_tokens=40",
             "generators.max_model_len=320",
             "generators.max_inflight_prompts=4",
             "generators.pause_mode=abort",
             "learner.lr=1e-5",
-        ],
+        ]
     )
-    plan = plan_placement(cfg)
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), MARKER_ENV: str(marker)}})
-    controller = Controller(cfg, Path(model_dir), run_dir, plan)
-    sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, STEPS, stream=io.StringIO())
     probes: list[Probe] = []
+    with real_controller(cfg, run_dir, {MARKER_ENV: str(marker)}) as (controller, sink):
 
-    def after_step(step: int) -> None:
-        marker.touch()
-        print(f"after step {step}: engine versions {[e.version for e in controller.generators.stats()]}")
-        probes.append(controller.learner.call(lambda a: a.probe_logprobs.remote(PROMPTS * GROUP))[0])
+        def after_step(step: int) -> None:
+            marker.touch()
+            print(f"after step {step}: engine versions {[e.version for e in controller.generators.stats()]}")
+            probes.append(controller.learner.call(lambda a: a.probe_logprobs.remote(PROMPTS * GROUP))[0])
 
-    try:
         controller.run(sink, after_step)
         final = controller.shutdown()
-    finally:
-        controller.shutdown()
-        sink.close()
-        ray.shutdown()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(run_dir / "metrics.jsonl")
     for r in records:  # shown with -s: the numbers behind the assertions
         print(
             f"step {r['step']}: mismatch {r['logprob_mismatch']:.2e} turns {r['turns_mean']:.2f} max {r['turns_max']} "
@@ -89,7 +62,7 @@ def run(tmp_path_factory):
     print(gate_log.read_text() if gate_log.exists() else "no gated episode reached its first environment turn")
     from transformers import AutoTokenizer
 
-    return records, probes, final, AutoTokenizer.from_pretrained(model_dir)
+    return records, probes, final, AutoTokenizer.from_pretrained(smollm2_dir())
 
 
 def test_vllm_and_learner_agree_on_the_model_tokens(run):

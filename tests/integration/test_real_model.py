@@ -6,26 +6,19 @@ Converts the preset into the shared model cache on first use (ASYNC_RL_MODEL_CAC
 
 from __future__ import annotations
 
-import io
 import json
 import os
-from pathlib import Path
 
 import msgspec
 import pytest
 import ray
 
-from async_rl.cluster.placement import plan_placement
-from async_rl.config import WandbConfig, load_config
-from async_rl.controller import Controller
 from async_rl.learner.base import Probe
-from async_rl.metrics import MetricsSink
-from async_rl.models.tiny import resolve_model_path
 from tests.integration._chat_task import MAX_TOKENS_ENV, MODEL_ENV, STOP, ChatCheckTask
+from tests.integration._real_run import read_jsonl, real_config, real_controller, smollm2_dir
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 PROMPTS, GROUP = 2, 4
 MAX_TOKENS = 40
@@ -49,23 +42,17 @@ class RealRun(msgspec.Struct):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> RealRun:
-    cache = os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")
-    model_dir = str(resolve_model_path("smollm2-135m", cache))
-    env = {"PYTHONPATH": str(REPO), MODEL_ENV: model_dir, MAX_TOKENS_ENV: str(MAX_TOKENS)}
-    os.environ.update(env)
+    model_dir = smollm2_dir()
+    env = {MODEL_ENV: model_dir, MAX_TOKENS_ENV: str(MAX_TOKENS)}
+    os.environ.update(env)  # the test process renders prompts with the same task
     run_dir = tmp_path_factory.mktemp("real_run")
-    cfg = load_config(
-        None,
+    cfg = real_config(
         [
-            "model.path=smollm2-135m",
-            f"model.cache_dir={cache}",
-            "logging.wandb.mode=disabled",
             "task.name=tests.integration._chat_task:make_task",
             f"train.total_steps={STEPS}",
             "train.max_lag=1",
             f"train.prompts_per_step={PROMPTS}",
             f"train.mismatch_probe_samples={PROMPTS * GROUP}",
-            "train.checkpoint_at_end=false",
             f"generators.group_size={GROUP}",
             f"generators.max_tokens={MAX_TOKENS}",
             "generators.max_model_len=128",
@@ -75,32 +62,23 @@ def run(tmp_path_factory) -> RealRun:
             "eval.enabled=true",
             "eval.every=2",
             f"eval.max_prompts={EVAL_PROMPTS}",
-        ],
+        ]
     )
-    plan = plan_placement(cfg)
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
-             runtime_env={"env_vars": env})
-    controller = Controller(cfg, Path(model_dir), run_dir, plan)
-    sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, STEPS, stream=io.StringIO())
     probes: list[Probe] = []
     sampling: dict = {}
+    with real_controller(cfg, run_dir, env) as (controller, sink):
 
-    def after_step(step: int) -> None:
-        probes.append(controller.learner.call(lambda a: a.probe_logprobs.remote(PROMPTS * GROUP))[0])
-        if not sampling:
-            spec = ray.get(controller.generators.actors[0].sampling_spec.remote())
-            sampling.update(msgspec.to_builtins(spec))
+        def after_step(step: int) -> None:
+            probes.append(controller.learner.call(lambda a: a.probe_logprobs.remote(PROMPTS * GROUP))[0])
+            if not sampling:
+                spec = ray.get(controller.generators.actors[0].sampling_spec.remote())
+                sampling.update(msgspec.to_builtins(spec))
 
-    try:
         controller.run(sink, after_step)
         learner_ck, engine_cks = controller.checksums()
         pushed = sum(e.samples_pushed for e in controller.generators.stats())
         final = controller.shutdown()
-    finally:
-        controller.shutdown()
-        sink.close()
-        ray.shutdown()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(run_dir / "metrics.jsonl")
     for r in records:  # shown with -s: the numbers behind the assertions
         print(
             f"step {r['step']}: mismatch {r['logprob_mismatch']:.2e} len mean {r['completion_len_mean']:.1f} "
@@ -117,7 +95,7 @@ def run(tmp_path_factory) -> RealRun:
         learner_ok=[ck.close_to(learner_ck) for cks in engine_cks.values() for ck in cks],
         reward_errors=final.reward_errors,
         rendered=[next(prompts).token_ids for _ in range(64)],
-        evals=[json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()],
+        evals=read_jsonl(run_dir / "eval.jsonl"),
         pushed=pushed,
         leased=final.accounts.leased,
         rejected=dict(final.rejected_frames),

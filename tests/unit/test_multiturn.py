@@ -370,15 +370,41 @@ def test_episode_metrics_of_a_step():
 # ---------------------------------------------------------------- the engine's episode loop
 
 
+def episode_engine(tok, env: str, group_size: int, max_tokens: int, task=None, reward_timeout_s: float = 1.0,
+                   reward_workers: int = 1, reward=None):
+    """A GeneratorEngine for `env` that runs episodes without a vLLM engine (the test patches
+    vc.generate): the chat delta of `tok`, sampling to `max_tokens` and the engine running. The
+    environment's reward is `reward`, or else the engine's reward workers (which the test closes)."""
+    from async_rl.config import TaskConfig
+    from async_rl.generator import vllm_compat as vc
+    from async_rl.generator.engine import EngineSettings, GeneratorEngine
+    from async_rl.generator.rewards import RewardRunner
+    from async_rl.generator.sampling import SamplingSpec
+
+    task = task or TaskConfig()
+    spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=4096,
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
+    s = EngineSettings(engine_id=0, run_id=RUN, spec=spec, cores=[], kv_cache_gib=1.0, group_size=group_size,
+                       max_tokens=max_tokens, temperature=1.0, max_inflight_prompts=1, pause_mode="keep", task=task,
+                       reward_timeout_s=reward_timeout_s, reward_workers=reward_workers, ingest_address="",
+                       env=EnvConfig(name=env))
+    # What GeneratorEngine.start sets up from the model folder and vLLM, here without them.
+    eng = GeneratorEngine(s, buffer=None)
+    if reward is None:
+        eng.rewards = RewardRunner(task, reward_timeout_s, reward_workers)
+    eng.sampling = SamplingSpec(n=1, max_tokens=max_tokens, temperature=1.0, stop_token_ids=[tok.eos_token_id])
+    eng.env = build_environment(s.env, reward or eng._episode_reward)
+    eng._delta = ChatDelta(tok, tok.eos_token_id)
+    eng._running.set()
+    return eng
+
+
 def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypatch):
     """A weight update after the first turn: the second turn does not start while the engine is
     paused, and starts on the new version once it resumes. The group records the first turn's
     version as version_first and the later one as version_last; the mask marks the game's answers."""
-    from async_rl.config import TaskConfig
     from async_rl.generator import engine as engine_mod
     from async_rl.generator import vllm_compat as vc
-    from async_rl.generator.engine import EngineSettings, GeneratorEngine
-    from async_rl.generator.sampling import SamplingSpec
 
     tok = chat_tokenizer
     eos = tok.eos_token_id
@@ -388,19 +414,10 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
     prompt = game_prompt(5, 1, 100, seed=0)
     prompt = msgspec.structs.replace(prompt, token_ids=render(tok, prompt.messages, add_generation_prompt=True))
     secret = int(prompt.answer)
-    spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=4096,
-                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
-    s = EngineSettings(engine_id=0, run_id=RUN, spec=spec, cores=[], kv_cache_gib=1.0, group_size=1, max_tokens=8,
-                       temperature=1.0, max_inflight_prompts=1, pause_mode="keep", task=TaskConfig(),
-                       reward_timeout_s=1.0, reward_workers=1, ingest_address="", env=EnvConfig(name="guess"))
     started: list[tuple[str, int, list[int]]] = []
 
     async def scenario():
-        eng = GeneratorEngine(s, buffer=None)
-        eng.sampling = SamplingSpec(n=1, max_tokens=8, temperature=1.0, stop_token_ids=[eos])
-        eng.env = build_environment(s.env, lambda sample: 0.0)
-        eng._delta = ChatDelta(tok, eos)
-        eng._running.set()
+        eng = episode_engine(tok, "guess", group_size=1, max_tokens=8, reward=lambda sample: 0.0)
 
         async def generate(llm, source, params, request_id):
             started.append((request_id, eng.version, list(source["prompt_token_ids"])))
@@ -440,9 +457,6 @@ def test_engine_tool_episodes_score_the_final_answer_in_the_reward_workers(chat_
     from async_rl.config import TaskConfig
     from async_rl.evaluation.scores import EvalParams
     from async_rl.generator import vllm_compat as vc
-    from async_rl.generator.engine import EngineSettings, GeneratorEngine
-    from async_rl.generator.rewards import RewardRunner
-    from async_rl.generator.sampling import SamplingSpec
     from async_rl.protocol import REWARD_ERROR, REWARD_OK
 
     tok = chat_tokenizer
@@ -450,21 +464,12 @@ def test_engine_tool_episodes_score_the_final_answer_in_the_reward_workers(chat_
     messages = [ChatMessage("user", "What is 12 * 7?")]
     prompt = Prompt(prompt_id=3, messages=messages, token_ids=render(tok, messages, add_generation_prompt=True))
     task = TaskConfig(reward="tests.unit._tool_reward:reward")
-    spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=4096,
-                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
-    s = EngineSettings(engine_id=0, run_id=RUN, spec=spec, cores=[], kv_cache_gib=1.0, group_size=2, max_tokens=16,
-                       temperature=1.0, max_inflight_prompts=1, pause_mode="keep", task=task,
-                       reward_timeout_s=10.0, reward_workers=2, ingest_address="", env=EnvConfig(name="tools"))
     turns = {"s0": ['<tool name="calculator">12*7</tool>', "84"], "s1": ['<tool name="calculator">12*7</tool>', "85"]}
     seen: list[list[int]] = []
 
     async def scenario():
-        eng = GeneratorEngine(s, buffer=None)
-        eng.rewards = RewardRunner(task, s.reward_timeout_s, s.reward_workers)
-        eng.sampling = SamplingSpec(n=1, max_tokens=16, temperature=1.0, stop_token_ids=[eos])
-        eng.env = build_environment(s.env, eng._episode_reward)
-        eng._delta = ChatDelta(tok, eos)
-        eng._running.set()
+        eng = episode_engine(tok, "tools", group_size=2, max_tokens=16, task=task, reward_timeout_s=10.0,
+                             reward_workers=2)
 
         async def generate(llm, source, params, request_id):
             episode, turn = request_id.split("-")[-2:]  # r1-s0-t1

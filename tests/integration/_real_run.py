@@ -1,0 +1,67 @@
+"""The real preset (smollm2-135m) under one controller for a test module: the model folder, the
+config every real-model test shares, a local Ray whose workers see this checkout, and teardown in
+the right order whatever the test's run raises."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+
+from async_rl.cluster.placement import plan_placement
+from async_rl.config import Config, WandbConfig, load_config
+from async_rl.controller import Controller
+from async_rl.metrics import MetricsSink
+from async_rl.models.tiny import resolve_model_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def model_cache() -> str:
+    """The shared model cache: the preset is converted once per machine, not once per test run."""
+    return os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")
+
+
+def smollm2_dir() -> str:
+    return str(resolve_model_path("smollm2-135m", model_cache()))
+
+
+def real_config(overrides: list[str]) -> Config:
+    """The real preset with no wandb and no final checkpoint; `overrides` after (they win)."""
+    return load_config(
+        None,
+        [
+            "model.path=smollm2-135m",
+            f"model.cache_dir={model_cache()}",
+            "logging.wandb.mode=disabled",
+            "train.checkpoint_at_end=false",
+            *overrides,
+        ],
+    )
+
+
+@contextmanager
+def real_controller(cfg: Config, run_dir: Path, env_vars: dict[str, str]) -> Iterator[tuple[Controller, MetricsSink]]:
+    """A controller and a metrics sink on a fresh local Ray (4 CPUs) whose workers get `env_vars` and
+    import this checkout; the controller, the sink and Ray are stopped on the way out."""
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **env_vars}})
+    controller = None
+    sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
+    try:
+        controller = Controller(cfg, Path(smollm2_dir()), run_dir, plan_placement(cfg))
+        yield controller, sink
+    finally:
+        if controller is not None:
+            controller.shutdown()
+        sink.close()
+        ray.shutdown()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
