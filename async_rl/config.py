@@ -231,7 +231,7 @@ class MegatronConfig(_Section):
     device: Annotated[
         Literal["cuda", "cpu"],
         _f("megatron: where the ranks train; cpu = gloo, float32, no GPU requested (tests and debugging, "
-           "see learner/megatron_cpu.py)"),
+           "see learner/megatron/cpu.py)"),
     ] = "cuda"
 
 

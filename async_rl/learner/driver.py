@@ -56,7 +56,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
 
         return TorchBackend(spec.learner, spec.model.dtype, rank, world_size, master)
     if spec.learner.backend == "megatron":
-        from async_rl.learner.megatron_backend import MegatronBackend
+        from async_rl.learner.megatron.backend import MegatronBackend
 
         m = spec.learner.megatron
         return MegatronBackend(

@@ -11,10 +11,10 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[gpu]')")
 
 from async_rl.cluster.resources import free_port  # noqa: E402
-from async_rl.learner import megatron_convert as mcv  # noqa: E402
-from async_rl.learner import megatron_model as mm  # noqa: E402
 from async_rl.learner.algorithms import token_logprobs  # noqa: E402
-from async_rl.learner.megatron_learner import MegatronPolicy  # noqa: E402
+from async_rl.learner.megatron import convert as mcv  # noqa: E402
+from async_rl.learner.megatron import model as mm  # noqa: E402
+from async_rl.learner.megatron.learner import MegatronPolicy  # noqa: E402
 from tests.unit._megatron_models import fixed_batch, on_policy_loss, tiny_llama, tiny_qwen2  # noqa: E402
 
 MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama}

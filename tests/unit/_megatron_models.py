@@ -39,7 +39,7 @@ def fixed_batch(vocab: int, seed: int = 5):
     """Two prompt groups of four completions with varied rewards (so GRPO advantages are non-zero)."""
     import numpy as np
 
-    from async_rl.learner.megatron_batch import Collated
+    from async_rl.learner.megatron.batch import Collated
     from async_rl.protocol import REWARD_OK, TrajectoryGroup
 
     rng = np.random.default_rng(seed)

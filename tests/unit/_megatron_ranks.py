@@ -1,7 +1,7 @@
 """One gloo rank of a Megatron model-parallel group on CPU (spawned by test_megatron_parallel.py).
 
 Each rank builds the same HF model, loads its TP shard of its pipeline stage into a MegatronPolicy
-with megatron's own optimizer (fp32, CPU patches of megatron_cpu), and writes what it measured to
+with megatron's own optimizer (fp32, CPU patches of learner/megatron/cpu.py), and writes what it measured to
 `out_dir/rank{R}.pt`: the log-probs of a fixed batch before and after one training step (last stage),
 and the full weights gathered under HF names before and after the step (rank 0).
 """
@@ -28,9 +28,9 @@ def hf_model(kind: str) -> torch.nn.Module:
 def run_rank(rank: int, world: int, port: int, kind: str, tp: int, pp: int, out_dir: str) -> None:
     from megatron.core import parallel_state
 
-    from async_rl.learner import megatron_convert as mcv
-    from async_rl.learner import megatron_cpu
-    from async_rl.learner.megatron_learner import MegatronPolicy, megatron_optimizer
+    from async_rl.learner.megatron import convert as mcv
+    from async_rl.learner.megatron import cpu as megatron_cpu
+    from async_rl.learner.megatron.learner import MegatronPolicy, megatron_optimizer
     from tests.unit._megatron_models import fixed_batch
 
     torch.set_num_threads(1)
@@ -108,7 +108,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
     -sum(logp)/tokens over two micro-batches (gradient norm before clipping), HF weights before and
     after, and a save/load round trip."""
     from async_rl.learner import packing
-    from async_rl.learner.megatron_backend import MegatronBackend
+    from async_rl.learner.megatron.backend import MegatronBackend
 
     torch.set_num_threads(1)
     backend = MegatronBackend(

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from async_rl.errors import ConfigError
-from async_rl.learner import megatron_convert as mcv
-from async_rl.learner.megatron_model import hf_param_shapes
+from async_rl.learner.megatron import convert as mcv
+from async_rl.learner.megatron.model import hf_param_shapes
 from tests.unit._megatron_models import tiny_llama, tiny_qwen2
 
 MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama, "llama-tied": lambda: tiny_llama(tie=True)}

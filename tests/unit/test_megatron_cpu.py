@@ -1,4 +1,4 @@
-"""The megatron_cpu patches against the installed megatron-core: they must be complete for its
+"""The learner.megatron.cpu patches against the installed megatron-core: they must be complete for its
 version, or fail here naming the version and the place that broke (run after any upgrade).
 
 One gloo rank (TP=PP=1): forward, backward and megatron's own fp32 optimizer step on CPU.
@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-from async_rl.learner import megatron_convert as mcv  # noqa: E402
-from async_rl.learner import megatron_cpu  # noqa: E402
+from async_rl.learner.megatron import convert as mcv  # noqa: E402
+from async_rl.learner.megatron import cpu as megatron_cpu  # noqa: E402
 from tests.unit._megatron_models import fixed_batch, on_policy_loss, one_rank_model_parallel, tiny_qwen2  # noqa: E402
 
 UPGRADE = (
-    f"megatron-core {megatron_cpu.installed_version()} (megatron_cpu is verified with "
+    f"megatron-core {megatron_cpu.installed_version()} (learner.megatron.cpu is verified with "
     f"{megatron_cpu.VERIFIED_VERSION})"
 )
 
@@ -26,7 +26,7 @@ UPGRADE = (
 def test_installed_megatron_core_is_the_verified_version():
     assert megatron_cpu.installed_version() == megatron_cpu.VERIFIED_VERSION, (
         f"{UPGRADE}: re-run tests/unit/test_megatron_cpu.py and test_megatron_parallel.py with the new "
-        "version, fix megatron_cpu, then update VERIFIED_VERSION"
+        "version, fix learner/megatron/cpu.py, then update VERIFIED_VERSION"
     )
 
 
@@ -63,7 +63,7 @@ def one_rank():
 
 def test_forward_backward_and_megatron_optimizer_step_run_on_cpu(one_rank):
     """What a learner rank does, through megatron's own schedule, DDP and optimizer (no stand-ins)."""
-    from async_rl.learner.megatron_learner import MegatronPolicy, megatron_optimizer
+    from async_rl.learner.megatron.learner import MegatronPolicy, megatron_optimizer
 
     hf = tiny_qwen2()
     arch = mcv.arch_from_hf_config(hf.config)

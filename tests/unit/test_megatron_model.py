@@ -3,7 +3,7 @@ TP=PP=1), an exact HF -> Megatron -> HF round trip of the weights, and log-probs
 
 megatron-core allocates a few things on 'cuda' unconditionally (the RoPE frequencies, the CUDA RNG
 tracker's fork around attention dropout, a token counter in the pipeline schedules);
-`megatron_cpu.patched()` redirects exactly those for the forward/backward tests. The GPU tier runs the same comparison without it (tests/gpu/test_megatron_gpu.py).
+`megatron.cpu.patched()` redirects exactly those for the forward/backward tests. The GPU tier runs the same comparison without it (tests/gpu/test_megatron_gpu.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-from async_rl.learner import megatron_convert as mcv  # noqa: E402
-from async_rl.learner import megatron_cpu  # noqa: E402
-from async_rl.learner import megatron_model as mm  # noqa: E402
 from async_rl.learner.algorithms import token_logprobs  # noqa: E402
+from async_rl.learner.megatron import convert as mcv  # noqa: E402
+from async_rl.learner.megatron import cpu as megatron_cpu  # noqa: E402
+from async_rl.learner.megatron import model as mm  # noqa: E402
 from tests.unit._megatron_models import (  # noqa: E402
     fixed_batch,
     on_policy_loss,
@@ -120,8 +120,8 @@ def test_megatron_unavailable_env_is_not_needed_for_import():
     import sys
 
     code = (
-        "import sys; import async_rl.learner.megatron_model, async_rl.learner.megatron_convert; "
-        "import async_rl.learner.megatron_learner; print('megatron' in sys.modules)"
+        "import sys; import async_rl.learner.megatron.model, async_rl.learner.megatron.convert; "
+        "import async_rl.learner.megatron.learner; print('megatron' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
     assert out.stdout.strip() == "False"
@@ -157,7 +157,7 @@ def test_policy_steps_lower_the_loss_and_export_what_it_trained(model_parallel, 
     few steps on a fixed on-policy batch lower the PPO loss, and the weights exported under HF names
     give an HF model the same log-probs as the trained Megatron model. Megatron's own optimizer needs
     CUDA: tests/gpu/test_megatron_gpu.py runs this with it."""
-    from async_rl.learner.megatron_learner import MegatronPolicy
+    from async_rl.learner.megatron.learner import MegatronPolicy
 
     hf = tiny_qwen2()
     arch = mcv.arch_from_hf_config(hf.config)

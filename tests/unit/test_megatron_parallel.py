@@ -1,5 +1,5 @@
 """Megatron-core with tensor and pipeline parallelism on CPU: two gloo ranks (spawned processes),
-megatron's own schedules, DDP and fp32 optimizer under the megatron_cpu patches.
+megatron's own schedules, DDP and fp32 optimizer under the learner.megatron.cpu patches.
 
 For each layout (TP=2, PP=2) and model (tiny-qwen2; SmolLM2-135M, Llama family, PP=2 only: its 9
 query / 3 KV heads do not split over 2 TP ranks): the log-probs of a fixed batch match the HF

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from async_rl.learner import megatron_convert as mcv
-from async_rl.learner.megatron_convert import HFArch
+from async_rl.learner.megatron import convert as mcv
+from async_rl.learner.megatron.convert import HFArch
 
 
 def load_arch(model_dir: str | Path) -> HFArch:
@@ -36,7 +36,7 @@ def transformer_engine_available() -> bool:
 def transformer_config(arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipeline: int) -> Any:
     """Megatron's TransformerConfig for `arch`: RMSNorm, SwiGLU, GQA, RoPE, no dropout, no fusions
     that need Apex/TE kernels (Transformer Engine, when used, brings its own). `cpu_init`: the model
-    is built on the CPU and stays there (see megatron_cpu)."""
+    is built on the CPU and stays there (see megatron.cpu)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -68,7 +68,7 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipelin
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype if pipeline > 1 else None,
         use_cpu_initialization=cpu_init,
-        # A model initialised on the CPU trains there (megatron_cpu): gloo has no batched p2p, and the
+        # A model initialised on the CPU trains there (megatron.cpu): gloo has no batched p2p, and the
         # batched path ends in torch.cuda.synchronize.
         batch_p2p_comm=not cpu_init,
         tensor_model_parallel_size=_tp_size(),

@@ -13,7 +13,7 @@ nothing once no token attends across a boundary); a padded row is right-padded, 
 is enough. With pipeline parallelism all micro-batches of a step are padded to one shape (megatron's
 p2p sends fixed-shape activations).
 
-`device=cpu` runs on gloo in float32 under the megatron_cpu patches (tests, debugging).
+`device=cpu` runs on gloo in float32 under the `cpu` patches (tests, debugging).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from async_rl.errors import RunError
-from async_rl.learner import megatron_model as mm
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.hf_io import read_model_files
+from async_rl.learner.megatron import model as mm
 from async_rl.learner.packing import MicroBatch
 from async_rl.protocol import TrajectoryGroup
 
@@ -126,12 +126,12 @@ class MegatronBackend(ModelBackend):
     def setup(self, model_dir: str) -> int:
         from megatron.core import parallel_state, tensor_parallel
 
-        from async_rl.learner.megatron_learner import MegatronPolicy, use_transformer_engine
+        from async_rl.learner.megatron.learner import MegatronPolicy, use_transformer_engine
 
         te_spec = use_transformer_engine(self.transformer_engine) and not self.on_cpu
         distributed = self.distributed_optimizer and not self.on_cpu  # DP=1 on CPU: nothing to shard
         if self.on_cpu:
-            from async_rl.learner import megatron_cpu
+            from async_rl.learner.megatron import cpu as megatron_cpu
 
             megatron_cpu.check_config(dtype=self.dtype, distributed_optimizer=False, te_spec=te_spec)
             megatron_cpu.enable()

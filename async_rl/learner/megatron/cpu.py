@@ -166,7 +166,7 @@ def patched() -> Iterator[None]:
     found = installed_version()
     if found != VERIFIED_VERSION:
         raise CpuSupportError(
-            f"megatron-core {found} is installed; async_rl.learner.megatron_cpu is verified with "
+            f"megatron-core {found} is installed; async_rl.learner.megatron.cpu is verified with "
             f"{VERIFIED_VERSION} only: run tests/unit/test_megatron_cpu.py and update VERIFIED_VERSION"
         )
     problems = check_targets()

@@ -1,9 +1,9 @@
 """Megatron-core policy for one rank: GPTModel (its TP shard of its pipeline stage) under megatron's
-DDP with megatron's optimizer, used by `megatron_backend.MegatronBackend` (the learner driver's
+DDP with megatron's optimizer, used by `backend.MegatronBackend` (the learner driver's
 model backend for `learner.backend: megatron`).
 
 `MegatronPolicy.train_batch` / `logprobs` are the PPO-clip step and the scoring pass on a
-`megatron_batch.Collated` shard through megatron's schedules: the component and GPU tests drive the
+`batch.Collated` shard through megatron's schedules: the component and GPU tests drive the
 model with them; the run itself goes through the driver and the backend.
 
 megatron-core is imported inside the methods (it is an optional, GPU-side dependency).
@@ -18,11 +18,11 @@ import msgspec
 import torch
 
 from async_rl.errors import RunError
-from async_rl.learner import megatron_model as mm
 from async_rl.learner.losses import PolicyLossStats as LossStats
 from async_rl.learner.losses import policy_loss
-from async_rl.learner.megatron_batch import Collated
-from async_rl.learner.megatron_convert import HFArch
+from async_rl.learner.megatron import model as mm
+from async_rl.learner.megatron.batch import Collated
+from async_rl.learner.megatron.convert import HFArch
 
 
 class MicroBatch(msgspec.Struct):
