@@ -1,5 +1,6 @@
 """Megatron backend on one GPU (nccl, world size 1, TP=PP=1): log-probs match the HF model, megatron's
-optimizer (distributed and not) lowers the loss in a few steps, export matches what was trained.
+optimizer (distributed and not) lowers the loss in a few steps, export matches what was trained; the backend with
+Transformer Engine scores packed sequences (THD) as padded ones.
 Marked `gpu` by tests/gpu/conftest.py; skipped without CUDA or without megatron-core."""
 
 from __future__ import annotations
@@ -110,3 +111,44 @@ def test_bf16_policy_trains_and_stays_close_to_hf(model_parallel):
     for _ in range(3):
         last, _ = policy.train_batch(b, 1, 1.0, 0.2, 0.2, 2.0)
     assert last.loss < first.loss
+
+
+def _score_with_backend(rank: int, port: int, model_dir: str, out: str) -> None:
+    """MegatronBackend (Transformer Engine on, bf16, one GPU): scores of one packed and one padded
+    micro-batch of the same sequences, written to `out`."""
+    from async_rl.learner import packing
+    from async_rl.learner.megatron.backend import MegatronBackend
+    from tests.unit._megatron_ranks import seq_samples
+
+    backend = MegatronBackend(
+        rank=rank, world_size=1, master=f"127.0.0.1:{port}", tensor_parallel_size=1, pipeline_parallel_size=1,
+        dtype="bfloat16", lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, distributed_optimizer=True,
+        transformer_engine="on", device="cuda", seed=0,
+    )
+    try:
+        backend.setup(model_dir)
+        assert backend.thd
+        samples = seq_samples(min(backend.arch.vocab_size, 1000))
+        mbs = {"packed": packing.packed(samples, row_tokens=16), "padded": packing.padded(samples)}
+        logp = {k: mb.per_sequence(backend.score(mb, 1.0).logp) for k, mb in mbs.items()}
+        torch.save(logp, out)
+    finally:
+        backend.shutdown()
+
+
+def test_packed_sequences_do_not_attend_across_boundaries_with_transformer_engine(tmp_path):
+    """Packed rows (several sequences each, given to TE as THD with cu_seqlens) score as the same
+    sequences padded one per row: with the block-diagonal mask TE ignored, every sequence after the
+    first of a row read its predecessors and its log-probs moved by O(1)."""
+    import torch.multiprocessing as mp
+
+    from async_rl.models.tiny import resolve_model_path
+
+    if not mm.transformer_engine_available():
+        pytest.skip("transformer_engine is not importable")
+    model_dir = resolve_model_path("tiny-qwen2", str(tmp_path / "models"))
+    out = tmp_path / "logp.pt"
+    mp.spawn(_score_with_backend, args=(free_port(), str(model_dir), str(out)), nprocs=1, join=True)
+    logp = torch.load(out, weights_only=False)
+    for packed, padded in zip(logp["packed"], logp["padded"], strict=True):
+        assert abs(packed - padded).max() < 5e-2, abs(packed - padded).max()  # bf16

@@ -8,6 +8,7 @@ and the full weights gathered under HF names before and after the step (rank 0).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -78,6 +79,49 @@ def run_rank(rank: int, world: int, port: int, kind: str, tp: int, pp: int, out_
         dist.destroy_process_group()
 
 
+class ThdCoreAttention(torch.nn.Module):
+    """A CPU stand-in for Transformer Engine's attention in megatron's packed (THD) format: causal
+    attention within each sequence that `cu_seqlens_q` delimits (what TE computes for
+    `attn_mask_type=padding_causal`); without packed-sequence params, the wrapped local attention.
+    It lets the CPU tests run the backend's THD branch and megatron's per-sequence RoPE; TE itself
+    is checked in tests/gpu/test_megatron_gpu.py."""
+
+    def __init__(self, local: torch.nn.Module) -> None:
+        super().__init__()
+        self.local = local
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None:
+            return self.local(query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+        assert packed_seq_params.qkv_format == "thd" and attention_mask is None
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        repeat = query.shape[1] // key.shape[1]  # grouped-query attention
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        out = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))  # [heads, len, dim]
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.local.softmax_scale)
+            out.append(o.transpose(0, 1))
+        return torch.cat(out).reshape(query.shape[0], -1)
+
+
+@contextlib.contextmanager
+def thd_attention(backend):
+    """`backend` gives packed micro-batches to its model as THD, with `ThdCoreAttention` in every
+    layer, for the `with` block."""
+    layers = list(backend.policy.model.module.decoder.layers)
+    saved = [layer.self_attention.core_attention for layer in layers]
+    for layer, local in zip(layers, saved, strict=True):
+        layer.self_attention.core_attention = ThdCoreAttention(local)
+    backend.thd = True
+    try:
+        yield
+    finally:
+        backend.thd = False
+        for layer, local in zip(layers, saved, strict=True):
+            layer.self_attention.core_attention = local
+
+
 def _copy(weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
     return None if weights is None else {n: t.detach().clone() for n, t in weights.items()}
 
@@ -120,7 +164,10 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         backend.setup(model_dir)
         samples = seq_samples(min(backend.arch.vocab_size, 1000))
         mbs = {"packed": packing.packed(samples, row_tokens=16), "padded": packing.padded(samples)}
+        with thd_attention(backend):  # the TE branch's packed (THD) inputs, on CPU
+            thd_scores = backend.score(mbs["packed"], 1.0, hidden=True)
         scores = {k: backend.score(mb, 1.0) for k, mb in mbs.items()}
+        packed_hidden = backend.score(mbs["packed"], 1.0, hidden=True).hidden
         hidden = backend.score(mbs["padded"], 1.0, hidden=True).hidden  # ppo's critic reads these
         backend.gather_weights()
         before = _copy(backend.hf_weights()) if rank == 0 else None  # valid until the next step: copy
@@ -147,6 +194,8 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 "info": backend.info,
                 "mbs": mbs,
                 "scores": scores,
+                "thd_scores": thd_scores,
+                "packed_hidden": packed_hidden,
                 "hidden": hidden,
                 "halves": halves,
                 "grad_norm": grad_norm,

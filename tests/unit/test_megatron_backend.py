@@ -2,7 +2,8 @@
 TP=2 and as PP=2, on tiny-qwen2: per-token log-probs and entropies of packed and padded
 micro-batches equal the HF model's, the gradient of a loss summed over two micro-batches has the
 HF model's norm (the interface's sum semantics), HF-named weights round-trip and change after a
-step, and save/load restores them.
+step, and save/load restores them. Packed micro-batches given as THD (the Transformer Engine
+branch, with a CPU stand-in for TE's attention) score as the block-diagonal mask does.
 
 Starts torch.distributed (two gloo ranks on loopback).
 """
@@ -62,6 +63,20 @@ def test_scores_match_the_hf_model(run, layout):
     assert (got.entropy - entropy).abs()[mask].max() < 1e-4
     first = ranks[0]["scores"][layout]  # the first stage gets the last stage's scores (probe on rank 0)
     assert torch.equal(first.logp, got.logp) and torch.equal(first.entropy, got.entropy)
+
+
+def test_packed_as_thd_equals_the_masked_packed_path_on_every_rank(run):
+    """The Transformer Engine branch's inputs (rows flattened, cu_seqlens, no mask) through megatron's
+    THD path, with a CPU stand-in for TE's attention: per-token log-probs, entropies and last hidden
+    states equal the block-diagonal-mask path's (which equals the HF model's above), on both TP ranks
+    and on both pipeline stages."""
+    tp, pp, ranks, hf = run
+    for r in ranks:
+        thd, masked = r["thd_scores"], r["scores"]["packed"]
+        assert thd.logp.shape == masked.logp.shape == r["mbs"]["packed"].input_ids.shape
+        assert (thd.logp - masked.logp).abs().max() < 1e-5, (thd.logp - masked.logp).abs().max()
+        assert (thd.entropy - masked.entropy).abs().max() < 1e-5
+        assert (thd.hidden - r["packed_hidden"]).abs().max() < 1e-5
 
 
 def test_last_hidden_states_match_the_hf_model_on_every_rank(run):

@@ -7,11 +7,20 @@ World layout: megatron's default rank order (`tp-cp-ep-dp-pp`, TP fastest); `Par
 back from `parallel_state`, so the driver never computes it. The first rank of each model-parallel group (TP rank 0 of stage 0) fetches
 its DP shard and `share_shard` broadcasts it to its peers; output ranks are the last stage.
 
-Micro-batches of both layouts from `packing` run through megatron: a packed row gets a block-diagonal
-causal mask built from its position ids (RoPE is relative, so positions that do not restart change
-nothing once no token attends across a boundary); a padded row is right-padded, so the causal mask
-is enough. With pipeline parallelism all micro-batches of a step are padded to one shape (megatron's
-p2p sends fixed-shape activations).
+Micro-batches of both layouts from `packing` run through megatron. A packed micro-batch (a sequence
+starts where its position id is 0):
+- with Transformer Engine, goes in as megatron's packed-sequence format: its rows flattened into one
+  row of tokens with `PackedSeqParams(qkv_format="thd", cu_seqlens)`, no mask. TE's attention reads
+  only the sequence boundaries (it ignores an `attention_mask` under `attn_mask_type=causal`, so a
+  block-diagonal mask would let packed sequences attend across their boundaries), and megatron
+  applies RoPE per sequence from the same cu_seqlens.
+- with the local spec (no TE; the CPU path), keeps a block-diagonal causal mask built from its
+  position ids: megatron's `DotProductAttention` refuses packed-sequence params, and its unfused
+  softmax (`masked_softmax_fusion=False`) applies a given mask as is, generating the causal one only
+  when none is given. RoPE is relative, so positions that do not restart change nothing once no
+  token attends across a boundary.
+A padded row is right-padded, so the causal mask is enough. With pipeline parallelism all
+micro-batches of a step are padded to one shape (megatron's p2p sends fixed-shape activations).
 
 `device=cpu` runs on gloo in float32 under the `cpu` patches (tests, debugging).
 """
@@ -44,6 +53,31 @@ def attention_mask(mb: MicroBatch) -> torch.Tensor:
     segment = torch.cumsum((mb.position_ids == 0).long(), dim=1)  # [B, T]
     across = segment[:, :, None] != segment[:, None, :]
     return (causal[None] | across)[:, None]
+
+
+def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Where the sequences of a packed micro-batch [B, T] start and end once its rows are flattened
+    into one row of B*T tokens (int32 [n + 1], megatron/TE's `cu_seqlens`), and the longest one. A
+    sequence starts where its position id is 0; every row starts one, and a row's unused tail (its
+    positions continue) stays with the row's last sequence: after every real token of it, it changes
+    nothing that the causal attention lets them see."""
+    flat = position_ids.reshape(-1)
+    if flat.numel() == 0 or int(flat[0]) != 0:
+        raise ValueError("a packed micro-batch's first position id must be 0 (a sequence starts there)")
+    starts = torch.nonzero(flat == 0).flatten()
+    bounds = torch.cat([starts, torch.tensor([flat.numel()], device=starts.device)]).to(torch.int32)
+    return bounds, int((bounds[1:] - bounds[:-1]).max())
+
+
+def thd_params(position_ids: torch.Tensor, device: torch.device) -> object:
+    """megatron's `PackedSeqParams` (qkv_format "thd") for a packed micro-batch flattened to one row."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds, longest = cu_seqlens(position_ids)
+    bounds = bounds.to(device)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 def pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
@@ -156,6 +190,7 @@ class MegatronBackend(ModelBackend):
         self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
         self.arch = mm.load_arch(model_dir)
         self.te_spec = te_spec
+        self.thd = te_spec  # packed sequences as THD: TE's attention only (megatron's local one refuses it)
         self.policy = MegatronPolicy(
             self.arch,
             mm.SafetensorsCheckpoint(model_dir),
@@ -184,7 +219,8 @@ class MegatronBackend(ModelBackend):
     # ---- forward and backward ---------------------------------------------------------------------
 
     def _run(self, mbs: list[MicroBatch], temperature: float, forward_only: bool, on_scores) -> None:
-        """megatron's schedule over `mbs`; `on_scores(i, logits)` on output ranks returns the loss."""
+        """megatron's schedule over `mbs`; on output ranks `on_scores(i, logits, mb, as_rows)` returns
+        the loss (`as_rows` maps a batch-first tensor of the model's layout to the micro-batch's)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         shape = (max(m.input_ids.shape[0] for m in mbs), max(m.input_ids.shape[1] for m in mbs))
@@ -192,19 +228,33 @@ class MegatronBackend(ModelBackend):
         items = iter(list(enumerate(sized)))
         dev = self.device
 
+        # Packed micro-batches go to Transformer Engine as one row of tokens with their cu_seqlens
+        # (see the module docstring); a step's micro-batches are all packed or all padded.
+        thd = self.thd and sized[0].position_ids is not None
+
         def forward_step(data_iterator, model):
             i, mb = next(data_iterator)
             ids = mb.input_ids.to(dev)
-            positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand(ids.shape[0], -1)
-            mask = attention_mask(mb).to(dev)
-            if not self.on_cpu and mb.position_ids is None:
+            rows, cols = ids.shape
+            packed = None
+            if thd:
+                ids = ids.reshape(1, rows * cols)
+                packed, mask = thd_params(mb.position_ids, dev), None
+            elif self.on_cpu or mb.position_ids is not None:
+                mask = attention_mask(mb).to(dev)
+            else:
                 mask = None  # megatron's own causal mask (fused kernels)
-            output = model(ids, positions, mask)
+            positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand(ids.shape[0], -1)
+            output = model(ids, positions, mask, packed_seq_params=packed)
+
+            def as_rows(x: torch.Tensor) -> torch.Tensor:
+                """A batch-first tensor of the model's layout [1, B*T, ...] (THD) or [B, T, ...]
+                as this micro-batch's [B, T, ...], cut back to its size before `pad_to`."""
+                b, t = mbs[i].input_ids.shape
+                return x.reshape(rows, cols, *x.shape[2:])[:b, :t]
 
             def loss_func(logits: torch.Tensor):
-                b, t = mbs[i].input_ids.shape
-                loss = on_scores(i, logits[:b, :t], mbs[i].to(dev))
-                return loss, {}
+                return on_scores(i, as_rows(logits), mbs[i].to(dev), as_rows), {}
 
             return output, loss_func
 
@@ -213,8 +263,8 @@ class MegatronBackend(ModelBackend):
             data_iterator=items,
             model=[self.policy.model],
             num_microbatches=len(sized),
-            seq_length=shape[1],
-            micro_batch_size=shape[0],
+            seq_length=shape[0] * shape[1] if thd else shape[1],
+            micro_batch_size=1 if thd else shape[0],
             forward_only=forward_only,
         )
 
@@ -232,10 +282,9 @@ class MegatronBackend(ModelBackend):
         norm = self.policy.model.module.decoder.final_layernorm if hidden else None
         handle = norm.register_forward_hook(lambda _m, _i, o: final.append(o)) if norm is not None else None
 
-        def keep(i: int, logits: torch.Tensor, m: MicroBatch) -> torch.Tensor:
+        def keep(i: int, logits: torch.Tensor, m: MicroBatch, as_rows) -> torch.Tensor:
             s = self._scores(logits, m, temperature)
-            b, t = m.input_ids.shape
-            h = final[-1].transpose(0, 1)[:b, :t].float() if hidden else None
+            h = as_rows(final[-1].transpose(0, 1)).float() if hidden else None
             out.append(TokenScores(logp=s.logp.detach(), entropy=s.entropy, hidden=h))
             return s.logp.sum()
 
@@ -274,7 +323,7 @@ class MegatronBackend(ModelBackend):
         # over DP ranks: scale back so the gradient is the SUM the interface promises.
         scale = len(mbs) * self.info.dp_size
 
-        def loss(i: int, logits: torch.Tensor, m: MicroBatch) -> torch.Tensor:
+        def loss(i: int, logits: torch.Tensor, m: MicroBatch, _as_rows) -> torch.Tensor:
             return loss_fn(i, self._scores(logits, m, temperature)) * scale
 
         self._snapshot = None

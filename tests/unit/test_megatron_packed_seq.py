@@ -1,0 +1,58 @@
+"""How the Megatron backend hands a packed micro-batch to Transformer Engine: the sequence
+boundaries of its rows flattened into one row (cu_seqlens), not a mask. Runs without megatron-core
+except the last test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from async_rl.learner import packing
+from async_rl.learner.megatron.backend import cu_seqlens, pad_to
+
+
+def _samples(lengths: list[int]) -> list[packing.SeqSample]:
+    return [
+        packing.SeqSample(
+            tokens=np.arange(3, 3 + n, dtype=np.int64), start=n - 1,
+            behav_logp=np.zeros(1, dtype=np.float32), advantages=np.ones(1, dtype=np.float32),
+        )
+        for n in lengths
+    ]
+
+
+def test_cu_seqlens_of_a_known_packing():
+    # rows of 8 by first fit: row 0 = [5, 3], row 1 = [4, 2] (tail of 2), row 2 = [6] (tail of 2)
+    mb = packing.packed(_samples([5, 4, 3, 6, 2]), row_tokens=8)
+    assert mb.input_ids.shape == (3, 8)
+    bounds, longest = cu_seqlens(mb.position_ids)
+    assert bounds.dtype == torch.int32
+    # a row's unused tail stays with its last sequence: 2 + 2 tokens in row 1, 6 + 2 in row 2
+    assert bounds.tolist() == [0, 5, 8, 12, 16, 24]
+    assert longest == 8
+
+
+def test_rows_added_for_the_pipeline_start_sequences_of_their_own():
+    mb = pad_to(packing.packed(_samples([3, 2]), row_tokens=5), rows=2, cols=6)
+    bounds, longest = cu_seqlens(mb.position_ids)
+    assert bounds.tolist() == [0, 3, 6, 12]  # row 0: 3, then 2 + 1 grown column; row 1: all new
+    assert longest == 6
+
+
+def test_a_batch_that_does_not_start_a_sequence_is_refused():
+    with pytest.raises(ValueError, match="first position id must be 0"):
+        cu_seqlens(torch.tensor([[1, 2, 0, 1]]))
+
+
+def test_thd_params_are_megatrons_packed_sequence_format():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from async_rl.learner.megatron.backend import thd_params
+
+    mb = packing.packed(_samples([5, 4, 3, 6, 2]), row_tokens=8)
+    p = thd_params(mb.position_ids, torch.device("cpu"))
+    assert isinstance(p, PackedSeqParams) and p.qkv_format == "thd"
+    assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 5, 8, 12, 16, 24]
+    assert p.max_seqlen_q == p.max_seqlen_kv == 8
