@@ -127,6 +127,54 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, temperature: f
         return torch.log(z) + m - s / z
 
 
+def _distributed_optimizers(opt) -> list:
+    """The DistributedOptimizers inside megatron's (chained) optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(opt, "chained_optimizers", [opt])
+    return [o for o in inner if isinstance(o, DistributedOptimizer)]
+
+
+def parameter_state(opt) -> list[dict]:
+    """This rank's shard of the distributed optimizer's per-parameter state (fp32 main weights and
+    Adam's moments, and `step` under torch's Adam), which its `state_dict` leaves out. Saved per
+    rank, copied off the live buffers: a resume with the same layout reads its own shard back.
+
+    Not megatron's `save_parameter_state`/`load_parameter_state`: in 0.16.1 the load copies into
+    every state key, and torch's Adam (no Apex/TE) has a `step` that the gathered file lacks
+    (KeyError)."""
+    out = []
+    for o in _distributed_optimizers(opt):
+        state = o.get_parameter_state_dp_reshardable()  # views of the live state, no communication
+        for buffers in (v for k, v in state.items() if isinstance(k, int)):
+            for buckets in buffers.values():
+                for bucket in buckets:
+                    for i, tensors in enumerate(bucket):
+                        bucket[i] = {
+                            k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in tensors.items()
+                        } | {"padding": False}  # the field megatron's loader filters on
+        out.append(state)
+    return out
+
+
+def load_parameter_state(opt, states: list[dict]) -> None:
+    """Inverse of `parameter_state`, after `opt.load_state_dict` (which allocates the moments).
+
+    Under torch's Adam, megatron 0.16.1's `load_state_dict` gives every parameter one shared `step`
+    tensor, which each later step would then advance once per parameter (wrong bias correction):
+    each parameter gets its own copy back."""
+    optimizers = _distributed_optimizers(opt)
+    if len(states) != len(optimizers):
+        raise RunError(f"megatron checkpoint: {len(states)} parameter states for {len(optimizers)} optimizers")
+    with torch.no_grad():  # fp32 main weights are views of the model's parameters
+        for o, state in zip(optimizers, states, strict=True):
+            o.load_parameter_state_from_dp_reshardable(state)
+            for per_param in o.optimizer.state.values():
+                if isinstance(per_param.get("step"), torch.Tensor):
+                    per_param["step"] = per_param["step"].clone()
+
+
 class MegatronBackend(ModelBackend):
     def __init__(
         self,
@@ -190,6 +238,7 @@ class MegatronBackend(ModelBackend):
         self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
         self.arch = mm.load_arch(model_dir)
         self.te_spec = te_spec
+        self.sharded_optimizer = distributed
         self.thd = te_spec  # packed sequences as THD: TE's attention only (megatron's local one refuses it)
         self.policy = MegatronPolicy(
             self.arch,
@@ -392,7 +441,8 @@ class MegatronBackend(ModelBackend):
     # ---- checkpoints --------------------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
-        """`model/`: an HF folder (rank 0); each rank's optimizer state (its shard's parameters)."""
+        """`model/`: an HF folder (rank 0); each rank's optimizer state, and with the distributed
+        optimizer each rank's parameter state (see `parameter_state`)."""
         from async_rl.learner.base import checkpoint_model_dir
         from async_rl.learner.hf_io import write_hf_folder
 
@@ -400,7 +450,10 @@ class MegatronBackend(ModelBackend):
         root = Path(directory)
         if self.rank == 0:
             write_hf_folder(checkpoint_model_dir(root), self._model_files, self.hf_weights())
-        torch.save(self.policy.optimizer.state_dict(), root / f"megatron_optimizer_rank{self.rank}.pt")
+        opt = self.policy.optimizer
+        torch.save(opt.state_dict(), root / f"megatron_optimizer_rank{self.rank}.pt")
+        if self.sharded_optimizer:
+            torch.save(parameter_state(opt), root / f"megatron_parameter_state_rank{self.rank}.pt")
         dist.barrier()
 
     def load(self, directory: str) -> None:
@@ -410,9 +463,14 @@ class MegatronBackend(ModelBackend):
         mm.load_hf_weights(
             self.policy.model, mm.SafetensorsCheckpoint(checkpoint_model_dir(root)), self.arch, self.te_spec
         )
-        # Our own file (optimizer state): not an untrusted download.
-        state = torch.load(root / f"megatron_optimizer_rank{self.rank}.pt", weights_only=False, map_location=self.device)
-        self.policy.optimizer.load_state_dict(state)
+        # Our own files (optimizer state): not an untrusted download.
+        def read(name: str):
+            return torch.load(root / f"{name}_rank{self.rank}.pt", weights_only=False, map_location=self.device)
+
+        opt = self.policy.optimizer
+        opt.load_state_dict(read("megatron_optimizer"))  # the distributed optimizer's moments: empty
+        if self.sharded_optimizer:
+            load_parameter_state(opt, read("megatron_parameter_state"))
         self._snapshot = None
         self.gather_weights()
 
