@@ -59,6 +59,28 @@ def test_construction_on_cpu_has_the_local_spec_parameters(pair):
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters())
 
 
+def test_final_norm_without_transformer_engine_is_torchs_even_where_apex_is_installed(model_parallel, monkeypatch):
+    """Where Apex is importable and TE is not, megatron makes Apex's FusedLayerNorm the final norm of a
+    block built from a layer spec alone, and it asserts on RMSNorm. The local spec's block names
+    torch's norm itself: the model builds and its final norm is torch's RMSNorm."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import transformer_block
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", FusedLayerNorm)  # what `import apex` selects
+    arch = mcv.arch_from_hf_config(tiny_llama().config)
+    config = mm.transformer_config(arch, torch.float32, cpu_init=True, pipeline=1)
+    spec = mm.decoder_spec(config, te_spec=False)
+    assert spec.layer_norm is not FusedLayerNorm and len(spec.layer_specs) == arch.num_layers
+    model = mm.build_model(arch, torch.float32, cpu_init=True, te_spec=False)
+    assert isinstance(model.decoder.final_layernorm, torch.nn.RMSNorm)
+    assert model.decoder.final_layernorm.eps == arch.rms_eps
+    with pytest.raises(AssertionError, match="not supported in FusedLayerNorm"):  # megatron's own choice
+        GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                 vocab_size=64, max_sequence_length=arch.max_position_embeddings)
+
+
 def test_hf_to_megatron_to_hf_round_trip_is_exact(pair):
     hf, arch, model = pair
     back = mm.hf_state_dict(model, arch, te_spec=False)

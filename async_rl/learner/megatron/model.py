@@ -90,17 +90,10 @@ def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mcv.check_parallel_layout(arch, tp, pp)
-    if te_spec:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    config = transformer_config(arch, dtype, cpu_init, pp)
     return GPTModel(
-        config=transformer_config(arch, dtype, cpu_init, pp),
-        transformer_layer_spec=spec,
+        config=config,
+        transformer_layer_spec=decoder_spec(config, te_spec),
         vocab_size=mcv.padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -112,6 +105,29 @@ def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool)
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         parallel_output=True,  # logits stay vocab-parallel; the loss uses vocab-parallel CE
     )
+
+
+def decoder_spec(config: Any, te_spec: bool) -> Any:
+    """The decoder block of this pipeline stage: its layers (Transformer Engine's or megatron's local
+    modules) and a final norm of the same kind. Given a layer spec alone, megatron 0.16.1 picks the
+    final norm by what is importable, whatever the layers use: TE's if installed, else Apex's
+    FusedLayerNorm (which asserts on RMSNorm: a build without TE but with Apex failed), else torch's.
+    Without TE the final norm here is torch's (`WrappedTorchNorm`, RMSNorm), as in the layers."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if te_spec:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer, norm = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), TENorm
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        layer, norm = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"), WrappedTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
 
 
 def parameters_by_name(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
