@@ -147,6 +147,17 @@ def seq_samples(vocab: int, seed: int = 7) -> list:
     return out
 
 
+def critic_step(hidden: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ppo's value head after one update on `hidden` (fixed returns), as the driver runs it on every
+    learner rank: its gradients all-reduced over the whole process group when there is one."""
+    from async_rl.learner.critic import Critic
+
+    critic = Critic(hidden.shape[-1], 16, 1e-2, seed=3, max_grad_norm=1e9)
+    returns = torch.linspace(-1.0, 1.0, hidden.shape[1]).expand(hidden.shape[:2])
+    critic.update(hidden, returns, mask)
+    return {n: t.detach().cpu().clone() for n, t in critic.head.state_dict().items()}
+
+
 def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, pp: int, out_dir: str) -> None:
     """MegatronBackend on one rank: scores of packed and padded micro-batches, one step of the loss
     -sum(logp)/tokens over two micro-batches (gradient norm before clipping), HF weights before and
@@ -169,6 +180,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         scores = {k: backend.score(mb, 1.0) for k, mb in mbs.items()}
         packed_hidden = backend.score(mbs["packed"], 1.0, hidden=True).hidden
         hidden = backend.score(mbs["padded"], 1.0, hidden=True).hidden  # ppo's critic reads these
+        critic_head = critic_step(hidden.to(backend.device), mbs["padded"].attention_mask.float())
         backend.gather_weights()
         before = _copy(backend.hf_weights()) if rank == 0 else None  # valid until the next step: copy
         halves = packing.micro_batches(samples, pack=True, max_seqs=3, row_tokens=16)
@@ -197,6 +209,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 "thd_scores": thd_scores,
                 "packed_hidden": packed_hidden,
                 "hidden": hidden,
+                "critic_head": critic_head,
                 "halves": halves,
                 "grad_norm": grad_norm,
                 "before": before,

@@ -92,6 +92,22 @@ def test_last_hidden_states_match_the_hf_model_on_every_rank(run):
         assert (r["hidden"] - want).abs()[mask].max() < 1e-4, (r["hidden"] - want).abs()[mask].max()
 
 
+def test_critic_step_on_every_rank_is_the_single_process_step(run):
+    """ppo's critic all-reduces its gradients over the whole learner group, TP and PP peers included:
+    they read the same hidden states from the backend, so the mean is the data-parallel one and
+    every rank's head equals one update on the HF model's hidden states."""
+    from tests.unit._megatron_ranks import critic_step
+
+    tp, pp, ranks, hf = run
+    mb = ranks[1]["mbs"]["padded"]
+    with torch.no_grad():
+        want_hidden = hf(**mb.model_inputs(torch.device("cpu")), output_hidden_states=True).hidden_states[-1]
+    want = critic_step(want_hidden, mb.attention_mask.float())  # no process group here: no all-reduce
+    for r in ranks:
+        for name, t in want.items():
+            assert torch.allclose(r["critic_head"][name], t, rtol=0, atol=1e-5), name
+
+
 def test_gradient_is_the_sum_over_micro_batches(run):
     """One loss -sum(logp)/tokens over two micro-batches: the gradient norm is the HF model's on the
     whole batch (megatron's 1/num_microbatches undone)."""
