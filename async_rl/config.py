@@ -322,7 +322,10 @@ class AlgorithmConfig(_Section):
         float, _f("KL penalty against a frozen copy of the initial weights (0 = no reference model)", ge=0)
     ] = 0.0
     kl_estimator: Annotated[
-        Literal["k1", "k3"], _f("KL estimator per token: k1 = log pi - log ref, k3 = exp(ref - pi) - (ref - pi) - 1")
+        Literal["k1", "k2", "k3"],
+        _f("KL estimator per token, delta = log pi - log ref: k1 = delta (in the reward only: as a loss its "
+           "expected gradient is 0), k2 = delta^2/2 (loss gradient = that of KL(pi||ref)), k3 = exp(-delta) + "
+           "delta - 1 (GRPO's; loss gradient = that of KL(ref||pi))"),
     ] = "k3"
     kl_in_reward: Annotated[
         bool, _f("apply the KL penalty per token in the reward (reinforce_pp, ppo) instead of as a loss term")
@@ -716,6 +719,10 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
         )
     if a.kl_in_reward and a.kl_coef == 0:
         raise ConfigError("algorithm.kl_in_reward is set but algorithm.kl_coef is 0")
+    if a.kl_coef > 0 and not a.kl_in_reward and a.kl_estimator == "k1":
+        raise ConfigError(
+            "algorithm.kl_estimator=k1 as a loss term has zero expected gradient: use k2 or k3, or kl_in_reward=true"
+        )
     if a.ratio_mask_high and a.ratio_mask_high <= max(1.0, a.ratio_mask_low):
         raise ConfigError(
             f"algorithm.ratio_mask_high={a.ratio_mask_high} must be above 1 and above algorithm.ratio_mask_low"

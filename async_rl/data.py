@@ -195,7 +195,7 @@ def load_eval_prompts(
         if skipped is not None:
             skipped.update(loaded.skipped)
         return [_renumbered(p, i) for i, p in enumerate(loaded.prompts)]
-    from async_rl.tasks.base import load_task
+    from async_rl.tasks.registry import load_task
 
     out: list[Prompt] = []
     stream = load_task(cfg.task.name).prompts(cfg.data.eval_task_seed)

@@ -19,7 +19,7 @@ from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
 from async_rl.models.tiny import ALL_PRESETS, resolve_model_path
-from async_rl.tasks.base import load_task
+from async_rl.tasks.registry import load_task
 from async_rl.tasks.rewards import load_reward
 
 

@@ -209,7 +209,7 @@ def probe_generation(w: dict, cores: list[int], reps: int) -> tuple[list[float],
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     from async_rl.generator import vllm_compat as vc
     from async_rl.models.tiny import resolve_model_path
-    from async_rl.tasks.base import load_task
+    from async_rl.tasks.registry import load_task
 
     vc.bind_engine_to(cores, 1)  # as the system's engines are bound
     model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")

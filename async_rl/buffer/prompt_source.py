@@ -25,7 +25,7 @@ from async_rl.chat import PromptRenderer, RenderError
 from async_rl.config import DataConfig
 from async_rl.errors import RunError
 from async_rl.protocol import Prompt
-from async_rl.tasks.base import load_task
+from async_rl.tasks.registry import load_task
 
 # A task stream whose prompts are all unusable would otherwise spin forever: after this many bad
 # prompts in a row the run stops with one line naming why.

@@ -95,18 +95,29 @@ def policy_loss(
     return loss, kept, stats
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from tokens sampled by pi.
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
-    k1 = log pi - log ref (unbiased, can be negative); k3 = exp(ref - pi) - (ref - pi) - 1 (unbiased,
-    never negative, lower variance; its gradient as a loss is the GRPO choice).
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimator from tokens sampled by pi, with delta = log pi - log ref.
+
+    As values (sampled under pi), k1 and k3 are unbiased estimates of KL(pi || ref); k2 is biased.
+    As loss terms (samples from pi, no gradient through the sampling), each expected gradient is
+    E_pi[f'(delta) grad log pi], which is the gradient of a different divergence:
+      k1 = delta: f' = 1, expected gradient 0 (noise, no pull to the reference). Use it only in the
+        reward (`kl_in_reward`); the config refuses it as a loss term.
+      k2 = delta^2 / 2: f' = delta, expected gradient = grad KL(pi || ref).
+      k3 = exp(-delta) + delta - 1 (never negative, low variance; GRPO's choice): f' = 1 - ref/pi,
+        expected gradient = grad KL(ref || pi), the reverse direction of what its value estimates.
     """
-    d = ref_logp.to(logp.dtype) - logp
+    d = logp - ref_logp.to(logp.dtype)
     if estimator == "k1":
-        return -d
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
     if estimator == "k3":
-        return torch.exp(d) - d - 1.0
-    raise ValueError(f"unknown KL estimator '{estimator}' (k1, k3)")
+        return torch.exp(-d) + d - 1.0
+    raise ValueError(f"unknown KL estimator '{estimator}' {KL_ESTIMATORS}")
 
 
 def kl_penalty(

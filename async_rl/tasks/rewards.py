@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from async_rl.errors import ConfigError
 from async_rl.protocol import Sample
-from async_rl.tasks.base import load_callable, load_task
+from async_rl.tasks.registry import load_callable, load_task
 
 if TYPE_CHECKING:
     from async_rl.config import TaskConfig

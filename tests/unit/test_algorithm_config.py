@@ -40,6 +40,16 @@ def test_kl_in_reward_needs_a_token_level_estimator_and_a_coefficient():
     assert cfg.algorithm.kl_in_reward
 
 
+def test_k1_is_refused_as_a_loss_term_and_kept_in_the_reward():
+    assert "algorithm.kl_estimator=k1" in error(["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1"])
+    for estimator in ("k2", "k3"):
+        assert load_config(None, ["algorithm.kl_coef=0.1", f"algorithm.kl_estimator={estimator}"])
+    cfg = load_config(
+        None, ["algorithm.name=ppo", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1"]
+    )
+    assert cfg.algorithm.kl_estimator == "k1"
+
+
 def test_ratio_mask_bounds_must_straddle_one():
     assert "algorithm.ratio_mask_high" in error(["algorithm.ratio_mask_high=0.9"])
     assert "algorithm.ratio_mask_low" in error(["algorithm.ratio_mask_low=1.5"])

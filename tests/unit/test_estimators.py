@@ -228,25 +228,53 @@ def test_constant_denominator_is_dr_grpo_token_sum():
 def test_kl_estimators_hand_values():
     logp, ref = t([[math.log(0.5)]]), t([[math.log(0.25)]])
     assert kl_estimate(logp, ref, "k1").item() == pytest.approx(math.log(2))
-    # k3: d = ref - logp = log 0.5 -> exp(d) - d - 1 = 0.5 + log 2 - 1
+    assert kl_estimate(logp, ref, "k2").item() == pytest.approx(math.log(2) ** 2 / 2)
+    # k3: delta = log 2 -> exp(-delta) + delta - 1 = 0.5 + log 2 - 1
     assert kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 + math.log(2) - 1)
     assert kl_estimate(ref, ref, "k3").item() == 0.0
     with pytest.raises(ValueError, match="k9"):
         kl_estimate(logp, ref, "k9")
 
 
-def test_kl_penalty_masked_mean_and_gradient():
-    logp = t([[math.log(0.5), math.log(0.5), -3.0]]).requires_grad_(True)
+def test_kl_penalty_is_the_masked_mean_of_the_estimator():
+    logp = t([[math.log(0.5), math.log(0.5), -3.0]])
     ref = t([[math.log(0.25), math.log(0.5), 0.0]])
-    term, value = kl_penalty(logp, ref, t([[1, 1, 0]]), "k1")
+    _, value = kl_penalty(logp, ref, t([[1, 1, 0]]), "k1")
     assert value == pytest.approx(math.log(2) / 2)
-    term.backward()
-    close(logp.grad, [[0.5, 0.5, 0.0]])
-    # k3's gradient: d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp)
-    logp.grad = None
-    term, _ = kl_penalty(logp, ref, t([[1, 1, 0]]), "k3", denominator=4.0)
-    term.backward()
-    close(logp.grad, [[0.5 / 4, 0.0, 0.0]])
+    _, value = kl_penalty(logp, ref, t([[1, 1, 0]]), "k3", denominator=4.0)
+    assert value == pytest.approx((0.5 + math.log(2) - 1) / 4)
+
+
+def _expected_loss_gradient(logits: torch.Tensor, ref_logits: torch.Tensor, estimator: str) -> torch.Tensor:
+    """d/dlogits of E_{x ~ pi}[estimator(x)] as the loss sees it: the expectation is the sum over the
+    support weighted by pi, with no gradient through pi's weights (the sampling)."""
+    logits = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(logits, -1)
+    term, _ = kl_penalty(logp, torch.log_softmax(ref_logits, -1), logp.exp().detach(), estimator, denominator=1.0)
+    (grad,) = torch.autograd.grad(term, logits)
+    return grad
+
+
+def _divergence_gradient(logits: torch.Tensor, ref_logits: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """d/dlogits of the exact KL(pi || ref) (reverse: KL(ref || pi)) over the whole support."""
+    logits = logits.clone().requires_grad_(True)
+    logp, ref = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
+    kl = (ref.exp() * (ref - logp)).sum() if reverse else (logp.exp() * (logp - ref)).sum()
+    (grad,) = torch.autograd.grad(kl, logits)
+    return grad
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_kl_loss_gradient_is_the_gradient_of_the_divergence_it_claims(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 5, generator=g, dtype=torch.float64)
+    ref_logits = torch.randn(1, 5, generator=g, dtype=torch.float64)
+    forward, reverse = _divergence_gradient(logits, ref_logits, False), _divergence_gradient(logits, ref_logits, True)
+    assert (forward - reverse).abs().max() > 1e-3  # the two directions differ here: the test can tell them apart
+    close(_expected_loss_gradient(logits, ref_logits, "k2"), forward.tolist(), atol=1e-12)
+    close(_expected_loss_gradient(logits, ref_logits, "k3"), reverse.tolist(), atol=1e-12)
+    # k1's expected gradient is zero: it does not pull toward the reference (the config refuses it as a loss)
+    close(_expected_loss_gradient(logits, ref_logits, "k1"), [[0.0] * 5], atol=1e-12)
 
 
 def test_value_loss_hand_values():
