@@ -300,6 +300,7 @@ def make_record(
         reward_errors=buffer.reward_errors,
         reward_timeouts=buffer.reward_timeouts,
         reward_crashes=buffer.reward_crashes,
+        reward_pool_restarts=buffer.reward_pool_restarts,
         lr=per_rank[0].lr,
         masked_frac=sum(m.masked_frac for m in per_rank) / n,
         kl_ref=sum(m.kl_ref for m in per_rank) / n,
