@@ -120,6 +120,7 @@ class Controller:
             record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
             record.num_engines = len(rt.generators.engines)
             metrics.log(record)
+            sup.check_failures(buffer)  # a run whose rewards all fail stops here
             rewards.append(record.reward_mean)
             if self.checkpoint_due(step):
                 self.save_checkpoint()
@@ -153,6 +154,7 @@ class Controller:
             self.supervisor.sync(self.version)
         record = self.evaluation.run(self.generators.actors, self.version, time.perf_counter() - t_start)
         metrics.log_eval(record)
+        self.supervisor.check_eval(record)
 
     def take_turns(self) -> None:
         """Colocated: once the batch is generated, the engines sleep and the learner gets the cores

@@ -199,7 +199,7 @@ class RewardRunner:
                 # this call had not started: it runs again on a fresh pool.
                 await self._restart(pool, wedged=False)
             except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
                 return 0.0, REWARD_ERROR
         self.last_error = self.failure or "crash: the reward pool broke three times"
         return 0.0, REWARD_CRASH
