@@ -79,6 +79,16 @@ class TaskConfig(_Section):
             ge=1,
         ),
     ] = 2
+    failure_window: Annotated[
+        int,
+        _f(
+            "a run that cannot learn stops (exit 1, one line naming the reward, the failure kind and the last "
+            "error) once this many samples in a row failed: every reward call raised, timed out or crashed, or "
+            "every request or environment episode failed; checked from the first sample on and all run long, "
+            "and an evaluation whose rewards all failed stops it too; partial failure is only counted; 0 = never stop",
+            ge=0,
+        ),
+    ] = 64
 
 
 class DataConfig(_Section):

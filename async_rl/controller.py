@@ -120,6 +120,7 @@ class Controller:
             record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
             record.num_engines = len(rt.generators.engines)
             metrics.log(record)
+            sup.check_failures(buffer)  # a run whose rewards all fail stops here
             rewards.append(record.reward_mean)
             if self.checkpoint_due(step):
                 self.save_checkpoint()
@@ -153,6 +154,7 @@ class Controller:
             self.supervisor.sync(self.version)
         record = self.evaluation.run(self.generators.actors, self.version, time.perf_counter() - t_start)
         metrics.log_eval(record)
+        self.supervisor.check_eval(record)
 
     def take_turns(self) -> None:
         """Colocated: once the batch is generated, the engines sleep and the learner gets the cores
@@ -300,6 +302,7 @@ def make_record(
         reward_errors=buffer.reward_errors,
         reward_timeouts=buffer.reward_timeouts,
         reward_crashes=buffer.reward_crashes,
+        reward_pool_restarts=buffer.reward_pool_restarts,
         lr=per_rank[0].lr,
         masked_frac=sum(m.masked_frac for m in per_rank) / n,
         kl_ref=sum(m.kl_ref for m in per_rank) / n,

@@ -72,6 +72,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     reward_errors: int
     reward_timeouts: int
     reward_crashes: int = 0  # samples whose reward worker process died mid-call
+    reward_pool_restarts: int = 0  # engines' reward pools restarted (wedged: no call resolved; or broken), so far
     lr: float = 0.0  # learning rate of this step (after warmup/decay)
     masked_frac: float = 0.0  # completion tokens masked out for an extreme importance ratio
     kl_ref: float = 0.0  # KL estimate to the frozen reference model

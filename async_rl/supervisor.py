@@ -29,10 +29,13 @@ import ray
 
 from async_rl import checkpoint
 from async_rl.autoscale import ScaleDecision, ScaleSignal, decide
+from async_rl.buffer.actor import BufferStats
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.config import Config
 from async_rl.control import ControlInbox, ScaleReply, ScaleRequest
 from async_rl.errors import RunError
+from async_rl.evaluation.scores import EvalRecord
+from async_rl.failure_watch import Failing, FailureWatch, reward_name
 from async_rl.learner.base import StepMetrics
 from async_rl.runtime import Runtime
 
@@ -87,6 +90,7 @@ class Supervisor:
         # A sync was skipped (during a step), so a replaced engine may hold no weights yet: the
         # controller syncs after the step even when train.sync_every would not.
         self.sync_owed = False
+        self.failures = FailureWatch(cfg.task.failure_window, reward_name(cfg.task.name, cfg.task.reward), cfg.env.name)
 
     def close(self) -> None:
         self.inbox.close()
@@ -118,11 +122,31 @@ class Supervisor:
                 self.on_buffer(step, lambda: self.rt.ack_batch(step))
                 return metrics
             self.recover(step)
-            self.check_prompts(step)
+            stats = self.on_buffer(step, self.rt.buffer_stats)
+            self.check_failures(stats)
+            self.check_prompts(step, stats)
 
-    def check_prompts(self, step: int) -> None:
+    def check_failures(self, stats: BufferStats) -> None:
+        """Stop a run whose rewards (or requests, or episodes) all fail (failure_watch.py)."""
+        self._stop_if(self.failures.check(stats))
+
+    def check_eval(self, record: EvalRecord) -> None:
+        """Stop a run whose evaluation's rewards (or prompts) all failed."""
+        self._stop_if(self.failures.check_eval(record))
+
+    def _stop_if(self, failing: Failing | None) -> None:
+        if failing is None:
+            return
+        last = "none recorded"
+        for engine in self.rt.generators.stats():
+            error = engine.reward_last_error if failing.source == "reward" else engine.last_error
+            if error:
+                last = " ".join(error.split())
+                break
+        raise RunError(f"{failing.message}; last error: {last}")
+
+    def check_prompts(self, step: int, stats: BufferStats) -> None:
         """No prompt left, none in flight, too few groups waiting: this step's batch never fills."""
-        stats = self.on_buffer(step, self.rt.buffer_stats)
         if (
             stats.prompts_exhausted
             and stats.accounts.in_flight == 0

@@ -92,6 +92,7 @@ class BufferStats(msgspec.Struct):
     data_position: DataPosition = msgspec.field(default_factory=DataPosition)  # the prompt stream's
     skipped_prompts: dict[str, int] = {}  # prompts or data rows that could not be used, by reason
     reward_crashes: int = 0  # samples whose reward worker died mid-call
+    reward_pool_restarts: int = 0  # engines' reward pools restarted (wedged or broken), reported by the engines
 
 
 def bind(socket: zmq.Socket, host: str, port: int, field: str) -> str:
@@ -200,6 +201,10 @@ class ReplayBuffer:
             self._changed.notify_all()
         return len(gone)
 
+    def reward_pool_restarted(self, engine_id: int) -> None:
+        """An engine restarted its reward pool (counted with the reward counters, in snapshots too)."""
+        self.ingest.reward_pool_restarts += 1
+
     async def close_engine(self, engine_id: int) -> None:
         """The engine is draining (or dead): it gets no new lease from now on."""
         async with self._changed:
@@ -254,6 +259,7 @@ class ReplayBuffer:
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
             reward_crashes=self.ingest.reward_crashes,
+            reward_pool_restarts=self.ingest.reward_pool_restarts,
             last_batch_step=step,
             last_batch_max_lag=max_lag,
             last_batch_mean_lag=mean_lag,

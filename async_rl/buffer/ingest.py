@@ -54,11 +54,14 @@ class Ingest:
         self.reward_errors = 0
         self.reward_timeouts = 0
         self.reward_crashes = 0  # reward worker died mid-call
+        self.reward_pool_restarts = 0  # engines' reward pools found wedged or broken and started anew
         self.filtered_groups = 0  # groups dropped by dynamic sampling, ever
 
-    def restore_counters(self, reward_errors: int, reward_timeouts: int, reward_crashes: int) -> None:
+    def restore_counters(
+        self, reward_errors: int, reward_timeouts: int, reward_crashes: int, reward_pool_restarts: int = 0
+    ) -> None:
         self.reward_errors, self.reward_timeouts = reward_errors, reward_timeouts
-        self.reward_crashes = reward_crashes
+        self.reward_crashes, self.reward_pool_restarts = reward_crashes, reward_pool_restarts
 
     def ingest_frame(self, frames: list[bytes]) -> None:
         """Caller holds the buffer's lock: decode, check and accept one frame, or count it rejected."""

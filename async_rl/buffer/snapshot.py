@@ -46,6 +46,7 @@ class BufferSnapshot(msgspec.Struct, kw_only=True):
     position: DataPosition | None = None  # exact stream position (None: older snapshots, = (0, prompts_drawn))
     skipped_prompts: dict[str, int] = {}
     reward_crashes: int = 0
+    reward_pool_restarts: int = 0
 
 
 class BufferState(msgspec.Struct, kw_only=True):
@@ -63,6 +64,7 @@ class BufferState(msgspec.Struct, kw_only=True):
     position: DataPosition | None = None  # exact stream position (None: older checkpoints, = (0, prompts_drawn))
     skipped_prompts: dict[str, int] = {}  # prompts or rows that could not be used, by reason
     reward_crashes: int = 0  # samples whose reward worker died mid-call
+    reward_pool_restarts: int = 0  # engines' reward pools restarted
 
 
 def _position(position: DataPosition | None, drawn: int) -> DataPosition:
@@ -133,6 +135,7 @@ class BufferParts:
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
             reward_crashes=self.ingest.reward_crashes,
+            reward_pool_restarts=self.ingest.reward_pool_restarts,
             position=self.source.position,
             skipped_prompts=self.source.skipped,
         )
@@ -150,7 +153,9 @@ class BufferParts:
         built = {step: [self._decode(f) for f in shards] for step, shards in snap.batches.items()}
         self.server.restore(waiting, built)
         self.rejected.update(snap.rejected_frames)
-        self.ingest.restore_counters(snap.reward_errors, snap.reward_timeouts, snap.reward_crashes)
+        self.ingest.restore_counters(
+            snap.reward_errors, snap.reward_timeouts, snap.reward_crashes, snap.reward_pool_restarts
+        )
 
     def _decode(self, frames: list[bytes]):
         return decode_groups(frames, self.run_id, self.max_frame_bytes)[1]
@@ -167,6 +172,7 @@ class BufferParts:
             reward_errors=self.ingest.reward_errors,
             reward_timeouts=self.ingest.reward_timeouts,
             reward_crashes=self.ingest.reward_crashes,
+            reward_pool_restarts=self.ingest.reward_pool_restarts,
             returned=[*self.source.returned(), *(lease.prompt for lease in self.leases.held())],
             position=self.source.position,
             skipped_prompts=self.source.skipped,
@@ -190,4 +196,6 @@ class BufferParts:
         self.source.give_back(state.returned)
         self.rejected.clear()
         self.rejected.update(state.rejected_frames)
-        self.ingest.restore_counters(state.reward_errors, state.reward_timeouts, state.reward_crashes)
+        self.ingest.restore_counters(
+            state.reward_errors, state.reward_timeouts, state.reward_crashes, state.reward_pool_restarts
+        )

@@ -106,6 +106,8 @@ class EngineStats(msgspec.Struct):
     failed_requests: int
     last_error: str
     paused_s: float = 0.0  # time paused or asleep (weight syncs; colocated: the learner's turn)
+    reward_pool_restarts: int = 0  # reward pools found wedged or broken and started anew
+    reward_last_error: str = ""  # why the last reward that was not ok failed (the exception's last line)
 
 
 class EnginePids(msgspec.Struct, frozen=True):
@@ -147,7 +149,11 @@ class GeneratorEngine:
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
-        self.rewards = RewardRunner(self.s.task, self.s.reward_timeout_s, self.s.reward_workers)
+        self.rewards = RewardRunner(
+            self.s.task, self.s.reward_timeout_s, self.s.reward_workers, on_restart=self._reward_pool_restarted
+        )
+        # Its fork server and workers start here, off the event loop (Ray calls keep being served).
+        await asyncio.get_running_loop().run_in_executor(None, self.rewards.start)
         self._llm = vc.make_engine(self.s.spec)
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
@@ -422,8 +428,13 @@ class GeneratorEngine:
         return EnginePids(actor=os.getpid(), engine_core=vc.engine_core_pids(self._llm))
 
     def healthy(self) -> bool:
-        """False once vLLM's engine core died (the actor alone cannot generate any more)."""
-        return self._llm is not None and not vc.is_dead(self._llm)
+        """False once vLLM's engine core died (the actor alone cannot generate any more), or once its
+        reward pool can make no progress (a restart failed, or calls waited far past one)."""
+        return self._llm is not None and not vc.is_dead(self._llm) and self.rewards.healthy()
+
+    def _reward_pool_restarted(self, reason: str) -> None:
+        self._last_error = f"reward pool restarted: {reason}"
+        self.buffer.reward_pool_restarted.remote(self.s.engine_id)  # counted there; a dead buffer misses one
 
     async def reconnect(self, buffer, ingest_address: str) -> None:
         """A restarted buffer: lease from the new actor, push to its new ingest socket. The requests
@@ -503,6 +514,8 @@ class GeneratorEngine:
             last_error=self._last_error,
             paused_s=self._paused_s
             + (time.monotonic() - self._paused_since if self._paused_since is not None else 0.0),
+            reward_pool_restarts=self.rewards.pool_restarts if hasattr(self, "rewards") else 0,
+            reward_last_error=self.rewards.last_error if hasattr(self, "rewards") else "",
         )
 
     async def shutdown(self) -> None:

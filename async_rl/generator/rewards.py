@@ -8,18 +8,37 @@ call), never while it queues; a call past it has its worker killed and replaced.
 for a free worker at most one timeout and are then scored in full.
 
 Every outcome is counted per reason (`counts`) and carried on the wire as the sample's reward
-status: REWARD_OK, REWARD_ERROR (raised, or not a finite number), REWARD_TIMEOUT, REWARD_CRASH."""
+status: REWARD_OK, REWARD_ERROR (raised, or not a finite number), REWARD_TIMEOUT, REWARD_CRASH.
+
+A wedged pool is restarted. pebble enforces every timeout from one thread, which SIGKILLs a timed-out
+worker and then join()s it without a timeout while it holds the channel lock; a fork-server worker's
+death is reported only once the fork server reaps it. A fork server that stops reaping (stopped,
+spinning) therefore freezes every timeout and every result of the pool. So the runner watches for
+progress: calls waiting and none resolved for `stall_limit_s` (the call timeout, pebble's SIGTERM grace
+and a margin for worker start-up) means the pool is wedged. Its processes (the fork server and every
+worker) are SIGKILLed, which unblocks pebble (a dead server reads as exit code 255), the pool is
+stopped and joined with a timeout, and a new one is started, all on a helper thread, never on the
+caller's event loop. Calls that were running are lost (REWARD_TIMEOUT, counted); calls still queued
+run on the new pool. `pool_restarts` counts rebuilt pools (wedged, or broken by pebble itself)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 import msgspec
 import pebble
+from pebble.common import CONSTS
 from pebble.common.types import RemoteTraceback
 
 from async_rl.config import TaskConfig
@@ -29,7 +48,26 @@ from async_rl.protocol import REWARD_CRASH, REWARD_ERROR, REWARD_OK, REWARD_TIME
 # Worker processes come from a fork server: started once per engine process, fresh (none of the
 # engine's threads), with the reward's libraries imported before it forks. A replaced worker then
 # starts in milliseconds instead of re-importing them (sympy alone takes about a second on 2 cores).
+# The fork server is a shared point of failure (see the module doc); `spawn` would remove it (each
+# worker a direct child, its death seen by waitpid) at 1-3 s per started worker, paid at every timeout
+# and crash and by every engine start (16 workers on 2 cores: ~20 s of imports). We keep the fork
+# server and recover from its failure instead: the watchdog below restarts a wedged pool, server
+# included, in about a second, and it also covers wedges spawn would not (a worker killed while it
+# holds the channel lock, which no timeout then can take).
 START_METHOD = "forkserver"
+# What a wedged pool may take beyond the call timeout and pebble's SIGTERM grace before it is
+# restarted: room for a replacement worker to start and run its initializer under load.
+STALL_MARGIN_S = 10.0
+# Stopping a wedged pool after its processes were killed takes well under a second; past this the
+# pool is abandoned (its threads are daemons) and the engine reports itself unhealthy.
+JOIN_TIMEOUT_S = 10.0
+# A healthy pool stops within pebble's SIGTERM grace (a worker that ignores SIGTERM is SIGKILLed after
+# it); one that takes longer is stuck and has its processes killed.
+STOP_TIMEOUT_S = CONSTS.term_timeout + 1.0
+
+
+class PoolWedged(Exception):
+    """The pool a call waited on made no progress for stall_limit_s, or was replaced meanwhile."""
 
 
 class RewardCounts(msgspec.Struct):
@@ -63,13 +101,29 @@ def _context(task: TaskConfig) -> multiprocessing.context.BaseContext:
 
 
 class RewardRunner:
-    def __init__(self, task: TaskConfig, timeout_s: float, workers: int) -> None:
+    def __init__(
+        self,
+        task: TaskConfig,
+        timeout_s: float,
+        workers: int,
+        stall_margin_s: float = STALL_MARGIN_S,
+        on_restart: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_restart(reason)` is called on the caller's event loop after each pool restart."""
         self.task = task
         self.timeout_s = timeout_s
         self.workers = workers
+        self.stall_limit_s = timeout_s + CONSTS.term_timeout + stall_margin_s
+        self.on_restart = on_restart
         self.counts = RewardCounts()
-        self.pools_replaced = 0  # pools found broken (e.g. every worker died while idle) and started anew
+        self.pool_restarts = 0  # pools found wedged or broken, stopped and started anew
         self.last_error = ""  # why the last reward that was not REWARD_OK failed, for the user's eyes
+        self.failure = ""  # why the last restart failed ('' = it did not): the engine is then unhealthy
+        self._waiting = 0  # calls waiting on the pool
+        self._progress_at = time.monotonic()  # the last call resolved (or the pool went from idle to busy)
+        self._rebuilding: concurrent.futures.Future[pebble.ProcessPool] | None = None
+        self._restart_reason = ""
+        self._rebuilder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-pool-restart")
         self._pool = self._new_pool()
 
     def _new_pool(self) -> pebble.ProcessPool:
@@ -80,11 +134,19 @@ class RewardRunner:
             context=_context(self.task),
         )
 
-    def _replace(self, broken: pebble.ProcessPool) -> None:
-        if self._pool is broken:  # concurrent calls that all saw it broken replace it once
-            broken.stop()
-            self._pool = self._new_pool()
-            self.pools_replaced += 1
+    def start(self) -> None:
+        """Start the workers now (blocking: call it off the event loop). A pool not started forks its
+        workers at its first call, on the caller's thread."""
+        _ = self._pool.active  # pebble starts a pool when asked for its status
+
+    def stalled_s(self) -> float:
+        """Seconds calls have waited without any call resolving (0 when none waits)."""
+        return time.monotonic() - self._progress_at if self._waiting else 0.0
+
+    def healthy(self) -> bool:
+        """False when a restart failed, or calls wait far past the point where the pool should have been
+        restarted: the engine cannot score any more and must be replaced."""
+        return not self.failure and self.stalled_s() <= self.stall_limit_s + STOP_TIMEOUT_S + JOIN_TIMEOUT_S
 
     async def score(self, sample: Sample) -> tuple[float, int]:
         """(reward, status): status is REWARD_OK, or REWARD_ERROR, REWARD_TIMEOUT, REWARD_CRASH
@@ -101,15 +163,24 @@ class RewardRunner:
         return value, status
 
     async def _run(self, sample: Sample) -> tuple[float, int]:
-        for _ in range(2):
+        for _ in range(3):
+            if self._rebuilding is not None:
+                await self._restarted()
             pool = self._pool
             try:
                 future = pool.schedule(reward_worker.score, args=(sample,), timeout=self.timeout_s)
             except RuntimeError:  # the pool is broken: see below
-                self._replace(pool)
+                await self._restart(pool, wedged=False)
                 continue
             try:
-                return await asyncio.wrap_future(future), REWARD_OK
+                return await self._result(pool, future), REWARD_OK
+            except PoolWedged:
+                started = future.running()
+                await self._restart(pool, wedged=True)
+                if not started:  # it never ran: it runs on the new pool
+                    continue
+                self.last_error = f"timeout: the reward pool made no progress for {self.stall_limit_s:g} s; restarted"
+                return 0.0, REWARD_TIMEOUT
             except TimeoutError:
                 # pebble's own timeout carries no remote traceback; a TimeoutError the reward raised does
                 # (asyncio re-creates TimeoutErrors without their cause: read the original).
@@ -126,14 +197,149 @@ class RewardRunner:
             except BrokenProcessPool:
                 # pebble gives up its pool when a worker dies with no call running (killed while idle);
                 # this call had not started: it runs again on a fresh pool.
-                self._replace(pool)
+                await self._restart(pool, wedged=False)
             except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
                 return 0.0, REWARD_ERROR
-        self.last_error = "crash: the reward pool broke twice"
+        self.last_error = self.failure or "crash: the reward pool broke three times"
         return 0.0, REWARD_CRASH
+
+    async def _result(self, pool: pebble.ProcessPool, future: concurrent.futures.Future) -> float:
+        """The call's result; PoolWedged once the pool made no progress for stall_limit_s (or another
+        call restarted it)."""
+        waiter = asyncio.wrap_future(future)
+        if not self._waiting:
+            self._progress_at = time.monotonic()  # idle until now: not a stall
+        self._waiting += 1
+        try:
+            while True:
+                left = self._progress_at + self.stall_limit_s - time.monotonic()
+                if self._pool is not pool or left <= 0:
+                    waiter.cancel()
+                    raise PoolWedged
+                # short waits: a restart by another call is noticed within a fraction of a second
+                done, _ = await asyncio.wait({waiter}, timeout=min(left, 0.5))
+                if done:
+                    self._progress_at = time.monotonic()
+                    return waiter.result()
+        finally:
+            self._waiting -= 1
+
+    async def _restart(self, broken: pebble.ProcessPool, wedged: bool) -> None:
+        """Replace `broken` once (concurrent callers all wait for the same replacement)."""
+        if self._pool is broken and self._rebuilding is None:
+            self._restart_reason = f"no progress for {self.stall_limit_s:g} s" if wedged else "broken"
+            self._rebuilding = self._rebuilder.submit(self._rebuild, broken, wedged)
+        if self._rebuilding is not None:
+            await self._restarted()
+
+    async def _restarted(self) -> None:
+        rebuilding = self._rebuilding
+        try:
+            pool = await asyncio.wrap_future(rebuilding)
+        except Exception as exc:
+            if self._rebuilding is rebuilding:  # the broken pool stays; the next call tries again
+                self._rebuilding = None
+                self.failure = f"the reward pool could not be restarted: {type(exc).__name__}: {exc}"
+            return
+        if self._rebuilding is rebuilding:  # the first caller back installs it
+            self._rebuilding = None
+            self._pool = pool
+            self.pool_restarts += 1
+            self.failure = ""
+            self._progress_at = time.monotonic()
+            if self.on_restart is not None:
+                self.on_restart(self._restart_reason)
+
+    def _rebuild(self, broken: pebble.ProcessPool, wedged: bool) -> pebble.ProcessPool:
+        """On the restart thread: kill a wedged pool's processes, stop and join it, start a new one."""
+        if wedged:
+            kill_pool_processes(broken)
+        if not stop(broken):
+            raise RuntimeError("the old pool did not stop after its processes were killed")
+        pool = self._new_pool()
+        _ = pool.active  # forks its workers here, not on the caller's event loop
+        return pool
 
     def close(self) -> None:
         """Stop the workers now (a call still running is killed)."""
-        self._pool.stop()
-        self._pool.join()
+        pools = [self._pool]
+        if self._rebuilding is not None and self._rebuilding.done() and self._rebuilding.exception() is None:
+            pools.append(self._rebuilding.result())
+        for pool in pools:
+            stop(pool)
+        self._rebuilder.shutdown(wait=False)
+
+
+def stop(pool: pebble.ProcessPool) -> bool:
+    """Stop and join `pool`; one that does not stop in time (its fork server stalls) has its processes
+    killed first. False if it still did not stop (its threads are daemons: abandoned)."""
+    if stop_and_join(pool, STOP_TIMEOUT_S):
+        return True
+    kill_pool_processes(pool)
+    return stop_and_join(pool, JOIN_TIMEOUT_S)
+
+
+def stop_and_join(pool: pebble.ProcessPool, timeout_s: float) -> bool:
+    """Stop `pool` and wait for its threads and workers; False if that took longer than `timeout_s`
+    (pebble's join waits without a limit for a stop, so it runs on a daemon thread)."""
+    pool.stop()
+    joiner = threading.Thread(target=pool.join, name="reward-pool-join", daemon=True)
+    joiner.start()
+    joiner.join(timeout_s)
+    return not joiner.is_alive()
+
+
+def kill_pool_processes(pool: pebble.ProcessPool) -> None:
+    """SIGKILL every worker of `pool` and, under the fork server, the server and all its children. A
+    killed server reads as exit code 255 to everything that waits on one of its workers (pebble's
+    blocked join included), and the next worker start launches a new server. The server serves this
+    process alone: in an engine, that is its one reward pool."""
+    pids = set(_worker_pids(pool))
+    server = multiprocessing.forkserver._forkserver._forkserver_pid  # CPython's; None until started
+    if START_METHOD == "forkserver" and server is not None:
+        pids.update(_children(server))
+    for pid in pids:
+        _kill(pid)
+    if START_METHOD == "forkserver" and server is not None:
+        _kill(server)
+        # Not reaped here: the next start checks the old server with waitpid and starts a new one
+        # once it has exited. Wait until it has, or that check would find it alive and use it.
+        deadline = time.monotonic() + 5.0
+        while _state(server) not in ("Z", "") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _worker_pids(pool: pebble.ProcessPool) -> list[int]:
+    # pebble keeps no public list of its workers; a worker it already dropped (the one it is stuck
+    # stopping) is a child of the fork server and found there.
+    manager = getattr(pool, "_pool_manager", None)
+    workers = getattr(getattr(manager, "worker_manager", None), "workers", {})
+    return [pid for pid in list(workers) if isinstance(pid, int)]
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _state(pid: int) -> str:
+    """The process's state letter ('R', 'S', 'T', 'Z', ...), '' if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

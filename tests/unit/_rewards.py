@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -51,3 +52,10 @@ async def async_length(sample: Sample) -> float:
     """An async reward: awaits (as a remote call would) on the worker's event loop."""
     await asyncio.sleep(0.01)
     return len(sample.completion) / 10
+
+
+def ignores_sigterm(sample: Sample) -> float:
+    """Like `wait`, but a 'hang' ignores SIGTERM first (only SIGKILL stops it)."""
+    if sample.completion == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return wait(sample)

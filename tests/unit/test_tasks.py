@@ -336,7 +336,7 @@ def test_pool_whose_idle_worker_died_is_replaced():
     try:
         pid, (new_pid, status) = asyncio.run(main())
         assert status == REWARD_OK and new_pid != pid
-        assert runner.pools_replaced == 1
+        assert runner.pool_restarts == 1
         assert runner.counts == RewardCounts(ok=2)
     finally:
         runner.close()
