@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install quickstart test test-unit test-integration lint bench bench-quick clean
+.PHONY: install quickstart test test-unit test-integration lint bench bench-quick docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	PY=$(PY) benchmarks/run_all.sh --quick
+
+# docs/config.md from the config tree (what --describe prints); tests/unit/test_config_docs.py checks it.
+docs: $(STAMP)
+	$(PY) scripts/gen_config_docs.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check async_rl tests benchmarks
