@@ -68,7 +68,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     wait_s: float  # time spent waiting for the batch
     compute_s: float
     lr: float = 0.0  # learning rate used by this step
-    micro_batches: int = 1
+    micro_batches: int = 1  # forward/backward passes of the step (all its updates)
+    updates: int = 1  # optimizer steps the batch took part in: train.minibatches x train.epochs
+    nonfinite_steps: int = 0  # of those, skipped for a non-finite loss or gradient norm (weights kept)
     masked_frac: float = 0.0  # completion tokens masked out for an extreme importance ratio
     kl_ref: float = 0.0  # KL estimate to the frozen reference (0 without algorithm.kl_coef)
     value_loss: float = 0.0  # ppo: the critic's value loss
