@@ -213,10 +213,10 @@ class GeneratorConfig(_Section):
 
 
 class TrainConfig(_Section):
-    total_steps: Annotated[int, _f("optimizer steps to run", ge=1)] = 60
-    prompts_per_step: Annotated[int, _f("prompt groups per optimizer step (batch = this * group_size)", ge=1)] = 8
+    total_steps: Annotated[int, _f("training steps to run: batches, each of train.minibatches x epochs optimizer steps", ge=1)] = 60
+    prompts_per_step: Annotated[int, _f("prompt groups per training step (batch = this * group_size)", ge=1)] = 8
     max_lag: Annotated[int, _f("max policy versions a trained sample may lag (0 = synchronous on-policy)", ge=0)] = 1
-    sync_every: Annotated[int, _f("optimizer steps between weight syncs to the generators", ge=1)] = 1
+    sync_every: Annotated[int, _f("training steps (batches) between weight syncs to the generators", ge=1)] = 1
     mismatch_probe_samples: Annotated[
         int, _f("after each sync, samples scored by learner and vLLM to measure their log-prob mismatch", ge=0)
     ] = 8
