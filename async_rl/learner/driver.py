@@ -333,8 +333,10 @@ class LearnerDriver(LearnerRank):
             else:
                 grad_norm = self.backend.optimizer_step(lr, s.learner.max_grad_norm)
                 nonfinite = not math.isfinite(grad_norm)  # the backend skipped the step on every rank
-        # else: no signal in the whole mini-batch (every rank agrees: `signal` is global): the weights
-        # and the optimizer state stay as they are; the step still counts (version and LR schedule).
+        else:
+            # No signal in the whole mini-batch (every rank agrees: `signal` is global): the weights and
+            # the optimizer state stay as they are; the batch still counts (version and LR schedule).
+            self.backend.drop_gradients()  # zero, or NaN times a zero advantage: not for the next step
         self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if nonfinite else 0
         limit = s.train.max_nonfinite_steps
         if nonfinite and limit and self._nonfinite_in_a_row >= limit:
