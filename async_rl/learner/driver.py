@@ -274,11 +274,11 @@ class LearnerDriver(LearnerRank):
         c = s.learner
         # The LR schedule counts batches, like the policy version: every update of a batch has its LR.
         lr = c.lr * lr_factor(self.step_count, c.lr_warmup_steps, s.train.total_steps, c.lr_decay, c.lr_min_ratio)
-        updates: list[UpdateStats] = []
         cuts = minibatch_rows(groups, s.train.minibatches)
+        parts = [prepared] if len(cuts) == 1 else [self.algo.minibatch(prepared, rows, self._dp_sum) for rows in cuts]
+        updates: list[UpdateStats] = []
         for _ in range(s.train.epochs):
-            for rows in cuts:
-                part = prepared if len(cuts) == 1 else self.algo.minibatch(prepared, rows, self._dp_sum)
+            for rows, part in zip(cuts, parts, strict=True):
                 updates.append(self._update(step, len(updates), part, samples[rows], lr))
         self.step_count += 1
         self.last_updates = updates
