@@ -213,10 +213,10 @@ class GeneratorConfig(_Section):
 
 
 class TrainConfig(_Section):
-    total_steps: Annotated[int, _f("optimizer steps to run", ge=1)] = 60
-    prompts_per_step: Annotated[int, _f("prompt groups per optimizer step (batch = this * group_size)", ge=1)] = 8
+    total_steps: Annotated[int, _f("training steps to run: batches, each of train.minibatches x epochs optimizer steps", ge=1)] = 60
+    prompts_per_step: Annotated[int, _f("prompt groups per training step (batch = this * group_size)", ge=1)] = 8
     max_lag: Annotated[int, _f("max policy versions a trained sample may lag (0 = synchronous on-policy)", ge=0)] = 1
-    sync_every: Annotated[int, _f("optimizer steps between weight syncs to the generators", ge=1)] = 1
+    sync_every: Annotated[int, _f("training steps (batches) between weight syncs to the generators", ge=1)] = 1
     mismatch_probe_samples: Annotated[
         int, _f("after each sync, samples scored by learner and vLLM to measure their log-prob mismatch", ge=0)
     ] = 8
@@ -226,6 +226,22 @@ class TrainConfig(_Section):
     ] = 0
     checkpoint_at_end: Annotated[bool, _f("write a checkpoint after the last step")] = True
     checkpoint_keep: Annotated[int, _f("checkpoints kept in RUN_DIR/checkpoints (the oldest are removed)", ge=1)] = 2
+    minibatches: Annotated[
+        int,
+        _f("optimizer steps per batch: each learner rank's shard is cut into this many mini-batches of whole groups "
+           "(in order, the same cut every epoch; at most prompts_per_step / data-parallel ranks). Advantages, the "
+           "old and proximal log-probs and ppo's one critic step are computed once per batch, before its first "
+           "update. The policy version, the LR schedule, total_steps, max_lag and sync_every still count batches: "
+           "one version per batch however many updates it takes", ge=1),
+    ] = 1
+    epochs: Annotated[
+        int, _f("passes over the batch's mini-batches: minibatches x epochs optimizer steps per batch", ge=1)
+    ] = 1
+    max_nonfinite_steps: Annotated[
+        int,
+        _f("a non-finite loss or gradient norm skips that optimizer step (weights and optimizer state kept; "
+           "counted as nonfinite_steps); this many in a row stop the run (0 = never)", ge=0),
+    ] = 3
 
 
 class MegatronConfig(_Section):
@@ -313,7 +329,9 @@ class AlgorithmConfig(_Section):
     objective: Annotated[
         Literal["behaviour", "decoupled"],
         _f("behaviour: PPO-clip on pi/mu (mu = vLLM's log-probs), truncated IS in the unclipped term; decoupled: "
-           "learner recomputes proximal log-probs, clips pi/pi_prox, weights by truncated pi_prox/mu (AReaL)"),
+           "learner recomputes proximal log-probs, clips pi/pi_prox, weights by truncated pi_prox/mu (AReaL); "
+           "pi_prox is the weights before the batch's first update, so the clip acts from its second "
+           "(train.minibatches or train.epochs > 1)"),
     ] = "behaviour"
     tis_cap: Annotated[
         float, _f("truncated importance sampling: cap on the importance ratio against vLLM's policy", gt=1)
@@ -614,6 +632,7 @@ def validate(cfg: Config) -> None:
         )
     if cfg.learner.backend == "megatron":
         _validate_megatron(cfg)
+    _validate_minibatches(cfg)
     if cfg.placement == "colocated" and t.max_lag != 0:
         raise ConfigError(f"placement=colocated alternates generation and training: it needs train.max_lag=0, not {t.max_lag}")
     a = cfg.generators.autoscale
@@ -739,6 +758,21 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
         )
     if a.ratio_mask_low >= 1:
         raise ConfigError(f"algorithm.ratio_mask_low={a.ratio_mask_low} must be below 1 (it masks ratios under it)")
+
+
+def _validate_minibatches(cfg: Config) -> None:
+    """Every data-parallel rank cuts its shard (prompts_per_step / DP groups) into train.minibatches
+    mini-batches of whole groups, and all ranks take the same number of optimizer steps."""
+    t, c = cfg.train, cfg.learner
+    m = c.megatron
+    dp = c.world_size // (m.tensor_parallel_size * m.pipeline_parallel_size) if c.backend == "megatron" else c.world_size
+    per_rank = t.prompts_per_step // max(1, dp)
+    if t.minibatches > per_rank:
+        raise ConfigError(
+            f"train.minibatches={t.minibatches} is above the {per_rank} prompt group(s) each of the {dp} "
+            f"data-parallel learner rank(s) trains per step (train.prompts_per_step={t.prompts_per_step}): "
+            "a mini-batch is whole groups"
+        )
 
 
 def _validate_megatron(cfg: Config) -> None:

@@ -304,6 +304,7 @@ def make_record(
         reward_crashes=buffer.reward_crashes,
         reward_pool_restarts=buffer.reward_pool_restarts,
         lr=per_rank[0].lr,
+        nonfinite_steps=per_rank[0].nonfinite_steps,  # every rank skips together
         masked_frac=sum(m.masked_frac for m in per_rank) / n,
         kl_ref=sum(m.kl_ref for m in per_rank) / n,
         value_loss=sum(m.value_loss for m in per_rank) / n,

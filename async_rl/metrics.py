@@ -74,6 +74,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     reward_crashes: int = 0  # samples whose reward worker process died mid-call
     reward_pool_restarts: int = 0  # engines' reward pools restarted (wedged: no call resolved; or broken), so far
     lr: float = 0.0  # learning rate of this step (after warmup/decay)
+    nonfinite_steps: int = 0  # optimizer steps of this batch skipped for a non-finite loss or gradient norm
     masked_frac: float = 0.0  # completion tokens masked out for an extreme importance ratio
     kl_ref: float = 0.0  # KL estimate to the frozen reference model
     value_loss: float = 0.0  # ppo: the critic's value loss
@@ -111,6 +112,7 @@ def console_line(r: StepRecord, total_steps: int) -> str:
         f"trunc {r.truncation_rate:.0%} | "
         f"trained {r.trained} stale {r.dropped_stale} filtered {r.filtered} lost {r.lost}"
         + (f" requeued {r.requeued}" if r.requeued else "")
+        + (f" | nonfinite {r.nonfinite_steps} step(s) skipped" if r.nonfinite_steps else "")
         + (
             f" | turns {r.turns_mean:.1f} max {r.turns_max} tools {r.tool_calls_per_episode:.2f} "
             f"err {r.tool_errors_per_episode:.2f} ok {r.tool_success:.0%} env {r.env_token_share:.0%}"

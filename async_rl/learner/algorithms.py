@@ -75,8 +75,8 @@ class Prepared:
     signal: bool = True
 
     def rows(self, sl: slice) -> Prepared:
-        """A micro-batch of the shard's rows. The denominator stays the shard's, so the losses of the
-        slices add up to the shard's loss: accumulate their gradients by summing, not averaging."""
+        """The shard's rows `sl`, every batch-level value the shard's (`Algorithm.minibatch` then
+        makes the denominator and signal the mini-batch's)."""
 
         def cut(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x[sl]
@@ -90,8 +90,8 @@ class Prepared:
             denominator=self.denominator,
             kl_ref=self.kl_ref,
             value_loss=self.value_loss,
+            signal=self.signal,
         )
-
 
     def for_micro_batch(self, mb: MicroBatch) -> Prepared:
         """The loss inputs of a (packed or padded) micro-batch built from this shard's samples: its
@@ -212,6 +212,40 @@ class Algorithm:
                 raw, returns = gae(rewards, values, mask, c.gamma, c.gae_lambda)
                 vloss = self.critic.update(hidden, returns, mask)
                 advantages = masked_whiten(raw, mask, reduce)
+        kl_loss = ref is not None and not c.kl_in_reward
+        denominator, signal = self._totals(mask, advantages, kl_loss, reduce)
+        return Prepared(
+            behav_logp=b.behav_logp,
+            mask=mask,
+            advantages=advantages,
+            prox_logp=prox if c.objective == "decoupled" else None,
+            ref_logp=ref if kl_loss else None,
+            denominator=denominator,
+            kl_ref=kl_ref,
+            value_loss=vloss,
+            signal=signal,
+        )
+
+    def minibatch(
+        self, p: Prepared, rows: slice, reduce: Callable[[torch.Tensor], torch.Tensor] = data_parallel_sum
+    ) -> Prepared:
+        """Rows `rows` (whole groups) of a prepared shard as the inputs of one optimizer step
+        (`train.minibatches`): advantages and the old and proximal log-probs stay the shard's, computed
+        once; the denominator and the signal become the global mini-batch's (these rows and the other
+        ranks' mini-batch of the same index), so each update is the token mean over its mini-batch.
+        Collective: one all-reduce, on every rank for every mini-batch."""
+        part = p.rows(rows)
+        part.denominator, part.signal = self._totals(part.mask, part.advantages, part.ref_logp is not None, reduce)
+        return part
+
+    def _totals(
+        self,
+        mask: torch.Tensor,
+        advantages: torch.Tensor,
+        kl_loss: bool,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[float, bool]:
+        """(denominator, signal) of the global batch whose rows on this rank are `mask`."""
         # The loss is a sum over tokens / the global batch's denominator on every rank; the backend sums
         # gradients over ranks, so the update is the global batch's token mean, however unequal the
         # ranks' token counts (a per-rank mean averaged over ranks would weight short shards up).
@@ -220,25 +254,15 @@ class Algorithm:
         # the stale momentum and decays the second moment, so the next small gradient takes a
         # full-size step. On a converged policy (most groups uniform) that pair of steps made the
         # quickstart collapse (KL to behaviour 0.35-0.67 right after zero-gradient steps).
-        live = float(((advantages != 0).to(mask.dtype) * mask).sum()) if ref is None or c.kl_in_reward else 1.0
+        live = 1.0 if kl_loss else float(((advantages != 0).to(mask.dtype) * mask).sum())
         n_seq, n_tok, n_signal = reduce(
             torch.tensor([float(mask.shape[0]), float(mask.sum()), live], dtype=torch.float64)
         ).tolist()
-        return Prepared(
-            behav_logp=b.behav_logp,
-            mask=mask,
-            advantages=advantages,
-            prox_logp=prox if c.objective == "decoupled" else None,
-            ref_logp=None if c.kl_in_reward else ref,
-            # Dr.GRPO: sum over tokens / (sequences * max completion length), the same constant for every
-            # batch, so a long completion is not down-weighted per token. Otherwise the token mean over
-            # the global batch's completion tokens; tokens masked for an extreme ratio add 0 but still
-            # count, so the loss of the batch is the sum of its micro-batches' losses.
-            denominator=n_seq * self.max_tokens if c.name == "dr_grpo" else n_tok,
-            kl_ref=kl_ref,
-            value_loss=vloss,
-            signal=n_signal > 0,
-        )
+        # Dr.GRPO: sum over tokens / (sequences * max completion length), the same constant for every
+        # batch, so a long completion is not down-weighted per token. Otherwise the token mean over
+        # the global batch's completion tokens; tokens masked for an extreme ratio add 0 but still
+        # count, so the loss of the batch is the sum of its micro-batches' losses.
+        return (n_seq * self.max_tokens if self.cfg.name == "dr_grpo" else n_tok), n_signal > 0
 
     def loss(self, p: Prepared, logp: torch.Tensor) -> tuple[torch.Tensor, AlgoStats]:
         c = self.cfg

@@ -94,7 +94,16 @@ class ModelBackend(abc.ABC):
     @abc.abstractmethod
     def optimizer_step(self, lr: float, max_grad_norm: float) -> float:
         """Collective. Set the learning rate to `lr`, clip the global gradient norm (over all ranks and
-        shards) to `max_grad_norm`, step, zero the gradients. Returns the norm before clipping."""
+        shards) to `max_grad_norm`, step, zero the gradients. Returns the norm before clipping.
+
+        A gradient that is not finite on any rank skips the step on every rank (the backend reduces
+        that flag over the whole learner group): the gradients are dropped, the weights and the
+        optimizer state stay bitwise as they are, and the returned norm is not finite."""
+
+    @abc.abstractmethod
+    def drop_gradients(self) -> None:
+        """Discard the gradients `forward_backward` accumulated, without a step (the driver found a
+        non-finite loss on some rank; every rank calls it). No collective."""
 
     @abc.abstractmethod
     def all_reduce(self, x: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:

@@ -7,8 +7,9 @@ Contract shared by every backend (torch DDP/FSDP2, Megatron):
 - Parameters cross this boundary under Hugging Face names, full (unsharded) and with a tied output
   embedding listed once under the input embedding's name: that is what vLLM's loader and
   `from_pretrained` expect. A backend with another internal layout converts in `hf_weights`.
-- Policy version = optimizer steps taken. Step `s` (0-based) trains batch `s` and produces
-  version `s + 1`; a checkpoint written after it is `step_{s+1}` and holds version `s + 1`.
+- Policy version = batches trained. Step `s` (0-based) trains batch `s` (in train.minibatches x
+  train.epochs optimizer steps) and produces version `s + 1`; a checkpoint written after it is
+  `step_{s+1}` and holds version `s + 1`.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     wait_s: float  # time spent waiting for the batch
     compute_s: float
     lr: float = 0.0  # learning rate used by this step
-    micro_batches: int = 1
+    micro_batches: int = 1  # forward/backward passes of the step (all its updates)
+    updates: int = 1  # optimizer steps the batch took part in: train.minibatches x train.epochs
+    nonfinite_steps: int = 0  # of those, skipped for a non-finite loss or gradient norm (weights kept)
     masked_frac: float = 0.0  # completion tokens masked out for an extreme importance ratio
     kl_ref: float = 0.0  # KL estimate to the frozen reference (0 without algorithm.kl_coef)
     value_loss: float = 0.0  # ppo: the critic's value loss
@@ -129,9 +132,11 @@ class LearnerRank(abc.ABC):
 
     @abc.abstractmethod
     def train_on_shard(self, step: int, groups: list[TrajectoryGroup]) -> StepMetrics:
-        """Collective. One optimizer step on this rank's shard (gradients averaged over ranks):
-        advantages, the off-policy loss over micro-batches with gradient accumulation, clipping,
-        the LR schedule. Metrics are this rank's (the controller averages them)."""
+        """Collective. train.minibatches x train.epochs optimizer steps on this rank's shard, cut
+        into mini-batches of whole groups (gradients summed over ranks, each the global mini-batch's
+        token mean): advantages once, the off-policy loss over micro-batches with gradient
+        accumulation, clipping, the LR schedule (per batch). Metrics are this rank's, averaged over
+        its updates (the controller averages them over ranks)."""
 
     @abc.abstractmethod
     def compute_logprobs(self, groups: list[TrajectoryGroup], temperature: float = 1.0) -> list[np.ndarray]:

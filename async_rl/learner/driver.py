@@ -10,11 +10,13 @@ reports the step's metrics (entropy included), holds the weights lock, serves th
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
@@ -122,6 +124,46 @@ def padded_inputs(b: PaddedShard) -> MicroBatch:
     return MicroBatch(b.input_ids, None, b.attention_mask, targets, zeros, zeros, zeros, [])
 
 
+def minibatch_rows(groups: list[TrajectoryGroup], minibatches: int) -> list[slice]:
+    """The shard's rows (one per completion, groups in order) cut into `minibatches` runs of whole
+    groups, as even in groups as the count allows (a group's advantages are relative to its own
+    samples: a cut through it would train on half a baseline). Every rank cuts its shard into the
+    same count, so all take the same number of optimizer steps; a rank with fewer groups than that
+    gets empty mini-batches (the buffer's shards are equal; config validation keeps count <= groups)."""
+    bounds = np.cumsum([0] + [g.size for g in groups])
+    cuts = np.linspace(0, len(groups), minibatches + 1).round().astype(int)
+    return [slice(int(bounds[a]), int(bounds[b])) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+class UpdateStats(msgspec.Struct, kw_only=True):
+    """One optimizer step of a batch (train.minibatches x train.epochs per batch): its loss statistics
+    (this rank's, token-weighted over its part of the mini-batch) and what the step did."""
+
+    loss: float
+    clip_frac: float
+    tis_frac: float
+    kl_behav: float
+    logprob_abs_diff: float
+    masked_frac: float
+    kl_ref: float
+    entropy: float
+    grad_norm: float  # before clipping; 0 without signal (no step); not finite when skipped as such
+    nonfinite: bool  # skipped: a non-finite loss or gradient norm on some rank
+    micro_batches: int
+
+
+def step_means(updates: list[UpdateStats]) -> dict:
+    """The batch's StepMetrics fields from its updates: the means of the loss statistics and of the
+    gradient norm over the updates that were not skipped as non-finite (all 0 when every one was:
+    `nonfinite_steps` says so), the skipped count, and the forward/backward passes run."""
+    kept = [u for u in updates if not u.nonfinite]
+    out = {k: float(np.mean([getattr(u, k) for u in kept])) if kept else 0.0 for k in (*_STATS, "grad_norm")}
+    out["nonfinite_steps"] = len(updates) - len(kept)
+    out["updates"] = len(updates)
+    out["micro_batches"] = sum(u.micro_batches for u in updates)
+    return out
+
+
 class LearnerDriver(LearnerRank):
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master: str, cores: list[int]) -> None:
         pin_current_process(cores)
@@ -134,6 +176,8 @@ class LearnerDriver(LearnerRank):
         self.step_count = 0
         self.version = 0  # the policy version these weights are (step + 1 after train_step(step))
         self._last_samples: list[SeqSample] = []
+        self.last_updates: list[UpdateStats] = []  # the last batch's optimizer steps, in order
+        self._nonfinite_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient, in a row
         self.batches: BatchClient | None = None
         # The actor runs two calls at once (a weight sync or a buffer redirect while train_step waits
         # for its batch); the weights change only under this lock, so a sync never sends a mix.
@@ -210,22 +254,58 @@ class LearnerDriver(LearnerRank):
         return scores.logp[:, :-1].cpu(), hidden
 
     def _micro_batches(self, samples: list[SeqSample]) -> list[MicroBatch]:
-        """This rank's micro-batches, padded with empty ones to the most any rank has: every rank
-        runs as many forward/backward passes, so the collectives inside them line up."""
+        """This rank's micro-batches, padded with empty ones to the most any rank has (at least one):
+        every rank runs as many forward/backward passes, so the collectives inside them line up."""
         c = self.spec.learner
         mbs = micro_batches(samples, c.packing, c.micro_batch_size, c.micro_batch_tokens, c.pack_row_tokens)
-        count = int(self.backend.all_reduce(torch.tensor([len(mbs)], device=self.device), "max").item())
+        count = max(1, int(self.backend.all_reduce(torch.tensor([len(mbs)], device=self.device), "max").item()))
         return [mb.to(self.device) for mb in mbs] + [dummy_micro_batch().to(self.device)] * (count - len(mbs))
 
     def train_on_shard(self, step: int, groups: list[TrajectoryGroup]) -> StepMetrics:
         t0 = time.perf_counter()
         s = self.spec
-        # The algorithm's no-grad passes and advantages run on the shard as padded rows; the gradient
-        # passes then run on packed micro-batches. Its denominator is the global batch's.
+        # The algorithm's no-grad passes and advantages run once on the shard as padded rows (the old
+        # and proximal log-probs are the weights' before the batch's first update); the gradient
+        # passes then run on packed micro-batches of each mini-batch, train.epochs times over.
         shard = PaddedShard(groups)
         prepared = self.algo.prepare(shard, lambda h: self._score_padded(shard, h), self._dp_sum)
         samples = shard_samples(groups, prepared)
         self._last_samples = samples
+        c = s.learner
+        # The LR schedule counts batches, like the policy version: every update of a batch has its LR.
+        lr = c.lr * lr_factor(self.step_count, c.lr_warmup_steps, s.train.total_steps, c.lr_decay, c.lr_min_ratio)
+        cuts = minibatch_rows(groups, s.train.minibatches)
+        parts = [prepared] if len(cuts) == 1 else [self.algo.minibatch(prepared, rows, self._dp_sum) for rows in cuts]
+        updates: list[UpdateStats] = []
+        for _ in range(s.train.epochs):
+            for rows, part in zip(cuts, parts, strict=True):
+                updates.append(self._update(step, len(updates), part, samples[rows], lr))
+        self.step_count += 1
+        self.last_updates = updates
+        counted = self.backend.info.counts_samples
+        return StepMetrics(
+            step=step,
+            rank=self.rank,
+            reward_mean=float(np.mean([r for g in groups for r in g.rewards])),
+            samples=len(samples) if counted else 0,
+            tokens=sum(x.completion_len for x in samples) if counted else 0,
+            wait_s=0.0,
+            compute_s=time.perf_counter() - t0,
+            lr=lr,
+            value_loss=prepared.value_loss,
+            completion_lens=completion_lengths(groups) if counted else [],
+            truncated=truncated_count(groups) if counted else 0,
+            episodes=episode_infos(groups) if counted else [],
+            env_tokens=env_token_count(groups) if counted else 0,
+            across_updates=across_updates_count(groups) if counted else 0,
+            **step_means(updates),
+        )
+
+    def _update(self, step: int, index: int, prepared: Prepared, samples: list[SeqSample], lr: float) -> UpdateStats:
+        """One optimizer step on `samples` (this rank's part of a mini-batch): forward/backward over its
+        micro-batches, then the step, unless the global mini-batch has no signal or its loss or
+        gradient norm is not finite on some rank (every rank agrees: the flags are all-reduced)."""
+        s = self.spec
         mbs = self._micro_batches(samples)
         local_tokens = max(1, sum(mb.loss_tokens for mb in mbs))
         acc = torch.zeros(len(_STATS), dtype=torch.float64)
@@ -233,7 +313,7 @@ class LearnerDriver(LearnerRank):
         def loss_fn(i: int, scores: TokenScores) -> torch.Tensor:
             mb = mbs[i]
             loss, st = self.algo.loss(prepared.for_micro_batch(mb), scores.logp)
-            share = mb.loss_tokens / local_tokens  # statistics: token-weighted over this rank's shard
+            share = mb.loss_tokens / local_tokens  # statistics: token-weighted over this rank's part
             entropy = float((scores.entropy * mb.loss_mask).sum()) / max(1, mb.loss_tokens)
             values = [st.loss] + [share * v for v in (st.clip_frac, st.tis_frac, st.kl_behav,
                                                       st.logprob_abs_diff, st.masked_frac, st.kl_ref, entropy)]
@@ -241,35 +321,31 @@ class LearnerDriver(LearnerRank):
             return loss
 
         self.backend.forward_backward(mbs, s.generators.temperature, loss_fn)
-        c = s.learner
-        lr = c.lr * lr_factor(self.step_count, c.lr_warmup_steps, s.train.total_steps, c.lr_decay, c.lr_min_ratio)
-        # No signal in the whole batch (every rank agrees: `signal` is global): the weights and
-        # the optimizer state stay as they are; the step still counts (version and LR schedule).
-        grad_norm = self.backend.optimizer_step(lr, c.max_grad_norm) if prepared.signal else 0.0
-        self.step_count += 1
         stats = dict(zip(_STATS, self.backend.share_outputs(acc).tolist(), strict=True))
         # This rank's loss is its share of the global token mean; the controller averages over ranks.
         stats["loss"] *= self.backend.info.dp_size
-        counted = self.backend.info.counts_samples
-        return StepMetrics(
-            step=step,
-            rank=self.rank,
-            reward_mean=float(np.mean([r for g in groups for r in g.rewards])),
-            grad_norm=grad_norm,
-            samples=len(samples) if counted else 0,
-            tokens=sum(x.completion_len for x in samples) if counted else 0,
-            wait_s=0.0,
-            compute_s=time.perf_counter() - t0,
-            lr=lr,
-            micro_batches=len(mbs),
-            value_loss=prepared.value_loss,
-            completion_lens=completion_lengths(groups) if counted else [],
-            truncated=truncated_count(groups) if counted else 0,
-            episodes=episode_infos(groups) if counted else [],
-            env_tokens=env_token_count(groups) if counted else 0,
-            across_updates=across_updates_count(groups) if counted else 0,
-            **stats,
-        )
+        grad_norm, nonfinite = 0.0, False
+        if prepared.signal:
+            bad_loss = torch.tensor([0.0 if math.isfinite(stats["loss"]) else 1.0], dtype=torch.float64)
+            if float(self.backend.all_reduce(bad_loss, "max")[0]) > 0:
+                self.backend.drop_gradients()
+                grad_norm, nonfinite = math.nan, True
+            else:
+                grad_norm = self.backend.optimizer_step(lr, s.learner.max_grad_norm)
+                nonfinite = not math.isfinite(grad_norm)  # the backend skipped the step on every rank
+        else:
+            # No signal in the whole mini-batch (every rank agrees: `signal` is global): the weights and
+            # the optimizer state stay as they are; the batch still counts (version and LR schedule).
+            self.backend.drop_gradients()  # zero, or NaN times a zero advantage: not for the next step
+        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if nonfinite else 0
+        limit = s.train.max_nonfinite_steps
+        if nonfinite and limit and self._nonfinite_in_a_row >= limit:
+            raise RunError(
+                f"{self._nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm "
+                f"(the last: step {step + 1}, update {index + 1}) and were skipped, weights kept: lower "
+                f"learner.lr or check the data (train.max_nonfinite_steps={limit})"
+            )
+        return UpdateStats(grad_norm=grad_norm, nonfinite=nonfinite, micro_batches=len(mbs), **stats)
 
     def _score(self, samples: list[SeqSample], temperature: float) -> list[np.ndarray]:
         out: list[np.ndarray] = []

@@ -10,6 +10,17 @@ from __future__ import annotations
 import msgspec
 import torch
 
+# Every exp of a log difference goes through `exp_log_ratio`: |log ratio| is clamped to this first
+# (verl's bound). exp(x) overflows float32 past 88.7, and an inf ratio times a zero gradient from a
+# clip or a mask is NaN in the backward pass: one token would poison the whole step. Past the bound
+# the token's ratio is constant (no gradient), where the clips have already cut it off anyway.
+LOG_RATIO_BOUND = 20.0
+
+
+def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio) with log_ratio clamped to +-LOG_RATIO_BOUND: finite, and a finite gradient."""
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
 
 class PolicyLossStats(msgspec.Struct):
     loss: float
@@ -22,7 +33,7 @@ class PolicyLossStats(msgspec.Struct):
 
 def extreme_ratio_mask(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """True where exp(log_ratio) is outside [low, high]; a bound of 0 is off."""
-    ratio = torch.exp(log_ratio)
+    ratio = exp_log_ratio(log_ratio)
     out = torch.zeros_like(ratio, dtype=torch.bool)
     if low > 0:
         out |= ratio < low
@@ -57,6 +68,7 @@ def policy_loss(
       several versions old) policy vLLM sampled with; w corrects for the sampling.
     Tokens whose importance ratio against mu (pi_prox / mu, or pi / mu without pi_prox) lies outside
     [ratio_mask_low, ratio_mask_high] are dropped from the loss and counted.
+    Every ratio is `exp_log_ratio` of its log ratio (clamped to +-LOG_RATIO_BOUND: no inf, no NaN).
     Aggregation: sum over kept tokens / `denominator` (default: the number of kept tokens, i.e. the
     token mean; Dr.GRPO passes a constant). `advantages` is [B, T] or [B, 1] (per sequence).
     """
@@ -70,13 +82,13 @@ def policy_loss(
         min=1.0
     )
     if prox_logp is None:
-        ratio = torch.exp(logp - behav_logp)
+        ratio = exp_log_ratio(logp - behav_logp)
         unclipped = torch.clamp(ratio, max=tis_cap) * advantages
         weight = torch.ones_like(ratio)
     else:
-        ratio = torch.exp(logp - anchor)
+        ratio = exp_log_ratio(logp - anchor)
         unclipped = ratio * advantages
-        weight = torch.clamp(torch.exp(is_log_ratio), max=tis_cap)
+        weight = torch.clamp(exp_log_ratio(is_log_ratio), max=tis_cap)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
     surrogate = weight * torch.minimum(unclipped, clipped)
     loss = -(surrogate * kept).sum() / denom
@@ -87,9 +99,9 @@ def policy_loss(
         stats = PolicyLossStats(
             loss=float(loss.detach()),
             clip_frac=float(((clipped < unclipped).to(logp.dtype) * kept).sum() / n_kept),
-            tis_frac=float(((torch.exp(is_log_ratio) > tis_cap).to(logp.dtype) * kept).sum() / n_kept),
+            tis_frac=float(((exp_log_ratio(is_log_ratio) > tis_cap).to(logp.dtype) * kept).sum() / n_kept),
             masked_frac=float(extreme.sum() / n_all),
-            kl_behav=float(((torch.exp(lr) - 1 - lr) * mask).sum() / n_all),
+            kl_behav=float(((exp_log_ratio(lr) - 1 - lr) * mask).sum() / n_all),
             logprob_abs_diff=float((lr.abs() * mask).sum() / n_all),
         )
     return loss, kept, stats
@@ -116,7 +128,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
-        return torch.exp(-d) + d - 1.0
+        return exp_log_ratio(-d) + d - 1.0
     raise ValueError(f"unknown KL estimator '{estimator}' {KL_ESTIMATORS}")
 
 

@@ -6,6 +6,7 @@ Pure data parallel: every rank fetches its own shard and has outputs. See backen
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -157,9 +158,18 @@ class TorchBackend(ModelBackend):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # DDP and FSDP2 norms are global already; the flag is reduced anyway, so no rank can step alone.
+        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0])
+        if float(self.all_reduce(bad, "max")[0]) > 0:
+            self.drop_gradients()  # clipping by a NaN norm made them NaN: AdamW must not see them
+            return value if not math.isfinite(value) else math.nan
         self.optimizer.step()
         self._full = None
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return value
+
+    def drop_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def all_reduce(self, x: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
         if not dist.is_initialized() or self.world_size == 1:

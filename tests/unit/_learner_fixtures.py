@@ -16,20 +16,23 @@ from async_rl.learner.base import LearnerSpec
 from async_rl.protocol import TrajectoryGroup
 
 LEARNER_FIELDS = set(LearnerConfig.__struct_fields__)
+TRAIN_FIELDS = {"minibatches", "epochs", "max_nonfinite_steps"}
 
 
 def settings(model_dir, **overrides) -> LearnerSpec:
     """A learner spec for tests: `overrides` name LearnerConfig fields, `algorithm`, `total_steps`,
-    `seed`, `max_tokens`, `temperature` or `reference_model_dir`."""
+    `seed`, `minibatches`, `epochs`, `max_nonfinite_steps`, `max_tokens`, `temperature` or
+    `reference_model_dir`."""
     learner = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0}
     learner.update({k: v for k, v in overrides.items() if k in LEARNER_FIELDS})
-    rest = {k: v for k, v in overrides.items() if k not in LEARNER_FIELDS}
+    train = {k: v for k, v in overrides.items() if k in TRAIN_FIELDS}
+    rest = {k: v for k, v in overrides.items() if k not in LEARNER_FIELDS and k not in TRAIN_FIELDS}
     return LearnerSpec(
         model=ModelConfig(path=str(model_dir), dtype="float32"),
         learner=LearnerConfig(**learner),
         algorithm=rest.pop("algorithm", AlgorithmConfig()),
         generators=GeneratorConfig(max_tokens=rest.pop("max_tokens", 8), temperature=rest.pop("temperature", 1.0)),
-        train=TrainConfig(total_steps=rest.pop("total_steps", 10), seed=rest.pop("seed", 0)),
+        train=TrainConfig(total_steps=rest.pop("total_steps", 10), seed=rest.pop("seed", 0), **train),
         weight_sync=WeightSyncConfig(backend="gloo", bucket_mb=1, host="127.0.0.1", timeout_s=10.0),
         run_id="test",
         model_dir=str(model_dir),

@@ -126,6 +126,16 @@ def _copy(weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | 
     return None if weights is None else {n: t.detach().clone() for n, t in weights.items()}
 
 
+def _live_state(backend) -> dict[str, torch.Tensor]:
+    """This rank's parameters and every tensor of its optimizer's state, copied."""
+    out = {f"param.{n}": p.detach().clone() for n, p in backend.policy.model.named_parameters()}
+    opt = backend.policy.optimizer
+    for i, o in enumerate(getattr(opt, "chained_optimizers", [opt])):
+        for j, state in enumerate(o.optimizer.state.values()):
+            out.update({f"opt{i}.{j}.{k}": v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
 def seq_samples(vocab: int, seed: int = 7) -> list:
     """Six sequences of different lengths (prompt + completion) with random tokens."""
     import numpy as np
@@ -193,6 +203,15 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         grad_norm = backend.optimizer_step(1e-3, 1e9)
         backend.gather_weights()
         after = _copy(backend.hf_weights()) if rank == 0 else None
+        # A NaN in rank 1's gradient only: every rank skips the step (the flag is all-reduced).
+        nan_step = {"before": _live_state(backend)}
+        backend.forward_backward(halves, 1.0, loss_fn)
+        if rank == 1:
+            backend.policy.model.buffers[0].grad_data.view(-1)[0] = float("nan")
+        nan_step["norm"] = backend.optimizer_step(1e-3, 1e9)
+        nan_step["after"] = _live_state(backend)
+        backend.gather_weights()
+        nan_step["hf_after"] = _copy(backend.hf_weights()) if rank == 0 else None
         ckpt = Path(out_dir) / "ckpt"
         if rank == 0:
             ckpt.mkdir()
@@ -212,6 +231,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 "critic_head": critic_head,
                 "halves": halves,
                 "grad_norm": grad_norm,
+                "nan_step": nan_step,
                 "before": before,
                 "after": after,
                 "reloaded": reloaded,

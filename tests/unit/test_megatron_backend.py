@@ -10,6 +10,8 @@ Starts torch.distributed (two gloo ranks on loopback).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -133,3 +135,19 @@ def test_weights_round_trip_change_after_a_step_and_reload(run):
     assert all(torch.equal(after[n], reloaded[n]) for n in after)
     assert ranks[1]["before"] is None  # only rank 0 holds the gathered weights
 
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(run):
+    """megatron's own step would apply a NaN gradient in fp32/bf16 (it checks only under fp16's loss
+    scaler): the backend finds it in rank 1's gradient buffer, and both ranks skip the step with
+    their parameters and optimizer state bitwise unchanged."""
+    tp, pp, ranks, hf = run
+    for r in ranks:
+        step = r["nan_step"]
+        assert not math.isfinite(step["norm"])
+        assert step["before"].keys() == step["after"].keys()
+        assert any(k.startswith("opt") for k in step["before"])  # Adam's moments exist (a step was taken)
+        for name, t in step["before"].items():
+            assert torch.equal(step["after"][name], t), name
+    hf_after = ranks[0]["nan_step"]["hf_after"]
+    assert all(torch.equal(hf_after[n], t) for n, t in ranks[0]["after"].items())

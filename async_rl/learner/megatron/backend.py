@@ -380,16 +380,41 @@ class MegatronBackend(ModelBackend):
 
     def optimizer_step(self, lr: float, max_grad_norm: float) -> float:
         opt = self.policy.optimizer
+        # megatron checks for inf/NaN only under fp16's loss scaler; in bf16 and fp32 its step applies
+        # a NaN gradient (and its clip, `coeff < 1`, is false for a NaN norm). Check the reduced grad
+        # buffers ourselves, the flag reduced over every rank (TP, PP and DP peers skip together).
+        # Under a loss scaler its own check must see the overflow (it backs the scale off).
+        if not self._loss_scaled() and not self._gradients_finite():
+            self.drop_gradients()
+            return math.nan
         for group in opt.param_groups:
             group["lr"] = lr
         opt.config.clip_grad = max_grad_norm
         ok, grad_norm, _ = opt.step()
-        if not ok:
-            raise RunError("megatron optimizer step skipped (inf/nan gradients)")
-        self.policy.model.zero_grad_buffer()
-        opt.zero_grad()
+        self.drop_gradients()
+        if not ok:  # fp16: the loss scaler found inf/NaN (every rank agrees) and backed off; no step
+            return math.nan
         self._snapshot = None
         return float(grad_norm if grad_norm is not None else 0.0)
+
+    def _loss_scaled(self) -> bool:
+        opt = self.policy.optimizer
+        return any(getattr(o, "grad_scaler", None) is not None for o in getattr(opt, "chained_optimizers", [opt]))
+
+    def _gradients_finite(self) -> bool:
+        """No inf/NaN in this rank's gradient buffers, on every rank of the learner group (collective).
+        A distributed optimizer's rank holds its reduced shard and its own unreduced rest: a non-finite
+        value anywhere in the reduced gradient is non-finite in some rank's buffer."""
+        ddp = self.policy.model
+        bad = torch.zeros(1, device=self.device)
+        for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+            bad += (~torch.isfinite(buffer.grad_data)).any().float()
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return float(bad[0]) == 0.0
+
+    def drop_gradients(self) -> None:
+        self.policy.model.zero_grad_buffer()
+        self.policy.optimizer.zero_grad()
 
     def all_reduce(self, x: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
         from megatron.core import parallel_state
