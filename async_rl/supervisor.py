@@ -7,6 +7,9 @@ touches the controller; the controller's loop calls it. What happens when:
   the prompt pool (`requeued`; a late frame from it is rejected), and a replacement starts and gets
   the current weights at once (the learner rank serves a sync while it waits). A dead buffer is
   restarted from its last snapshot and engines and learner ranks reconnect to it.
+- an engine dies during an evaluation: the eval prompts it holds no result for go to the engines
+  left (or, with none left, to its replacement); the eval record counts them (`reassigned_prompts`)
+  and the dead engine is replaced before training goes on.
 - a weight sync fails: a member that dies mid-sync fails it within seconds (every member watches the
   group's abort key, see weight_sync/gloo.py; the pool aborts the group as soon as any call fails);
   dead members are found and replaced, the broadcast group is rebuilt, and the sync is retried for
@@ -26,6 +29,7 @@ from typing import TextIO, TypeVar
 
 import msgspec
 import ray
+from ray.actor import ActorHandle
 
 from async_rl import checkpoint
 from async_rl.autoscale import ScaleDecision, ScaleSignal, decide
@@ -167,6 +171,15 @@ class Supervisor:
             return
         self.replace(step, dead)
         self.sync(step, during_step=True)
+
+    def replace_dead(self, version: int, dead: list[int]) -> dict[int, ActorHandle]:
+        """Engines that died outside a training step (an evaluation) are replaced, and every engine
+        gets the learner's `version`. Returns the pool's engines by id."""
+        dead = [eid for eid in dead if eid in self.rt.generators.engines]
+        if dead:
+            self.replace(version - 1, dead)
+            self.sync(version)
+        return {eid: h.actor for eid, h in self.rt.generators.engines.items()}
 
     def replace(self, step: int, dead: list[int]) -> None:
         pool = self.rt.generators

@@ -364,8 +364,10 @@ class GeneratorEngine:
         version = self.version
         self._evals += 1
         evaluate_prompt = self._evaluate_episodes if self.env is not None else self._evaluate_completions
+        prefix = f"e{self.s.engine_id}-eval{self._evals}"
         outcomes = await asyncio.gather(
-            *(evaluate_prompt(p, params, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}") for p in prompts),
+            # watched: a prompt in flight when the engine core dies fails at once, not never
+            *(vc.watched(self._llm, evaluate_prompt(p, params, f"{prefix}-p{p.prompt_id}"), "eval") for p in prompts),
             return_exceptions=True,
         )
         results, failed = [], 0
@@ -375,6 +377,8 @@ class GeneratorEngine:
                 self._last_error = f"eval: {type(out).__name__}: {out}"
                 continue
             results.append(out)
+        if vc.is_dead(self._llm):  # the prompts without a result failed with the engine, not on their own
+            return EvalBatch(self.s.engine_id, version, self.version, results, engine_died=True)
         return EvalBatch(
             engine_id=self.s.engine_id, version=version, version_last=self.version, results=results, failed_prompts=failed
         )
