@@ -431,6 +431,15 @@ class GeneratorEngine:
     def pids(self) -> EnginePids:
         return EnginePids(actor=os.getpid(), engine_core=vc.engine_core_pids(self._llm))
 
+    async def watch(self) -> str:
+        """Returns (why) once this engine cannot serve: its vLLM engine core died or its reward pool
+        is stuck. The supervisor keeps one call pending; it also fails (RayActorError) the moment the
+        actor itself dies. Either way death is noticed within a poll here, not at the supervisor's
+        next health check."""
+        while self._stop or self._llm is None or self.healthy():
+            await asyncio.sleep(vc.DEATH_POLL_S)
+        return "vLLM's engine core died" if vc.is_dead(self._llm) else "its reward pool makes no progress"
+
     def healthy(self) -> bool:
         """False once vLLM's engine core died (the actor alone cannot generate any more), or once its
         reward pool can make no progress (a restart failed, or calls waited far past one)."""

@@ -1,7 +1,8 @@
-"""SIGKILL at a random moment, one of each kind of process, during one real run (tiny model):
-a vLLM engine core (its Ray actor lives on), an engine's Ray actor, the buffer. The moment is drawn
-from a seeded generator and printed, so a failure can be replayed. And an engine that dies during an
-evaluation. (A learner rank's death stops the run with one line: test_elastic.py.)"""
+"""SIGKILL at a random moment, one of each kind of process, during one real run (tiny model), each on
+a machine kept busy by CPU burners: a vLLM engine core (its Ray actor lives on), an engine's Ray actor,
+the buffer. The moment is drawn from a seeded generator and printed, so a failure can be replayed.
+And an engine that dies during an evaluation. (A learner rank's death stops the run with one line:
+test_elastic.py.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 
 import pytest
 import ray
+from _load import start_burners, stop_burners
 from test_elastic import SHORT, events
 from test_training_run import check_common, run_short
 
@@ -33,6 +35,7 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
     delays = {k: rng.uniform(0.0, 3.0) for k in plan}
     print(f"faults seed {SEED}: " + ", ".join(f"{plan[k]} {delays[k]:.2f}s after step {k + 1}" for k in plan))
     killed: dict[str, float] = {}  # kind -> wall time of the kill
+    burners: list = []
 
     def kill(controller, kind: str) -> None:
         if kind == "buffer":
@@ -40,6 +43,11 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
         else:
             victim = controller.generators.pids()[sorted(controller.generators.engines)[0]]
             pids = victim.engine_core if kind == "engine_core" else [victim.actor]
+        # Detection must not wait for the controller's loop to get a turn: every core is kept busy
+        # from just before the kill until the detection window is over.
+        procs = start_burners()
+        burners.extend(procs)
+        threading.Timer(DETECT_S + 2, stop_burners, (procs,)).start()
         killed[kind] = time.time()
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -59,9 +67,12 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
         if step in plan:  # a timer, so the kill lands wherever the run is then (step, sync, lease)
             threading.Timer(delays[step], kill_later, (controller, step)).start()
 
-    out = run_short(
-        tmp_path, model_cache, [*SHORT, "train.total_steps=8", "generators.num_engines=2"], between=between
-    )
+    try:
+        out = run_short(
+            tmp_path, model_cache, [*SHORT, "train.total_steps=8", "generators.num_engines=2"], between=between
+        )
+    finally:
+        stop_burners(burners)
     cfg, summary, _, engine_cks, final, records = out
     assert set(killed) == set(plan.values()), killed
     log = events(tmp_path)
