@@ -207,7 +207,8 @@ class GeneratorConfig(_Section):
                   "handed back to the prompt pool", ge=0)
     ] = 60.0
     health_check_s: Annotated[
-        float, _f("while the learner waits, engines and buffer are checked for death this often", gt=0)
+        float, _f("while the learner waits, engines and buffer get a full check this often (a process that died is "
+                  "noticed at once, from Ray's notice of a pending watch call)", gt=0)
     ] = 2.0
     autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
 

@@ -152,7 +152,11 @@ class Controller:
             return
         if self.runtime.generators_version != self.version:  # the last step's weights, not yet synced
             self.supervisor.sync(self.version)
-        record = self.evaluation.run(self.generators.actors, self.version, time.perf_counter() - t_start)
+        engines = {eid: h.actor for eid, h in self.generators.engines.items()}
+        sup, version = self.supervisor, self.version
+        record = self.evaluation.run(
+            engines, version, time.perf_counter() - t_start, lambda dead: sup.replace_dead(version, dead)
+        )
         metrics.log_eval(record)
         self.supervisor.check_eval(record)
 

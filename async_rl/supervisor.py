@@ -2,11 +2,17 @@
 autoscaler). It acts only through the Runtime (runtime.py), which owns every process handle, and never
 touches the controller; the controller's loop calls it. What happens when:
 
-- the learner waits for a batch: every `generators.health_check_s` the engines and the buffer are
-  checked. A dead engine (its Ray actor, or its vLLM engine core) is removed, its leases go back to
+- the learner waits for a batch: the buffer and every engine have a `watch` call pending that Ray
+  fails the moment the actor dies (an engine's also returns when its vLLM engine core dies), and the
+  controller waits on those beside the ranks' step calls, so a death is acted on within about a
+  second however busy the machine is; every `generators.health_check_s` a full check runs besides.
+  A dead engine (its Ray actor, or its vLLM engine core) is removed, its leases go back to
   the prompt pool (`requeued`; a late frame from it is rejected), and a replacement starts and gets
   the current weights at once (the learner rank serves a sync while it waits). A dead buffer is
   restarted from its last snapshot and engines and learner ranks reconnect to it.
+- an engine dies during an evaluation: the eval prompts it holds no result for go to the engines
+  left (or, with none left, to its replacement); the eval record counts them (`reassigned_prompts`)
+  and the dead engine is replaced before training goes on.
 - a weight sync fails: a member that dies mid-sync fails it within seconds (every member watches the
   group's abort key, see weight_sync/gloo.py; the pool aborts the group as soon as any call fails);
   dead members are found and replaced, the broadcast group is rebuilt, and the sync is retried for
@@ -22,10 +28,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO, TypeVar
+from typing import NamedTuple, TextIO, TypeVar
 
 import msgspec
 import ray
+from ray import ActorID
+from ray.actor import ActorHandle
 
 from async_rl import checkpoint
 from async_rl.autoscale import ScaleDecision, ScaleSignal, decide
@@ -73,6 +81,14 @@ def learner_died(run_dir: Path, rank: int, exc: BaseException) -> RunError:
     return RunError(f"learner rank {rank} died ({cause}); {where}")
 
 
+class Watch(NamedTuple):
+    """What a pending `watch` call watches: the buffer (engine_id -1) or an engine, by actor instance."""
+
+    kind: str  # 'buffer' | 'engine'
+    engine_id: int
+    actor_id: ActorID
+
+
 class Supervisor:
     """Detects dead processes and recovers them through the Runtime; resizes the pool between steps."""
 
@@ -90,9 +106,11 @@ class Supervisor:
         # A sync was skipped (during a step), so a replaced engine may hold no weights yet: the
         # controller syncs after the step even when train.sync_every would not.
         self.sync_owed = False
+        self._watching: dict[ray.ObjectRef, Watch] = {}  # see _watchers
         self.failures = FailureWatch(cfg.task.failure_window, reward_name(cfg.task.name, cfg.task.reward), cfg.env.name)
 
     def close(self) -> None:
+        self._watching.clear()
         self.inbox.close()
         self._log.close()
 
@@ -106,25 +124,68 @@ class Supervisor:
     # ---- the learner's step, watched ------------------------------------------------------------
 
     def train_step(self, step: int) -> list[StepMetrics]:
-        """Run step `step` on every rank; while it runs, every `generators.health_check_s` look for
-        dead processes and recover them. The batch counts as trained once every rank returned."""
+        """Run step `step` on every rank. While it runs, a death is acted on as soon as Ray reports
+        it: a rank's step call fails, or a watch call (`_watchers`) of the buffer or an engine
+        returns. Every `generators.health_check_s` the full check runs besides (a hung process,
+        failing rewards, the prompt stream). The batch counts as trained once every rank returned."""
         refs = self.rt.start_train_step(step)
-        while True:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.generators.health_check_s)
-            for rank, ref in enumerate(refs):
-                if ref in done:
-                    try:
-                        ray.get(ref, timeout=0)
-                    except ray.exceptions.RayActorError as exc:
-                        raise learner_died(self.run_dir, rank, exc) from None
-            if len(done) == len(refs):
-                metrics = ray.get(refs)
-                self.on_buffer(step, lambda: self.rt.ack_batch(step))
-                return metrics
-            self.recover(step)
-            stats = self.on_buffer(step, self.rt.buffer_stats)
-            self.check_failures(stats)
-            self.check_prompts(step, stats)
+        running = {ref: rank for rank, ref in enumerate(refs)}
+        every = self.cfg.generators.health_check_s
+        next_check = time.monotonic() + every
+        while running:
+            watchers = self._watchers()
+            timeout = max(0.0, next_check - time.monotonic())
+            done, _ = ray.wait([*running, *watchers], num_returns=1, timeout=timeout)
+            for ref in done:
+                if ref in watchers:
+                    self._watch_fired(step, ref)
+                    continue
+                rank = running.pop(ref)
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as exc:
+                    raise learner_died(self.run_dir, rank, exc) from None
+            if running and time.monotonic() >= next_check:
+                self.recover(step)
+                stats = self.on_buffer(step, self.rt.buffer_stats)
+                self.check_failures(stats)
+                self.check_prompts(step, stats)
+                next_check = time.monotonic() + every
+        metrics = ray.get(refs)
+        self.on_buffer(step, lambda: self.rt.ack_batch(step))
+        return metrics
+
+    # ---- death notices ----------------------------------------------------------------------------
+
+    def _watchers(self) -> dict[ray.ObjectRef, Watch]:
+        """One `watch` call kept pending on the buffer and on every engine. Ray fails it the moment
+        its actor dies; an engine's also returns once its vLLM engine core died (or its reward pool is
+        stuck). Waiting on them beside the step's calls makes detection independent of the health
+        check's cadence and of how busy this process is. Armed anew for a restarted buffer and new
+        engines; a process that left the run is no longer watched."""
+        current = {Watch("buffer", -1, self.rt.buffer._actor_id): self.rt.buffer}
+        for eid, handle in self.rt.generators.engines.items():
+            current[Watch("engine", eid, handle.actor._actor_id)] = handle.actor
+        self._watching = {ref: w for ref, w in self._watching.items() if w in current}
+        armed = set(self._watching.values())
+        for w, actor in current.items():
+            if w not in armed:
+                self._watching[actor.watch.remote()] = w
+        return self._watching
+
+    def _watch_fired(self, step: int, ref: ray.ObjectRef) -> None:
+        w = self._watching.pop(ref)
+        if w.kind == "buffer":
+            if self.rt.buffer._actor_id == w.actor_id:  # not restarted meanwhile
+                self.restart_buffer(step)
+            return
+        handle = self.rt.generators.engines.get(w.engine_id)
+        if handle is None or handle.actor._actor_id != w.actor_id:
+            return  # removed or replaced meanwhile
+        self.replace(step, [w.engine_id])
+        self.sync(step, during_step=True)
+
+    # ---- checks ------------------------------------------------------------------------------------
 
     def check_failures(self, stats: BufferStats) -> None:
         """Stop a run whose rewards (or requests, or episodes) all fail (failure_watch.py)."""
@@ -168,6 +229,15 @@ class Supervisor:
         self.replace(step, dead)
         self.sync(step, during_step=True)
 
+    def replace_dead(self, version: int, dead: list[int]) -> dict[int, ActorHandle]:
+        """Engines that died outside a training step (an evaluation) are replaced, and every engine
+        gets the learner's `version`. Returns the pool's engines by id."""
+        dead = [eid for eid in dead if eid in self.rt.generators.engines]
+        if dead:
+            self.replace(version - 1, dead)
+            self.sync(version)
+        return {eid: h.actor for eid, h in self.rt.generators.engines.items()}
+
     def replace(self, step: int, dead: list[int]) -> None:
         pool = self.rt.generators
         before = len(pool.engines)
@@ -185,9 +255,12 @@ class Supervisor:
             self._event(step, "recovery", before, len(pool.engines), f"started engine(s) {new} in its place")
 
     def restart_buffer(self, step: int) -> None:
-        self.rt.restart_buffer()
         n = len(self.rt.generators.engines)
-        self._event(step, "recovery", n, n, f"buffer died; restarted from {self.run_dir / SNAPSHOT_NAME}")
+        # logged when the death is noticed (detection delays are measured from it), then acted on
+        self._event(step, "recovery", n, n, f"buffer died; restarting it from {self.run_dir / SNAPSHOT_NAME}")
+        t0 = time.perf_counter()
+        self.rt.restart_buffer()
+        print(f"[recovery] buffer back in {time.perf_counter() - t0:.1f}s", file=self.stream, flush=True)
 
     # ---- weight sync with recovery --------------------------------------------------------------
 

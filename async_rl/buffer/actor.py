@@ -234,6 +234,11 @@ class ReplayBuffer:
         """This actor's process (operators and crash tests kill it by pid)."""
         return os.getpid()
 
+    async def watch(self) -> None:
+        """Never returns: the supervisor keeps one call pending and Ray fails it (RayActorError) the
+        moment this actor dies, so death is noticed without a poll of a busy event loop."""
+        await asyncio.get_running_loop().create_future()
+
     def outstanding(self, engine_id: int) -> int:
         return self.leases.count(engine_id)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -57,14 +58,75 @@ class Evaluation:
             return c.at_start
         return (c.every > 0 and step % c.every == 0) or (c.at_end and step == self.total_steps)
 
-    def run(self, engines: list[ActorHandle], step: int, elapsed_s: float) -> EvalRecord:
-        """Generate and score the eval set on `engines` (every one holds policy version `step`)."""
+    def run(
+        self,
+        engines: dict[int, ActorHandle],
+        step: int,
+        elapsed_s: float,
+        replace: Callable[[list[int]], dict[int, ActorHandle]],
+    ) -> EvalRecord:
+        """Generate and score the eval set on `engines` (by engine id; every one holds policy version
+        `step`). An engine that dies meanwhile (its actor, or its vLLM engine core) hands the prompts
+        it has no result for to the engines still alive (`reassigned_prompts`); with none left,
+        `replace(dead ids)` starts replacements holding the same version and returns the pool's
+        engines. Dead engines not yet replaced are replaced once the evaluation is done. Every eval
+        prompt is scored exactly once (or counted in `failed_prompts`)."""
         t0 = time.perf_counter()
-        shares = split(self.prompts, len(engines))
-        refs = [e.evaluate.remote(share, self.params) for e, share in zip(engines, shares, strict=True) if share]
-        try:
-            batches: list[EvalBatch] = ray.get(refs, timeout=self.cfg.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RunError(f"evaluation at step {step} took longer than eval.timeout_s={self.cfg.timeout_s:.0f}s") from None
+        deadline = time.monotonic() + self.cfg.timeout_s
+        live = dict(engines)
+        pending: dict[ray.ObjectRef, tuple[int, list[Prompt]]] = {}
+
+        def dispatch(prompts: list[Prompt]) -> None:
+            ids = sorted(live)
+            for engine_id, share in zip(ids, split(prompts, len(ids)), strict=True):
+                if share:
+                    pending[self._dispatch(live[engine_id], share)] = (engine_id, share)
+
+        dispatch(self.prompts)
+        batches: list[EvalBatch] = []
+        dead: list[int] = []  # died during this evaluation, not replaced yet
+        moved = died = 0
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise RunError(f"evaluation at step {step} took longer than eval.timeout_s={self.cfg.timeout_s:.0f}s")
+            engine_id, share = pending.pop(done[0])
+            try:
+                batch: EvalBatch | None = ray.get(done[0])
+            except ray.exceptions.RayActorError:
+                batch = None  # the actor died: whatever it scored died with it
+            if batch is not None:
+                batches.append(batch)
+                if not batch.engine_died:
+                    continue
+            if live.pop(engine_id, None) is not None:
+                dead.append(engine_id)
+                died += 1
+            scored = {r.prompt_id for r in batch.results} if batch is not None else set()
+            lost = [p for p in share if p.prompt_id not in scored]
+            moved += len(lost)
+            if lost:
+                if not live:  # nobody left to take them: replacements first
+                    live, dead = dict(replace(dead)), []
+                dispatch(lost)
+        if dead:
+            replace(dead)
         self.last_step = step
-        return make_record(batches, self.cfg.pass_threshold, step, elapsed_s, time.perf_counter() - t0)
+        record = make_record(batches, self.cfg.pass_threshold, step, elapsed_s, time.perf_counter() - t0)
+        record.reassigned_prompts, record.dead_engines = moved, died
+        self._check_coverage(batches, step)
+        return record
+
+    def _dispatch(self, engine: ActorHandle, prompts: list[Prompt]) -> ray.ObjectRef:
+        """One engine's share (one method, so a test can strike in the middle of an evaluation)."""
+        return engine.evaluate.remote(prompts, self.params)
+
+    def _check_coverage(self, batches: list[EvalBatch], step: int) -> None:
+        """Every eval prompt has at most one result, and every prompt without one was counted failed."""
+        ids = [r.prompt_id for b in batches for r in b.results]
+        failed = sum(b.failed_prompts for b in batches)
+        if len(ids) != len(set(ids)) or len(ids) + failed != len(self.prompts):
+            raise RunError(
+                f"evaluation at step {step}: {len(ids)} results ({len(ids) - len(set(ids))} repeated) and "
+                f"{failed} failed prompts for an eval set of {len(self.prompts)}"
+            )

@@ -41,6 +41,8 @@ class EvalBatch(msgspec.Struct, frozen=True):
     version_last: int  # ... and when it ended (the controller syncs no weights during an evaluation)
     results: list[EvalResult]
     failed_prompts: int = 0  # requests that failed in vLLM (no result)
+    # vLLM's engine core died during the call: the prompts without a result go to another engine
+    engine_died: bool = False
 
 
 class SourceScore(msgspec.Struct, frozen=True):
@@ -67,6 +69,8 @@ class EvalRecord(msgspec.Struct, kw_only=True):
     failed_prompts: int
     reward_failures: int
     per_source: dict[str, SourceScore]
+    reassigned_prompts: int = 0  # prompts of an engine that died mid-evaluation, scored by another engine
+    dead_engines: int = 0  # engines that died during this evaluation (replaced before training went on)
 
 
 def score(results: list[EvalResult], pass_threshold: float) -> tuple[SourceScore, dict[str, SourceScore]]:
@@ -129,6 +133,7 @@ def flat_metrics(record: EvalRecord) -> dict[str, float]:
         "eval/truncated_frac": record.truncated_frac,
         "eval/time_s": record.eval_s,
         "eval/failed_prompts": float(record.failed_prompts),
+        "eval/reassigned_prompts": float(record.reassigned_prompts),
     }
     if len(record.per_source) > 1:
         for src, s in record.per_source.items():
@@ -142,6 +147,8 @@ def console_line(record: EvalRecord) -> str:
     if len(record.per_source) > 1:
         per = " (" + ", ".join(f"{src} {s.pass_at_1:.3f}" for src, s in record.per_source.items()) + ")"
     failed = f" | failed {record.failed_prompts}" if record.failed_prompts else ""
+    if record.dead_engines:
+        failed += f" | {record.dead_engines} engine(s) died, {record.reassigned_prompts} prompts reassigned"
     return (
         f"eval step {record.step:>4} | v{record.version:<4} | reward {record.reward:6.3f} | "
         f"pass@1 {record.pass_at_1:.3f}{per} | len mean {record.completion_len_mean:.1f} max "

@@ -364,8 +364,10 @@ class GeneratorEngine:
         version = self.version
         self._evals += 1
         evaluate_prompt = self._evaluate_episodes if self.env is not None else self._evaluate_completions
+        prefix = f"e{self.s.engine_id}-eval{self._evals}"
         outcomes = await asyncio.gather(
-            *(evaluate_prompt(p, params, f"e{self.s.engine_id}-eval{self._evals}-p{p.prompt_id}") for p in prompts),
+            # watched: a prompt in flight when the engine core dies fails at once, not never
+            *(vc.watched(self._llm, evaluate_prompt(p, params, f"{prefix}-p{p.prompt_id}"), "eval") for p in prompts),
             return_exceptions=True,
         )
         results, failed = [], 0
@@ -375,6 +377,8 @@ class GeneratorEngine:
                 self._last_error = f"eval: {type(out).__name__}: {out}"
                 continue
             results.append(out)
+        if vc.is_dead(self._llm):  # the prompts without a result failed with the engine, not on their own
+            return EvalBatch(self.s.engine_id, version, self.version, results, engine_died=True)
         return EvalBatch(
             engine_id=self.s.engine_id, version=version, version_last=self.version, results=results, failed_prompts=failed
         )
@@ -426,6 +430,15 @@ class GeneratorEngine:
 
     def pids(self) -> EnginePids:
         return EnginePids(actor=os.getpid(), engine_core=vc.engine_core_pids(self._llm))
+
+    async def watch(self) -> str:
+        """Returns (why) once this engine cannot serve: its vLLM engine core died or its reward pool
+        is stuck. The supervisor keeps one call pending; it also fails (RayActorError) the moment the
+        actor itself dies. Either way death is noticed within a poll here, not at the supervisor's
+        next health check."""
+        while self._stop or self._llm is None or self.healthy():
+            await asyncio.sleep(vc.DEATH_POLL_S)
+        return "vLLM's engine core died" if vc.is_dead(self._llm) else "its reward pool makes no progress"
 
     def healthy(self) -> bool:
         """False once vLLM's engine core died (the actor alone cannot generate any more), or once its

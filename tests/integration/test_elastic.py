@@ -13,13 +13,17 @@ from pathlib import Path
 
 import pytest
 import ray
+from _load import start_burners, stop_burners
 from test_training_run import REPO, check_common, run_short
 
+from async_rl import supervisor
 from async_rl.errors import RunError
 from async_rl.generator.pool import GeneratorPool
 from async_rl.weight_sync.base import SendProgress
 
 pytestmark = pytest.mark.integration
+
+DETECT_S = 10.0  # a death is noticed within this, on a busy machine too
 
 SHORT = [
     "train.total_steps=6",
@@ -104,7 +108,7 @@ def test_scale_command_up_and_down_and_buffer_restart(tmp_path, model_cache):
         ("operator", 2, 1),
         ("recovery", 1, 1),
     ]
-    assert "buffer died; restarted from" in log[2]["reason"]
+    assert "buffer died; restarting it from" in log[2]["reason"]
     assert not (tmp_path / "control.json").exists()  # a finished run is not 'running'
 
 
@@ -163,17 +167,32 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
     assert [e["source"] for e in log] == ["recovery"] * 4  # died, replaced; died, replaced
 
 
-def test_dead_learner_rank_stops_the_run_naming_the_checkpoint(tmp_path, model_cache):
+def test_dead_learner_rank_stops_the_run_naming_the_checkpoint(tmp_path, model_cache, monkeypatch):
+    killed_at, noticed_at, burners = [], [], []
+    real_died = supervisor.learner_died
+
+    def learner_died(*args):
+        noticed_at.append(time.time())
+        return real_died(*args)
+
+    monkeypatch.setattr(supervisor, "learner_died", learner_died)
+
     def between(controller, step):
         if step == 0:
             # a complete checkpoint, as the checkpointer leaves it (its run state written last)
             (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)
             (tmp_path / "checkpoints" / "step_1" / "run_state.json").write_text("{}")
             pid = ray.get(controller.learner.actors[0].__ray_call__.remote(lambda self: os.getpid()))
+            burners.extend(start_burners())  # noticed on a busy machine too
+            killed_at.append(time.time())
             os.kill(pid, signal.SIGKILL)
 
-    with pytest.raises(RunError) as err:
-        run_short(tmp_path, model_cache, [*SHORT, "train.total_steps=3"], between=between)
+    try:
+        with pytest.raises(RunError) as err:
+            run_short(tmp_path, model_cache, [*SHORT, "train.total_steps=3"], between=between)
+    finally:
+        stop_burners(burners)
+    assert 0 <= noticed_at[0] - killed_at[0] < DETECT_S, (killed_at, noticed_at)
     assert str(err.value).startswith("learner rank 0 died (")
     assert str(err.value).endswith(f"resume from checkpoint {tmp_path / 'checkpoints' / 'step_1'}")
 

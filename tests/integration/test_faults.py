@@ -1,11 +1,13 @@
-"""SIGKILL at a random moment, one of each kind of process, during one real run (tiny model):
-a vLLM engine core (its Ray actor lives on), an engine's Ray actor, the buffer. The moment is drawn
-from a seeded generator and printed, so a failure can be replayed. (A learner rank's death stops the
-run with one line: test_elastic.py.)"""
+"""SIGKILL at a random moment, one of each kind of process, during one real run (tiny model), each on
+a machine kept busy by CPU burners: a vLLM engine core (its Ray actor lives on), an engine's Ray actor,
+the buffer. The moment is drawn from a seeded generator and printed, so a failure can be replayed.
+And an engine that dies during an evaluation. (A learner rank's death stops the run with one line:
+test_elastic.py.)"""
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import signal
@@ -14,8 +16,11 @@ import time
 
 import pytest
 import ray
+from _load import start_burners, stop_burners
 from test_elastic import SHORT, events
 from test_training_run import check_common, run_short
+
+from async_rl.evaluation.phase import Evaluation
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +35,7 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
     delays = {k: rng.uniform(0.0, 3.0) for k in plan}
     print(f"faults seed {SEED}: " + ", ".join(f"{plan[k]} {delays[k]:.2f}s after step {k + 1}" for k in plan))
     killed: dict[str, float] = {}  # kind -> wall time of the kill
+    burners: list = []
 
     def kill(controller, kind: str) -> None:
         if kind == "buffer":
@@ -37,6 +43,11 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
         else:
             victim = controller.generators.pids()[sorted(controller.generators.engines)[0]]
             pids = victim.engine_core if kind == "engine_core" else [victim.actor]
+        # Detection must not wait for the controller's loop to get a turn: every core is kept busy
+        # from just before the kill until the detection window is over.
+        procs = start_burners()
+        burners.extend(procs)
+        threading.Timer(DETECT_S + 2, stop_burners, (procs,)).start()
         killed[kind] = time.time()
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -56,9 +67,12 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
         if step in plan:  # a timer, so the kill lands wherever the run is then (step, sync, lease)
             threading.Timer(delays[step], kill_later, (controller, step)).start()
 
-    out = run_short(
-        tmp_path, model_cache, [*SHORT, "train.total_steps=8", "generators.num_engines=2"], between=between
-    )
+    try:
+        out = run_short(
+            tmp_path, model_cache, [*SHORT, "train.total_steps=8", "generators.num_engines=2"], between=between
+        )
+    finally:
+        stop_burners(burners)
     cfg, summary, _, engine_cks, final, records = out
     assert set(killed) == set(plan.values()), killed
     log = events(tmp_path)
@@ -93,3 +107,57 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
     # Nothing trained twice: exactly one batch per step was acknowledged.
     batch = cfg.train.prompts_per_step * cfg.generators.group_size
     assert final.accounts.trained == batch * cfg.train.total_steps
+
+
+def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cache, monkeypatch):
+    """Two engines, an evaluation at the start and one at the end. In the first, engine 0's vLLM
+    engine core is killed before its share reaches it; in the second, an engine's Ray actor is
+    killed with its share in flight. Each time exactly its prompts go to the other engine, the record
+    counts them, every eval prompt is scored once, and the dead engine is replaced: the run goes on."""
+    real = Evaluation._dispatch
+    sent: list[tuple[int, int, list[int]]] = []  # (evaluation: its last_step, engine id, prompt ids)
+    killed: list[tuple[str, int, list[int]]] = []  # (what, engine id, the prompts it held)
+
+    def dispatch(self, engine, prompts):
+        engine_id = ray.get(engine.stats.remote(), timeout=60).engine_id
+        ids = [p.prompt_id for p in prompts]
+        first = not any(e == self.last_step for e, _, _ in sent)
+        sent.append((self.last_step, engine_id, ids))
+        pids = ray.get(engine.pids.remote(), timeout=60)
+        if first and self.last_step == -1:  # the first evaluation: its engine core dies
+            for pid in pids.engine_core:
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while ray.get(engine.healthy.remote(), timeout=60):  # the actor has seen it die
+                assert time.monotonic() < deadline, "the engine never noticed its core died"
+                time.sleep(0.1)
+            killed.append(("engine_core", engine_id, ids))
+        ref = real(self, engine, prompts)
+        if first and self.last_step >= 0:  # the last evaluation: the actor dies with its share in flight
+            os.kill(pids.actor, signal.SIGKILL)
+            killed.append(("engine_actor", engine_id, ids))
+        return ref
+
+    monkeypatch.setattr(Evaluation, "_dispatch", dispatch)
+    evals = ["eval.enabled=true", "eval.max_prompts=6", "eval.n=2", "eval.temperature=1.0", "eval.every=0"]
+    out = run_short(tmp_path, model_cache, [*SHORT, "train.total_steps=2", "generators.num_engines=2", *evals])
+    cfg, summary, _, engine_cks, final, records = out
+    assert [(k, e) for k, e, _ in killed] == [("engine_core", 0), ("engine_actor", 1)], killed
+    records_eval = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records_eval] == [0, 2]
+    for (_, dead, held), evaluation, record in zip(killed, (-1, 0), records_eval, strict=True):
+        # Exactly the dead engine's prompts were sent again, to the engine left, and counted.
+        again = [(e, ids) for s, e, ids in sent if s == evaluation][2:]
+        assert len(again) == 1 and again[0][0] != dead and again[0][1] == held, sent
+        assert record["reassigned_prompts"] == len(held) == 3 and record["dead_engines"] == 1
+        # Every eval prompt scored exactly once (the phase checks the ids), none counted failed.
+        assert (record["prompts"], record["samples"], record["failed_prompts"]) == (6, 12, 0)
+    # Both dead engines were replaced and the run went on to its last step on their successors.
+    assert summary.steps == cfg.train.total_steps and sorted(engine_cks) == [2, 3]
+    replaced = [e["reason"] for e in events(tmp_path) if e["reason"].startswith("engine ")]
+    assert [r.split(";")[0] for r in replaced] == ["engine 0 died", "engine 1 died"], replaced
+    check_common(
+        *out, engines=[2, 3], rejected_ok=("unknown_prompt", "wrong_engine"),
+        requeued=final.accounts.requeued, late_groups=True,
+    )
+    assert final.accounts.lost == 0

@@ -1,0 +1,21 @@
+"""A busy machine on purpose: processes that each spin on a core, as another test running beside
+this one would. Started and stopped by their handles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def start_burners(count: int | None = None) -> list[subprocess.Popen]:
+    """`count` spinning processes (default: one per core)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count or os.cpu_count() or 2)]
+
+
+def stop_burners(procs: list[subprocess.Popen]) -> None:
+    """Stop them (those already stopped too)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
