@@ -28,6 +28,9 @@ class WeightReceiverExtension:
         rank = first_rank + self.rank  # self.rank: this worker's rank inside its engine (TP rank)
         info = msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo)
         manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
+        old, self._async_rl_receiver = self._async_rl_receiver, None
+        if old is not None:  # a new membership: the old one's channel (an NCCL communicator) goes
+            old.close()
         self._async_rl_receiver = join_receiver(info, rank, manifest)
 
     def async_rl_receive_weights(self, version: int) -> bytes:
