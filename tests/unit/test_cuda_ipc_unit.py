@@ -110,3 +110,21 @@ def test_explicit_backend_is_kept():
     assert resolve_backend(cfg) == "cuda_ipc"
     cfg = Config(placement="colocated", learner=LearnerConfig(backend="megatron"), weight_sync=WeightSyncConfig(backend="gloo"))
     assert resolve_backend(cfg) == "gloo"
+
+
+def test_receiver_synchronizes_the_loaders_device_not_only_the_mappings(monkeypatch):
+    """The mapping is on GPU 0 as this receiver sees it, its parameters on GPU 1: the loader's copies
+    are on GPU 1, which must be synchronized before the end barrier lets the sender overwrite."""
+    from async_rl.weight_sync import cuda_ipc
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(cuda_ipc, "synchronize", synced.append)
+    monkeypatch.setattr(cuda_ipc, "loader_device", lambda: torch.device("cuda", 1))
+    channel = cuda_ipc.CudaIpcChannel.__new__(cuda_ipc.CudaIpcChannel)
+    channel.device = torch.device("cuda", 0)
+    channel.finish_receive()
+    assert synced[0] == torch.device("cuda", 1) and set(synced) == {torch.device("cuda", 0), torch.device("cuda", 1)}
+    synced.clear()
+    channel.device = torch.device("cuda", 1)  # the usual case: one GPU, synchronized once
+    channel.finish_receive()
+    assert synced == [torch.device("cuda", 1)]
