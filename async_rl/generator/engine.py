@@ -50,7 +50,7 @@ from async_rl.protocol import (
 from async_rl.security import ClientKeys, harden_client
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
-from async_rl.weight_sync.checksum import ParamChecksum
+from async_rl.weight_sync.checksum import ShardChecksum
 
 
 class EngineSettings(msgspec.Struct, frozen=True):
@@ -482,7 +482,7 @@ class GeneratorEngine:
     async def receive_weights(self, version: int) -> list[UpdateReceipt]:
         return await vc.receive_weights(self._llm, version)
 
-    async def param_checksums(self) -> list[ParamChecksum]:
+    async def param_checksums(self) -> list[ShardChecksum]:
         return await vc.param_checksums(self._llm)
 
     async def score(self, probe: Probe) -> float:
