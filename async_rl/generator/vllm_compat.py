@@ -259,8 +259,13 @@ async def sleep(llm) -> bool:
     return True
 
 
-async def wake_up(llm) -> None:
-    await watched(llm, llm.wake_up(), "wake_up")
+WEIGHTS, KV_CACHE = "weights", "kv_cache"  # vLLM's sleep tags (v1/executor/abstract.py SLEEP_TAGS)
+
+
+async def wake_up(llm, tags: list[str]) -> None:
+    """Bring back these of a sleeping engine's allocations. vLLM 0.32 resumes its scheduler as soon as
+    every allocation is resident again (EngineCore.wake_up), so waking the last tag un-pauses it."""
+    await watched(llm, llm.wake_up(tags=tags), f"wake_up {tags}")
 
 
 async def resume(llm) -> None:
