@@ -125,7 +125,9 @@ def test_megatron_tp1_bf16_on_smollm2_matches_hf(model_parallel):
     got, ref = policy.logprobs(ids).float(), hf_logprobs(hf, ids)
     diff = (got - ref).abs()
     print(f"smollm2-135m megatron bf16 vs HF fp32: mean {diff.mean():.2e} max {diff.max():.2e}")
-    assert torch.isfinite(got).all() and diff.mean() < 5e-2
+    # bf16 weights and activations on random tokens (high entropy): torch's bf16 autocast alone gives a
+    # mean of ~0.04 here on CPU; bf16 weights add to it. A wrong conversion is O(1).
+    assert torch.isfinite(got).all() and diff.mean() < 0.15
 
 
 def _score_with_backend(rank: int, port: int, model_dir: str, out: str) -> None:
