@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install quickstart test test-unit test-integration lint bench bench-quick docs clean
+.PHONY: install quickstart test test-unit test-integration test-gpu lint bench bench-quick docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,18 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration
+
+# The GPU tier, on a CUDA machine, in the Python environment that has the CUDA builds (not $(VENV):
+# `make install` puts the CPU torch there). Part A needs torch, CuPy, megatron-core and transformers;
+# part B (tests/gpu/e2e) also vLLM and Ray: 2-step runs of the configs/gpu recipes this machine has
+# the GPUs for. GPU_PART=a or GPU_PART=b runs one part; every skip names what is missing.
+GPU_PY ?= python3
+GPU_PART ?= all
+GPU_MARK_all := gpu
+GPU_MARK_a := gpu and not gpu_e2e
+GPU_MARK_b := gpu_e2e
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest tests/gpu -m "$(GPU_MARK_$(GPU_PART))" -rs -v
 
 # Every benchmark, 3 repetitions, results under benchmarks/results/ (run on a quiet machine).
 bench: $(STAMP)

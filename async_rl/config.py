@@ -425,8 +425,8 @@ class WeightSyncConfig(_Section):
         _f("weight transport: gloo (sockets, any host), shm (shared memory, one host), nccl (CuPy, "
            "CUDA tensors), cuda_ipc (one GPU region mapped by learner and generators on the same GPU; "
            "its CPU-side checksum costs a device-to-host copy of the update, checksum=off avoids it); "
-           "auto = cuda_ipc when colocated with a CUDA learner (megatron), else shm on a local Ray, "
-           "else gloo"),
+           "auto = on CUDA (a megatron learner on cuda), cuda_ipc when colocated and nccl when "
+           "disaggregated; off CUDA shm on a local Ray, else gloo; nccl with placement=colocated is refused"),
     ] = "auto"
     wire_dtype: Annotated[
         Literal["", "float32", "bfloat16", "float16"], _f("cast floating weights to this dtype on the wire ('' = none)")
@@ -636,6 +636,8 @@ def validate(cfg: Config) -> None:
     _validate_minibatches(cfg)
     if cfg.placement == "colocated" and t.max_lag != 0:
         raise ConfigError(f"placement=colocated alternates generation and training: it needs train.max_lag=0, not {t.max_lag}")
+    if cfg.placement == "colocated" and cfg.weight_sync.backend == "nccl":
+        raise ConfigError("weight_sync.backend=nccl needs a GPU per NCCL rank, placement=colocated shares one: use cuda_ipc or auto")
     a = cfg.generators.autoscale
     if a.min_engines > a.max_engines:
         raise ConfigError(

@@ -31,7 +31,7 @@ from async_rl.learner.base import LearnerSpec, StepMetrics, checkpoint_model_dir
 from async_rl.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
 from async_rl.runtime import START_TIMEOUT_S, Runtime
 from async_rl.supervisor import PromptsExhausted, Supervisor
-from async_rl.weight_sync.checksum import ParamChecksum
+from async_rl.weight_sync.checksum import ParamChecksum, ShardChecksum, engine_checksum
 
 
 class RunSummary(msgspec.Struct):
@@ -180,11 +180,11 @@ class Controller:
                 continue  # it died since the sync: the supervisor replaces it at its next check
         return None
 
-    def checksums(self) -> tuple[ParamChecksum, dict[int, list[ParamChecksum]]]:
-        """The learner's parameter checksum and every generator worker's, by engine id."""
+    def checksums(self) -> tuple[ParamChecksum, dict[int, ParamChecksum]]:
+        """The learner's parameter checksum and every engine's (its TP workers' parts added up)."""
         self.learner.call(lambda a: a.gather_weights.remote())
         learner = ray.get(self.learner.actors[0].param_checksum.remote())
-        return learner, self.generators.checksums()
+        return learner, engine_checksums(self.generators.checksums())
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
@@ -215,8 +215,8 @@ class Controller:
         if any(s != state.step for s in steps):
             raise RunError(f"checkpoint '{self.resume_from}': learner state is at step {steps[0]}, run state at {state.step}")
         learner_ck, engine_cks = self.checksums()
-        for engine_id, per_worker in engine_cks.items():
-            if not all(ck.close_to(learner_ck) for ck in per_worker):
+        for engine_id, ck in engine_cks.items():
+            if not ck.close_to(learner_ck):
                 raise RunError(f"resume: engine {engine_id} loaded other weights than the learner from '{self.model_dir}'")
         ray.get(self.buffer.set_generator_version.remote(state.version))
         ray.get([a.resume.remote(state.version) for a in self.generators.actors], timeout=START_TIMEOUT_S)
@@ -254,6 +254,17 @@ class Controller:
             self.supervisor.close()
             self.supervisor = None
         return self.runtime.shutdown()
+
+
+def engine_checksums(parts: dict[int, list[ShardChecksum]]) -> dict[int, ParamChecksum]:
+    """Each engine's whole-model checksum from its TP workers' parts (comparable with the learner's)."""
+    out = {}
+    for engine_id, workers in parts.items():
+        try:
+            out[engine_id] = engine_checksum(workers)
+        except ValueError as exc:
+            raise RunError(f"engine {engine_id}: {exc}") from None
+    return out
 
 
 def make_record(

@@ -104,9 +104,15 @@ class Runtime:
             cfg.generators.ray_resources,
         )
         self._learner = self._make_learner()
-        setup = [a.setup.remote() for a in self._learner.actors]  # overlaps vLLM's ~30 s start-up
-        self._generators.add(cfg.generators.num_engines, paused=engines_paused)
-        ray.get(setup, timeout=START_TIMEOUT_S)
+        if cfg.placement == "colocated":
+            # One GPU for both: vLLM sizes its KV cache from what it sees allocated while it starts,
+            # so the engines start alone, then the learner sets up in what they left.
+            self._generators.add(cfg.generators.num_engines, paused=engines_paused)
+            ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
+        else:
+            setup = [a.setup.remote() for a in self._learner.actors]  # overlaps vLLM's ~30 s start-up
+            self._generators.add(cfg.generators.num_engines, paused=engines_paused)
+            ray.get(setup, timeout=START_TIMEOUT_S)
         self._generators.rebuild_membership(self._learner.actors[0])
 
     def learner_spec(self, serve: str) -> LearnerSpec:
@@ -199,6 +205,10 @@ class Runtime:
         if not ray.get(sender.pin_weights.remote(version), timeout=START_TIMEOUT_S):
             return False
         try:
+            if self.cfg.placement == "colocated":
+                # The sync wakes the engines into this GPU's memory: the learner gives back what it
+                # does not need first (gradients only between steps; see learner/gpu_memory.py).
+                self.learner.call(lambda a: a.release_gpu_memory.remote(not during_step))
             self.generators.sync(sender, version)
         finally:
             try:

@@ -22,13 +22,23 @@ def learner_on_cuda(cfg: Config) -> bool:
     return cfg.learner.backend == "megatron" and cfg.learner.megatron.device == "cuda"
 
 
+def runs_on_cuda(cfg: Config) -> bool:
+    """Both ends of the weight sync hold their weights on CUDA (the learner's rank 0 and the engines'
+    workers). Today that is the megatron learner on CUDA (engines then run on GPUs too).
+    PLUG-IN POINT for `learner.device` / `generators.device` (auto|cuda|cpu): return whether the
+    RESOLVED learner device and the RESOLVED generators device are both cuda ('auto' resolved against
+    the Ray cluster's GPUs, as the placement plan does), so every caller follows the device fields."""
+    return learner_on_cuda(cfg)
+
+
 def resolve_backend(cfg: Config) -> str:
-    """auto: CUDA IPC when learner and generators share the GPU (colocated with a CUDA learner);
-    otherwise shared memory when everything runs on this host (a local Ray), gloo across hosts."""
+    """auto: on CUDA, CUDA IPC when learner and generators share the GPU (colocated) and NCCL when
+    they have GPUs of their own (disaggregated, on one host or many); off CUDA, shared memory when
+    everything runs on this host (a local Ray), gloo across hosts."""
     if cfg.weight_sync.backend != "auto":
         return cfg.weight_sync.backend
-    if cfg.placement == "colocated" and learner_on_cuda(cfg):
-        return "cuda_ipc"
+    if runs_on_cuda(cfg):
+        return "cuda_ipc" if cfg.placement == "colocated" else "nccl"
     return "gloo" if cfg.ray.address else "shm"
 
 

@@ -50,7 +50,7 @@ from async_rl.protocol import (
 from async_rl.security import ClientKeys, harden_client
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
-from async_rl.weight_sync.checksum import ParamChecksum
+from async_rl.weight_sync.checksum import ShardChecksum
 
 
 class EngineSettings(msgspec.Struct, frozen=True):
@@ -142,6 +142,7 @@ class GeneratorEngine:
         self._failed = 0
         self._last_error = ""
         self._asleep = False
+        self._kv_asleep = False  # woken for a weight update (weights only): the KV cache comes back at resume
         self._draining = False
         self._paused_since: float | None = None
         self._paused_s = 0.0
@@ -471,9 +472,14 @@ class GeneratorEngine:
         self._running.clear()
         if self._paused_since is None:
             self._paused_since = time.monotonic()
-        if self._asleep:  # weights must be back in place before an update loads into them
-            await vc.wake_up(self._llm)
-            self._asleep = False
+        if self._asleep:
+            # The weights must be back before an update loads into them, but only they: vLLM resumes
+            # its scheduler once every allocation is resident (wake_up), which would let the kept
+            # requests generate on the old weights until a pause. With the KV cache still asleep the
+            # scheduler stays paused (sleep paused it, in keep mode, caches cleared); `resume` wakes it.
+            await vc.wake_up(self._llm, [vc.WEIGHTS])
+            self._asleep, self._kv_asleep = False, True
+            return
         await vc.pause(self._llm, self.s.pause_mode)  # also for a never-resumed engine: harmless
 
     async def sleep(self) -> None:
@@ -483,6 +489,9 @@ class GeneratorEngine:
 
     async def resume(self, version: int) -> None:
         self.version = version
+        if self._kv_asleep:  # the new weights are in: the KV cache back, and with it the scheduler
+            await vc.wake_up(self._llm, [vc.KV_CACHE])
+            self._kv_asleep = False
         await vc.resume(self._llm)
         self._running.set()
         if self._paused_since is not None:
@@ -495,7 +504,7 @@ class GeneratorEngine:
     async def receive_weights(self, version: int) -> list[UpdateReceipt]:
         return await vc.receive_weights(self._llm, version)
 
-    async def param_checksums(self) -> list[ParamChecksum]:
+    async def param_checksums(self) -> list[ShardChecksum]:
         return await vc.param_checksums(self._llm)
 
     async def score(self, probe: Probe) -> float:

@@ -20,7 +20,7 @@ from async_rl.cluster.resources import ResourcePool
 from async_rl.errors import RunError
 from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
 from async_rl.weight_sync.base import WeightGroupInfo
-from async_rl.weight_sync.checksum import ParamChecksum
+from async_rl.weight_sync.checksum import ShardChecksum
 from async_rl.weight_sync.gloo import abort_membership
 
 TIMEOUT_S = 600.0
@@ -203,7 +203,8 @@ class GeneratorPool:
                 continue
         return out
 
-    def checksums(self) -> dict[int, list[ParamChecksum]]:
+    def checksums(self) -> dict[int, list[ShardChecksum]]:
+        """Every engine's TP workers' checksum parts, by engine id (see checksum.engine_checksum)."""
         return dict(zip(self.engines, ray.get([a.param_checksums.remote() for a in self.actors]), strict=True))
 
     def _stop(self, handle: EngineHandle) -> None:

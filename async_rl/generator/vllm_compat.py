@@ -18,7 +18,7 @@ from async_rl.generator import worker_extension as ext
 from async_rl.generator.sampling import SamplingSpec
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
-from async_rl.weight_sync.checksum import ParamChecksum
+from async_rl.weight_sync.checksum import ShardChecksum
 
 EXTENSION_CLS = f"{ext.__name__}.{ext.WeightReceiverExtension.__name__}"
 # collective_rpc takes method names; they are derived from the class so a rename breaks loudly here.
@@ -259,8 +259,13 @@ async def sleep(llm) -> bool:
     return True
 
 
-async def wake_up(llm) -> None:
-    await watched(llm, llm.wake_up(), "wake_up")
+WEIGHTS, KV_CACHE = "weights", "kv_cache"  # vLLM's sleep tags (v1/executor/abstract.py SLEEP_TAGS)
+
+
+async def wake_up(llm, tags: list[str]) -> None:
+    """Bring back these of a sleeping engine's allocations. vLLM 0.32 resumes its scheduler as soon as
+    every allocation is resident again (EngineCore.wake_up), so waking the last tag un-pauses it."""
+    await watched(llm, llm.wake_up(tags=tags), f"wake_up {tags}")
 
 
 async def resume(llm) -> None:
@@ -278,9 +283,10 @@ async def receive_weights(llm, version: int) -> list[UpdateReceipt]:
     return [msgspec.msgpack.decode(r, type=UpdateReceipt) for r in raw]
 
 
-async def param_checksums(llm) -> list[ParamChecksum]:
+async def param_checksums(llm) -> list[ShardChecksum]:
+    """Every TP worker's part of the engine's weight checksum, by TP rank (see checksum.engine_checksum)."""
     raw = await watched(llm, llm.collective_rpc(_CHECKSUM), "param_checksum")
-    return [msgspec.msgpack.decode(r, type=ParamChecksum) for r in raw]
+    return [msgspec.msgpack.decode(r, type=ShardChecksum) for r in raw]
 
 
 def is_dead(llm) -> bool:

@@ -11,13 +11,18 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver
 from async_rl.weight_sync.bucketing import Manifest
-from async_rl.weight_sync.checksum import checksum_of
+from async_rl.weight_sync.checksum import ShardChecksum, checksum_of
 from async_rl.weight_sync.transport import join_receiver
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WeightReceiverExtension:
@@ -28,6 +33,9 @@ class WeightReceiverExtension:
         rank = first_rank + self.rank  # self.rank: this worker's rank inside its engine (TP rank)
         info = msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo)
         manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
+        old, self._async_rl_receiver = self._async_rl_receiver, None
+        if old is not None:  # a new membership: the old one's channel (an NCCL communicator) goes
+            old.close()
         self._async_rl_receiver = join_receiver(info, rank, manifest)
 
     def async_rl_receive_weights(self, version: int) -> bytes:
@@ -36,15 +44,17 @@ class WeightReceiverExtension:
 
         def load(named):
             # Streams: buckets are loaded as they land; a CorruptUpdate raised mid-way propagates
-            # and the engine stays paused (it is never resumed on a failed update).
-            self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+            # and the engine stays paused (it is never resumed on a failed update). The worker's
+            # reload_weights, not its model runner's: it sets vLLM's config context around the load
+            # (weight loaders that read get_current_vllm_config() raise without it in 0.32).
+            self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
             _refresh_tied_cpu_gemm(self.model_runner.get_model())
 
         return msgspec.msgpack.encode(self._async_rl_receiver.receive(version, load))
 
     def async_rl_param_checksum(self) -> bytes:
-        """Checksum of the weights this worker computes with (see `loaded_weights`)."""
-        return msgspec.msgpack.encode(checksum_of(loaded_weights(self.model_runner.get_model())))
+        """This TP worker's part of its engine's weight checksum (see `loaded_weight_parts`)."""
+        return msgspec.msgpack.encode(shard_checksum(loaded_weight_parts(self.model_runner.get_model())))
 
 
 _PR_SET_PDEATHSIG = 1
@@ -74,36 +84,64 @@ def _refresh_tied_cpu_gemm(model) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-def loaded_weights(model):
-    """Every weight the model computes with, each shared tensor once.
+def shard_checksum(parts: Iterable[tuple[torch.Tensor, bool]]) -> ShardChecksum:
+    sharded: list[torch.Tensor] = []
+    replicated: list[torch.Tensor] = []
+    for t, is_sharded in parts:
+        (sharded if is_sharded else replicated).append(t)
+    return ShardChecksum(sharded=checksum_of(sharded), replicated=checksum_of(replicated))
+
+
+def loaded_weight_parts(model) -> Iterator[tuple[torch.Tensor, bool]]:
+    """(tensor, sharded) for every weight this worker computes with, each shared tensor once.
+
+    `sharded`: the tensor is this TP worker's own slice of a weight (column- and row-parallel
+    linears, vocabulary-parallel embeddings and heads): summed over the engine's workers, the slices
+    make the weight once. Otherwise every worker holds it whole (norms, a row-parallel linear's bias,
+    anything built with tp_size 1). QKV with fewer KV heads than workers replicates each KV head on
+    `num_kv_head_replicas` workers: only the first of them counts it. With TP = 1 every weight is
+    this worker's, sharded or not, and the two parts add up to the whole model.
 
     On CPU, vLLM repacks linear weights into oneDNN handles and leaves an empty parameter behind;
     the weight is recovered exactly as W = cpu_linear(I).T (a product with the identity is exact).
-    Vocabulary embeddings are padded: only the first `org_vocab_size` rows are real.
+    Vocabulary embeddings are padded: only the shard's first `num_org_elements` rows are real.
     """
     import torch
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     seen: set[int] = set()
     with torch.no_grad():
         for module in model.modules():
+            tp = getattr(module, "tp_size", 1)
+            vocab = isinstance(module, VocabParallelEmbedding)
             for name, p in module.named_parameters(recurse=False):
                 packed = hasattr(module, "cpu_linear") and name == "weight"
+                rows = module.shard_indices.num_org_elements if vocab else None
                 if isinstance(module, ParallelLMHead) and packed:
                     # The output head has its own packed copy even when its weight is tied to the
                     # embedding: check that copy, it is what the logits are computed with.
                     w = module.cpu_linear(torch.eye(p.shape[1], dtype=p.dtype), p, None).T
                     if id(p) in seen:
-                        if not torch.equal(w[: module.org_vocab_size], p[: module.org_vocab_size]):
+                        if not torch.equal(w[:rows], p[:rows]):
                             raise RuntimeError("tied lm_head computes with weights other than the embedding's")
                         continue
                     p = w
                 if id(p) in seen:
                     continue
                 seen.add(id(p))
-                if isinstance(module, VocabParallelEmbedding) and name == "weight":
-                    yield p[: module.org_vocab_size]
+                if vocab:
+                    t = p[:rows]
                 elif packed and p.numel() == 0:
-                    yield module.cpu_linear(torch.eye(module.input_size_per_partition, dtype=p.dtype), p, None).T
+                    t = module.cpu_linear(torch.eye(module.input_size_per_partition, dtype=p.dtype), p, None).T
                 else:
-                    yield p
+                    t = p
+                if tp > 1 and isinstance(module, QKVParallelLinear) and module.num_kv_head_replicas > 1:
+                    q_rows = module.num_heads * module.head_size  # then this worker's K and V heads
+                    yield t[:q_rows], True
+                    if module.tp_rank % module.num_kv_head_replicas == 0:
+                        yield t[q_rows:], True
+                    continue
+                own = vocab or isinstance(module, ColumnParallelLinear)
+                own = own or (isinstance(module, RowParallelLinear) and name == "weight")
+                yield t, tp > 1 and own

@@ -418,6 +418,12 @@ class LearnerDriver(LearnerRank):
         if self._weights_lock.locked():
             self._weights_lock.release()
 
+    def release_gpu_memory(self, drop_grads: bool = True) -> int:
+        """Colocated placement, before the engines wake up on this GPU: see learner/gpu_memory.py."""
+        from async_rl.learner import gpu_memory
+
+        return gpu_memory.release(gpu_memory.optimizers_of(self.backend), drop_grads)
+
     def param_checksum(self) -> ParamChecksum:
         with self._weights_lock:
             return self.weights.checksum()

@@ -53,7 +53,7 @@ class WeightSource:
         return self._manifest
 
     def open(self, world_size: int) -> WeightGroupInfo:
-        self._sender = None
+        self._close_sender()  # the old membership's channel (an NCCL communicator) goes with it
         self._generation += 1
         self._info, self._store = open_membership(
             # Receivers connect to what is published: 0.0.0.0 (bind everywhere) is this node's IP to them.
@@ -85,6 +85,12 @@ class WeightSource:
     def checksum(self) -> ParamChecksum:
         return checksum_of(self._named_tensors().values())
 
+    def _close_sender(self) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()
+
     def close(self) -> None:
+        self._close_sender()
         if self._info is not None and self._info.shm_path:
             ShmChannel.unlink(self._info.shm_path)  # opened but never joined

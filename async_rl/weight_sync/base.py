@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import os
 import random
 import time
@@ -134,6 +135,13 @@ class BucketChannel(abc.ABC):
         end barrier, after which the sender may overwrite the buckets. A channel whose buckets are read
         by asynchronous copies (CUDA) waits for those copies here."""
 
+    def abandon(self) -> None:  # noqa: B027 - optional hook
+        """The membership was given up (a member died, or the controller aborted it) while operations
+        of this channel may be in flight: cancel them, so nothing keeps waiting for a dead peer."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """The membership is over (a new one replaces it): release what the channel holds."""
+
     def resident_slot(self, k: int, nbytes: int) -> torch.Tensor | None:
         """Sender: a buffer that is bucket k's for the whole membership, if the channel has one (shm).
         Parameters that live there need no packing: an update reads them where they are."""
@@ -206,6 +214,14 @@ class WeightSender:
         return moved
 
     def send(self, tensors: dict[str, torch.Tensor], version: int) -> UpdateReceipt:
+        with _abandoned_on_abort(self.channel):
+            return self._send(tensors, version)
+
+    def close(self) -> None:
+        """This membership is over: release the channel (an NCCL communicator) and the group."""
+        _close(self.channel, self.group)
+
+    def _send(self, tensors: dict[str, torch.Tensor], version: int) -> UpdateReceipt:
         t0 = time.perf_counter()
         seed = int.from_bytes(os.urandom(8), "little")  # which chunks 'sampled' hashes this time
         self.group.broadcast(_header(version, self.manifest, seed))
@@ -245,6 +261,14 @@ class WeightReceiver:
 
     def stream(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) bucket by bucket; verify the whole update at the end."""
+        with _abandoned_on_abort(self.channel):
+            yield from self._stream(version)
+
+    def close(self) -> None:
+        """This membership is over: release the channel (an NCCL communicator) and the group."""
+        _close(self.channel, self.group)
+
+    def _stream(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         t0 = time.perf_counter()
         self.last_receipt = None
         self._trailer_received = False
@@ -314,9 +338,27 @@ class WeightReceiver:
         finally:
             if self._trailer_received:  # the whole update went by: tell the sender we are done with it
                 self.channel.finish_receive()
-                self.group.barrier()
+                with _abandoned_on_abort(self.channel):
+                    self.group.barrier()
         assert self.last_receipt is not None
         return self.last_receipt
+
+
+@contextlib.contextmanager
+def _abandoned_on_abort(channel: BucketChannel) -> Iterator[None]:
+    """A membership given up mid-update: the channel cancels what it has in flight (see abandon)."""
+    try:
+        yield
+    except SyncAborted:
+        channel.abandon()
+        raise
+
+
+def _close(channel: BucketChannel, group: BroadcastGroup) -> None:
+    try:
+        channel.close()
+    finally:
+        group.close()
 
 
 def _receipt(version: int, manifest: Manifest, table: ChunkTable | None, t0: float, checked: int) -> UpdateReceipt:

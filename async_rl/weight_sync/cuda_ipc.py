@@ -114,6 +114,11 @@ def open_region(h: CudaIpcHandle) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage)
 
 
+def loader_device() -> torch.device:
+    """The device this process's loader copies into (a vLLM worker's current device)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def synchronize(device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
@@ -147,5 +152,8 @@ class CudaIpcChannel(RegionChannel):
 
     def finish_receive(self) -> None:
         # The loader's copies out of the mapping are asynchronous; once this receiver passes the end
-        # barrier the sender may write the next update into the same slots.
-        synchronize(self.device)
+        # barrier the sender may write the next update into the same slots. They were queued on the
+        # loader's device (the worker's, where its parameters live); when the mapping is on another
+        # GPU a peer copy involves that one too: synchronize both (one call when they are the same).
+        for device in dict.fromkeys([loader_device(), self.device]):
+            synchronize(device)

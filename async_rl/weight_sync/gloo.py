@@ -27,7 +27,7 @@ _PREFIX = "async_rl/weights"
 _ABORT = "abort"  # set (with the reason) by any member, or the controller, that gave up on this membership
 ABORT_POLL_S = 0.05  # how often a waiting member looks for the abort key on the store
 _ABANDONED: list[dist.ProcessGroupGloo] = []  # groups given up on (see GlooGroup._abandon)
-_SLICE_TIMED_OUT = "Operation timed out"  # c10d Work.wait(timeout) when the slice ran out (the op goes on)
+SLICE_TIMED_OUT = "Operation timed out"  # c10d Work.wait(timeout) when the slice ran out (the op goes on)
 
 
 def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -107,7 +107,7 @@ class GlooGroup(BroadcastGroup):
             except (CorruptUpdate, SyncAborted):
                 raise
             except RuntimeError as exc:
-                if _SLICE_TIMED_OUT not in str(exc):
+                if SLICE_TIMED_OUT not in str(exc):
                     text = str(exc).strip()
                     reason = f"rank {self.rank}: {text.splitlines()[0] if text else type(exc).__name__}"
                     self.abort(reason)

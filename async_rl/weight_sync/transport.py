@@ -64,7 +64,7 @@ def _channel(info: WeightGroupInfo, group: GlooGroup, manifest: Manifest):
     if info.backend == "nccl":
         from async_rl.weight_sync.nccl import NcclChannel
 
-        return NcclChannel(info.nccl_id, group.rank, info.world_size, largest)
+        return NcclChannel(info.nccl_id, group.rank, info.world_size, largest, info.timeout_s)
     if info.backend == "cuda_ipc":
         from async_rl.weight_sync.cuda_ipc import CudaIpcChannel
 

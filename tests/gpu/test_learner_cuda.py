@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.cluster.resources import free_port
-from async_rl.learner.driver import LearnerDriver
-from async_rl.models.tiny import resolve_model_path
-from tests.unit._learner_fixtures import groups, settings
+# LearnerDriver imports async_rl.cluster.resources, which imports Ray at module level.
+pytest.importorskip("ray", reason="needs Ray: async_rl.learner.driver imports it (cluster/resources.py)")
+
+from async_rl.learner.driver import LearnerDriver  # noqa: E402
+from async_rl.models.tiny import resolve_model_path  # noqa: E402
+from tests.gpu._gpu_util import free_port  # noqa: E402
+from tests.unit._learner_fixtures import groups, settings  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +39,23 @@ def test_bf16_training_on_cuda(model_dir, tmp_path, parallel):
     for name, t in rank.hf_weights().items():
         assert torch.equal(t.detach().cpu(), before[name]), name
     rank.shutdown()
+
+
+def test_reference_and_critic_live_on_the_learners_device(model_dir):
+    """KL reference and PPO critic on the learner's own device (checked by device type against the
+    backend's device), and a PPO + KL step runs there (a CPU critic all-reduced over NCCL crashed)."""
+    from async_rl.config import AlgorithmConfig
+
+    algo = AlgorithmConfig(name="ppo", kl_coef=0.05)
+    s = settings(model_dir, algorithm=algo, mixed_precision="auto", micro_batch_size=3)
+    rank = LearnerDriver(s, 0, 1, f"127.0.0.1:{free_port()}", [])
+    rank.setup()
+    try:
+        assert rank.device.type == "cuda"
+        ref = rank.algo.reference.model
+        assert {p.device.type for p in ref.parameters()} == {rank.device.type}
+        assert {p.device.type for p in rank.algo.critic.head.parameters()} == {rank.device.type}
+        m = rank.train_on_shard(0, groups(2, n_groups=2, group_size=4))
+        assert torch.isfinite(torch.tensor(m.loss))
+    finally:
+        rank.shutdown()

@@ -75,8 +75,7 @@ def test_megatron_on_cpu_learns_and_vllm_holds_its_weights(layout, tmp_path, mod
     # vLLM scores the learner's tokens as the learner does right after each sync (fp32)
     assert max(r["logprob_mismatch"] for r in records) < 1e-4
     assert sorted(engine_cks) == [0]
-    for ck in engine_cks[0]:
-        assert ck.close_to(learner_ck), (ck, learner_ck)
+    assert engine_cks[0].close_to(learner_ck), (engine_cks[0], learner_ck)
     # the HF-format checkpoint holds the weights vLLM holds
     from async_rl.learner.hf_io import read_hf_weights
     from async_rl.weight_sync.checksum import checksum_of
@@ -129,5 +128,4 @@ def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, ra
     assert [r["step"] for r in records] == [0, 1, 2, 3] and [r["version"] for r in records] == [1, 2, 3, 4]
     assert [r["trained"] for r in records] == [16, 32, 48, 64]  # the accounting goes on from the checkpoint
     assert all(r["kl_ref"] > 0 for r in records[2:]) and all(r["value_loss"] > 0 for r in records)
-    for ck in engine_cks[0]:
-        assert ck.close_to(learner_ck), (ck, learner_ck)
+    assert engine_cks[0].close_to(learner_ck), (engine_cks[0], learner_ck)

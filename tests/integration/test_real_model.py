@@ -92,7 +92,7 @@ def run(tmp_path_factory) -> RealRun:
         records=records,
         probes=probes,
         sampling=sampling,
-        learner_ok=[ck.close_to(learner_ck) for cks in engine_cks.values() for ck in cks],
+        learner_ok=[ck.close_to(learner_ck) for ck in engine_cks.values()],
         reward_errors=final.reward_errors,
         rendered=[next(prompts).token_ids for _ in range(64)],
         evals=read_jsonl(run_dir / "eval.jsonl"),

@@ -57,9 +57,8 @@ def check_common(
     assert all(e.version == steps for e in summary.engines)
     # Every generator worker holds exactly the learner's weights after the last sync.
     assert sorted(engine_cks) == (engines if engines is not None else list(range(cfg.generators.num_engines)))
-    for per_engine in engine_cks.values():
-        for ck in per_engine:
-            assert ck.close_to(learner_ck), (ck, learner_ck)
+    for ck in engine_cks.values():  # each engine's whole model (its TP workers' parts added up)
+        assert ck.close_to(learner_ck), (ck, learner_ck)
     # Admission bounded staleness at the source (nothing dropped stale, the AReaL limit held at every
     # step), and every accounting bucket is what this run did, per step and at the end.
     batch = cfg.train.prompts_per_step * cfg.generators.group_size

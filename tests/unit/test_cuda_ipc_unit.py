@@ -71,7 +71,9 @@ def test_region_gives_every_bucket_an_aligned_slot_of_its_own():
     [
         ("colocated", "megatron", "", "cuda_ipc"),
         ("colocated", "torch", "", "shm"),  # the torch learner trains on CPU
-        ("disaggregated", "megatron", "", "shm"),
+        ("disaggregated", "megatron", "", "nccl"),  # GPUs of their own: NCCL, on one host or many
+        ("disaggregated", "megatron", "ray://head:10001", "nccl"),
+        ("disaggregated", "torch", "", "shm"),
         ("disaggregated", "torch", "ray://head:10001", "gloo"),
     ],
 )
@@ -80,8 +82,49 @@ def test_auto_backend(placement, learner, ray_address, want):
     assert resolve_backend(cfg) == want
 
 
+@pytest.mark.parametrize(("placement", "want"), [("colocated", "cuda_ipc"), ("disaggregated", "nccl")])
+def test_auto_backend_follows_runs_on_cuda(monkeypatch, placement, want):
+    """`runs_on_cuda` is the one place the device decision comes from (the device fields plug in there):
+    a torch learner that runs on CUDA gets the GPU channels too."""
+    from async_rl import settings
+
+    cfg = Config(placement=placement, learner=LearnerConfig(backend="torch"))
+    monkeypatch.setattr(settings, "runs_on_cuda", lambda c: True)
+    assert settings.resolve_backend(cfg) == want
+    monkeypatch.setattr(settings, "runs_on_cuda", lambda c: False)
+    assert settings.resolve_backend(cfg) == "shm"
+
+
+def test_colocated_nccl_is_refused_in_one_line():
+    from async_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["placement=colocated", "train.max_lag=0", "weight_sync.backend=nccl"])
+    msg = str(info.value)
+    assert "\n" not in msg and "weight_sync.backend=nccl" in msg and "colocated" in msg
+    load_config(None, ["placement=colocated", "train.max_lag=0", "weight_sync.backend=cuda_ipc"])  # accepted
+
+
 def test_explicit_backend_is_kept():
     cfg = Config(weight_sync=WeightSyncConfig(backend="cuda_ipc"))
     assert resolve_backend(cfg) == "cuda_ipc"
     cfg = Config(placement="colocated", learner=LearnerConfig(backend="megatron"), weight_sync=WeightSyncConfig(backend="gloo"))
     assert resolve_backend(cfg) == "gloo"
+
+
+def test_receiver_synchronizes_the_loaders_device_not_only_the_mappings(monkeypatch):
+    """The mapping is on GPU 0 as this receiver sees it, its parameters on GPU 1: the loader's copies
+    are on GPU 1, which must be synchronized before the end barrier lets the sender overwrite."""
+    from async_rl.weight_sync import cuda_ipc
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(cuda_ipc, "synchronize", synced.append)
+    monkeypatch.setattr(cuda_ipc, "loader_device", lambda: torch.device("cuda", 1))
+    channel = cuda_ipc.CudaIpcChannel.__new__(cuda_ipc.CudaIpcChannel)
+    channel.device = torch.device("cuda", 0)
+    channel.finish_receive()
+    assert synced[0] == torch.device("cuda", 1) and set(synced) == {torch.device("cuda", 0), torch.device("cuda", 1)}
+    synced.clear()
+    channel.device = torch.device("cuda", 1)  # the usual case: one GPU, synchronized once
+    channel.finish_receive()
+    assert synced == [torch.device("cuda", 1)]
