@@ -322,7 +322,10 @@ class MegatronBackend(ModelBackend):
         entropy = vocab_parallel_entropy(logits.detach(), self.arch.vocab_size, temperature)
         return TokenScores(logp=logp, entropy=entropy)
 
-    def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False) -> TokenScores | None:
+    def score(
+        self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True
+    ) -> TokenScores | None:
+        # `head` is not used: GPTModel's last stage always applies its output layer.
         out: list[TokenScores] = []
         # The last hidden states (ppo's critic): the final layernorm's output on the last stage, what
         # the output layer reads and HF's `hidden_states[-1]`. Without sequence parallelism it is
