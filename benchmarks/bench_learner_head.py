@@ -1,0 +1,139 @@
+"""The learner head, before and after: one forward+backward of the torch backend on the real preset.
+
+SmolLM2-135M fp32, `--threads` threads (2: this machine), 48 rows (8 prompts x 6 samples) of a
+35-token prompt + 64 completion tokens, the loss on the completion tokens: the shape of DESIGN.md's
+"Learner cost" numbers (measured by hand: full head 30.3 s, no head 18.8 s). Variants, each in its own
+subprocess (so its peak RSS, `ru_maxrss`, is its own):
+
+- full: `learner.logprob_chunk_tokens: 0`, the former path (logits, fp32 log-softmax and entropy at
+  every position);
+- chunked: the chunked head at the loss positions only (`logprob_chunk_tokens`, default 1024);
+- no_head: the trunk alone (a floor: what the step would cost with a free head).
+
+Writes benchmarks/results/learner_head.json and prints a table. CPU-heavy: run it under
+/work/bin/heavy on the shared machine.
+    python benchmarks/bench_learner_head.py [--repeats 2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS, GROUP, PROMPT_LEN, COMPLETION_LEN = 8, 6, 35, 64
+RESULTS = Path(__file__).resolve().parent / "results" / "learner_head.json"
+
+
+def model_dir() -> str:
+    from async_rl.models.tiny import resolve_model_path
+
+    cache = os.environ.get("ASYNC_RL_MODEL_CACHE", str(Path.home() / ".cache" / "async_rl" / "models"))
+    return str(resolve_model_path("smollm2-135m", cache))
+
+
+def batch(vocab: int, seed: int = 0, prompts: int = PROMPTS):
+    """The padded micro-batch of 48 rows (all one length: padded and packed are the same here)."""
+    import numpy as np
+
+    from async_rl.learner.packing import SeqSample, padded
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(prompts):
+        prompt = rng.integers(10, vocab, PROMPT_LEN)
+        for _ in range(GROUP):
+            tokens = np.concatenate([prompt, rng.integers(10, vocab, COMPLETION_LEN)])
+            zeros = np.zeros(COMPLETION_LEN, np.float32)
+            samples.append(SeqSample(tokens, PROMPT_LEN, zeros - 3.0, zeros + 1.0))
+    return padded(samples)
+
+
+def run_variant(name: str, repeats: int, threads: int) -> dict:
+    import torch
+
+    from async_rl.config import LearnerConfig
+    from async_rl.learner.torch_backend import TorchBackend
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    chunk = 0 if name == "full" else LearnerConfig().logprob_chunk_tokens
+    backend = TorchBackend(LearnerConfig(logprob_chunk_tokens=chunk), "float32", 0, 1, "")
+    backend.setup(model_dir())
+    mb = batch(backend.model.config.vocab_size)
+    n_loss = mb.loss_tokens
+
+    def step(m) -> float:
+        t0 = time.perf_counter()
+        if name == "no_head":  # the trunk and a loss on its output: what a free head would leave
+            backend.optimizer.zero_grad(set_to_none=True)
+            last = backend.model.base_model(**m.model_inputs(backend.device)).last_hidden_state
+            ((last.float().mean(-1) * m.loss_mask).sum() / n_loss).backward()
+        else:
+            backend.forward_backward([m], 1.0, lambda _i, s: -(s.logp * m.loss_mask).sum() / n_loss)
+        return time.perf_counter() - t0
+
+    step(batch(backend.model.config.vocab_size, seed=1, prompts=1))  # warm-up on 6 rows (allocator, kernels)
+    times = [step(mb) for _ in range(repeats)]
+    grad = [p.grad for p in backend.model.parameters() if p.grad is not None]
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grad))) if grad else 0.0
+    return {
+        "variant": name,
+        "chunk": chunk,
+        "times_s": times,
+        "best_s": min(times),
+        "mean_s": sum(times) / len(times),
+        "grad_norm": norm,
+        "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "rows": mb.input_ids.shape[0],
+        "tokens": int(mb.input_ids.numel()),
+        "loss_tokens": n_loss,
+        "threads": threads,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default="full,chunked,no_head")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant, print its JSON
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_variant(args.one, args.repeats, args.threads)))
+        return
+    model_dir()  # fetch/convert once, before the timed subprocesses
+    rows = []
+    for name in args.variants.split(","):
+        cmd = [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats), "--threads", str(args.threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+        print(f"{name}: {rows[-1]['best_s']:.1f} s", file=sys.stderr, flush=True)
+    by = {r["variant"]: r for r in rows}
+    load = os.getloadavg()
+    result = {
+        "what": "one forward+backward, torch backend, smollm2-135m fp32, 48 rows x (35 prompt + 64 completion)",
+        "uptime_load": load,
+        "design_md_baseline_s": {"full": 30.3, "no_head": 18.8},
+        "variants": rows,
+    }
+    if "full" in by and "chunked" in by:
+        result["speedup_chunked_vs_full"] = by["full"]["best_s"] / by["chunked"]["best_s"]
+        result["grad_norm_rel_diff"] = abs(by["full"]["grad_norm"] - by["chunked"]["grad_norm"]) / by["full"]["grad_norm"]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'variant':<10} {'best s':>8} {'mean s':>8} {'max RSS GB':>11} {'grad norm':>10}")
+    for r in rows:
+        print(f"{r['variant']:<10} {r['best_s']:>8.1f} {r['mean_s']:>8.1f} {r['max_rss_gb']:>11.2f} {r['grad_norm']:>10.4f}")
+    if "speedup_chunked_vs_full" in result:
+        print(f"chunked vs full: {result['speedup_chunked_vs_full']:.2f}x faster; load average {load}")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
