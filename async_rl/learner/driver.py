@@ -73,6 +73,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
             transformer_engine=m.transformer_engine,
             device=m.device,
             seed=spec.train.seed,
+            logprob_chunk_tokens=spec.learner.logprob_chunk_tokens,
         )
     raise RunError(f"learner.backend={spec.learner.backend} has no model backend for the learner driver yet")
 
