@@ -30,11 +30,11 @@ PROMPTS, GROUP, PROMPT_LEN, COMPLETION_LEN = 8, 6, 35, 64
 RESULTS = Path(__file__).resolve().parent / "results" / "learner_head.json"
 
 
-def model_dir() -> str:
+def model_dir(name: str = "smollm2-135m") -> str:
     from async_rl.models.tiny import resolve_model_path
 
     cache = os.environ.get("ASYNC_RL_MODEL_CACHE", str(Path.home() / ".cache" / "async_rl" / "models"))
-    return str(resolve_model_path("smollm2-135m", cache))
+    return str(resolve_model_path(name, cache))
 
 
 def batch(vocab: int, seed: int = 0, prompts: int = PROMPTS):
@@ -54,7 +54,7 @@ def batch(vocab: int, seed: int = 0, prompts: int = PROMPTS):
     return padded(samples)
 
 
-def run_variant(name: str, repeats: int, threads: int) -> dict:
+def run_variant(name: str, repeats: int, threads: int, model: str) -> dict:
     import torch
 
     from async_rl.config import LearnerConfig
@@ -64,7 +64,7 @@ def run_variant(name: str, repeats: int, threads: int) -> dict:
     torch.manual_seed(0)
     chunk = 0 if name == "full" else LearnerConfig().logprob_chunk_tokens
     backend = TorchBackend(LearnerConfig(logprob_chunk_tokens=chunk), "float32", 0, 1, "")
-    backend.setup(model_dir())
+    backend.setup(model_dir(model))
     mb = batch(backend.model.config.vocab_size)
     n_loss = mb.loss_tokens
 
@@ -102,22 +102,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default="full,chunked,no_head")
+    ap.add_argument("--model", default="smollm2-135m", help="model preset (tiny-qwen2: a quick smoke run)")
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant, print its JSON
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_variant(args.one, args.repeats, args.threads)))
+        print(json.dumps(run_variant(args.one, args.repeats, args.threads, args.model)))
         return
-    model_dir()  # fetch/convert once, before the timed subprocesses
+    model_dir(args.model)  # fetch/convert once, before the timed subprocesses
     rows = []
     for name in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats), "--threads", str(args.threads)]
+        cmd = [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats), "--threads", str(args.threads),
+               "--model", args.model]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(f"{name}: {rows[-1]['best_s']:.1f} s", file=sys.stderr, flush=True)
     by = {r["variant"]: r for r in rows}
     load = os.getloadavg()
     result = {
-        "what": "one forward+backward, torch backend, smollm2-135m fp32, 48 rows x (35 prompt + 64 completion)",
+        "what": f"one forward+backward, torch backend, {args.model} fp32, 48 rows x (35 prompt + 64 completion)",
         "uptime_load": load,
         "design_md_baseline_s": {"full": 30.3, "no_head": 18.8},
         "variants": rows,
@@ -125,14 +128,15 @@ def main() -> None:
     if "full" in by and "chunked" in by:
         result["speedup_chunked_vs_full"] = by["full"]["best_s"] / by["chunked"]["best_s"]
         result["grad_norm_rel_diff"] = abs(by["full"]["grad_norm"] - by["chunked"]["grad_norm"]) / by["full"]["grad_norm"]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'variant':<10} {'best s':>8} {'mean s':>8} {'max RSS GB':>11} {'grad norm':>10}")
     for r in rows:
         print(f"{r['variant']:<10} {r['best_s']:>8.1f} {r['mean_s']:>8.1f} {r['max_rss_gb']:>11.2f} {r['grad_norm']:>10.4f}")
     if "speedup_chunked_vs_full" in result:
         print(f"chunked vs full: {result['speedup_chunked_vs_full']:.2f}x faster; load average {load}")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
