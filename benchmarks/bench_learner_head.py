@@ -94,6 +94,7 @@ def run_variant(name: str, repeats: int, threads: int, model: str) -> dict:
         "tokens": int(mb.input_ids.numel()),
         "loss_tokens": n_loss,
         "threads": threads,
+        "load_avg_at_end": os.getloadavg(),  # the machine is shared: how busy it was meanwhile
     }
 
 
