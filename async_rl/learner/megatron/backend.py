@@ -278,8 +278,10 @@ class MegatronBackend(ModelBackend):
     # ---- forward and backward ---------------------------------------------------------------------
 
     def _run(self, mbs: list[MicroBatch], temperature: float, forward_only: bool, on_scores) -> None:
-        """megatron's schedule over `mbs`; on output ranks `on_scores(i, logits, mb, as_rows)` returns
-        the loss (`as_rows` maps a batch-first tensor of the model's layout to the micro-batch's)."""
+        """megatron's schedule over `mbs`; on output ranks `on_scores(i, out, mb, as_rows)` returns
+        the loss, `out` being the last stage's vocab-parallel logits, or its final hidden states with
+        the chunked head (`_scores` tells them apart by `self.chunk`); `as_rows` maps a batch-first
+        tensor of the model's layout to the micro-batch's."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         shape = (max(m.input_ids.shape[0] for m in mbs), max(m.input_ids.shape[1] for m in mbs))
