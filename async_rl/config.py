@@ -290,10 +290,17 @@ class LearnerConfig(_Section):
     ] = 0
     micro_batch_tokens: Annotated[
         int,
-        _f("tokens (prompt + completion) per micro-batch, packed greedily (0 = no limit); the logits of a "
-           "micro-batch are tokens x vocabulary floats, several copies live through backward (SmolLM2, 49k "
-           "vocabulary: 4096 tokens took the learner to 13.6 GB)", ge=0),
-    ] = 0
+        _f("tokens (prompt + completion) per micro-batch, packed greedily, for the gradient passes and the "
+           "no-grad scoring passes (proximal log-probs, the KL reference, ppo's hidden states); 0 = the whole "
+           "shard in one pass (memory then grows with the shard: the trunk's activations per token)", ge=0),
+    ] = 8192
+    logprob_chunk_tokens: Annotated[
+        int,
+        _f("log-probs and entropy are computed from the final hidden states at the loss positions only, this "
+           "many positions at a time (no positions x vocabulary tensor larger than one chunk, forward or "
+           "backward: the chunk's logits are recomputed in backward); 0 = the full head at every position "
+           "(the former path, several fp32 tokens x vocabulary copies; kept for comparison)", ge=0),
+    ] = 1024
     packing: Annotated[
         bool, _f("padding-free micro-batches: sequences concatenated, position ids restart per sequence")
     ] = True

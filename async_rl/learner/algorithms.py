@@ -25,6 +25,7 @@ from async_rl.learner.advantages import (
     token_rewards,
 )
 from async_rl.learner.critic import Critic
+from async_rl.learner.head import DEFAULT_CHUNK
 from async_rl.learner.losses import kl_estimate, kl_penalty, policy_loss
 from async_rl.learner.reference import ReferencePolicy
 
@@ -153,13 +154,23 @@ class Algorithm:
         hidden_size: int,
         seed: int,
         max_grad_norm: float,
+        device: torch.device | str = "cpu",
+        micro_batch_tokens: int = 0,
+        logprob_chunk_tokens: int = DEFAULT_CHUNK,
     ) -> None:
+        """`device`: where the reference model and the critic live (the learner backend's device);
+        `micro_batch_tokens`, `logprob_chunk_tokens`: the reference pass's micro-batches and head
+        chunks (the `learner` fields)."""
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self.reference = ReferencePolicy(model_dir, dtype) if cfg.kl_coef > 0 else None
+        self.reference = (
+            ReferencePolicy(model_dir, dtype, device, micro_batch_tokens, logprob_chunk_tokens)
+            if cfg.kl_coef > 0
+            else None
+        )
         self.critic = (
-            Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm)
+            Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm, device)
             if cfg.name == "ppo"
             else None
         )
@@ -189,7 +200,7 @@ class Algorithm:
         if c.objective == "decoupled" or self.critic is not None:
             prox, hidden = policy(self.critic is not None)
         if self.reference is not None:
-            ref, _ = score_tokens(self.reference.model, b, self.temperature)
+            ref = self.reference.score(b, self.temperature)
         kl_ref, vloss = 0.0, 0.0
         kl_tokens = None
         if ref is not None and c.kl_in_reward:

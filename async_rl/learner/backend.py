@@ -52,8 +52,11 @@ class ParallelInfo(msgspec.Struct, frozen=True, kw_only=True):
 class TokenScores:
     """A forward pass's per-token outputs for one micro-batch, aligned with its targets."""
 
-    logp: torch.Tensor  # float32 [B, T]: log p(targets) at the temperature; carries grad in forward_backward
-    entropy: torch.Tensor  # float32 [B, T], detached: entropy of the full next-token distribution
+    # float32 [B, T]: log p(targets) at the temperature; carries grad in forward_backward. A backend may
+    # compute both at the positions that need them only (the loss mask in forward_backward, the
+    # sequences' completion positions in `score`) and leave 0 elsewhere; None from `score(head=False)`.
+    logp: torch.Tensor | None
+    entropy: torch.Tensor | None  # float32 [B, T], detached: entropy of the full next-token distribution
     hidden: torch.Tensor | None = None  # [B, T, H] detached last hidden states (when asked; ppo's critic)
 
 
@@ -80,9 +83,13 @@ class ModelBackend(abc.ABC):
         the parameter count of the whole model (not this rank's shard)."""
 
     @abc.abstractmethod
-    def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False) -> TokenScores | None:
-        """Collective, no gradient. The current weights' scores on `mb` (`hidden=True`: with the last
-        hidden states, for ppo's critic). None on ranks without outputs (`info.has_outputs` false)."""
+    def score(
+        self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True
+    ) -> TokenScores | None:
+        """Collective, no gradient. The current weights' scores on `mb` at its sequences' completion
+        positions (`hidden=True`: with the last hidden states, for ppo's critic; `head=False`: the
+        hidden states are all the caller needs, the backend may skip its output layer and return
+        logp/entropy None). None on ranks without outputs (`info.has_outputs` false)."""
 
     @abc.abstractmethod
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:

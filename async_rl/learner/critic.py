@@ -4,6 +4,10 @@ The head reads the hidden states *detached* from the policy: the value loss neve
 weights (so what is broadcast to vLLM and saved as the HF model is the policy alone), and the critic
 is a few thousand parameters instead of a second copy of the model. It is trained on the same batch,
 before the policy step, from the values it predicted before its own update (standard PPO).
+
+The head and its optimizer live on the learner's device (the backend's own): its gradient
+all-reduce then runs on device tensors, which an NCCL group requires (CPU tensors over NCCL raise).
+Inputs may come from anywhere (the driver's prepare holds them on the CPU); outputs go back there.
 """
 
 from __future__ import annotations
@@ -34,18 +38,23 @@ class ValueHead(torch.nn.Module):
 
 
 class Critic:
-    def __init__(self, hidden_size: int, width: int, lr: float, seed: int, max_grad_norm: float) -> None:
-        self.head = ValueHead(hidden_size, width, seed)
+    def __init__(
+        self, hidden_size: int, width: int, lr: float, seed: int, max_grad_norm: float,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.head = ValueHead(hidden_size, width, seed).to(self.device)  # initialised on the CPU generator
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr)
         self.max_grad_norm = max_grad_norm
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self.head(hidden)
+            return self.head(hidden.to(self.device)).to(hidden.device)
 
     def update(self, hidden: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
         """One optimizer step on 0.5 * (V - R)^2; returns the loss before the step."""
-        loss = value_loss(self.head(hidden.detach()), returns, mask)
+        d = self.device
+        loss = value_loss(self.head(hidden.detach().to(d)), returns.to(d), mask.to(d))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -61,5 +70,5 @@ class Critic:
         return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.head.load_state_dict(state["head"])
+        self.head.load_state_dict(state["head"])  # copies into the head's own device
         self.optimizer.load_state_dict(state["optimizer"])

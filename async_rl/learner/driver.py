@@ -75,6 +75,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
             transformer_engine=m.transformer_engine,
             device=m.device,
             seed=spec.train.seed,
+            logprob_chunk_tokens=spec.learner.logprob_chunk_tokens,
         )
     raise RunError(f"learner.backend={spec.learner.backend} has no model backend for the learner driver yet")
 
@@ -113,15 +114,6 @@ def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = Non
             )
             row += 1
     return samples
-
-
-def padded_inputs(b: PaddedShard) -> MicroBatch:
-    """The shard's padded rows as a micro-batch to score: targets are the inputs shifted by one."""
-    n, width = b.input_ids.shape
-    targets = torch.zeros(n, width, dtype=torch.long)
-    targets[:, :-1] = b.input_ids[:, 1:]
-    zeros = torch.zeros(n, width)
-    return MicroBatch(b.input_ids, None, b.attention_mask, targets, zeros, zeros, zeros, [])
 
 
 def minibatch_rows(groups: list[TrajectoryGroup], minibatches: int) -> list[slice]:
@@ -213,6 +205,9 @@ class LearnerDriver(LearnerRank):
             hidden_size=hidden_size,
             seed=s.train.seed,
             max_grad_norm=s.learner.max_grad_norm,
+            device=self.device,  # the reference model and the critic live where the policy does
+            micro_batch_tokens=s.learner.micro_batch_tokens,
+            logprob_chunk_tokens=s.learner.logprob_chunk_tokens,
         )
         return params
 
@@ -242,16 +237,34 @@ class LearnerDriver(LearnerRank):
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.all_reduce(x, "sum")
 
-    def _score_padded(self, b: PaddedShard, with_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The current weights' no-grad log-probs [B, T] (and hidden states) on the padded shard, for
-        the algorithm's prepare, on the CPU like the shard. Zeros on ranks without outputs (they
-        compute no loss)."""
-        scores = self.backend.score(padded_inputs(b).to(self.device), self.spec.generators.temperature,
-                                    hidden=with_hidden)
-        if scores is None:
-            return torch.zeros(b.loss_mask.shape), None
-        hidden = None if scores.hidden is None else scores.hidden[:, :-1].float().cpu()
-        return scores.logp[:, :-1].cpu(), hidden
+    def _score_padded(
+        self, groups: list[TrajectoryGroup], b: PaddedShard, with_hidden: bool, with_logp: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The current weights' no-grad log-probs [B, T] (None unless `with_logp`) and last hidden
+        states [B, T, H] (when `with_hidden`) in the padded shard's layout, on the CPU like the shard,
+        at its completion positions (0 elsewhere: the algorithm reads them under its loss mask).
+        Computed over the shard's micro-batches (`learner.micro_batch_tokens`), like the training
+        pass; without `with_logp` the backend may skip its output layer. Zeros on ranks without
+        outputs (they compute no loss)."""
+        logp = torch.zeros(b.loss_mask.shape)
+        hidden = None
+        i = 0  # the shard's row of the micro-batches' next sequence (they keep the shard's order)
+        for mb in self._micro_batches(shard_samples(groups)):
+            scores = self.backend.score(mb, self.spec.generators.temperature, hidden=with_hidden, head=with_logp)
+            lp = h = None
+            if scores is not None:
+                lp = scores.logp.float().cpu() if with_logp and scores.logp is not None else None
+                h = scores.hidden.float().cpu() if with_hidden and scores.hidden is not None else None
+            for row, col, n in mb.spans:
+                at = b.starts[i]
+                if lp is not None:
+                    logp[i, at : at + n] = lp[row, col : col + n]
+                if h is not None:
+                    if hidden is None:
+                        hidden = torch.zeros(*b.loss_mask.shape, h.shape[-1])
+                    hidden[i, at : at + n] = h[row, col : col + n]
+                i += 1
+        return (logp if with_logp else None), hidden
 
     def _micro_batches(self, samples: list[SeqSample]) -> list[MicroBatch]:
         """This rank's micro-batches, padded with empty ones to the most any rank has (at least one):
@@ -268,7 +281,12 @@ class LearnerDriver(LearnerRank):
         # and proximal log-probs are the weights' before the batch's first update); the gradient
         # passes then run on packed micro-batches of each mini-batch, train.epochs times over.
         shard = PaddedShard(groups)
-        prepared = self.algo.prepare(shard, lambda h: self._score_padded(shard, h), self._dp_sum)
+        # The proximal log-probs only for the decoupled objective (ppo's behaviour objective wants
+        # the hidden states alone: no output layer).
+        decoupled = s.algorithm.objective == "decoupled"
+        prepared = self.algo.prepare(
+            shard, lambda h: self._score_padded(groups, shard, h, with_logp=decoupled or not h), self._dp_sum
+        )
         samples = shard_samples(groups, prepared)
         self._last_samples = samples
         c = s.learner

@@ -57,6 +57,13 @@ class MicroBatch:
         tokens and the samples left out of the loss add none)."""
         return int(self.loss_mask.sum())
 
+    def span_positions(self) -> torch.Tensor:
+        """bool [B, T]: the logit columns of its sequences' completion tokens (what scoring reads)."""
+        out = torch.zeros(self.targets.shape, dtype=torch.bool, device=self.targets.device)
+        for row, col, length in self.spans:
+            out[row, col : col + length] = True
+        return out
+
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | bool]:
         inputs: dict[str, torch.Tensor | bool] = {"input_ids": self.input_ids.to(device), "use_cache": False}
         if self.position_ids is not None:

@@ -1,16 +1,71 @@
-"""The frozen reference policy for the KL penalty: the initial weights, loaded once, never trained."""
+"""The frozen reference policy for the KL penalty: the initial weights, loaded once, never trained.
+
+It lives on the learner's device (the backend's own), and scores a shard in micro-batches of rows of
+at most `micro_batch_tokens` tokens (`learner.micro_batch_tokens`), at the loss positions only, with
+the chunked head (`head.py`): no whole-shard pass, no [tokens x vocabulary] logits.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from async_rl.learner.head import DEFAULT_CHUNK, model_scores, unsupported
+
+
+def row_chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive rows grouped so that rows x (their longest length) <= `max_tokens` (0 = one group);
+    a row longer than that goes alone."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and max_tokens and (len(current) + 1) * max(longest, n) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
 
 class ReferencePolicy:
-    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        micro_batch_tokens: int = 0,
+        logprob_chunk_tokens: int = DEFAULT_CHUNK,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         # Loaded from the checkpoint the run started from (not copied from the live model): the same
         # weights whatever wrapping (DDP, FSDP) the trained model has, and the same after a resume.
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.chunk = logprob_chunk_tokens if unsupported(self.model) is None else 0
+
+    def score(self, b, temperature: float) -> torch.Tensor:
+        """log p_ref(targets) [B, T] (float32, on the shard's device) of a padded shard (`TokenBatch`:
+        input_ids/attention_mask [B, T + 1], loss_mask [B, T]); 0 outside the loss mask."""
+        out = torch.zeros(b.loss_mask.shape, dtype=torch.float32, device=b.loss_mask.device)
+        lengths = b.attention_mask.sum(dim=1).tolist()
+        for rows in row_chunks([int(n) for n in lengths], self.micro_batch_tokens):
+            width = max(1, max(int(lengths[r]) for r in rows))
+            idx = torch.tensor(rows)
+            ids = b.input_ids[idx, :width].to(self.device)
+            targets = torch.zeros_like(ids)
+            targets[:, :-1] = ids[:, 1:]
+            positions = torch.zeros(ids.shape, dtype=torch.bool, device=self.device)
+            positions[:, : width - 1] = b.loss_mask[idx, : width - 1].to(self.device) != 0
+            inputs = {"input_ids": ids, "attention_mask": b.attention_mask[idx, :width].to(self.device),
+                      "use_cache": False}
+            with torch.no_grad():
+                logp, _, _ = model_scores(self.model, inputs, targets, positions, temperature, self.chunk)
+            logp = logp * positions  # the full head (chunk 0) scores every position
+            out[idx, : width - 1] = logp[:, : width - 1].to(out.device)
+        return out

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from async_rl.config import LearnerConfig
 from async_rl.errors import RunError
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
+from async_rl.learner.head import model_scores, unsupported
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
 from async_rl.learner.packing import MicroBatch
 
@@ -30,16 +31,19 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(targets) (with grad) and the distribution's entropy (detached), float32 [B, T]."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+class ScoringModel(torch.nn.Module):
+    """The HF model with its output layer applied at the scored positions only (`head.model_scores`).
+    It is the module DDP and FSDP2 wrap, so the head runs inside their forward: DDP sees the output
+    weight used, FSDP2's root has gathered it."""
+
+    def __init__(self, model: torch.nn.Module, chunk: int) -> None:
+        super().__init__()
+        self.model = model
+        self.chunk = chunk
+
+    def forward(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, temperature: float,
+                hidden: bool, head: bool):
+        return model_scores(self.model, inputs, targets, positions, temperature, self.chunk, hidden=hidden, head=head)
 
 
 class TorchBackend(ModelBackend):
@@ -85,6 +89,9 @@ class TorchBackend(ModelBackend):
         self.hidden_size = int(self.model.config.hidden_size)
         self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
         self.model.to(self.device).train()
+        if self.cfg.logprob_chunk_tokens and (why := unsupported(self.model)):
+            raise RunError(f"learner.logprob_chunk_tokens: the chunked head cannot score this model ({why}); set it to 0")
+        self.scorer = ScoringModel(self.model, self.cfg.logprob_chunk_tokens)
         self._param_names = [name for name, _ in self.model.named_parameters()]
         compute = self._compute_dtype()
         self._autocast = None
@@ -100,15 +107,15 @@ class TorchBackend(ModelBackend):
                 raise RunError("learner.parallel=fsdp2: the model names no decoder layer class (_no_split_modules)")
             for layer in layers:
                 fully_shard(layer, **kwargs)
-            fully_shard(self.model, **kwargs)
-            self.wrapped = self.model
+            fully_shard(self.scorer, **kwargs)  # the root: its forward (the head included) gathers the rest
+            self.wrapped = self.scorer
         else:
             self._autocast = compute
             if self.world_size > 1:
                 ids = [self.device.index] if self.device.type == "cuda" else None
-                self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+                self.wrapped = torch.nn.parallel.DistributedDataParallel(self.scorer, device_ids=ids)
             else:
-                self.wrapped = self.model
+                self.wrapped = self.scorer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99)
         )
@@ -123,34 +130,37 @@ class TorchBackend(ModelBackend):
 
     # ---- forward and backward ---------------------------------------------------------------------
 
-    def _forward(self, mb: MicroBatch, temperature: float, hidden: bool) -> TokenScores:
+    def _forward(self, mb: MicroBatch, temperature: float, positions: torch.Tensor, hidden: bool,
+                 head: bool = True) -> TokenScores:
         autocast = (
             torch.autocast(self.device.type, dtype=self._autocast) if self._autocast else contextlib.nullcontext()
         )
         with autocast:
-            out = self.wrapped(**mb.model_inputs(self.device), output_hidden_states=hidden)
-        logp, entropy = token_scores(out.logits, mb.targets.to(self.device), temperature)
-        return TokenScores(logp=logp, entropy=entropy, hidden=out.hidden_states[-1].detach() if hidden else None)
+            logp, entropy, last = self.wrapped(
+                mb.model_inputs(self.device), mb.targets.to(self.device), positions.to(self.device),
+                temperature, hidden, head,
+            )
+        return TokenScores(logp=logp, entropy=entropy, hidden=last.detach() if hidden else None)
 
-    def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False) -> TokenScores:
-        with torch.no_grad():
-            return self._forward(mb, temperature, hidden)
+    def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True) -> TokenScores:
+        with torch.no_grad():  # the completion positions of its sequences (`spans`)
+            return self._forward(mb, temperature, mb.span_positions(), hidden, head)
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._full = None  # gathered weights go stale with this step
         for i, mb in enumerate(mbs):
             with self._grad_sync(i == len(mbs) - 1):
-                loss = loss_fn(i, self._forward(mb, temperature, hidden=False))
+                loss = loss_fn(i, self._forward(mb, temperature, mb.loss_mask != 0, hidden=False))
                 # DDP and FSDP2 average gradients over ranks; the contract is their sum.
                 (loss * self.world_size).backward()
 
     def _grad_sync(self, sync: bool):
         """Accumulate gradients locally except on the last micro-batch, which reduces them once."""
         if self.sharded:
-            self.model.set_requires_gradient_sync(sync)
+            self.wrapped.set_requires_gradient_sync(sync)
             return contextlib.nullcontext()
-        if sync or self.wrapped is self.model:
+        if sync or self.wrapped is self.scorer:
             return contextlib.nullcontext()
         return self.wrapped.no_sync()
 

@@ -199,6 +199,18 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         def loss_fn(i, s):
             return -(s.logp * halves[i].loss_mask.to(s.logp.device)).sum() / tokens
 
+        # The chunked head (3 positions a chunk) against the full vocab-parallel head (chunk 0):
+        # scores at temperature 0.7 and this rank's gradients of the same loss, before any step.
+        head_cmp = {}
+        default_chunk = backend.chunk
+        for chunk in (0, 3):
+            backend.chunk = chunk
+            scored = backend.score(mbs["padded"], 0.7)
+            backend.forward_backward(halves, 1.0, loss_fn)
+            grads = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
+            backend.policy.model.zero_grad_buffer()
+            head_cmp[chunk] = (scored, grads)
+        backend.chunk = default_chunk
         backend.forward_backward(halves, 1.0, loss_fn)
         grad_norm = backend.optimizer_step(1e-3, 1e9)
         backend.gather_weights()
@@ -230,6 +242,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 "hidden": hidden,
                 "critic_head": critic_head,
                 "halves": halves,
+                "head_cmp": head_cmp,
                 "grad_norm": grad_norm,
                 "nan_step": nan_step,
                 "before": before,

@@ -125,6 +125,23 @@ def test_gradient_is_the_sum_over_micro_batches(run):
         assert abs(r["grad_norm"] - float(ref)) < 1e-4 * float(ref), (r["grad_norm"], float(ref))
 
 
+def test_chunked_head_equals_the_full_vocab_parallel_head(run):
+    """The output layer at the scored positions only, 3 positions a chunk (checkpointed, its TP
+    collectives recomputed in backward), against GPTModel's own vocab-parallel head at every
+    position: log-probs and entropies at the scored positions, and every rank's gradients."""
+    tp, pp, ranks, hf = run
+    for r in ranks:
+        (full, full_grads), (chunked, chunked_grads) = r["head_cmp"][0], r["head_cmp"][3]
+        mask = r["mbs"]["padded"].loss_mask.bool()
+        assert (chunked.logp - full.logp).abs()[mask].max() < 1e-5
+        assert (chunked.entropy - full.entropy).abs()[mask].max() < 1e-5
+        assert torch.all(chunked.logp[~r["mbs"]["padded"].span_positions()] == 0)
+        assert len(full_grads) == len(chunked_grads)
+        for a, b in zip(full_grads, chunked_grads, strict=True):
+            assert (a - b).abs().max() < 1e-5
+        assert any(g.abs().sum() > 0 for g in chunked_grads)
+
+
 def test_weights_round_trip_change_after_a_step_and_reload(run):
     tp, pp, ranks, hf = run
     before, after, reloaded = ranks[0]["before"], ranks[0]["after"], ranks[0]["reloaded"]

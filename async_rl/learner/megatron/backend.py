@@ -23,10 +23,18 @@ A padded row is right-padded, so the causal mask is enough. With pipeline parall
 micro-batches of a step are padded to one shape (megatron's p2p sends fixed-shape activations).
 
 `device=cpu` runs on gloo in float32 under the `cpu` patches (tests, debugging).
+
+The output layer (`logprob_chunk_tokens` > 0) runs outside GPTModel's forward: during a step the last
+stage returns its final hidden states, and `_head_scores` applies the (vocab-parallel) output layer
+at the positions that need scores only (the loss mask in training, the completion positions in
+`score`), `chunk` positions at a time, each chunk under activation checkpointing (its logits are
+recomputed in backward, with their TP collectives), so no [positions x vocabulary/TP] tensor
+larger than one chunk outlives its chunk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from datetime import timedelta
 from pathlib import Path
@@ -192,6 +200,7 @@ class MegatronBackend(ModelBackend):
         transformer_engine: str,
         device: str,
         seed: int,
+        logprob_chunk_tokens: int = 1024,
     ) -> None:
         self.rank, self.world_size, self.master = rank, world_size, master
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
@@ -201,6 +210,7 @@ class MegatronBackend(ModelBackend):
         self.transformer_engine = transformer_engine
         self.on_cpu = device == "cpu"
         self.seed = seed
+        self.chunk = logprob_chunk_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -268,8 +278,10 @@ class MegatronBackend(ModelBackend):
     # ---- forward and backward ---------------------------------------------------------------------
 
     def _run(self, mbs: list[MicroBatch], temperature: float, forward_only: bool, on_scores) -> None:
-        """megatron's schedule over `mbs`; on output ranks `on_scores(i, logits, mb, as_rows)` returns
-        the loss (`as_rows` maps a batch-first tensor of the model's layout to the micro-batch's)."""
+        """megatron's schedule over `mbs`; on output ranks `on_scores(i, out, mb, as_rows)` returns
+        the loss, `out` being the last stage's vocab-parallel logits, or its final hidden states with
+        the chunked head (`_scores` tells them apart by `self.chunk`); `as_rows` maps a batch-first
+        tensor of the model's layout to the micro-batch's."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         shape = (max(m.input_ids.shape[0] for m in mbs), max(m.input_ids.shape[1] for m in mbs))
@@ -307,22 +319,88 @@ class MegatronBackend(ModelBackend):
 
             return output, loss_func
 
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=items,
-            model=[self.policy.model],
-            num_microbatches=len(sized),
-            seq_length=shape[0] * shape[1] if thd else shape[1],
-            micro_batch_size=1 if thd else shape[0],
-            forward_only=forward_only,
-        )
+        with self._hidden_out():
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=items,
+                model=[self.policy.model],
+                num_microbatches=len(sized),
+                seq_length=shape[0] * shape[1] if thd else shape[1],
+                micro_batch_size=1 if thd else shape[0],
+                forward_only=forward_only,
+            )
 
-    def _scores(self, logits: torch.Tensor, mb: MicroBatch, temperature: float) -> TokenScores:
+    @property
+    def _gpt(self):
+        """This rank's GPTModel inside megatron's wrappers (DDP, Float16Module)."""
+        from megatron.core.models.gpt import GPTModel
+
+        return next(m for m in self.policy.model.modules() if isinstance(m, GPTModel))
+
+    @contextlib.contextmanager
+    def _hidden_out(self):
+        """With the chunked head: the last stage's forward returns its final hidden states in place
+        of logits (its output layer is the identity meanwhile); `_head_scores` applies it."""
+        layer = getattr(self._gpt, "output_layer", None)
+        if not self.chunk or layer is None:
+            yield
+            return
+        layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+        try:
+            yield
+        finally:
+            del layer.forward  # the class's forward again
+
+    def _head_scores(self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, positions: torch.Tensor):
+        """Log-probs (with grad) and entropies [B, T] from the final hidden states [B, T, H] at
+        `positions` only (0 elsewhere), through the vocab-parallel output layer a chunk at a time."""
+        from torch.utils.checkpoint import checkpoint
+
+        gpt = self._gpt
+        layer = gpt.output_layer
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        vocab = self.arch.vocab_size
+        b, t, h = hidden.shape
+        idx = positions.reshape(-1).nonzero().squeeze(-1)
+        flat = hidden.reshape(b * t, h).index_select(0, idx)
+        targets = mb.targets.reshape(-1).index_select(0, idx)
+        dtype = (weight if weight is not None else layer.weight).dtype
+
+        def piece(hc: torch.Tensor, tc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits, _ = type(layer).forward(layer, hc.to(dtype)[:, None, :], weight=weight)  # [c, 1, V/tp]
+            logp = mm.vocab_parallel_logprobs(logits, tc[:, None], vocab, temperature)[:, 0]
+            return logp, vocab_parallel_entropy(logits.detach(), vocab, temperature)[:, 0]
+
+        logps, entropies = [], []
+        # Every TP rank runs the same chunks (the same positions): their collectives line up, in
+        # forward and in the recomputation.
+        for s in range(0, max(1, idx.numel()), self.chunk):
+            hc, tc = flat[s : s + self.chunk], targets[s : s + self.chunk]
+            if torch.is_grad_enabled():
+                lp, ent = checkpoint(piece, hc, tc, use_reentrant=False)
+            else:
+                lp, ent = piece(hc, tc)
+            logps.append(lp)
+            entropies.append(ent)
+        zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
+        logp = zeros.index_copy(0, idx, torch.cat(logps).float())
+        entropy = zeros.index_copy(0, idx, torch.cat(entropies).float())
+        return logp.reshape(b, t), entropy.reshape(b, t)
+
+    def _scores(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, positions: torch.Tensor) -> TokenScores:
+        """Scores from what the last stage returned: its final hidden states with the chunked head
+        (at `positions`), vocab-parallel logits otherwise (every position)."""
+        if self.chunk:
+            logp, entropy = self._head_scores(logits, mb, temperature, positions)
+            return TokenScores(logp=logp, entropy=entropy)
         logp = mm.vocab_parallel_logprobs(logits, mb.targets, self.arch.vocab_size, temperature)
         entropy = vocab_parallel_entropy(logits.detach(), self.arch.vocab_size, temperature)
         return TokenScores(logp=logp, entropy=entropy)
 
-    def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False) -> TokenScores | None:
+    def score(
+        self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True
+    ) -> TokenScores | None:
+        # `head` is not used: GPTModel's last stage always applies its output layer.
         out: list[TokenScores] = []
         # The last hidden states (ppo's critic): the final layernorm's output on the last stage, what
         # the output layer reads and HF's `hidden_states[-1]`. Without sequence parallelism it is
@@ -332,7 +410,7 @@ class MegatronBackend(ModelBackend):
         handle = norm.register_forward_hook(lambda _m, _i, o: final.append(o)) if norm is not None else None
 
         def keep(i: int, logits: torch.Tensor, m: MicroBatch, as_rows) -> torch.Tensor:
-            s = self._scores(logits, m, temperature)
+            s = self._scores(logits, m, temperature, m.span_positions())
             h = as_rows(final[-1].transpose(0, 1)).float() if hidden else None
             out.append(TokenScores(logp=s.logp.detach(), entropy=s.entropy, hidden=h))
             return s.logp.sum()
@@ -373,7 +451,7 @@ class MegatronBackend(ModelBackend):
         scale = len(mbs) * self.info.dp_size
 
         def loss(i: int, logits: torch.Tensor, m: MicroBatch, _as_rows) -> torch.Tensor:
-            return loss_fn(i, self._scores(logits, m, temperature)) * scale
+            return loss_fn(i, self._scores(logits, m, temperature, m.loss_mask != 0)) * scale
 
         self._snapshot = None
         self._run(mbs, temperature, False, loss)

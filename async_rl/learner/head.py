@@ -1,0 +1,152 @@
+"""Log-probs and entropies from an HF causal LM's final hidden states, at chosen positions only, a
+chunk of positions at a time.
+
+The full head (logits at every position, an fp32 log-softmax, then a slice) builds several fp32
+[tokens x vocabulary] tensors that live through backward: 1 GB per 5k tokens with a 49k vocabulary,
+most of it at prompt and padding positions that carry no loss. Here the output layer is applied to
+the loss positions' hidden states only, `chunk` positions at a time, and `ChunkedHead` recomputes a
+chunk's logits in backward instead of saving them (the idea of Liger-Kernel's fused linear
+cross-entropy, with the loss left to the caller: it returns log p(target), not a loss), so no
+[positions x vocabulary] tensor larger than one chunk exists in forward or backward.
+
+A tied output embedding (SmolLM2, Qwen2.5-0.5B) is the input embedding's parameter: its gradient
+from the head and from the embedding lookup add up in autograd as they do for the full head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# What the no-grad scoring passes and training use when `learner.logprob_chunk_tokens` is not set
+# (kept equal to the config default).
+DEFAULT_CHUNK = 1024
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 logits/temperature of one chunk, the matmul in the compute dtype (as the HF head under
+    autocast would run it)."""
+    z = (h.to(dtype) @ weight.to(dtype).t()).float()
+    return z / temperature if temperature != 1.0 else z
+
+
+class ChunkedHead(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], targets [N]) -> (log p(targets) [N], entropy [N]), fp32, at
+    `temperature`. Differentiable in `logp` (w.r.t. hidden and weight); the entropy is detached."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
+        device_type = hidden.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for s in range(0, n, chunk):
+            z = _logits(hidden[s : s + chunk], weight, temperature, dtype)
+            m = torch.logsumexp(z, dim=-1)
+            lse[s : s + chunk] = m
+            logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - m
+            p = torch.exp(z - m[:, None])
+            entropy[s : s + chunk] = m - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        w = weight.to(dtype)
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk].to(dtype)
+            g = grad_logp[s : s + chunk].float()
+            # d log p(y) / d z = onehot(y) - softmax(z); z = logits / t
+            dz = torch.exp(_logits(h, w, t, dtype) - lse[s : s + chunk, None])
+            dz.mul_(-g[:, None])
+            dz.scatter_add_(1, targets[s : s + chunk, None], g[:, None])
+            if t != 1.0:
+                dz.div_(t)
+            dz = dz.to(dtype)
+            if need_h:
+                grad_h[s : s + chunk] = (dz @ w).to(hidden.dtype)
+            if need_w:
+                grad_w.add_((dz.t() @ h).float())
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def head_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) and entropy [B, T] (fp32) from hidden states [B, T, H] and the output weight
+    [V, H], computed at `positions` (bool [B, T]) only: 0 elsewhere."""
+    b, t, h = hidden.shape
+    idx = positions.reshape(-1).nonzero().squeeze(-1)
+    flat_h = hidden.reshape(b * t, h).index_select(0, idx)
+    flat_t = targets.reshape(-1).index_select(0, idx)
+    logp, entropy = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)))
+    zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
+    return zeros.index_copy(0, idx, logp).reshape(b, t), zeros.index_copy(0, idx, entropy).reshape(b, t)
+
+
+def full_token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full head's path: log p(targets) (with grad) and the entropy (detached), float32 [B, T],
+    from logits at every position."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why the chunked head cannot reproduce this model's logits (None when it can): it is a plain
+    linear map of the final hidden states without bias, scaling or soft-capping."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return f"its output layer is a {type(head).__name__}, not a Linear"
+    if head.bias is not None:
+        return "its output layer has a bias"
+    cfg = model.config
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        if getattr(cfg, name, None) not in (None, 1, 1.0):
+            return f"its config sets {name}"
+    return None
+
+
+def model_scores(
+    model: torch.nn.Module,
+    inputs: dict,
+    targets: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    *,
+    hidden: bool = False,
+    head: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(logp, entropy, last hidden states) of an HF causal LM on `inputs` (its forward's keyword
+    arguments). `chunk` > 0: the trunk, then the chunked head at `positions` only (0 elsewhere);
+    `head=False` skips the output layer (logp and entropy None). `chunk` 0: the full head at every
+    position (the former path, kept for comparison)."""
+    if chunk <= 0:
+        out = model(**inputs, output_hidden_states=hidden)
+        logp, entropy = full_token_scores(out.logits, targets, temperature)
+        return logp, entropy, out.hidden_states[-1] if hidden else None
+    last = model.base_model(**inputs).last_hidden_state  # after the final norm: what the head reads
+    if not head:
+        return None, None, last
+    weight = model.get_output_embeddings().weight
+    logp, entropy = head_scores(last, weight, targets, positions, temperature, chunk)
+    return logp, entropy, last if hidden else None

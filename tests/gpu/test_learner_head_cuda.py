@@ -1,0 +1,48 @@
+"""On CUDA: the KL reference and ppo's critic live on the learner's GPU (the critic's gradient
+all-reduce then runs on device tensors, what an NCCL group needs), and the chunked head equals the
+full head in bf16 autocast within bf16's precision (marked gpu; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from async_rl.cluster.resources import free_port
+from async_rl.config import AlgorithmConfig
+from async_rl.learner.driver import LearnerDriver
+from async_rl.models.tiny import resolve_model_path
+from tests.unit._learner_fixtures import groups, settings
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
+
+
+def test_reference_and_critic_on_the_learner_gpu(model_dir):
+    algo = AlgorithmConfig(name="ppo", objective="decoupled", kl_coef=0.05)
+    rank = LearnerDriver(settings(model_dir, algorithm=algo, micro_batch_tokens=32), 0, 1,
+                         f"127.0.0.1:{free_port()}", [])
+    rank.setup()
+    dev = rank.backend.device
+    assert dev.type == "cuda"
+    assert {p.device for p in rank.algo.reference.model.parameters()} == {dev}
+    assert {p.device for p in rank.algo.critic.head.parameters()} == {dev}
+    for k in range(2):
+        m = rank.train_on_shard(k, groups(k, n_groups=3, group_size=4))
+        assert np.isfinite(m.loss) and np.isfinite(m.value_loss)
+    assert {p.grad.device for p in rank.algo.critic.head.parameters()} == {dev}
+    rank.shutdown()
+
+
+def test_chunked_head_matches_full_head_in_bf16(model_dir):
+    gs = groups(3, n_groups=3, group_size=4)
+    out = []
+    for chunk in (0, 5):
+        rank = LearnerDriver(settings(model_dir, logprob_chunk_tokens=chunk, mixed_precision="bf16"), 0, 1,
+                             f"127.0.0.1:{free_port()}", [])
+        rank.setup()
+        out.append(rank.compute_logprobs(gs))
+        rank.shutdown()
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_allclose(b, a, atol=5e-2, rtol=0)
