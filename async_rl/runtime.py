@@ -20,8 +20,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from async_rl import settings
 from async_rl.buffer.actor import BufferAddresses, BufferState, BufferStats, ReplayBuffer
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
+from async_rl.cluster import placement
 from async_rl.cluster.placement import PlacementPlan
-from async_rl.cluster.resources import ResourcePool, WorkerGroup
+from async_rl.cluster.resources import PoolShare, ResourcePool, WorkerGroup
 from async_rl.config import Config
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec
@@ -92,6 +93,12 @@ class Runtime:
             ray.get(self._buffer.restore.remote(resume_state))
             pos = ray.get(self._buffer.stats.remote()).data_position
             print(f"resumed data position: epoch {pos.epoch}, index {pos.index}", flush=True)
+        # Colocated on cuda: one pool of one-GPU bundles, engine i and learner rank i in bundle i.
+        shared = None
+        if placement.shares_gpus(cfg):
+            shared = ResourcePool("colocated", placement.colocated_bundles(cfg))
+            self._pools.append(shared)
+        share = placement.COLOCATED_GPU_SHARE
         self._generators = GeneratorPool(
             # reads the addresses when an engine starts: a restarted buffer has new ones
             lambda i: settings.engine_settings(
@@ -102,8 +109,12 @@ class Runtime:
             cfg.generators.tensor_parallel_size,
             cfg.weight_sync.timeout_s,
             cfg.generators.ray_resources,
+            gpus_per_engine=cfg.generators.tensor_parallel_size if placement.generators_on_cuda(cfg) else 0,
+            shared=shared.share(cfg.generators.num_engines, cfg.generators.cpus_per_engine, share) if shared else None,
         )
-        self._learner = self._make_learner()
+        self._learner = self._make_learner(
+            shared.share(cfg.learner.world_size, cfg.learner.cpus_per_rank, share) if shared else None
+        )
         setup = [a.setup.remote() for a in self._learner.actors]  # overlaps vLLM's ~30 s start-up
         self._generators.add(cfg.generators.num_engines, paused=engines_paused)
         ray.get(setup, timeout=START_TIMEOUT_S)
@@ -113,13 +124,14 @@ class Runtime:
         """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
         return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
 
-    def _make_learner(self) -> WorkerGroup:
+    def _make_learner(self, shared: PoolShare | None) -> WorkerGroup:
+        """`shared`: colocated on cuda, rank r runs in the shared pool's bundle r (engine r's GPU)."""
         cfg = self.cfg
-        rank_bundle = {"CPU": cfg.learner.cpus_per_rank, **cfg.learner.ray_resources}
-        if settings.learner_on_cuda(cfg):
-            rank_bundle["GPU"] = 1  # megatron on CUDA: one GPU per rank (learner.megatron.device=cpu: none)
-        learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
-        self._pools.append(learner_pool)
+        if shared is None:
+            # On cuda one GPU per rank, torch or megatron: Ray sets its CUDA_VISIBLE_DEVICES to it.
+            learner_pool = ResourcePool("learner", [placement.learner_bundle(cfg)] * cfg.learner.world_size)
+            self._pools.append(learner_pool)
+        pool = shared if shared is not None else learner_pool
         spec = self.learner_spec(self.addresses.serve)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
@@ -128,7 +140,7 @@ class Runtime:
             options = {**options, "max_concurrency": 2}
             return ray.remote(LearnerDriver).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
 
-        return WorkerGroup(learner_pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
+        return WorkerGroup(pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
 
     def _make_buffer(self, restore: bool) -> tuple[ActorHandle, BufferAddresses]:
         """A buffer actor that snapshots into the run directory (and restores from it on a restart)."""
