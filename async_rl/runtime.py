@@ -20,9 +20,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from async_rl import settings
 from async_rl.buffer.actor import BufferAddresses, BufferState, BufferStats, ReplayBuffer
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
-from async_rl.cluster import placement
 from async_rl.cluster.placement import PlacementPlan
-from async_rl.cluster.resources import PoolShare, ResourcePool, WorkerGroup
+from async_rl.cluster.pools import RunPools
+from async_rl.cluster.resources import WorkerGroup
 from async_rl.config import Config
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec
@@ -48,7 +48,7 @@ class Runtime:
         self._addresses: BufferAddresses | None = None
         self._generators: GeneratorPool | None = None
         self._learner: WorkerGroup | None = None
-        self._pools: list[ResourcePool] = []
+        self._pools: RunPools | None = None
         self._generators_version = 0  # the version every engine holds (after the last sync)
         self._acked_step = -1  # the last batch acknowledged to the buffer (repeated to a restarted one)
 
@@ -93,12 +93,7 @@ class Runtime:
             ray.get(self._buffer.restore.remote(resume_state))
             pos = ray.get(self._buffer.stats.remote()).data_position
             print(f"resumed data position: epoch {pos.epoch}, index {pos.index}", flush=True)
-        # Colocated on cuda: one pool of one-GPU bundles, engine i and learner rank i in bundle i.
-        shared = None
-        if placement.shares_gpus(cfg):
-            shared = ResourcePool("colocated", placement.colocated_bundles(cfg))
-            self._pools.append(shared)
-        share = placement.COLOCATED_GPU_SHARE
+        self._pools = RunPools(cfg)  # colocated on cuda: engine i and learner rank i share GPU bundle i
         self._generators = GeneratorPool(
             # reads the addresses when an engine starts: a restarted buffer has new ones
             lambda i: settings.engine_settings(
@@ -108,13 +103,9 @@ class Runtime:
             cfg.generators.cpus_per_engine,
             cfg.generators.tensor_parallel_size,
             cfg.weight_sync.timeout_s,
-            cfg.generators.ray_resources,
-            gpus_per_engine=cfg.generators.tensor_parallel_size if placement.generators_on_cuda(cfg) else 0,
-            shared=shared.share(cfg.generators.num_engines, cfg.generators.cpus_per_engine, share) if shared else None,
+            **self._pools.generator_pool_kwargs(),
         )
-        self._learner = self._make_learner(
-            shared.share(cfg.learner.world_size, cfg.learner.cpus_per_rank, share) if shared else None
-        )
+        self._learner = self._make_learner()
         setup = [a.setup.remote() for a in self._learner.actors]  # overlaps vLLM's ~30 s start-up
         self._generators.add(cfg.generators.num_engines, paused=engines_paused)
         ray.get(setup, timeout=START_TIMEOUT_S)
@@ -124,14 +115,10 @@ class Runtime:
         """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
         return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
 
-    def _make_learner(self, shared: PoolShare | None) -> WorkerGroup:
-        """`shared`: colocated on cuda, rank r runs in the shared pool's bundle r (engine r's GPU)."""
+    def _make_learner(self) -> WorkerGroup:
         cfg = self.cfg
-        if shared is None:
-            # On cuda one GPU per rank, torch or megatron: Ray sets its CUDA_VISIBLE_DEVICES to it.
-            learner_pool = ResourcePool("learner", [placement.learner_bundle(cfg)] * cfg.learner.world_size)
-            self._pools.append(learner_pool)
-        pool = shared if shared is not None else learner_pool
+        assert self._pools is not None
+        pool = self._pools.learner()
         spec = self.learner_spec(self.addresses.serve)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
@@ -172,9 +159,9 @@ class Runtime:
             except Exception:
                 pass  # a dead or wedged rank is killed below all the same
             self._learner.kill()
-        for pool in self._pools:
-            pool.remove()
-        self._generators, self._buffer, self._learner, self._pools = None, None, None, []
+        if self._pools is not None:
+            self._pools.remove()
+        self._generators, self._buffer, self._learner, self._pools = None, None, None, None
         return final
 
     # ---- the calls the training loop makes --------------------------------------------------------

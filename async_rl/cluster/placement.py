@@ -151,6 +151,10 @@ class _Node:
         return got
 
 
+def _n(count: float, unit: str) -> str:
+    return f"{count:g} {unit}{'' if count == 1 else 's'}"
+
+
 def _fmt(bundle: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items() if v) + "}"
 
@@ -158,7 +162,7 @@ def _fmt(bundle: dict[str, float]) -> str:
 class _Demand(msgspec.Struct, frozen=True):
     who: str  # 'generators', 'the learner', 'colocated engine/learner pairs'
     count: int
-    unit: str  # 'engines', 'ranks', 'GPUs'
+    unit: str  # 'engine', 'rank', 'GPU'
     bundles: list[dict[str, float]]
     why: dict[str, str]  # resource -> how one process's share is set ('tensor_parallel_size 2')
 
@@ -167,13 +171,13 @@ def _demands(cfg: Config) -> list[_Demand]:
     g, learner = cfg.generators, cfg.learner
     if shares_gpus(cfg):
         bundles = colocated_bundles(cfg)
-        return [_Demand("colocated engine/learner pairs", len(bundles), "GPUs", bundles, {"GPU": "1 GPU each"})]
+        return [_Demand("colocated engine/learner pairs", len(bundles), "GPU", bundles, {"GPU": "1 GPU each"})]
     eb, lb = engine_bundle(cfg), learner_bundle(cfg)
     ewhy = {"GPU": f"tensor_parallel_size {g.tensor_parallel_size}", "CPU": f"cpus_per_engine {g.cpus_per_engine}"}
     lwhy = {"GPU": "1 GPU each", "CPU": f"cpus_per_rank {learner.cpus_per_rank}"}
     return [
-        _Demand("the learner", learner.world_size, "ranks", [lb] * learner.world_size, lwhy),
-        _Demand("generators", g.num_engines, "engines", [eb] * g.num_engines, ewhy),
+        _Demand("the learner", learner.world_size, "rank", [lb] * learner.world_size, lwhy),
+        _Demand("generators", g.num_engines, "engine", [eb] * g.num_engines, ewhy),
     ]
 
 
@@ -196,8 +200,9 @@ def _check_totals(demands: list[_Demand], view: ClusterView) -> None:
             n = sum(b.get(key, 0.0) for b in d.bundles)
             if n:
                 each = d.why.get(key, f"ray_resources.{key} {d.bundles[0].get(key, 0):g}")
-                parts.append(f"{d.who} {'needs' if d.who.startswith('the ') else 'need'} {n:g} {key}s "
-                             f"({d.count} {d.unit} x {each})")
+                verb = "needs" if d.who.startswith("the ") else "need"
+                amount = _n(n, key) if key in ("GPU", "CPU") else f"{n:g} of resource '{key}'"
+                parts.append(f"{d.who} {verb} {amount} ({_n(d.count, d.unit)} x {each})")
         where = "this machine offers" if view.local else "the Ray cluster offers"
         raise ConfigError(f"{' and '.join(parts)}, {where} {have:g}")
 

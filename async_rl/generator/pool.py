@@ -45,13 +45,15 @@ class GeneratorPool:
         ray_resources: dict[str, float] | None = None,
         gpus_per_engine: int = 0,
         shared: PoolShare | None = None,
+        actor_cls: type = GeneratorEngine,
     ) -> None:
         """`ray_resources`: custom Ray resources each engine's bundle asks for besides its CPUs (the
         nodes it may land on). `gpus_per_engine`: GPUs in each engine's bundle (its tensor-parallel
         size on cuda, so vLLM's TP workers get exactly these; 0 on cpu). `shared`: colocated on cuda,
         engines run in the bundles of this share (one per GPU, a learner rank in each too) instead of
-        a pool of their own."""
+        a pool of their own. `actor_cls`: the engine actor (tests place probes the same way)."""
         self.make_settings = make_settings
+        self.actor_cls = actor_cls
         gpus = {"GPU": float(gpus_per_engine)} if gpus_per_engine else {}
         self.bundle = {"CPU": cpus_per_engine, **gpus, **(ray_resources or {})}
         self.shared = shared
@@ -76,7 +78,7 @@ class GeneratorPool:
                 engine_id, self._next_id = self._next_id, self._next_id + 1
                 pool, slot, options = self._room(engine_id)
                 actor = (
-                    ray.remote(GeneratorEngine)
+                    ray.remote(self.actor_cls)
                     .options(**options, max_concurrency=1000)
                     .remote(self.make_settings(engine_id), self.buffer)
                 )
