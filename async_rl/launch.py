@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (same step and version numbering)"
     )
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # flags before or after the overrides
 
 
 def check_inputs(cfg: Config) -> None:

@@ -16,8 +16,9 @@ from async_rl.config import Config, validate
 
 
 class NodeView(msgspec.Struct, frozen=True):
-    name: str  # the node's IP (a local Ray: 'this machine')
+    name: str  # the node's IP (a local Ray: 'this machine'; IP/node-id prefix where IPs repeat)
     resources: dict[str, float]  # Ray's totals: CPU, GPU, custom resources
+    node_id: str = ""  # Ray's node id
 
 
 class ClusterView(msgspec.Struct, frozen=True):
@@ -57,10 +58,15 @@ def ray_view(address: str) -> ClusterView:
     """The alive nodes of the Ray cluster this process is connected to (ray.init done)."""
     import ray
 
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    ips = [n.get("NodeManagerAddress", "") for n in alive]
     nodes = [
-        NodeView(n.get("NodeManagerAddress", n["NodeID"][:8]), {k: float(v) for k, v in n["Resources"].items()})
-        for n in ray.nodes()
-        if n.get("Alive")
+        NodeView(
+            ip if ips.count(ip) == 1 else f"{ip}/{n['NodeID'][:6]}",  # several raylets on one host
+            {k: float(v) for k, v in n["Resources"].items()},
+            n["NodeID"],
+        )
+        for ip, n in zip(ips, alive, strict=True)
     ]
     return ClusterView(nodes, f"Ray cluster at {address}", local=False)
 

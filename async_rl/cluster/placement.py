@@ -171,7 +171,7 @@ def _demands(cfg: Config) -> list[_Demand]:
     g, learner = cfg.generators, cfg.learner
     if shares_gpus(cfg):
         bundles = colocated_bundles(cfg)
-        return [_Demand("colocated engine/learner pairs", len(bundles), "GPU", bundles, {"GPU": "1 GPU each"})]
+        return [_Demand("colocated engine/learner pairs", len(bundles), "pair", bundles, {"GPU": "1 GPU each"})]
     eb, lb = engine_bundle(cfg), learner_bundle(cfg)
     ewhy = {"GPU": f"tensor_parallel_size {g.tensor_parallel_size}", "CPU": f"cpus_per_engine {g.cpus_per_engine}"}
     lwhy = {"GPU": "1 GPU each", "CPU": f"cpus_per_rank {learner.cpus_per_rank}"}

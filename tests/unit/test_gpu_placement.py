@@ -189,3 +189,27 @@ def test_cpu_runs_keep_their_plan():
     c = cfg("generators.device=cpu", "learner.device=cpu")
     assert plan_placement(c, cores=[0, 1], view=cluster(0)) == plan_placement(c, cores=[0, 1])
     assert all(p.gpu is None for p in plan_placement(c, cores=[0, 1], view=cluster(4)).engines)
+
+
+# ---- recipes ---------------------------------------------------------------------------------------
+
+
+def test_the_recipes_read_gsm8k_as_prepare_gsm8k_writes_it(tmp_path):
+    import importlib.util
+
+    from datasets import Dataset
+
+    from async_rl.data import read_rows, row_to_prompt
+
+    gpu = Path(__file__).resolve().parents[2] / "configs" / "gpu"
+    spec = importlib.util.spec_from_file_location("prepare_gsm8k", gpu / "prepare_gsm8k.py")
+    prep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prep)
+    row = prep.to_verl_row({"question": "What is 1,000 + 234?", "answer": "1000+234=1234\n#### 1,234"}, "train", 0)
+    Dataset.from_list([row]).to_parquet(tmp_path / "train.parquet")
+    files = f"[{tmp_path / 'train.parquet'}]"
+    for recipe in sorted(gpu.glob("*.yaml")):
+        recipe_cfg = load_config(recipe, [f"data.train_files={files}", f"data.eval_files={files}"])
+        (got,) = [row_to_prompt(r, i, "f", recipe_cfg.data, "f") for i, r in enumerate(read_rows(tmp_path / "train.parquet"))]
+        assert got.answer == "1234" and got.data_source == "openai/gsm8k", recipe.name
+        assert got.messages[0].role == "user" and "####" in got.messages[0].content
