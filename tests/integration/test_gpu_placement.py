@@ -47,6 +47,8 @@ def gpu_cluster(tmp_path_factory):
     try:
         cluster.add_node(**common, resources={"generator_host": 2})
         cluster.wait_for_nodes()
+        # The head's GCS listens on its node IP (127.0.0.1); cluster.address may name another interface.
+        cluster.local_address = "127.0.0.1:" + cluster.address.rsplit(":", 1)[1]
         data = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
         data.write_text('{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}\n')
         yield cluster, data
@@ -64,7 +66,7 @@ def offline(cluster, data: Path) -> list[str]:
     """A recipe as the tests run it: no model download (a built-in preset; --dry-run loads no
     weights, but check_inputs wants the folder), its data file present, on the test cluster."""
     return ["model.path=tiny-qwen2", f"data.train_files=[{data}]", f"data.eval_files=[{data}]",
-            f"ray.address={cluster.address}"]
+            f"ray.address={cluster.local_address}"]
 
 
 def dry_run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -122,9 +124,9 @@ class Probe:
 def place_probes(cluster, data: Path, recipe: str, *overrides: str):
     """The recipe's plan, and (node id, visible GPU ids) of a probe in every engine and rank slot."""
     if not ray.is_initialized():
-        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
+        ray.init(address=cluster.local_address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
     cfg = load_config(REPO / "configs" / "gpu" / recipe, [*offline(cluster, data), *overrides])
-    view = ray_view(cluster.address)
+    view = ray_view(cluster.local_address)
     cfg = resolve_devices(cfg, view)
     plan = plan_placement(cfg, view=view)
     pools = RunPools(cfg)
@@ -191,9 +193,9 @@ def test_colocated_pairs_share_one_gpu(gpu_cluster):
 def test_two_node_recipe_puts_learner_and_engines_on_their_hosts(gpu_cluster):
     cluster, data = gpu_cluster
     plan, engines, ranks = place_probes(cluster, data, "2node_tp2_megatron.yaml")
-    head = ray_view(cluster.address).nodes[0].name
-    names = {n.name for n in ray_view(cluster.address).nodes if n.resources.get("learner_host")}
+    head = ray_view(cluster.local_address).nodes[0].name
+    names = {n.name for n in ray_view(cluster.local_address).nodes if n.resources.get("learner_host")}
     assert {node for node, _ in ranks} == names == {head}
-    assert {node for node, _ in engines} == {n.name for n in ray_view(cluster.address).nodes} - {head}
+    assert {node for node, _ in engines} == {n.name for n in ray_view(cluster.local_address).nodes} - {head}
     assert sorted(g for _, gpus in engines for g in gpus) == [0, 1, 2, 3]
     assert_matches_plan(plan, engines, ranks)
