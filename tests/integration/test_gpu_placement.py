@@ -34,12 +34,13 @@ GPUS_PER_NODE = 4
 @pytest.fixture(scope="module")
 def gpu_cluster(tmp_path_factory):
     """Head: 4 GPUs and learner_host 4; a second node: 4 GPUs and generator_host 2 (the two-node
-    recipe's resources). Both raylets run here, on 127.0.0.1."""
+    recipe's resources). Both raylets run here."""
     from ray.cluster_utils import Cluster
 
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60's token auth, for a throwaway cluster
-    common = {"num_cpus": 32, "num_gpus": GPUS_PER_NODE, "node_ip_address": "127.0.0.1"}
+    # On this node's IP, as ray.init would: Ray turns a 127.0.0.1 address into that IP when it connects.
+    common = {"num_cpus": 32, "num_gpus": GPUS_PER_NODE}
     cluster = Cluster(
         initialize_head=True,
         head_node_args={**common, "resources": {"learner_host": 4}, "include_dashboard": False},
@@ -47,8 +48,6 @@ def gpu_cluster(tmp_path_factory):
     try:
         cluster.add_node(**common, resources={"generator_host": 2})
         cluster.wait_for_nodes()
-        # The head's GCS listens on its node IP (127.0.0.1); cluster.address may name another interface.
-        cluster.local_address = "127.0.0.1:" + cluster.address.rsplit(":", 1)[1]
         data = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
         data.write_text('{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}\n')
         yield cluster, data
@@ -66,7 +65,7 @@ def offline(cluster, data: Path) -> list[str]:
     """A recipe as the tests run it: no model download (a built-in preset; --dry-run loads no
     weights, but check_inputs wants the folder), its data file present, on the test cluster."""
     return ["model.path=tiny-qwen2", f"data.train_files=[{data}]", f"data.eval_files=[{data}]",
-            f"ray.address={cluster.local_address}"]
+            f"ray.address={cluster.address}"]
 
 
 def dry_run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -124,9 +123,11 @@ class Probe:
 def place_probes(cluster, data: Path, recipe: str, *overrides: str):
     """The recipe's plan, and (node id, visible GPU ids) of a probe in every engine and rank slot."""
     if not ray.is_initialized():
-        ray.init(address=cluster.local_address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
+        # Workers import this checkout and this module (Probe is pickled by reference).
+        path = f"{REPO}:{Path(__file__).parent}"
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
     cfg = load_config(REPO / "configs" / "gpu" / recipe, [*offline(cluster, data), *overrides])
-    view = ray_view(cluster.local_address)
+    view = ray_view(cluster.address)
     cfg = resolve_devices(cfg, view)
     plan = plan_placement(cfg, view=view)
     pools = RunPools(cfg)
@@ -193,9 +194,9 @@ def test_colocated_pairs_share_one_gpu(gpu_cluster):
 def test_two_node_recipe_puts_learner_and_engines_on_their_hosts(gpu_cluster):
     cluster, data = gpu_cluster
     plan, engines, ranks = place_probes(cluster, data, "2node_tp2_megatron.yaml")
-    head = ray_view(cluster.local_address).nodes[0].name
-    names = {n.name for n in ray_view(cluster.local_address).nodes if n.resources.get("learner_host")}
+    head = ray_view(cluster.address).nodes[0].name
+    names = {n.name for n in ray_view(cluster.address).nodes if n.resources.get("learner_host")}
     assert {node for node, _ in ranks} == names == {head}
-    assert {node for node, _ in engines} == {n.name for n in ray_view(cluster.local_address).nodes} - {head}
+    assert {node for node, _ in engines} == {n.name for n in ray_view(cluster.address).nodes} - {head}
     assert sorted(g for _, gpus in engines for g in gpus) == [0, 1, 2, 3]
     assert_matches_plan(plan, engines, ranks)
