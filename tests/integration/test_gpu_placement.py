@@ -151,11 +151,16 @@ def place_probes(cluster, data: Path, recipe: str, *overrides: str):
     return plan, parsed(seen_engines), parsed(seen_ranks)
 
 
-def assert_matches_plan(plan, engines, ranks) -> None:
-    """Ray gave each process the GPU indices the plan shows, and the processes the plan puts on one
-    node share a node (which node Ray picks for a pool without custom resources is its choice)."""
+def assert_matches_plan(plan, engines, ranks, exact: bool = True) -> None:
+    """Ray gave each process as many GPUs as the plan shows; `exact`: where the cluster leaves Ray no
+    choice (it is full, or custom resources pin the pools), the same GPU indices, and the processes
+    the plan puts on one node share a node. With room to spare Ray may pick another node for a pool
+    than the plan's first fit (it spread the four-GPU recipe's engines to the idle node)."""
     planned = [p.gpu for p in [*plan.engines, *plan.learner_ranks]]
     actual = [*engines, *ranks]
+    assert [len(g.gpus) for g in planned] == [len(gpus) for _, gpus in actual]
+    if not exact:
+        return
     assert [sorted(g.gpus) for g in planned] == [sorted(gpus) for _, gpus in actual]
     by_plan, by_ray = defaultdict(set), defaultdict(set)
     for i, (slot, (node, _)) in enumerate(zip(planned, actual, strict=True)):
@@ -177,7 +182,7 @@ def test_async_engines_and_ranks_one_gpu_each(gpu_cluster):
     plan, engines, ranks = place_probes(*gpu_cluster, "4gpu_async.yaml")
     used = [(node, g) for node, gpus in [*engines, *ranks] for g in gpus]
     assert [len(g) for _, g in [*engines, *ranks]] == [1, 1, 1, 1] and len(set(used)) == 4
-    assert_matches_plan(plan, engines, ranks)
+    assert_matches_plan(plan, engines, ranks, exact=False)
 
 
 def test_colocated_pairs_share_one_gpu(gpu_cluster):
@@ -188,7 +193,7 @@ def test_colocated_pairs_share_one_gpu(gpu_cluster):
     assert engines == ranks  # engine i and learner rank i: the same node, the same single GPU
     assert all(len(g) == 1 for _, g in engines)
     assert len({(node, g[0]) for node, g in engines}) == 3  # three pairs, three GPUs
-    assert_matches_plan(plan, engines, ranks)
+    assert_matches_plan(plan, engines, ranks, exact=False)
 
 
 def test_two_node_recipe_puts_learner_and_engines_on_their_hosts(gpu_cluster):
