@@ -14,8 +14,9 @@ node), a learner rank on cuda one GPU. `placement: colocated` on cuda makes one 
 one-GPU bundles; engine i and learner rank i both run in bundle i, each asking Ray for
 COLOCATED_GPU_SHARE of its GPU. Ray then sets each process's CUDA_VISIBLE_DEVICES to exactly its
 GPUs. The plan simulates Ray's placement in the order the run creates its pools (the learner's
-first, then one per engine) to show node, bundle and GPU index of every process, and a plan the
-cluster cannot hold fails before anything starts, with one line naming what is missing.
+first, then one per engine; first fit) to show node, bundle and GPU index of every process (where
+the cluster has room to spare Ray may choose another node), and a plan the cluster cannot hold
+fails before anything starts, with one line naming what is missing.
 """
 
 from __future__ import annotations
@@ -267,8 +268,8 @@ def _gpu_summary(cfg: Config, view: ClusterView) -> str:
     gen = "cuda" if generators_on_cuda(cfg) else "cpu"
     lrn = "cuda" if learner_on_cuda(cfg) else "cpu"
     where = f"{view.source}, {len(view.nodes)} node{'s' if len(view.nodes) > 1 else ''}, {view.total('GPU'):g} GPUs"
-    return (f"generators on {gen}, learner on {lrn}; {where}; GPU indices as planned, Ray sets each process's "
-            "CUDA_VISIBLE_DEVICES to its own at start")
+    return (f"generators on {gen}, learner on {lrn}; {where}; nodes and GPU indices as planned (Ray may pick "
+            "another node with room), each process's CUDA_VISIBLE_DEVICES set by Ray at start")
 
 
 def available_cores() -> list[int]:
