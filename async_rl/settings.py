@@ -7,6 +7,8 @@ from pathlib import Path
 import msgspec
 
 from async_rl.buffer.actor import BufferSettings
+from async_rl.cluster import placement
+from async_rl.cluster.devices import device_of, use_eager, use_prefix_caching
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config, DataConfig
 from async_rl.generator import vllm_compat as vc
@@ -18,17 +20,14 @@ BATCH_TIMEOUT_S = 600.0
 
 
 def learner_on_cuda(cfg: Config) -> bool:
-    """The megatron learner trains on CUDA unless learner.megatron.device=cpu; the torch learner on CPU."""
-    return cfg.learner.backend == "megatron" and cfg.learner.megatron.device == "cuda"
+    """learner.device (resolved): every rank, torch or megatron, on one GPU of its own."""
+    return placement.learner_on_cuda(cfg)
 
 
 def runs_on_cuda(cfg: Config) -> bool:
-    """Both ends of the weight sync hold their weights on CUDA (the learner's rank 0 and the engines'
-    workers). Today that is the megatron learner on CUDA (engines then run on GPUs too).
-    PLUG-IN POINT for `learner.device` / `generators.device` (auto|cuda|cpu): return whether the
-    RESOLVED learner device and the RESOLVED generators device are both cuda ('auto' resolved against
-    the Ray cluster's GPUs, as the placement plan does), so every caller follows the device fields."""
-    return learner_on_cuda(cfg)
+    """Both ends of the weight sync hold their weights on CUDA: the learner's rank 0 and the engines'
+    workers (learner.device and generators.device, `auto` resolved against the cluster's GPUs)."""
+    return learner_on_cuda(cfg) and placement.generators_on_cuda(cfg)
 
 
 def resolve_backend(cfg: Config) -> str:
@@ -99,6 +98,7 @@ def engine_settings(
     keys: RunKeys | None,
 ) -> EngineSettings:
     g = cfg.generators
+    device = device_of(g.device)
     return EngineSettings(
         engine_id=engine_id,
         run_id=run_id,
@@ -111,6 +111,9 @@ def engine_settings(
             seed=g.seed + engine_id,
             max_num_seqs=g.max_inflight_prompts * g.group_size,
             sleep_mode=cfg.placement == "colocated",
+            device=device,
+            enforce_eager=use_eager(g.enforce_eager, device),
+            prefix_caching=use_prefix_caching(g.prefix_caching, device),
         ),
         cores=engine_cores(plan, engine_id),
         threads=g.cpus_per_engine,
@@ -141,9 +144,10 @@ def learner_spec(
     facts: where the weights start (`model_dir`) and the KL reference (the run's initial weights)."""
     return LearnerSpec(
         model=cfg.model,
-        learner=cfg.learner,
+        # devices resolved: a rank must not decide `auto` itself (it may see GPUs it was not given)
+        learner=msgspec.structs.replace(cfg.learner, device=device_of(cfg.learner.device)),
         algorithm=cfg.algorithm,
-        generators=cfg.generators,
+        generators=msgspec.structs.replace(cfg.generators, device=device_of(cfg.generators.device)),
         train=cfg.train,
         weight_sync=msgspec.structs.replace(cfg.weight_sync, backend=resolve_backend(cfg)),
         run_id=run_id,

@@ -39,25 +39,50 @@ class ResourcePool:
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.pg)
             raise RunError(
-                f"resource pool '{name}' ({len(bundles)} x {bundles[0]}) could not be placed within "
-                f"{timeout_s:.0f}s; cluster has {ray.cluster_resources()}"
+                f"resource pool '{name}' ({len(bundles)} bundles, the first {bundles[0]}) could not be placed "
+                f"within {timeout_s:.0f}s; the cluster has {ray.cluster_resources()}, free "
+                f"{ray.available_resources()}"
             ) from None
 
     def __len__(self) -> int:
         return len(self.bundles)
 
-    def actor_options(self, index: int) -> dict[str, Any]:
+    def actor_options(self, index: int, cpus: float | None = None, gpus: float | None = None) -> dict[str, Any]:
+        """Options that run an actor in bundle `index`, with the whole bundle's CPUs and GPUs, or the
+        share given (two processes sharing one bundle). Ray sets the actor's CUDA_VISIBLE_DEVICES to
+        the bundle's GPUs: an actor that asks for none would see every GPU of its node (Ray 2.60)."""
         bundle = self.bundles[index]
         return {
-            "num_cpus": bundle.get("CPU", 0),
-            "num_gpus": bundle.get("GPU", 0),
+            "num_cpus": bundle.get("CPU", 0) if cpus is None else cpus,
+            "num_gpus": bundle.get("GPU", 0) if gpus is None else gpus,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=index
             ),
         }
 
+    def share(self, count: int, cpus: float, gpus: float) -> PoolShare:
+        """The first `count` bundles, each run with `cpus` and `gpus` of its bundle (colocated)."""
+        return PoolShare(self, count, cpus, gpus)
+
     def remove(self) -> None:
         remove_placement_group(self.pg)
+
+
+class PoolShare:
+    """Part of each of a pool's first `count` bundles: what a WorkerGroup or an engine runs in when two
+    processes share one bundle (a colocated engine and learner rank on one GPU). Removing it is the
+    owner's business, not the share's."""
+
+    def __init__(self, pool: ResourcePool, count: int, cpus: float, gpus: float) -> None:
+        if count > len(pool):
+            raise ValueError(f"{count} shares of a {len(pool)}-bundle pool")
+        self.pool, self.count, self.cpus, self.gpus = pool, count, cpus, gpus
+
+    def __len__(self) -> int:
+        return self.count
+
+    def actor_options(self, index: int) -> dict[str, Any]:
+        return self.pool.actor_options(index, cpus=self.cpus, gpus=self.gpus)
 
 
 ALL_INTERFACES = "0.0.0.0"
@@ -88,7 +113,7 @@ class WorkerGroup(Generic[T]):
 
     def __init__(
         self,
-        pool: ResourcePool,
+        pool: ResourcePool | PoolShare,
         make: Callable[[int, dict[str, Any], str], ActorHandle],
         rendezvous: Callable[[ActorHandle], str],
     ) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import ray
 from ray.actor import ActorHandle
 
-from async_rl.cluster.resources import ResourcePool
+from async_rl.cluster.resources import PoolShare, ResourcePool
 from async_rl.errors import RunError
 from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
 from async_rl.weight_sync.base import WeightGroupInfo
@@ -30,7 +30,8 @@ TIMEOUT_S = 600.0
 class EngineHandle:
     engine_id: int
     actor: ActorHandle
-    pool: ResourcePool
+    pool: ResourcePool | None  # its own pool; None: a slot of the shared (colocated) pool
+    slot: int = -1  # the shared pool's bundle it runs in
 
 
 class GeneratorPool:
@@ -42,11 +43,20 @@ class GeneratorPool:
         workers_per_engine: int,
         weight_timeout_s: float,
         ray_resources: dict[str, float] | None = None,
+        gpus_per_engine: int = 0,
+        shared: PoolShare | None = None,
+        actor_cls: type = GeneratorEngine,
     ) -> None:
         """`ray_resources`: custom Ray resources each engine's bundle asks for besides its CPUs (the
-        nodes it may land on)."""
+        nodes it may land on). `gpus_per_engine`: GPUs in each engine's bundle (its tensor-parallel
+        size on cuda, so vLLM's TP workers get exactly these; 0 on cpu). `shared`: colocated on cuda,
+        engines run in the bundles of this share (one per GPU, a learner rank in each too) instead of
+        a pool of their own. `actor_cls`: the engine actor (tests place probes the same way)."""
         self.make_settings = make_settings
-        self.bundle = {"CPU": cpus_per_engine, **(ray_resources or {})}
+        self.actor_cls = actor_cls
+        gpus = {"GPU": float(gpus_per_engine)} if gpus_per_engine else {}
+        self.bundle = {"CPU": cpus_per_engine, **gpus, **(ray_resources or {})}
+        self.shared = shared
         self.buffer = buffer
         self.cpus_per_engine = cpus_per_engine
         self.workers_per_engine = workers_per_engine
@@ -66,13 +76,13 @@ class GeneratorPool:
         try:
             for _ in range(count):
                 engine_id, self._next_id = self._next_id, self._next_id + 1
-                pool = ResourcePool(f"engine-{engine_id}", [self.bundle])
+                pool, slot, options = self._room(engine_id)
                 actor = (
-                    ray.remote(GeneratorEngine)
-                    .options(**pool.actor_options(0), max_concurrency=1000)
+                    ray.remote(self.actor_cls)
+                    .options(**options, max_concurrency=1000)
                     .remote(self.make_settings(engine_id), self.buffer)
                 )
-                handle = EngineHandle(engine_id, actor, pool)
+                handle = EngineHandle(engine_id, actor, pool, slot)
                 self.engines[engine_id] = handle  # registered first, so shutdown finds a half-started engine
                 new.append(handle)
             ray.get([h.actor.start.remote(paused) for h in new], timeout=TIMEOUT_S)
@@ -84,6 +94,19 @@ class GeneratorPool:
             raise
         self.membership_stale = True
         return [h.engine_id for h in new]
+
+    def _room(self, engine_id: int) -> tuple[ResourcePool | None, int, dict]:
+        """Where a new engine runs: a pool of its own, or the first free slot of the shared pool."""
+        if self.shared is None:
+            pool = ResourcePool(f"engine-{engine_id}", [self.bundle])
+            return pool, -1, pool.actor_options(0)
+        taken = {h.slot for h in self.engines.values()}
+        free = [i for i in range(len(self.shared)) if i not in taken]
+        if not free:
+            raise RunError(
+                f"placement=colocated: every GPU of the shared pool already holds an engine ({len(self.shared)})"
+            )
+        return None, free[0], self.shared.actor_options(free[0])
 
     def remove(self, engine_id: int, drain_timeout_s: float) -> int:
         """Drain one engine, then stop it: it takes no new lease, its requests in flight finish (up to
@@ -105,7 +128,8 @@ class GeneratorPool:
         handle = self.engines.pop(engine_id)
         self.membership_stale = True
         ray.kill(handle.actor, no_restart=True)
-        handle.pool.remove()
+        if handle.pool is not None:
+            handle.pool.remove()
         try:
             return ray.get(self.buffer.requeue.remote(engine_id), timeout=TIMEOUT_S)
         except ray.exceptions.RayActorError:
@@ -213,7 +237,8 @@ class GeneratorPool:
         except Exception:
             pass  # a dead or wedged engine is killed below all the same
         ray.kill(handle.actor, no_restart=True)
-        handle.pool.remove()
+        if handle.pool is not None:
+            handle.pool.remove()
 
     def shutdown(self) -> None:
         for handle in list(self.engines.values()):

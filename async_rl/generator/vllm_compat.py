@@ -58,6 +58,9 @@ class EngineSpec(msgspec.Struct, frozen=True):
     seed: int
     max_num_seqs: int
     sleep_mode: bool = False  # colocated placement on GPU: free memory while the learner trains
+    device: str = "cpu"  # generators.device, resolved: 'cuda' or 'cpu'
+    enforce_eager: bool = True  # generators.enforce_eager, resolved (settings.engine_settings)
+    prefix_caching: bool = False  # generators.prefix_caching, resolved
 
 
 def omp_bind(cores: list[int], tensor_parallel_size: int) -> str:
@@ -87,11 +90,27 @@ def leave_engine_unbound(threads: int, tensor_parallel_size: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(max(1, threads // tensor_parallel_size))
 
 
+def executor_backend(tensor_parallel_size: int) -> str:
+    """vLLM's executor for an engine that runs inside one of our Ray actors.
+
+    TP > 1: `mp`, the TP workers as child processes of this actor. Left to itself, vLLM 0.32 sees
+    that it runs inside a Ray placement group and picks its `ray` executor (config/parallel.py,
+    ParallelConfig.__post_init__), which then wants one bundle per GPU of *that* placement group
+    and raises for our engine's single bundle of tensor_parallel_size GPUs, or for a CPU bundle
+    with none ("Placement group bundle cannot have more than 1 GPU" / "The number of required GPUs
+    exceeds ...", v1/executor/ray_utils.py:initialize_ray_cluster). With `mp` the children inherit
+    the CUDA_VISIBLE_DEVICES Ray set for this actor (exactly its bundle's GPUs, one node), so worker
+    i binds cuda:i of those, and vLLM starts them with spawn inside a Ray actor
+    (utils/system_utils.py:_maybe_force_spawn). TP = 1: `uni`, the worker in the engine core
+    process, as vLLM would choose."""
+    return "mp" if tensor_parallel_size > 1 else "uni"
+
+
 def make_engine(spec: EngineSpec):
-    import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    cuda = spec.device == "cuda"
     args = AsyncEngineArgs(
         model=spec.model_dir,
         dtype=spec.dtype,
@@ -100,13 +119,25 @@ def make_engine(spec: EngineSpec):
         gpu_memory_utilization=spec.gpu_memory_utilization,
         seed=spec.seed,
         max_num_seqs=spec.max_num_seqs,
-        enforce_eager=True,
-        enable_prefix_caching=False,
+        distributed_executor_backend=executor_backend(spec.tensor_parallel_size),
+        # CUDA graphs and an in-place weight reload (read in vLLM 0.32): the captured graphs replay
+        # the parameters' storage addresses, so an update must write into the existing tensors.
+        # model_runner.reload_weights(is_checkpoint_format=True) does: model_loader/reload/layerwise.py
+        # loads each layer into fresh tensors, then `_copy_and_restore_kernel_tensors` copies the
+        # processed values back into the original kernel tensors and restores them on the layer
+        # ("preserves cudagraph refs"); shapes and dtypes must not change (same model, same dtype),
+        # and a receiver must never rebind `param.data`. No re-capture is needed.
+        enforce_eager=spec.enforce_eager,
+        # Stale prefixes: every weight update pauses with clear_cache=True (see `pause`), which
+        # resets the prefix cache, so no request reuses KV computed with the old weights. Mismatch
+        # probes ask for prompt_logprobs, which vLLM never serves from the cache (sampling_params.py
+        # sets skip_reading_prefix_cache for them).
+        enable_prefix_caching=spec.prefix_caching,
         # Behaviour log-probs of the distribution actually sampled from (after temperature).
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
         worker_extension_cls=EXTENSION_CLS,
-        enable_sleep_mode=spec.sleep_mode and torch.cuda.is_available(),  # a no-op on CPU
+        enable_sleep_mode=spec.sleep_mode and cuda,  # a no-op on CPU
     )
     return AsyncLLM.from_engine_args(args)
 

@@ -58,6 +58,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
 
         return TorchBackend(spec.learner, spec.model.dtype, rank, world_size, master)
     if spec.learner.backend == "megatron":
+        from async_rl.cluster.devices import device_of
         from async_rl.learner.megatron.backend import MegatronBackend
 
         m = spec.learner.megatron
@@ -73,7 +74,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
             max_grad_norm=spec.learner.max_grad_norm,
             distributed_optimizer=m.distributed_optimizer,
             transformer_engine=m.transformer_engine,
-            device=m.device,
+            device=device_of(spec.learner.device),
             seed=spec.train.seed,
             logprob_chunk_tokens=spec.learner.logprob_chunk_tokens,
         )

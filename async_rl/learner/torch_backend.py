@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -46,6 +45,19 @@ class ScoringModel(torch.nn.Module):
         return model_scores(self.model, inputs, targets, positions, temperature, self.chunk, hidden=hidden, head=head)
 
 
+def rank_device(device: str) -> torch.device:
+    """This rank's device from learner.device. On cuda Ray gave the rank one GPU and set its
+    CUDA_VISIBLE_DEVICES to it, so it is cuda:0 here; never LOCAL_RANK % device_count, which on a
+    node where the rank sees every GPU (one that asked Ray for none) puts every rank on GPU 0.
+    cpu: the CPU even where GPUs are visible. auto (a spec not made by the launcher): cuda:0 when
+    this process sees a GPU."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RunError("learner.device=cuda but this learner rank sees no CUDA device")
+    return torch.device("cuda", 0)
+
+
 class TorchBackend(ModelBackend):
     def __init__(self, cfg: LearnerConfig, dtype: str, rank: int, world_size: int, master: str) -> None:
         self.cfg = cfg
@@ -66,12 +78,9 @@ class TorchBackend(ModelBackend):
     def setup(self, model_dir: str) -> int:
         from transformers import AutoModelForCausalLM
 
-        if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-            self.device = torch.device("cuda", local)
+        self.device = rank_device(self.cfg.device)
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
         if self.world_size > 1 or self.sharded:  # FSDP2 needs a process group even for one rank
             host, port = self.master.rsplit(":", 1)
             dist.init_process_group(

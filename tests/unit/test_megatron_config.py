@@ -46,13 +46,13 @@ def test_world_size_that_only_megatron_model_parallelism_explains_is_accepted():
     assert cfg.learner.world_size == 4
 
 
-CPU = ["learner.backend=megatron", "learner.megatron.device=cpu"]
+CPU = ["learner.backend=megatron", "learner.device=cpu"]
 
 
 def test_megatron_on_cpu_requests_no_gpu_and_syncs_without_cuda_ipc():
     cfg = load_config(None, [*CPU, "learner.world_size=2", "learner.megatron.pipeline_parallel_size=2"])
     assert not settings.learner_on_cuda(cfg)
-    assert settings.learner_on_cuda(load_config(None, ["learner.backend=megatron"]))
+    assert settings.learner_on_cuda(load_config(None, ["learner.backend=megatron", "learner.device=cuda"]))
 
 
 @pytest.mark.parametrize(

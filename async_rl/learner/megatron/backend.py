@@ -228,7 +228,7 @@ class MegatronBackend(ModelBackend):
             megatron_cpu.check_config(dtype=self.dtype, distributed_optimizer=False, te_spec=te_spec)
             megatron_cpu.enable()
         elif not torch.cuda.is_available():
-            raise RunError("learner.megatron.device=cuda but this rank sees no CUDA device")
+            raise RunError("learner.device=cuda but this rank sees no CUDA device")
         else:
             torch.cuda.set_device(0)  # Ray gives each rank one visible GPU
         host, port = self.master.rsplit(":", 1)
