@@ -24,6 +24,15 @@ from async_rl.tasks.registry import load_task
 from async_rl.tasks.rewards import load_reward
 
 
+def weight_sync_line(cfg: Config) -> str:
+    """The weight-sync backend the run uses (`auto` resolved), shown under the placement plan."""
+    from async_rl.settings import resolve_backend
+
+    chosen = resolve_backend(cfg)
+    how = " (auto)" if cfg.weight_sync.backend == "auto" else ""
+    return f"weight sync: {chosen}{how}, buckets of {cfg.weight_sync.bucket_mb} MB"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m async_rl.launch", description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", help="YAML config file (omit with --describe)")
@@ -135,6 +144,7 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
         skipped = f", {sum(loaded.skipped.values())} bad row(s) skipped {dict(loaded.skipped)}" if loaded.skipped else ""
         print(f"data: {len(loaded.prompts)} training prompts x {cfg.data.epochs} epoch(s){skipped}", flush=True)
     print(plan.render(), flush=True)
+    print(weight_sync_line(cfg), flush=True)
     start_ray(cfg, plan)
     controller = Controller(cfg, model_dir, run_dir, plan, resume_from)
     metrics = None
@@ -190,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(to_yaml(cfg), end="")
             print(plan.render())
+            print(weight_sync_line(cfg))
             disconnect_ray()
             return 0
         return run(cfg, plan, resume_from)

@@ -88,6 +88,9 @@ def test_every_gpu_recipe_dry_runs_clean(gpu_cluster, recipe, capsys):
     plan = out[out.index("placement plan"):]
     assert "generators on cuda, learner on cuda" in plan
     cfg = load_config(recipe, offline(cluster, data))
+    # auto picks the GPU channel: CUDA IPC when colocated, NCCL when engines have GPUs of their own
+    want = "cuda_ipc" if cfg.placement == "colocated" else "nccl"
+    assert f"weight sync: {want}" in plan
     for role in [f"engine {i}" for i in range(cfg.generators.num_engines)] + [
         f"learner rank {r}" for r in range(cfg.learner.world_size)
     ]:

@@ -75,6 +75,7 @@ def test_dry_run_prints_config_and_plan(tmp_path, model_cache):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "max_lag: 1" in out and "placement plan" in out and "engine 0" in out and "learner rank 0" in out
+    assert "weight sync: shm (auto)" in out  # a local Ray on CPU: shared memory
 
 
 def watch(proc: subprocess.Popen, tree: ProcessTree, until_line: str | None, timeout: float) -> list[str]:
