@@ -13,9 +13,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 
-# TODO(merge): the GPU recipes (configs/gpu/*.yaml) come from another branch of issue 20; until they are
-# merged, links into configs/gpu/ are not checked. Once the folder exists every such link is.
-PENDING = ROOT / "configs" / "gpu"
 
 FENCE = re.compile(r"^(```|~~~).*?^\1\s*$", re.M | re.S)
 COMMENT = re.compile(r"<!--.*?-->", re.S)
@@ -67,8 +64,6 @@ def broken_links(page: Path) -> list[str]:
             continue  # a URL, not a file of this repository
         path_part, _, anchor = target.partition("#")
         dest = (page.parent / unquote(path_part)).resolve() if path_part else page
-        if not PENDING.exists() and dest.is_relative_to(PENDING):
-            continue
         if not dest.exists():
             bad.append(f"{target}: no such file {_shown(dest)}")
         elif anchor and dest.suffix == ".md" and unquote(anchor) not in anchors(dest):
