@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,8 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def launch(*args: str) -> subprocess.Popen:
+def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`env`: variables added to this process's environment for the run (and its Ray workers)."""
     return subprocess.Popen(
         [sys.executable, "-m", "async_rl.launch", *args],
         cwd=REPO,
@@ -25,4 +27,5 @@ def launch(*args: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=_sigint_default,
+        env={**os.environ, **env} if env else None,
     )

@@ -18,6 +18,7 @@ from async_rl.config import Config, WandbConfig, load_config
 from async_rl.controller import Controller
 from async_rl.metrics import MetricsSink
 from async_rl.models.tiny import resolve_model_path
+from tests.integration._engine_env import FAST_ENGINE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +51,7 @@ def real_controller(cfg: Config, run_dir: Path, env_vars: dict[str, str]) -> Ite
     """A controller and a metrics sink on a fresh local Ray (4 CPUs) whose workers get `env_vars` and
     import this checkout; the controller, the sink and Ray are stopped on the way out."""
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **env_vars}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **FAST_ENGINE_ENV, **env_vars}})
     controller = None
     sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
     try:

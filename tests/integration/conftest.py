@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from async_rl.models.tiny import resolve_model_path
+from tests.integration._engine_env import FAST_ENGINE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,13 +23,14 @@ def model_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray for one module whose workers import this checkout (a module may define its own)."""
+    """A local Ray for one module whose workers import this checkout and start engines with
+    FAST_ENGINE_ENV (a module may define its own)."""
     ray.init(
         num_cpus=4,
         include_dashboard=False,
         object_store_memory=200 << 20,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **FAST_ENGINE_ENV}},
     )
     yield
     ray.shutdown()

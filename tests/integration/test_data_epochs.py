@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration._engine_env import FAST_ENGINE_ENV
 from tests.integration._launch import launch
 
 pytestmark = pytest.mark.integration
@@ -23,7 +24,7 @@ def test_the_run_stops_when_the_data_epochs_are_done(tmp_path, model_cache):
         QUICKSTART, f"model.cache_dir={model_cache}", f"logging.run_dir={tmp_path}", "logging.run_name=epochs",
         "logging.wandb.mode=disabled", f"data.train_files=[{data}]", "data.epochs=2", "train.total_steps=50",
         "train.prompts_per_step=2", "generators.group_size=2", "generators.max_tokens=4",
-        "train.mismatch_probe_samples=0", "train.checkpoint_at_end=false",
+        "train.mismatch_probe_samples=0", "train.checkpoint_at_end=false", env=FAST_ENGINE_ENV,
     )
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
