@@ -211,6 +211,12 @@ class GeneratorConfig(_Section):
         _f("fraction of each GPU's memory vLLM may use (cuda only); placement=colocated: at most "
            "1 - COLOCATED_LEARNER_SHARE (0.3), the rest is the learner rank's", gt=0, le=1),
     ] = 0.5
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        _f("dtype vLLM serves the weights in; auto = bfloat16 on cuda (the learner keeps model.dtype master "
+           "weights; updates go on the wire in this dtype unless weight_sync.wire_dtype says otherwise), "
+           "model.dtype on cpu"),
+    ] = "auto"
     enforce_eager: Annotated[
         Literal["auto", "on", "off"],
         _f("vLLM without CUDA graphs (on) or with them (off: faster decoding; weight reloads copy into the "

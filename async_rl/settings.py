@@ -8,7 +8,7 @@ import msgspec
 
 from async_rl.buffer.actor import BufferSettings
 from async_rl.cluster import placement
-from async_rl.cluster.devices import device_of, use_eager, use_prefix_caching
+from async_rl.cluster.devices import device_of, serving_dtype, use_eager, use_prefix_caching, wire_dtype
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config, DataConfig
 from async_rl.generator import vllm_compat as vc
@@ -104,7 +104,7 @@ def engine_settings(
         run_id=run_id,
         spec=vc.EngineSpec(
             model_dir=str(model_dir),
-            dtype=cfg.model.dtype,
+            dtype=serving_dtype(cfg),
             tensor_parallel_size=g.tensor_parallel_size,
             max_model_len=g.max_model_len,
             gpu_memory_utilization=g.gpu_memory_utilization,
@@ -140,7 +140,7 @@ def engine_settings(
 def learner_spec(
     cfg: Config, run_id: str, model_dir: Path, reference_model_dir: Path, serve: str, keys: RunKeys | None
 ) -> LearnerSpec:
-    """The learner's config sections as they are (weight_sync with its backend resolved), and the run's
+    """The learner's config sections as they are (weight_sync with its backend and wire dtype resolved), and the run's
     facts: where the weights start (`model_dir`) and the KL reference (the run's initial weights)."""
     return LearnerSpec(
         model=cfg.model,
@@ -149,7 +149,9 @@ def learner_spec(
         algorithm=cfg.algorithm,
         generators=msgspec.structs.replace(cfg.generators, device=device_of(cfg.generators.device)),
         train=cfg.train,
-        weight_sync=msgspec.structs.replace(cfg.weight_sync, backend=resolve_backend(cfg)),
+        weight_sync=msgspec.structs.replace(
+            cfg.weight_sync, backend=resolve_backend(cfg), wire_dtype=wire_dtype(cfg)
+        ),
         run_id=run_id,
         model_dir=str(model_dir),
         reference_model_dir=str(reference_model_dir),

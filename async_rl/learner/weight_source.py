@@ -83,7 +83,13 @@ class WeightSource:
             return self._sender.send(self._named_tensors(), version)
 
     def checksum(self) -> ParamChecksum:
-        return checksum_of(self._named_tensors().values())
+        """Of the weights as they go on the wire (cast to weight_sync.wire_dtype, e.g. bf16 for bf16
+        generators): what every receiver then holds, exactly."""
+        tensors = self._named_tensors().values()
+        if self.cfg.wire_dtype:
+            wire = to_dtype(self.cfg.wire_dtype)
+            tensors = (t.to(wire) if t.is_floating_point() else t for t in tensors)
+        return checksum_of(tensors)
 
     def _close_sender(self) -> None:
         sender, self._sender = self._sender, None
