@@ -1,5 +1,5 @@
 """GPU placement as planned: devices, bundles, the simulated plan (node, bundle, GPU index) and the
-one-line refusals. Pure logic; tests/integration/test_gpu_placement.py checks the same bundles on a
+one-line refusals. Pure logic; tests/integration/test_gpu_placement_cluster.py checks the same bundles on a
 Ray cluster with logical GPUs."""
 
 from __future__ import annotations
