@@ -36,6 +36,9 @@ class FakeCuda:
     def open_region(self, h: cuda_ipc.CudaIpcHandle) -> torch.Tensor:
         return self.regions[h.handle]
 
+    def loader_device(self) -> torch.device:
+        return torch.device("cpu")  # the loader's device: torch.cuda.current_device() needs CUDA
+
     def synchronize(self, device: torch.device) -> None:
         import threading
 
@@ -45,7 +48,7 @@ class FakeCuda:
 @pytest.fixture
 def fake_cuda(monkeypatch) -> FakeCuda:
     fake = FakeCuda()
-    for name in ("new_region", "export_region", "open_region", "synchronize"):
+    for name in ("new_region", "export_region", "open_region", "loader_device", "synchronize"):
         monkeypatch.setattr(cuda_ipc, name, getattr(fake, name))
     return fake
 

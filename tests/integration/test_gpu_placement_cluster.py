@@ -37,8 +37,9 @@ def gpu_cluster(tmp_path_factory):
     recipe's resources). Both raylets run here."""
     from ray.cluster_utils import Cluster
 
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60's token auth, for a throwaway cluster
+    # Ray's auth mode is left as the rest of the suite has it: Ray caches it per process at its first
+    # start, so switching RAY_AUTH_MODE here after another module started Ray breaks every later start
+    # in this process ("InvalidAuthToken ... RAY_AUTH_MODE is currently 'disabled'").
     # On this node's IP, as ray.init would: Ray turns a 127.0.0.1 address into that IP when it connects.
     common = {"num_cpus": 32, "num_gpus": GPUS_PER_NODE}
     cluster = Cluster(
@@ -55,10 +56,6 @@ def gpu_cluster(tmp_path_factory):
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
 
 
 def offline(cluster, data: Path) -> list[str]:

@@ -32,7 +32,7 @@ def test_two_ranks_take_the_single_rank_mini_batch_steps_and_skip_together(tmp_p
     assert m.updates == 4
     for r in ranks:
         # Each update's gradient (its norm: the global mini-batch's token mean, not a per-rank one)...
-        assert r["norms"] == pytest.approx(norms, rel=1e-5)
+        assert r["norms"] == pytest.approx(norms, rel=1e-4)  # the later updates: after AdamW steps (below)
         # ... and the weights after four AdamW steps (lr 1e-2; Adam turns summation-order noise
         # in near-zero gradients into ~1e-5 differences)
         for name, t in want.items():
