@@ -199,9 +199,11 @@ def test_colocated_pairs_share_one_gpu(gpu_cluster):
 def test_two_node_recipe_puts_learner_and_engines_on_their_hosts(gpu_cluster):
     cluster, data = gpu_cluster
     plan, engines, ranks = place_probes(cluster, data, "2node_tp2_megatron.yaml")
-    head = ray_view(cluster.address).nodes[0].name
-    names = {n.name for n in ray_view(cluster.address).nodes if n.resources.get("learner_host")}
-    assert {node for node, _ in ranks} == names == {head}
-    assert {node for node, _ in engines} == {n.name for n in ray_view(cluster.address).nodes} - {head}
+    # The head is the node started with learner_host (ray.nodes() lists nodes in no set order).
+    nodes = ray_view(cluster.address).nodes
+    heads = {n.name for n in nodes if n.resources.get("learner_host")}
+    assert len(heads) == 1 and len(nodes) == 2
+    assert {node for node, _ in ranks} == heads
+    assert {node for node, _ in engines} == {n.name for n in nodes} - heads
     assert sorted(g for _, gpus in engines for g in gpus) == [0, 1, 2, 3]
     assert_matches_plan(plan, engines, ranks)
