@@ -341,6 +341,13 @@ class LearnerConfig(_Section):
         _f("packing: tokens per packed row (0 = the longest sequence of the micro-batch); without a varlen "
            "attention kernel (CPU) a row costs attention over its width squared, so keep rows short", ge=0),
     ] = 0
+    share_prompt: Annotated[
+        bool,
+        _f("one prompt per group: a group's samples share one copy of their prompt in a micro-batch (the "
+           "completions attend to it through a block attention mask), forward and backward; equal to the "
+           "unshared layout (false: every sample carries its prompt, for comparison). Torch backend only: "
+           "megatron ignores it with a logged note"),
+    ] = True
     lr_warmup_steps: Annotated[int, _f("linear learning-rate warmup over this many steps", ge=0)] = 0
     lr_decay: Annotated[
         Literal["constant", "linear", "cosine"], _f("learning-rate decay after warmup, to lr * lr_min_ratio at the last step")

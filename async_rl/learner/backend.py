@@ -71,6 +71,12 @@ class ModelBackend(abc.ABC):
     device: torch.device  # where the driver puts its own tensors (reductions, the reference model)
 
     @property
+    def takes_block_masks(self) -> bool:
+        """Micro-batches may carry a 4D attention mask (`shared_prefix.py`, `learner.share_prompt`):
+        the backend hands it to its attention as it is."""
+        return False
+
+    @property
     def weights_are_live(self) -> bool:
         """`hf_weights` returns the live parameter tensors themselves (same storage every call): the
         shm weight sender may then move them into its shared mapping and skip a packing copy."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from async_rl.learner.hf_io import rng_state, set_rng_state
 from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
 from async_rl.learner.padded import PaddedShard
 from async_rl.learner.schedule import lr_factor
+from async_rl.learner.shared_prefix import shared_micro_batches
 from async_rl.learner.weight_source import WeightSource
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -164,6 +166,7 @@ class LearnerDriver(LearnerRank):
         self.rank = rank
         self.world_size = world_size
         self.master = master
+        self.share_prompt = False  # learner.share_prompt where the backend supports it (setup)
         self.backend: ModelBackend | None = None  # made in setup, once the rendezvous address is known
         self.weights: WeightSource | None = None
         self.step_count = 0
@@ -191,6 +194,11 @@ class LearnerDriver(LearnerRank):
         self.backend = make_backend(s, self.rank, self.world_size, self.master)
         params = self.backend.setup(s.model_dir)
         self.device = self.backend.device
+        # One prompt per group where the backend takes the block masks it needs (not megatron's).
+        self.share_prompt = s.learner.share_prompt and self.backend.takes_block_masks
+        if s.learner.share_prompt and not self.share_prompt and self.rank == 0:
+            print(f"[learner] learner.share_prompt: learner.backend={s.learner.backend} takes no block attention "
+                  "mask; every sample carries its prompt", file=sys.stderr, flush=True)
         self.weights = WeightSource(s.weight_sync, self._named_tensors, adopt=self.backend.weights_are_live)
         hidden_size = 0
         if s.algorithm.name == "ppo":
@@ -271,7 +279,8 @@ class LearnerDriver(LearnerRank):
         """This rank's micro-batches, padded with empty ones to the most any rank has (at least one):
         every rank runs as many forward/backward passes, so the collectives inside them line up."""
         c = self.spec.learner
-        mbs = micro_batches(samples, c.packing, c.micro_batch_size, c.micro_batch_tokens, c.pack_row_tokens)
+        build = shared_micro_batches if self.share_prompt else micro_batches
+        mbs = build(samples, c.packing, c.micro_batch_size, c.micro_batch_tokens, c.pack_row_tokens)
         count = max(1, int(self.backend.all_reduce(torch.tensor([len(mbs)], device=self.device), "max").item()))
         return [mb.to(self.device) for mb in mbs] + [dummy_micro_batch().to(self.device)] * (count - len(mbs))
 

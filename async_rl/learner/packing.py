@@ -41,8 +41,10 @@ class SeqSample:
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # long [B, T]
-    position_ids: torch.Tensor | None  # long [B, T], packed layout
-    attention_mask: torch.Tensor | None  # long [B, T], padded layout
+    position_ids: torch.Tensor | None  # long [B, T], packed and shared-prefix layouts
+    # long [B, T] (padded layout: 1 on tokens), or bool [B, 1, T, T] (shared-prefix layout: who may
+    # attend to whom, `shared_prefix.py`)
+    attention_mask: torch.Tensor | None
     targets: torch.Tensor  # long [B, T]
     loss_mask: torch.Tensor  # float32 [B, T]
     behav_logp: torch.Tensor  # float32 [B, T]
@@ -151,24 +153,33 @@ def pack_rows(lengths: list[int], width: int) -> list[int]:
     return rows
 
 
+def row_layout(lengths: list[int], width: int) -> tuple[list[int], int, int]:
+    """(the row of each item, first fit in rows of `width`; the row count; the widest row's use)."""
+    rows = pack_rows(lengths, width)
+    n_rows = max(rows) + 1
+    used = [0] * n_rows
+    for row, n in zip(rows, lengths, strict=True):
+        used[row] += n
+    return rows, n_rows, max(used)
+
+
+def row_tensors(n_rows: int, width: int) -> tuple[torch.Tensor, ...]:
+    """Zeroed input_ids, position_ids, targets (long) and loss mask, behaviour log-probs, advantages
+    (float32), each [n_rows, width]."""
+    longs = [torch.zeros(n_rows, width, dtype=torch.long) for _ in range(3)]
+    return (*longs, *(torch.zeros(n_rows, width) for _ in range(3)))
+
+
 def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
     """`samples` concatenated into rows of `row_tokens` tokens (0 = the longest sequence), position
     ids restarting at 0 for every sequence. Rows are bounded because, without a varlen attention
     kernel (CPU, SDPA), a packed row costs attention over its whole width squared: one row of 128
     sequences of 80 tokens trained 20x slower than the same sequences in rows of 80."""
     lengths = [len(s.tokens) for s in samples]
-    rows = pack_rows(lengths, row_tokens or max(lengths))
-    n_rows = max(rows) + 1
-    used = [0] * n_rows
-    for row, n in zip(rows, lengths, strict=True):
-        used[row] += n
-    width = max(used)
-    input_ids = torch.zeros(n_rows, width, dtype=torch.long)
+    rows, n_rows, width = row_layout(lengths, row_tokens or max(lengths))
+    input_ids, position_ids, targets, mask, behav, adv = row_tensors(n_rows, width)
     # A row's unused tail continues its last sequence's positions: no extra sequence boundary, and
     # being after every real token, the causal mask keeps it from affecting them (loss mask 0).
-    position_ids = torch.zeros(n_rows, width, dtype=torch.long)
-    targets = torch.zeros(n_rows, width, dtype=torch.long)
-    mask, behav, adv = (torch.zeros(n_rows, width) for _ in range(3))
     prox = _optional(samples, "prox_logp", (n_rows, width))
     ref = _optional(samples, "ref_logp", (n_rows, width))
     spans = []

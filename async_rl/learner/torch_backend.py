@@ -72,6 +72,10 @@ class TorchBackend(ModelBackend):
         return self.cfg.parallel == "fsdp2"
 
     @property
+    def takes_block_masks(self) -> bool:
+        return True  # HF attention takes a 4D mask as it is (SDPA and eager)
+
+    @property
     def weights_are_live(self) -> bool:
         return not self.sharded
 

@@ -13,6 +13,7 @@ from async_rl.config import (
     WeightSyncConfig,
 )
 from async_rl.learner.base import LearnerSpec
+from async_rl.learner.driver import LearnerDriver
 from async_rl.protocol import TrajectoryGroup
 
 LEARNER_FIELDS = set(LearnerConfig.__struct_fields__)
@@ -41,6 +42,13 @@ def settings(model_dir, **overrides) -> LearnerSpec:
         batch_timeout_s=1.0,
         **rest,
     )
+
+
+def make_rank(model_dir, **overrides) -> LearnerDriver:
+    """A one-rank learner driver on `model_dir`, set up (`overrides`: as for `settings`)."""
+    rank = LearnerDriver(settings(model_dir, **overrides), 0, 1, "", [])
+    rank.setup()
+    return rank
 
 
 def groups(seed: int, n_groups: int = 2, group_size: int = 3, vocab: int = 40) -> list[TrajectoryGroup]:
