@@ -59,6 +59,7 @@ def run(tmp_path_factory) -> RealRun:
             "generators.max_inflight_prompts=4",
             f"generators.stop=[{json.dumps(STOP)}]",
             "learner.lr=1e-5",
+            "learner.share_prompt=true",  # the probe scores the batch's groups with one prompt each
             "eval.enabled=true",
             "eval.every=2",
             f"eval.max_prompts={EVAL_PROMPTS}",
@@ -103,8 +104,9 @@ def run(tmp_path_factory) -> RealRun:
 
 
 def test_vllm_and_learner_logprobs_agree_on_the_same_tokens(run):
+    """fp32 on both sides, the learner with one prompt per group and the chunked head: ~1e-7."""
     mismatch = [r["logprob_mismatch"] for r in run.records]
-    assert len(mismatch) == STEPS and all(m is not None and m < 1e-3 for m in mismatch), mismatch
+    assert len(mismatch) == STEPS and all(m is not None and m < 1e-4 for m in mismatch), mismatch
 
 
 def test_every_engine_holds_the_learners_weights_after_a_sync(run):

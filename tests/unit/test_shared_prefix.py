@@ -188,3 +188,23 @@ def test_compute_logprobs_shared_equals_unshared(model_dir):
     assert [len(x) for x in b] == [len(c) for g in gs for c in g.completions]
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+
+
+class _MaskFreeBackend:
+    """A backend that takes no block mask (as megatron's): the driver must not hand it one."""
+
+    device = torch.device("cpu")
+    weights_are_live = False
+    takes_block_masks = False
+
+    def setup(self, model_dir: str) -> int:
+        return 0
+
+
+def test_a_backend_without_block_masks_falls_back_with_a_note(model_dir, monkeypatch, capsys):
+    from async_rl.learner import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "make_backend", lambda *a, **k: _MaskFreeBackend())
+    rank = make_rank(model_dir, share_prompt=True)
+    assert rank.share_prompt is False
+    assert "learner.share_prompt" in capsys.readouterr().err
