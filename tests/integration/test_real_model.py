@@ -104,7 +104,7 @@ def run(tmp_path_factory) -> RealRun:
 
 
 def test_vllm_and_learner_logprobs_agree_on_the_same_tokens(run):
-    """fp32 on both sides, the learner with one prompt per group and the chunked head: ~1e-7."""
+    """fp32 on both sides, the learner with one prompt per group and the chunked head (measured ~1e-5)."""
     mismatch = [r["logprob_mismatch"] for r in run.records]
     assert len(mismatch) == STEPS and all(m is not None and m < 1e-4 for m in mismatch), mismatch
 
