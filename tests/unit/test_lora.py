@@ -144,3 +144,27 @@ def test_lora_with_megatron_is_refused_in_one_line():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["learner.backend=megatron", "learner.lora.enabled=true"])
     assert "learner.lora" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_merged_export_scores_like_the_adapter(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.export_merged import export_merged
+
+    rank = make_rank(model_dir)
+    with torch.no_grad():  # a large adapter, so that a wrong merge shows
+        for n, p in rank.backend.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    rank.save_checkpoint(str(tmp_path / "ckpt"))
+    out = export_merged(tmp_path / "ckpt", tmp_path / "merged", base=model_dir)
+    merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        want = torch.log_softmax(rank.backend.model(ids).logits, -1)
+        got = torch.log_softmax(merged(ids).logits, -1)
+        unmerged = torch.log_softmax(base(ids).logits, -1)
+    assert (got - want).abs().mean() < 1e-5
+    assert (unmerged - want).abs().mean() > 1e-3  # the adapter matters here
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
