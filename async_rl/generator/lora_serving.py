@@ -80,7 +80,10 @@ def served_parts(worker, lora_id: int) -> Iterator[torch.Tensor]:
         raise RuntimeError(f"LoRA adapter {lora_id} is in no slot: vLLM serves it to no request") from None
     r = am.get_adapter(lora_id).rank
     for module in am.modules.values():
-        for a, b in zip(module.lora_a_stacked, module.lora_b_stacked, strict=True):
+        stacked_a, stacked_b = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+        if not isinstance(stacked_a, tuple | list) or not isinstance(stacked_b, tuple | list):
+            continue  # not a linear LoRA layer (this adapter targets linear modules only)
+        for a, b in zip(stacked_a, stacked_b, strict=True):
             a_slot, b_slot = a[index, 0, :r, :], b[index, 0, :, :r]
             if a_slot.any():
                 yield a_slot

@@ -179,7 +179,16 @@ def make_engine(spec: EngineSpec):
         enable_sleep_mode=spec.sleep_mode and cuda,  # a no-op on CPU
         # learner.lora: one adapter slot, updated in place while paused (see generator/lora_serving.py).
         **(
-            {"enable_lora": True, "max_lora_rank": max_lora_rank(spec.lora.rank), "max_loras": 1, "max_cpu_loras": 1}
+            {
+                "enable_lora": True,
+                "max_lora_rank": max_lora_rank(spec.lora.rank),
+                "max_loras": 1,
+                "max_cpu_loras": 1,
+                # Only the adapter's modules get LoRA layers. Left to itself vLLM also wraps lm_head, and
+                # 0.32's CPU path then fails every prompt_logprobs request (the mismatch probe): punica's
+                # logits LoRA sizes its indices by sampled rows, not prompt positions (an einsum error).
+                "lora_target_modules": list(spec.lora.target_modules),
+            }
             if spec.lora
             else {}
         ),

@@ -215,3 +215,9 @@ def test_merged_export_scores_like_the_served_adapter(run):
     print(f"merged vs served {run.merged_vs_served:.2e}, base vs served {run.base_vs_served:.2e}")
     assert run.merged_vs_served < 1e-5
     assert run.base_vs_served > 10 * run.merged_vs_served
+
+
+def test_vllm_and_learner_logprobs_agree_with_the_adapter(run):
+    mismatch = [r["logprob_mismatch"] for r in run.records + run.resumed_records]
+    print("mismatch after each sync:", [f"{m:.1e}" for m in mismatch], "sync s:", [r["sync_s"] for r in run.records])
+    assert all(m is not None and m < 1e-4 for m in mismatch), mismatch
