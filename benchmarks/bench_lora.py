@@ -65,6 +65,7 @@ def synthetic_groups(seed: int):
             prompt_id=gi, engine_id=0, prompt_tokens=rng.integers(10, 49_000, PROMPT_TOKENS).astype(np.int32),
             completions=comps, logprobs=[np.full(COMPLETION_TOKENS, -3.0, dtype=np.float32) for _ in comps],
             rewards=[float(r) for r in rng.random(GROUP)], version_first=[0] * GROUP, version_last=[0] * GROUP,
+            reward_status=[0] * GROUP,
         ))
     return out
 
@@ -137,8 +138,10 @@ def bench_learner(lora_rank: int, steps: int) -> dict:
         q = ctx.Queue()
         p = ctx.Process(target=_learner_child, args=(r, steps, q))
         p.start()
-        results[name] = q.get(timeout=3600)
         p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"learner benchmark ({name}) failed: exit code {p.exitcode}")
+        results[name] = q.get(timeout=10)
     return results
 
 
@@ -156,6 +159,7 @@ def main() -> None:
     if args.only in (None, "sync"):
         result["sync"] = bench_sync(args.rank, args.repeats)
         print(json.dumps(result["sync"], indent=1))
+        out_path.write_text(json.dumps(result, indent=1))
     if args.only in (None, "learner"):
         result["learner"] = bench_learner(args.rank, args.steps)
         print(json.dumps(result["learner"], indent=1))
