@@ -288,6 +288,31 @@ class MegatronConfig(_Section):
     ] = "auto"
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(_Section):
+    enabled: Annotated[
+        bool,
+        _f("train a LoRA adapter (PEFT) instead of every weight: only the adapter trains and sits in the optimizer, "
+           "weight syncs send only the adapter, vLLM serves it as a LoRA adapter (torch backend; see docs/lora.md)"),
+    ] = False
+    rank: Annotated[int, _f("LoRA rank r (also vLLM's max_lora_rank)", ge=1)] = 8
+    alpha: Annotated[float, _f("LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)] = 16.0
+    dropout: Annotated[
+        float, _f("LoRA dropout on the adapter's input while training (vLLM serves without it; 0 keeps the "
+                  "learner's log-probs comparable with vLLM's)", ge=0, lt=1)
+    ] = 0.0
+    target_modules: Annotated[
+        list[str], _f("names of the linear modules that get an adapter (PEFT target_modules)")
+    ] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
+    init: Annotated[
+        Literal["default", "gaussian"],
+        _f("PEFT init_lora_weights of A (B starts at zero either way, so version 0 is the base model): "
+           "default = Kaiming-uniform, gaussian = normal(0, 1/rank)"),
+    ] = "default"
+
+
 class LearnerConfig(_Section):
     backend: Annotated[
         Literal["torch", "megatron"],
@@ -359,6 +384,7 @@ class LearnerConfig(_Section):
            "model.dtype; auto = bf16 on CUDA, none on CPU"),
     ] = "auto"
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
 class AlgorithmConfig(_Section):
@@ -685,6 +711,7 @@ def validate(cfg: Config) -> None:
         )
     if cfg.learner.backend == "megatron":
         _validate_megatron(cfg)
+    validate_lora(cfg)
     _validate_minibatches(cfg)
     if cfg.placement == "colocated" and t.max_lag != 0:
         raise ConfigError(f"placement=colocated alternates generation and training: it needs train.max_lag=0, not {t.max_lag}")
@@ -718,6 +745,19 @@ def validate(cfg: Config) -> None:
     validate_eval(cfg)
     validate_data(cfg)
     validate_env(cfg)
+
+
+def validate_lora(cfg: Config) -> None:
+    if not cfg.learner.lora.enabled:
+        return
+    if cfg.learner.backend != "torch":
+        raise ConfigError("learner.lora.enabled: LoRA training needs learner.backend=torch (megatron is not supported)")
+    if cfg.generators.tensor_parallel_size != 1:
+        raise ConfigError(
+            "learner.lora.enabled: adapter serving is verified per engine with generators.tensor_parallel_size=1 only"
+        )
+    if not cfg.learner.lora.target_modules:
+        raise ConfigError("learner.lora.target_modules: name at least one module")
 
 
 _ENV_BUILTINS = ("tools", "guess")

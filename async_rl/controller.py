@@ -56,12 +56,17 @@ class Controller:
         self.resume_from = resume_from
         self.start_step = 0
         self.resumed_checksum: ParamChecksum | None = None  # learner weights right after a resume
-        # On resume every process loads the checkpoint's HF folder (vLLM serves it directly).
-        self.model_dir = checkpoint_model_dir(resume_from) if resume_from is not None else model_dir
         # The run's initial weights (the KL reference), recorded in every checkpoint: a resumed run keeps
         # its anchor instead of taking the checkpoint's weights as a new one at every resume.
         recorded = checkpoint.load_state(resume_from).initial_model_dir if resume_from is not None else ""
         self.initial_model_dir = Path(recorded) if recorded else model_dir
+        # On resume every process loads the checkpoint's HF folder (vLLM serves it directly); with
+        # learner.lora the checkpoint holds the adapter alone: everyone starts from the base weights and
+        # the learner sends the checkpoint's adapter before the engines generate (see _resume).
+        self.lora = cfg.learner.lora.enabled
+        self.model_dir = model_dir if resume_from is None else (
+            self.initial_model_dir if self.lora else checkpoint_model_dir(resume_from)
+        )
         self.run_dir = run_dir
         self.run_id = uuid.uuid4().hex[:12]
         self.version = 0
@@ -214,6 +219,15 @@ class Controller:
         steps = self.learner.call(lambda a: a.load_checkpoint.remote(str(self.resume_from)), timeout_s=START_TIMEOUT_S)
         if any(s != state.step for s in steps):
             raise RunError(f"checkpoint '{self.resume_from}': learner state is at step {steps[0]}, run state at {state.step}")
+        if self.lora:
+            # The adapter goes to the paused engines like any update (checked as served, see
+            # GeneratorPool.sync), which resumes them as version N.
+            if not self.runtime.sync_weights(state.version):
+                raise RunError(f"resume: the learner is past version {state.version} before its first step")
+            ray.get(self.buffer.set_generator_version.remote(state.version))
+            self.start_step, self.version = state.step, state.version
+            self.resumed_checksum = ray.get(self.learner.actors[0].param_checksum.remote())
+            return
         learner_ck, engine_cks = self.checksums()
         for engine_id, ck in engine_cks.items():
             if not ck.close_to(learner_ck):

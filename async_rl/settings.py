@@ -114,6 +114,7 @@ def engine_settings(
             device=device,
             enforce_eager=use_eager(g.enforce_eager, device),
             prefix_caching=use_prefix_caching(g.prefix_caching, device),
+            lora=lora_serving(cfg),
         ),
         cores=engine_cores(plan, engine_id),
         threads=g.cpus_per_engine,
@@ -159,3 +160,9 @@ def learner_spec(
         batch_timeout_s=BATCH_TIMEOUT_S,
         curve=keys.learner if keys is not None else None,
     )
+
+
+def lora_serving(cfg: Config) -> vc.LoraServing | None:
+    """learner.lora: what the engines serve the trained adapter with (None: full weights)."""
+    lo = cfg.learner.lora
+    return vc.LoraServing(rank=lo.rank, alpha=lo.alpha, target_modules=list(lo.target_modules)) if lo.enabled else None

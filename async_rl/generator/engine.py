@@ -31,6 +31,7 @@ from async_rl.envs.base import Environment
 from async_rl.envs.episode import ChatDelta, EpisodeResult, ModelTurn, run_episode
 from async_rl.evaluation.scores import EvalBatch, EvalParams, EvalResult
 from async_rl.generator import vllm_compat as vc
+from async_rl.generator.lora_serving import SERVED_LORA_ID
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.sampling import SamplingSpec, stop_token_ids
 from async_rl.learner.base import Probe
@@ -147,6 +148,9 @@ class GeneratorEngine:
         self._paused_since: float | None = None
         self._paused_s = 0.0
         self._evals = 0  # evaluation calls served (request ids stay unique)
+        # learner.lora: the LoRA id an update is loaded into; the one requests name (lora_serving). Kept
+        # apart so a test can deliver into another id (verl #7495's failure) and see the sync refuse it.
+        self.adapter_slot = SERVED_LORA_ID
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
@@ -156,6 +160,8 @@ class GeneratorEngine:
         # Its fork server and workers start here, off the event loop (Ray calls keep being served).
         await asyncio.get_running_loop().run_in_executor(None, self.rewards.start)
         self._llm = vc.make_engine(self.s.spec)
+        if self.s.spec.lora is not None:  # every request names the served adapter: it exists from the start
+            await vc.install_zero_adapter(self._llm, self.s.spec.lora)
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         harden_client(self._push, self.s.curve)
@@ -502,6 +508,8 @@ class GeneratorEngine:
         await vc.join_weight_group(self._llm, info, first_rank, manifest)
 
     async def receive_weights(self, version: int) -> list[UpdateReceipt]:
+        if self.s.spec.lora is not None:  # the adapter alone, into the slot every request names
+            return await vc.receive_adapter(self._llm, version, self.s.spec.lora, self.adapter_slot)
         return await vc.receive_weights(self._llm, version)
 
     async def param_checksums(self) -> list[ShardChecksum]:

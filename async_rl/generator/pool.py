@@ -20,7 +20,7 @@ from async_rl.cluster.resources import PoolShare, ResourcePool
 from async_rl.errors import RunError
 from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
 from async_rl.weight_sync.base import WeightGroupInfo
-from async_rl.weight_sync.checksum import ShardChecksum
+from async_rl.weight_sync.checksum import ParamChecksum, ShardChecksum
 from async_rl.weight_sync.gloo import abort_membership
 
 TIMEOUT_S = 600.0
@@ -188,6 +188,8 @@ class GeneratorPool:
             for r in receipts:
                 if (r.checksum, r.manifest_digest) != (ours.checksum, ours.manifest_digest):
                     raise RunError(f"weight update v{version}: engine {engine_id} received a corrupt update")
+                if ours.served is not None and (r.served is None or not r.served.close_to(ours.served)):
+                    raise RunError(adapter_mismatch(version, engine_id, ours.served, r.served))
         ray.get([a.resume.remote(version) for a in actors], timeout=TIMEOUT_S)
         return time.perf_counter() - t0
 
@@ -244,3 +246,12 @@ class GeneratorPool:
         for handle in list(self.engines.values()):
             self._stop(handle)
         self.engines.clear()
+
+
+def adapter_mismatch(version: int, engine_id: int, learner: ParamChecksum, served: ParamChecksum | None) -> str:
+    """One line: the adapter an engine serves after update `version` is not the learner's."""
+    got = "none" if served is None else f"sum {served.total:.9g} over {served.count} values"
+    return (
+        f"weight update v{version}: engine {engine_id} serves another LoRA adapter than the learner's "
+        f"(read back from vLLM: {got}; learner: sum {learner.total:.9g} over {learner.count} values); stopping"
+    )

@@ -14,6 +14,7 @@ from typing import TypeVar
 import msgspec
 
 from async_rl.cluster.placement import pin_current_process
+from async_rl.generator import lora_serving
 from async_rl.generator import worker_extension as ext
 from async_rl.generator.sampling import SamplingSpec
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -25,6 +26,8 @@ EXTENSION_CLS = f"{ext.__name__}.{ext.WeightReceiverExtension.__name__}"
 _JOIN = ext.WeightReceiverExtension.async_rl_join_weight_group.__name__
 _RECEIVE = ext.WeightReceiverExtension.async_rl_receive_weights.__name__
 _CHECKSUM = ext.WeightReceiverExtension.async_rl_param_checksum.__name__
+_RECEIVE_ADAPTER = ext.WeightReceiverExtension.async_rl_receive_adapter.__name__
+_ZERO_ADAPTER = ext.WeightReceiverExtension.async_rl_install_zero_adapter.__name__
 
 
 T = TypeVar("T")
@@ -61,6 +64,29 @@ class EngineSpec(msgspec.Struct, frozen=True):
     device: str = "cpu"  # generators.device, resolved: 'cuda' or 'cpu'
     enforce_eager: bool = True  # generators.enforce_eager, resolved (settings.engine_settings)
     prefix_caching: bool = False  # generators.prefix_caching, resolved
+    lora: LoraServing | None = None  # learner.lora: serve the trained adapter (generator/lora_serving.py)
+
+
+class LoraServing(msgspec.Struct, frozen=True):
+    """The adapter an engine serves (learner.lora's rank, alpha and target modules)."""
+
+    rank: int
+    alpha: float
+    target_modules: list[str]
+
+    def peft_config(self) -> dict:
+        return lora_serving.peft_helper_dict(self.rank, self.alpha, self.target_modules)
+
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's MaxLoRARanks
+
+
+def max_lora_rank(rank: int) -> int:
+    """vLLM accepts only some max_lora_rank values: the smallest that holds `rank`."""
+    for r in _VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {_VLLM_LORA_RANKS[-1]}")
 
 
 def omp_bind(cores: list[int], tensor_parallel_size: int) -> str:
@@ -106,6 +132,19 @@ def executor_backend(tensor_parallel_size: int) -> str:
     return "mp" if tensor_parallel_size > 1 else "uni"
 
 
+def _adapter_serving_llm():
+    """AsyncLLM whose requests all name the served LoRA adapter (unless one is given): every request
+    path (generation, continuations, episodes, evaluation, probes) then runs on the trained adapter."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    class AdapterServingLLM(AsyncLLM):
+        def generate(self, *args, **kwargs):
+            kwargs.setdefault("lora_request", lora_serving.lora_request())
+            return super().generate(*args, **kwargs)
+
+    return AdapterServingLLM
+
+
 def make_engine(spec: EngineSpec):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -138,8 +177,25 @@ def make_engine(spec: EngineSpec):
         disable_log_stats=True,
         worker_extension_cls=EXTENSION_CLS,
         enable_sleep_mode=spec.sleep_mode and cuda,  # a no-op on CPU
+        # learner.lora: one adapter slot, updated in place while paused (see generator/lora_serving.py).
+        **(
+            {
+                "enable_lora": True,
+                "max_lora_rank": max_lora_rank(spec.lora.rank),
+                "max_loras": 1,
+                "max_cpu_loras": 1,
+                # Only the adapter's modules get LoRA layers. Left to itself vLLM also wraps lm_head, and
+                # 0.32's CPU path then fails every prompt_logprobs request (the mismatch probe): punica's
+                # logits LoRA sizes its indices by sampled rows, not prompt positions (an einsum error).
+                "lora_target_modules": list(spec.lora.target_modules),
+            }
+            if spec.lora
+            else {}
+        ),
     )
-    return AsyncLLM.from_engine_args(args)
+    if spec.lora is None:
+        return AsyncLLM.from_engine_args(args)
+    return _adapter_serving_llm().from_engine_args(args)
 
 
 def sampling_params(
@@ -312,6 +368,17 @@ async def join_weight_group(llm, info: WeightGroupInfo, first_rank: int, manifes
 async def receive_weights(llm, version: int) -> list[UpdateReceipt]:
     raw = await watched(llm, llm.collective_rpc(_RECEIVE, args=(version,)), f"receive_weights v{version}")
     return [msgspec.msgpack.decode(r, type=UpdateReceipt) for r in raw]
+
+
+async def receive_adapter(llm, version: int, lora: LoraServing, lora_id: int) -> list[UpdateReceipt]:
+    """learner.lora: the update into LoRA slot `lora_id`; each receipt's `served` is read back from vLLM."""
+    call = llm.collective_rpc(_RECEIVE_ADAPTER, args=(version, lora.peft_config(), lora_id))
+    raw = await watched(llm, call, f"receive_adapter v{version}")
+    return [msgspec.msgpack.decode(r, type=UpdateReceipt) for r in raw]
+
+
+async def install_zero_adapter(llm, lora: LoraServing) -> None:
+    await watched(llm, llm.collective_rpc(_ZERO_ADAPTER, args=(lora.rank,)), "install_zero_adapter")
 
 
 async def param_checksums(llm) -> list[ShardChecksum]:

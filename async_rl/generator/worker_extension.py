@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from async_rl.generator import lora_serving
 from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum, checksum_of
@@ -52,8 +53,31 @@ class WeightReceiverExtension:
 
         return msgspec.msgpack.encode(self._async_rl_receiver.receive(version, load))
 
+    def async_rl_receive_adapter(self, version: int, config: dict, lora_id: int) -> bytes:
+        """learner.lora: the update is the adapter alone; it goes into LoRA slot `lora_id` (in place, the
+        engine is paused), and the receipt carries the checksum of what vLLM's slot then holds."""
+        if self._async_rl_receiver is None:
+            raise RuntimeError("receive_adapter before join_weight_group")
+        received: dict[str, torch.Tensor] = {}
+
+        def load(named):
+            received.update(named)  # views into the buckets; install_adapter copies them
+
+        receipt = self._async_rl_receiver.receive(version, load)
+        lora_serving.install_adapter(self, received, config, lora_id)
+        served = lora_serving.served_checksum(self)  # the id every request names, whatever was loaded
+        return msgspec.msgpack.encode(msgspec.structs.replace(receipt, served=served))
+
+    def async_rl_install_zero_adapter(self, rank: int) -> None:
+        """learner.lora, at start: the served adapter id holds zeros (the base model) until the first sync."""
+        lora_serving.install_zero_adapter(self, rank, lora_serving.SERVED_LORA_ID)
+
     def async_rl_param_checksum(self) -> bytes:
-        """This TP worker's part of its engine's weight checksum (see `loaded_weight_parts`)."""
+        """This TP worker's part of its engine's weight checksum (see `loaded_weight_parts`); with LoRA
+        serving, the checksum of the adapter it serves (TP 1: `replicated` is the whole)."""
+        if getattr(self.model_runner, "lora_manager", None) is not None:
+            empty = checksum_of([])
+            return msgspec.msgpack.encode(ShardChecksum(sharded=empty, replicated=lora_serving.served_checksum(self)))
         return msgspec.msgpack.encode(shard_checksum(loaded_weight_parts(self.model_runner.get_model())))
 
 

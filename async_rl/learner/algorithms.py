@@ -157,6 +157,7 @@ class Algorithm:
         device: torch.device | str = "cpu",
         micro_batch_tokens: int = 0,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
+        base_reference: ReferencePolicy | None = None,
     ) -> None:
         """`device`: where the reference model and the critic live (the learner backend's device);
         `micro_batch_tokens`, `logprob_chunk_tokens`: the reference pass's micro-batches and head
@@ -164,11 +165,11 @@ class Algorithm:
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self.reference = (
-            ReferencePolicy(model_dir, dtype, device, micro_batch_tokens, logprob_chunk_tokens)
-            if cfg.kl_coef > 0
-            else None
-        )
+        self.reference = None
+        if cfg.kl_coef > 0:  # `base_reference`: the trained model's own frozen base (LoRA), else a loaded copy
+            self.reference = base_reference or ReferencePolicy(
+                model_dir, dtype, device, micro_batch_tokens, logprob_chunk_tokens
+            )
         self.critic = (
             Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm, device)
             if cfg.name == "ppo"

@@ -60,6 +60,15 @@ class TokenScores:
     hidden: torch.Tensor | None = None  # [B, T, H] detached last hidden states (when asked; ppo's critic)
 
 
+@dataclass
+class Adapter:
+    """A LoRA adapter: its tensors under PEFT's saved names (the live parameters when replicated), and
+    its adapter_config.json content."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict
+
+
 # loss_fn(index of the micro-batch, its scores) -> scalar loss of that micro-batch (already normalised)
 LossFn = Callable[[int, TokenScores], torch.Tensor]
 
@@ -151,6 +160,16 @@ class ModelBackend(abc.ABC):
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """Rank 0, after `gather_weights`: every parameter, full, under its HF name (tied once), the
         same names, shapes and dtypes every call (the sync manifest is built once)."""
+
+    def adapter(self) -> Adapter | None:
+        """learner.lora, rank 0, after `gather_weights`: the adapter (what a weight sync sends instead
+        of `hf_weights`). None: the backend trains every weight."""
+        return None
+
+    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int):
+        """A `reference.ReferencePolicy` over the trained model's own frozen base (LoRA: the adapter
+        disabled), or None: the driver loads the reference weights from the run's initial folder."""
+        return None
 
     # ---- checkpoints -------------------------------------------------------------------------------
 

@@ -216,3 +216,10 @@ MODEL_SUBDIR = "model"  # the HF folder inside a checkpoint directory
 
 def checkpoint_model_dir(directory: str | Path) -> Path:
     return Path(directory) / MODEL_SUBDIR
+
+
+ADAPTER_SUBDIR = "adapter"  # learner.lora: the adapter in PEFT's format, instead of `model/`
+
+
+def checkpoint_adapter_dir(directory: str | Path) -> Path:
+    return Path(directory) / ADAPTER_SUBDIR

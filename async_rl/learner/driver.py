@@ -47,7 +47,7 @@ from async_rl.learner.weight_source import WeightSource
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
-from async_rl.weight_sync.checksum import ParamChecksum
+from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 
 TRAINER_STATE = "trainer_state.pt"
 # Loss statistics accumulated over micro-batches (token-weighted), in this order on the wire.
@@ -217,6 +217,7 @@ class LearnerDriver(LearnerRank):
             device=self.device,  # the reference model and the critic live where the policy does
             micro_batch_tokens=s.learner.micro_batch_tokens,
             logprob_chunk_tokens=s.learner.logprob_chunk_tokens,
+            base_reference=self.backend.base_reference(s.learner.micro_batch_tokens, s.learner.logprob_chunk_tokens),
         )
         return params
 
@@ -404,7 +405,9 @@ class LearnerDriver(LearnerRank):
     # ---- weights under HF names ------------------------------------------------------------------
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
-        return self.backend.hf_weights()
+        """What a weight sync sends: the adapter alone (learner.lora), else every weight."""
+        adapter = self.backend.adapter()
+        return adapter.tensors if adapter is not None else self.backend.hf_weights()
 
     def gather_weights(self, version: int | None = None, during_step: bool = False) -> bool:
         # Under the weights lock: a recovery sync that lands during train_step waits for the step's
@@ -432,7 +435,19 @@ class LearnerDriver(LearnerRank):
         self.weights.join()
 
     def broadcast_weights(self, version: int) -> UpdateReceipt:
-        return self.weights.broadcast(version)  # the caller pinned the weights (pin_weights)
+        receipt = self.weights.broadcast(version)  # the caller pinned the weights (pin_weights)
+        adapter = self.backend.adapter()
+        if adapter is None:
+            return receipt
+        # The adapter's checksum as the engines must now serve it, from the parameters themselves (not
+        # from the bytes sent): each engine's receipt carries what it reads back from vLLM's slot.
+        return msgspec.structs.replace(receipt, served=self._served_checksum(adapter))
+
+    def _served_checksum(self, adapter) -> ParamChecksum:
+        from async_rl.learner.lora import served_tensors
+
+        wire = getattr(torch, self.spec.weight_sync.wire_dtype) if self.spec.weight_sync.wire_dtype else None
+        return checksum_of(served_tensors(adapter.tensors, adapter.config, wire))
 
     def pin_weights(self, version: int) -> bool:
         # Released by unpin_weights, from another call (possibly another thread): a plain Lock allows it.
@@ -454,7 +469,8 @@ class LearnerDriver(LearnerRank):
 
     def param_checksum(self) -> ParamChecksum:
         with self._weights_lock:
-            return self.weights.checksum()
+            adapter = self.backend.adapter()
+            return self._served_checksum(adapter) if adapter is not None else self.weights.checksum()
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

@@ -7,6 +7,10 @@ the chunked head (`head.py`): no whole-shard pass, no [tokens x vocabulary] logi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import torch
 
 from async_rl.learner.head import DEFAULT_CHUNK, model_scores, unsupported
@@ -48,6 +52,24 @@ class ReferencePolicy:
         self.model.requires_grad_(False)
         self.micro_batch_tokens = micro_batch_tokens
         self.chunk = logprob_chunk_tokens if unsupported(self.model) is None else 0
+        self._as_reference: Callable[[], AbstractContextManager] = contextlib.nullcontext
+
+    @classmethod
+    def of_base(
+        cls,
+        model: torch.nn.Module,
+        as_reference: Callable[[], AbstractContextManager],
+        micro_batch_tokens: int = 0,
+        logprob_chunk_tokens: int = DEFAULT_CHUNK,
+    ) -> ReferencePolicy:
+        """The trained model itself, scored inside `as_reference()` (LoRA: the adapter disabled, so the
+        frozen base weights are the reference and no second copy of them is loaded)."""
+        ref = cls.__new__(cls)
+        ref.model, ref.device = model, next(model.parameters()).device
+        ref.micro_batch_tokens = micro_batch_tokens
+        ref.chunk = logprob_chunk_tokens if unsupported(model) is None else 0
+        ref._as_reference = as_reference
+        return ref
 
     def score(self, b, temperature: float) -> torch.Tensor:
         """log p_ref(targets) [B, T] (float32, on the shard's device) of a padded shard (`TokenBatch`:
@@ -64,7 +86,7 @@ class ReferencePolicy:
             positions[:, : width - 1] = b.loss_mask[idx, : width - 1].to(self.device) != 0
             inputs = {"input_ids": ids, "attention_mask": b.attention_mask[idx, :width].to(self.device),
                       "use_cache": False}
-            with torch.no_grad():
+            with torch.no_grad(), self._as_reference():
                 logp, _, _ = model_scores(self.model, inputs, targets, positions, temperature, self.chunk)
             logp = logp * positions  # the full head (chunk 0) scores every position
             out[idx, : width - 1] = logp[:, : width - 1].to(out.device)

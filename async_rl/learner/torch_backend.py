@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from async_rl.config import LearnerConfig
 from async_rl.errors import RunError
-from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
+from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import model_scores, unsupported
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
 from async_rl.learner.packing import MicroBatch
@@ -66,6 +66,7 @@ class TorchBackend(ModelBackend):
         self.world_size = world_size
         self.master = master
         self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
+        self.peft = None  # learner.lora: the PeftModel around self.model (see learner/lora.py)
 
     @property
     def sharded(self) -> bool:
@@ -99,6 +100,13 @@ class TorchBackend(ModelBackend):
             fetches_batch=True, has_outputs=True, counts_samples=True,
         )
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        if self.cfg.lora.enabled:
+            from async_rl.learner.lora import adapter_config_dict, apply_lora
+
+            # PEFT injects its layers into self.model in place; the rest of the backend keeps using the
+            # HF model (now with the adapter), and only the adapter requires grad.
+            self.peft = apply_lora(self.model, self.cfg.lora)
+            self._adapter_config = adapter_config_dict(self.peft, model_dir)
         self.hidden_size = int(self.model.config.hidden_size)
         self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
         self.model.to(self.device).train()
@@ -130,7 +138,7 @@ class TorchBackend(ModelBackend):
             else:
                 self.wrapped = self.scorer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99)
+            [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99)
         )
         return sum(p.numel() for p in self.model.parameters())
 
@@ -214,6 +222,27 @@ class TorchBackend(ModelBackend):
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
         self._full = {name: full[name] for name in self._param_names} if full else {}
 
+    def adapter(self) -> Adapter | None:
+        if self.peft is None:
+            return None
+        from async_rl.learner.lora import adapter_parameters, is_adapter, saved_name
+
+        if not self.sharded:
+            return Adapter(adapter_parameters(self.model), self._adapter_config)
+        if self._full is None:
+            raise RuntimeError("learner.parallel=fsdp2: adapter before gather_weights")
+        return Adapter({saved_name(n): t for n, t in self._full.items() if is_adapter(n)}, self._adapter_config)
+
+    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int):
+        if self.peft is None or self.sharded:
+            return None  # FSDP2 shards the model: its forward outside the root would miss the gathers
+        from async_rl.learner.lora import adapter_disabled
+        from async_rl.learner.reference import ReferencePolicy
+
+        return ReferencePolicy.of_base(
+            self.model, lambda: adapter_disabled(self.peft), micro_batch_tokens, logprob_chunk_tokens
+        )
+
     def weights_gathered(self) -> bool:
         return not self.sharded or self._full is not None
 
@@ -228,7 +257,7 @@ class TorchBackend(ModelBackend):
     # ---- checkpoints --------------------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
-        from async_rl.learner.base import checkpoint_model_dir
+        from async_rl.learner.base import checkpoint_adapter_dir, checkpoint_model_dir
 
         d = Path(directory)
         if self.sharded:
@@ -240,7 +269,13 @@ class TorchBackend(ModelBackend):
         else:
             optim = self.optimizer.state_dict()  # replicas: rank 0's is everyone's
         if self.rank == 0:
-            write_hf_folder(checkpoint_model_dir(d), self._model_files, self.hf_weights())
+            if self.peft is not None:  # the adapter alone, in PEFT's format (the base never changes)
+                from async_rl.learner.lora import save_adapter
+
+                adapter = self.adapter()
+                save_adapter(checkpoint_adapter_dir(d), adapter.tensors, adapter.config)
+            else:
+                write_hf_folder(checkpoint_model_dir(d), self._model_files, self.hf_weights())
             torch.save({"optimizer": optim, "parallel": self.cfg.parallel, "world_size": self.world_size},
                        d / OPTIMIZER_STATE)
 
@@ -248,7 +283,7 @@ class TorchBackend(ModelBackend):
         from async_rl.learner.base import checkpoint_model_dir
 
         d = Path(directory)
-        weights = read_hf_weights(checkpoint_model_dir(d))
+        weights = self._read_adapter(d) if self.peft is not None else read_hf_weights(checkpoint_model_dir(d))
         missing = [n for n in self._param_names if n not in weights]
         if missing:
             raise RunError(f"checkpoint '{d}': model weights miss {len(missing)} parameter(s), e.g. '{missing[0]}'")
@@ -262,7 +297,8 @@ class TorchBackend(ModelBackend):
             )
 
             opts = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(self.model, {n: weights[n] for n in self._param_names}, options=opts)
+            names = [n for n in self._param_names if self.peft is None or ".lora_" in n]  # LoRA: the adapter only
+            set_model_state_dict(self.model, {n: weights[n] for n in names}, options=opts)
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
         else:
             with torch.no_grad():
@@ -270,6 +306,21 @@ class TorchBackend(ModelBackend):
                     p.copy_(weights[name])
             self.optimizer.load_state_dict(state["optimizer"])
         self._full = None
+
+    def _read_adapter(self, d: Path) -> dict[str, torch.Tensor]:
+        """The checkpoint's adapter under the HF model's parameter names, with the base weights as they
+        are (frozen: the same as at setup), so the loading below treats both alike."""
+        from async_rl.learner.base import checkpoint_adapter_dir
+        from async_rl.learner.lora import is_adapter, load_adapter, saved_name
+
+        tensors, _ = load_adapter(checkpoint_adapter_dir(d))
+        out = {}
+        for name, p in self.model.named_parameters():
+            key = saved_name(name) if is_adapter(name) else None
+            if key is not None and key not in tensors:
+                raise RunError(f"checkpoint '{d}': the adapter misses '{key}'")
+            out[name] = tensors[key] if key is not None else p.detach()
+        return out
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -35,6 +35,7 @@ from async_rl.weight_sync.bucketing import (
     to_dtype,
     unpack,
 )
+from async_rl.weight_sync.checksum import ParamChecksum
 
 
 class WeightGroupInfo(msgspec.Struct, frozen=True):
@@ -59,6 +60,9 @@ class UpdateReceipt(msgspec.Struct, frozen=True):
     nbytes: int
     seconds: float
     chunks_checked: int = 0  # chunks this member hashed (the same ones on every member)
+    # learner.lora: the adapter as served (sender: the learner's, computed from its parameters; receiver:
+    # read back from vLLM's LoRA slot after loading, not from the bytes received). None: a full update.
+    served: ParamChecksum | None = None
 
 
 class SendProgress(msgspec.Struct, frozen=True):

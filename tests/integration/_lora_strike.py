@@ -1,0 +1,8 @@
+"""Run inside a GeneratorEngine actor (Ray `__ray_call__`) by test_lora_real: importable by the actor."""
+
+from __future__ import annotations
+
+
+def deliver_into_another_slot(engine) -> None:
+    """The engine's next update lands in a LoRA id no request names (verl #7495's failure)."""
+    engine.adapter_slot = 2
