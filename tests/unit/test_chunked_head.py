@@ -243,6 +243,9 @@ class _StubBackend:
     def setup(self, model_dir: str) -> int:
         return 0
 
+    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int) -> None:
+        return None  # no LoRA: the driver loads the reference from the run's initial folder
+
 
 def test_reference_and_critic_take_the_backends_device(model_dir, monkeypatch):
     monkeypatch.setattr(driver_mod, "make_backend", lambda *a, **k: _StubBackend())

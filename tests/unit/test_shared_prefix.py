@@ -200,6 +200,9 @@ class _MaskFreeBackend:
     def setup(self, model_dir: str) -> int:
         return 0
 
+    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int) -> None:
+        return None
+
 
 def test_a_backend_without_block_masks_falls_back_with_a_note(model_dir, monkeypatch, capsys):
     from async_rl.learner import driver as driver_mod
