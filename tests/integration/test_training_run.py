@@ -18,24 +18,27 @@ from async_rl.models.tiny import resolve_model_path
 from tests.integration._accounting import check_admission, check_buckets
 from tests.integration._engine_env import FAST_ENGINE_ENV
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_short(tmp_path, model_cache, overrides, between=None, engine_env=FAST_ENGINE_ENV):
-    """A run of the tiny preset in this process on a fresh local Ray whose workers import this checkout
-    (and the test's user task) and start engines with `engine_env`."""
+def run_short(tmp_path, model_cache, overrides, between=None):
+    """A run of the tiny preset in this process. It runs on the module's Ray (the `ray_cluster` fixture:
+    workers import this checkout and the test's user task, engines start with FAST_ENGINE_ENV), which
+    the modules of these runs share between their tests; without one it starts and stops its own."""
     cfg = load_config(None, [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *overrides])
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     plan = plan_placement(cfg)
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        object_store_memory=200 << 20,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **engine_env}},  # actors import the test's user task
-    )
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=200 << 20,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **FAST_ENGINE_ENV}},  # actors import the test's user task
+        )
     controller = Controller(cfg, model_dir, tmp_path, plan)
     sink = MetricsSink(tmp_path, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
     try:
@@ -45,7 +48,8 @@ def run_short(tmp_path, model_cache, overrides, between=None, engine_env=FAST_EN
     finally:
         controller.shutdown()
         sink.close()
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return cfg, summary, learner_ck, engine_cks, final, records
 
