@@ -42,12 +42,14 @@ from pebble.common import CONSTS
 from pebble.common.types import RemoteTraceback
 
 from async_rl.config import TaskConfig
-from async_rl.generator import reward_worker
+from async_rl.generator import reward_main, reward_worker
 from async_rl.protocol import REWARD_CRASH, REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, Sample
 
 # Worker processes come from a fork server: started once per engine process, fresh (none of the
 # engine's threads), with the reward's libraries imported before it forks. A replaced worker then
-# starts in milliseconds instead of re-importing them (sympy alone takes about a second on 2 cores).
+# starts in milliseconds instead of re-importing them (sympy alone takes about a second on 2 cores),
+# and without re-running the engine's main script, which multiprocessing would do in each worker
+# (reward_main.py: Ray's default_worker.py imports ray, ~1.5 s of CPU per worker start).
 # The fork server is a shared point of failure (see the module doc); `spawn` would remove it (each
 # worker a direct child, its death seen by waitpid) at 1-3 s per started worker, paid at every timeout
 # and crash and by every engine start (16 workers on 2 cores: ~20 s of imports). We keep the fork
@@ -80,8 +82,9 @@ class RewardCounts(msgspec.Struct):
 
 
 def _preload(task: TaskConfig) -> list[str]:
-    """Modules the fork server imports once, so each worker starts with them loaded."""
-    modules = [reward_worker.__name__]
+    """Modules the fork server imports once, so each worker starts with them loaded (reward_main: the
+    engine's main script, which multiprocessing would otherwise re-run in every worker)."""
+    modules = [reward_main.__name__, reward_worker.__name__]
     if task.reward == "math":
         modules.append("math_verify")
     elif ":" in task.reward:
@@ -96,6 +99,9 @@ def _preload(task: TaskConfig) -> list[str]:
 def _context(task: TaskConfig) -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
+        main_path = reward_main.main_script_path()
+        if main_path is not None:
+            os.environ[reward_main.MAIN_PATH_ENV] = main_path  # the fork server inherits it when it starts
         ctx.set_forkserver_preload(_preload(task))  # no effect once this process's fork server runs
     return ctx
 

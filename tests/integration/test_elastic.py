@@ -21,7 +21,7 @@ from async_rl.errors import RunError
 from async_rl.generator.pool import GeneratorPool
 from async_rl.weight_sync.base import SendProgress
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
 
 DETECT_S = 10.0  # a death is noticed within this, on a busy machine too
 

@@ -22,7 +22,7 @@ from test_training_run import check_common, run_short
 
 from async_rl.evaluation.phase import Evaluation
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
 
 SEED = int(os.environ.get("FAULTS_SEED", "13"))
 DETECT_S = 10.0  # a death is noticed (and logged) within this

@@ -18,6 +18,7 @@ from async_rl.learner.base import checkpoint_model_dir
 from async_rl.learner.hf_io import read_hf_weights
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from tests.integration._accounting import check_admission, check_buckets
+from tests.integration._engine_env import FAST_ENGINE_ENV
 from tests.integration._launch import launch
 
 pytestmark = pytest.mark.integration
@@ -65,7 +66,7 @@ def test_resume_without_checkpoint_is_a_one_line_error(tmp_path, model_cache):
 
 def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
     run_dir = tmp_path / "killed"
-    p = launch(QUICKSTART, *overrides(tmp_path, model_cache))
+    p = launch(QUICKSTART, *overrides(tmp_path, model_cache), env=FAST_ENGINE_ENV)
     deadline = time.monotonic() + 600
     while not completed(run_dir) and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -86,7 +87,7 @@ def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
     killed_steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert killed_steps[:n] == list(range(n))
 
-    p = launch(QUICKSTART, *overrides(tmp_path, model_cache), "--resume", str(run_dir))
+    p = launch(QUICKSTART, *overrides(tmp_path, model_cache), "--resume", str(run_dir), env=FAST_ENGINE_ENV)
     out, err = p.communicate(timeout=900)
     assert p.returncode == 0, err
     assert f"resuming from {ckpt}" in out

@@ -16,23 +16,29 @@ from async_rl.controller import Controller
 from async_rl.metrics import MetricsSink
 from async_rl.models.tiny import resolve_model_path
 from tests.integration._accounting import check_admission, check_buckets
+from tests.integration._engine_env import FAST_ENGINE_ENV
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_short(tmp_path, model_cache, overrides, between=None):
+    """A run of the tiny preset in this process. It runs on the module's Ray (the `ray_cluster` fixture:
+    workers import this checkout and the test's user task, engines start with FAST_ENGINE_ENV), which
+    the modules of these runs share between their tests; without one it starts and stops its own."""
     cfg = load_config(None, [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *overrides])
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     plan = plan_placement(cfg)
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        object_store_memory=200 << 20,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},  # actors import the test's user task
-    )
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=200 << 20,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **FAST_ENGINE_ENV}},  # actors import the test's user task
+        )
     controller = Controller(cfg, model_dir, tmp_path, plan)
     sink = MetricsSink(tmp_path, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
     try:
@@ -42,7 +48,8 @@ def run_short(tmp_path, model_cache, overrides, between=None):
     finally:
         controller.shutdown()
         sink.close()
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return cfg, summary, learner_ck, engine_cks, final, records
 
@@ -81,9 +88,13 @@ def test_async_run_one_step_off_policy_with_flaky_user_task(tmp_path, model_cach
     affinity: dict[int, set[int]] = {}
 
     def record_affinity(controller, step):
-        if step == 0:  # every process of the engine: the Ray actor and vLLM's engine core and workers
+        if step == 0:  # every process of the engine: the Ray actor, vLLM's engine core, the reward workers
             pids = controller.generators.pids()[0]
-            affinity.update({pid: os.sched_getaffinity(pid) for pid in [pids.actor, *pids.engine_core]})
+            for pid in [pids.actor, *pids.engine_core]:
+                try:
+                    affinity[pid] = os.sched_getaffinity(pid)
+                except ProcessLookupError:  # a reward worker that crashed or timed out since it was listed
+                    pass
 
     overrides = [
         "train.total_steps=6",

@@ -59,3 +59,8 @@ def ignores_sigterm(sample: Sample) -> float:
     if sample.completion == "hang":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return wait(sample)
+
+
+def pid(sample: Sample) -> float:
+    """The pid of the worker that scored the sample."""
+    return float(os.getpid())

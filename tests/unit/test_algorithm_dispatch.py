@@ -12,7 +12,6 @@ import torch
 from async_rl.config import AlgorithmConfig
 from async_rl.learner.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from async_rl.learner.algorithms import Algorithm, score_tokens, token_logprobs
-from async_rl.models.tiny import resolve_model_path
 
 MAX_TOKENS = 4
 
@@ -24,11 +23,6 @@ class Batch:
     behav_logp: torch.Tensor
     loss_mask: torch.Tensor
     rewards: torch.Tensor
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models"))))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +52,7 @@ def algorithm(model_dir, **cfg) -> Algorithm:
         AlgorithmConfig(**cfg),
         max_tokens=MAX_TOKENS,
         temperature=1.0,
-        model_dir=model_dir,
+        model_dir=str(model_dir),
         dtype=torch.float32,
         hidden_size=128,
         seed=0,

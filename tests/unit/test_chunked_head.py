@@ -14,19 +14,7 @@ from async_rl.learner import driver as driver_mod
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.head import ChunkedHead, full_token_scores, head_scores
 from async_rl.learner.reference import row_chunks
-from async_rl.models.tiny import resolve_model_path
-from tests.unit._learner_fixtures import groups, settings
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
-
-
-def make_rank(model_dir, **overrides) -> LearnerDriver:
-    rank = LearnerDriver(settings(model_dir, **overrides), 0, 1, "", [])
-    rank.setup()
-    return rank
+from tests.unit._learner_fixtures import groups, make_rank, settings
 
 
 def holed_groups(seed: int) -> list:

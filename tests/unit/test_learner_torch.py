@@ -9,23 +9,10 @@ import pytest
 import torch
 
 from async_rl.learner.base import checkpoint_model_dir
-from async_rl.learner.driver import LearnerDriver, shard_samples
+from async_rl.learner.driver import shard_samples
 from async_rl.learner.packing import SeqSample, pack_rows, packed, padded, split
 from async_rl.learner.schedule import lr_factor
-from async_rl.models.tiny import resolve_model_path
-from tests.unit._learner_fixtures import groups, settings
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
-
-
-def make_rank(model_dir, **overrides) -> LearnerDriver:
-    rank = LearnerDriver(settings(model_dir, **overrides), 0, 1, "", [])
-    rank.setup()
-    return rank
-
+from tests.unit._learner_fixtures import groups, make_rank
 
 # ---------------------------------------------------------------- LR schedule
 

@@ -13,19 +13,7 @@ import torch
 from async_rl.config import AlgorithmConfig, load_config
 from async_rl.errors import ConfigError
 from async_rl.learner.driver import LearnerDriver, minibatch_rows
-from async_rl.models.tiny import resolve_model_path
-from tests.unit._learner_fixtures import groups, settings
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
-
-
-def make_rank(model_dir, **overrides) -> LearnerDriver:
-    rank = LearnerDriver(settings(model_dir, **overrides), 0, 1, "", [])
-    rank.setup()
-    return rank
+from tests.unit._learner_fixtures import groups, make_rank
 
 
 def weights(rank: LearnerDriver) -> dict[str, torch.Tensor]:

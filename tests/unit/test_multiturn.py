@@ -24,7 +24,6 @@ from async_rl.learner.base import StepMetrics
 from async_rl.learner.driver import LearnerDriver, shard_samples
 from async_rl.learner.packing import packed
 from async_rl.learner.padded import PaddedShard
-from async_rl.models.tiny import resolve_model_path
 from async_rl.protocol import (
     ChatMessage,
     EpisodeInfo,
@@ -43,11 +42,6 @@ RUN = "mt"
 @pytest.fixture(scope="module")
 def chat_tokenizer():
     return build_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
 
 
 def three_turn_group(tok, group_size: int = 2) -> tuple[TrajectoryGroup, list]:

@@ -14,7 +14,6 @@ import torch
 from async_rl.errors import RunError
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.losses import kl_estimate, kl_penalty, policy_loss
-from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, settings
 
 # ---------------------------------------------------------------- clamped log-ratios
@@ -71,11 +70,6 @@ def test_kl_loss_terms_are_finite_past_exp_overflow(estimator, delta):
 
 
 # ---------------------------------------------------------------- non-finite steps are skipped
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
 
 
 def snapshot(rank: LearnerDriver) -> tuple[dict, list]:

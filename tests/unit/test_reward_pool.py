@@ -10,6 +10,8 @@ import asyncio
 import multiprocessing.forkserver
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -166,3 +168,47 @@ def test_close_of_a_wedged_pool_returns(tmp_path):
     closer.join(rewards.STOP_TIMEOUT_S + rewards.JOIN_TIMEOUT_S + 5)
     assert not closer.is_alive() and time.monotonic() - t0 < rewards.STOP_TIMEOUT_S + 5
     assert gone(server)
+
+
+# A pool's owner started as a script, as an engine is (Ray's default_worker.py, which imports ray at its
+# top). Its body appends the pid of every process that runs it to $MAIN_RAN.
+SCRIPT_MAIN = """
+import os
+with open(os.environ["MAIN_RAN"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+if __name__ == "__main__":
+    import asyncio
+    import multiprocessing.forkserver
+
+    import msgspec
+
+    from async_rl.config import TaskConfig
+    from async_rl.generator.rewards import RewardRunner
+    from async_rl.protocol import Prompt, Sample
+
+    runner = RewardRunner(TaskConfig(reward="tests.unit._rewards:pid"), timeout_s=30.0, workers=2)
+    sample = Sample(prompt=Prompt(prompt_id=0, text="q", answer="a"), completion="x")
+
+    async def main():
+        return await asyncio.gather(*(runner.score(sample) for _ in range(6)))
+
+    workers = sorted({int(value) for value, _ in asyncio.run(main())})
+    print(msgspec.json.encode([os.getpid(), multiprocessing.forkserver._forkserver._forkserver_pid, workers]).decode())
+    runner.close()
+"""
+
+
+def test_workers_of_a_script_started_owner_do_not_rerun_its_main(tmp_path):
+    # multiprocessing re-runs a file main in every fork-server child that lacks it: in an engine, every
+    # worker start (each replacement after a timeout or a crash) re-imported ray for ~1.5 s of CPU on the
+    # engine's cores. The fork server runs it once; its workers must not.
+    script, ran = tmp_path / "owner.py", tmp_path / "main_ran"
+    script.write_text(SCRIPT_MAIN)
+    env = {**os.environ, "MAIN_RAN": str(ran), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    owner, server, workers = msgspec.json.decode(out.stdout.strip().splitlines()[-1])
+    ran_in = [int(pid) for pid in ran.read_text().split()]
+    assert workers and not set(workers) & set(ran_in), (workers, ran_in)
+    assert sorted(ran_in) == sorted([owner, server])  # once in the owner, once in the fork server
