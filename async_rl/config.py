@@ -510,8 +510,20 @@ class EnvConfig(_Section):
         _f("'' = single-turn (one completion per sample); 'tools' (the model may call env.tools before it "
            "answers; task.reward scores the final answer); 'guess' (guess-the-number game, prompts from "
            "task.name 'async_rl.envs.guess:GuessNumberTask'); 'verifiers:ID' (a verifiers-library "
-           "environment); or a factory 'pkg.module:make_env', called as make_env(env_config, reward) -> Environment"),
+           "environment); 'agent:pkg.module:fn' (a user agent written against the openai SDK, served by the "
+           "engine's OpenAI-compatible endpoint: docs/agents.md); or a factory 'pkg.module:make_env', called as "
+           "make_env(env_config, reward) -> Environment"),
     ] = ""
+    python: Annotated[
+        str,
+        _f("env=agent: the Python interpreter that runs the agent ('' = the run's own); e.g. a venv whose "
+           "packages conflict with ours. It needs the openai SDK and the agent's module"),
+    ] = ""
+    agent_timeout_s: Annotated[
+        float,
+        _f("env=agent: an agent process still running after this many seconds is killed (with its process "
+           "group); its episode scores 0 and counts as a reward timeout", gt=0),
+    ] = 300.0
     tools: Annotated[
         list[Literal["calculator", "python"]],
         _f("env=tools: the tools the model may call (calculator: arithmetic; python: a program run in a sandbox)"),
