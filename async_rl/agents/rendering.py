@@ -36,16 +36,20 @@ def tools_paragraph(tools: list[ToolSpec]) -> str:
     )
 
 
+def _arguments(text: str) -> dict | str:
+    """A call's JSON arguments as an object (a malformed string stays the string the agent sent)."""
+    try:
+        return json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return text
+
+
 def tool_call_text(calls: list[ToolCallOut]) -> str:
     """An assistant's tool calls as the hermes text the model writes."""
-    out = []
-    for c in calls:
-        try:
-            args = json.loads(c.function.arguments or "{}")
-        except json.JSONDecodeError:
-            args = c.function.arguments
-        out.append("<tool_call>" + json.dumps({"name": c.function.name, "arguments": args}) + "</tool_call>")
-    return "\n".join(out)
+    return "\n".join(
+        "<tool_call>" + json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)}) + "</tool_call>"
+        for c in calls
+    )
 
 
 class ParsedReply:
@@ -92,7 +96,7 @@ class ChatRenderer:
                 if m.tool_calls:
                     d["tool_calls"] = [
                         {"type": "function", "id": c.id,
-                         "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}}
+                         "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                         for c in m.tool_calls
                     ]
                 if m.tool_call_id:
