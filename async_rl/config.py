@@ -735,10 +735,13 @@ def validate_env(cfg: Config) -> None:
         return
     if e.name not in _ENV_BUILTINS and ":" not in e.name:
         raise ConfigError(
-            f"env.name '{e.name}' is not a built-in environment {_ENV_BUILTINS}, 'verifiers:<id>' nor 'pkg.module:factory'"
+            f"env.name '{e.name}' is not a built-in environment {_ENV_BUILTINS}, 'verifiers:<id>', "
+            "'agent:pkg.module:fn' nor 'pkg.module:factory'"
         )
     if e.name == "verifiers:":
         raise ConfigError("env.name 'verifiers:' names no environment: give verifiers:<id>")
+    if e.name.startswith("agent:") and (e.name.count(":") != 2 or not all(e.name.split(":")[1:])):
+        raise ConfigError(f"env.name '{e.name}' is not 'agent:pkg.module:fn'")
     if e.name == "tools" and not e.tools:
         raise ConfigError("env.name=tools with an empty env.tools: give at least one tool (calculator, python)")
     if e.name == "tools" and len(set(e.tools)) != len(e.tools):

@@ -263,3 +263,13 @@ def test_final_messages_are_scored_by_the_task_reward_and_async_agents_run(token
     assert group.rewards == [1.0] and group.reward_status == [REWARD_OK]
     group, _ = run_group(tokenizer, "async_agent", 1)
     assert group.rewards == [1.0]
+
+
+def test_a_malformed_agent_name_is_a_one_line_config_error():
+    from async_rl.config import load_config
+    from async_rl.errors import ConfigError
+
+    for name in ("agent:pkg.module", "agent::fn", "agent:a:b:c"):
+        with pytest.raises(ConfigError, match="is not 'agent:pkg.module:fn'"):
+            load_config(None, [f"env.name={name}"])
+    assert load_config(None, ["env.name=agent:examples.calculator_agent:solve"]).env.name.startswith("agent:")
