@@ -273,3 +273,26 @@ def test_a_malformed_agent_name_is_a_one_line_config_error():
         with pytest.raises(ConfigError, match="is not 'agent:pkg.module:fn'"):
             load_config(None, [f"env.name={name}"])
     assert load_config(None, ["env.name=agent:examples.calculator_agent:solve"]).env.name.startswith("agent:")
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_calls_natively():
+    from transformers import AutoTokenizer
+
+    from async_rl.agents.openai_types import FunctionCall, FunctionSpec, Message, ToolCallOut, ToolSpec
+
+    tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
+    tok.chat_template = (
+        "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>\n"
+        "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<tool_call>{{ c.function.name }}{{ c.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    renderer = ChatRenderer(tok, 2)
+    assert renderer.native_tools
+    call = ToolCallOut(id="a", function=FunctionCall(name="calculator", arguments='{"expression": "1+1"}'))
+    messages = [Message(role="user", content="hi"), Message(role="assistant", tool_calls=[call]),
+                Message(role="tool", content="2", tool_call_id="a")]
+    text = tok.decode(renderer.render(messages, [ToolSpec(function=FunctionSpec(name="calculator"))]))
+    assert text.startswith("<|im_start|>system\nTOOLS:calculator <|im_end|>")
+    assert '<|im_start|>assistant\n<tool_call>calculator{"expression": "1+1"}</tool_call><|im_end|>' in text
+    assert text.endswith("<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
