@@ -543,8 +543,20 @@ class EnvConfig(_Section):
         _f("'' = single-turn (one completion per sample); 'tools' (the model may call env.tools before it "
            "answers; task.reward scores the final answer); 'guess' (guess-the-number game, prompts from "
            "task.name 'async_rl.envs.guess:GuessNumberTask'); 'verifiers:ID' (a verifiers-library "
-           "environment); or a factory 'pkg.module:make_env', called as make_env(env_config, reward) -> Environment"),
+           "environment); 'agent:pkg.module:fn' (a user agent written against the openai SDK, served by the "
+           "engine's OpenAI-compatible endpoint: docs/agents.md); or a factory 'pkg.module:make_env', called as "
+           "make_env(env_config, reward) -> Environment"),
     ] = ""
+    python: Annotated[
+        str,
+        _f("env=agent: the Python interpreter that runs the agent ('' = the run's own); e.g. a venv whose "
+           "packages conflict with ours. It needs the openai SDK and the agent's module"),
+    ] = ""
+    agent_timeout_s: Annotated[
+        float,
+        _f("env=agent: an agent process still running after this many seconds is killed (with its process "
+           "group); its episode scores 0 and counts as a reward timeout", gt=0),
+    ] = 300.0
     tools: Annotated[
         list[Literal["calculator", "python"]],
         _f("env=tools: the tools the model may call (calculator: arithmetic; python: a program run in a sandbox)"),
@@ -770,10 +782,13 @@ def validate_env(cfg: Config) -> None:
         return
     if e.name not in _ENV_BUILTINS and ":" not in e.name:
         raise ConfigError(
-            f"env.name '{e.name}' is not a built-in environment {_ENV_BUILTINS}, 'verifiers:<id>' nor 'pkg.module:factory'"
+            f"env.name '{e.name}' is not a built-in environment {_ENV_BUILTINS}, 'verifiers:<id>', "
+            "'agent:pkg.module:fn' nor 'pkg.module:factory'"
         )
     if e.name == "verifiers:":
         raise ConfigError("env.name 'verifiers:' names no environment: give verifiers:<id>")
+    if e.name.startswith("agent:") and (e.name.count(":") != 2 or not all(e.name.split(":")[1:])):
+        raise ConfigError(f"env.name '{e.name}' is not 'agent:pkg.module:fn'")
     if e.name == "tools" and not e.tools:
         raise ConfigError("env.name=tools with an empty env.tools: give at least one tool (calculator, python)")
     if e.name == "tools" and len(set(e.tools)) != len(e.tools):

@@ -18,6 +18,7 @@ from async_rl.errors import ConfigError
 from async_rl.protocol import Sample
 
 VERIFIERS_PREFIX = "verifiers:"
+AGENT_PREFIX = "agent:"
 
 
 def sandbox_limits(cfg: EnvConfig) -> SandboxLimits:
@@ -50,6 +51,12 @@ def build_environment(cfg: EnvConfig, reward: RewardFn) -> Environment | None:
         from async_rl.envs.guess import GuessNumberEnvironment
 
         return GuessNumberEnvironment()
+    if cfg.name.startswith(AGENT_PREFIX):
+        # Agents are not Environments: the engine runs them against its endpoint (async_rl/agents/).
+        # Checked here so that a bad name fails at startup, in the prompt source, with one line.
+        if cfg.name.count(":") != 2 or not all(cfg.name.split(":")[1:]):
+            raise ConfigError(f"env.name '{cfg.name}' is not 'agent:pkg.module:fn'")
+        return None
     if cfg.name.startswith(VERIFIERS_PREFIX):
         try:
             module = importlib.import_module("async_rl.envs.verifiers_env")

@@ -70,6 +70,11 @@ def _hermes_call(body: str) -> ToolCall | ToolCallError:
     return ToolCall(obj["name"], dict(args))
 
 
+def without_hermes_calls(text: str) -> str:
+    """`text` with its well-formed hermes `<tool_call>` blocks removed (the prose around them)."""
+    return _HERMES.sub("", text)
+
+
 def parse_turn(text: str, fmt: ToolFormat, known_tools: frozenset[str] | set[str]) -> ParsedTurn:
     """Every tool call in `text`, in order; unknown tool names and malformed calls become errors."""
     calls: list[ToolCall] = []

@@ -20,6 +20,16 @@ Not supported, for reasons measured on verifiers 0.4.0 (the current release on t
    `Episode.step` / `final_reward`, but it changed signatures (sync -> async, return shapes) across
    the 0.1.x releases and is gone from the current one; an adapter for it would pin a dead API.
 
+What changed with the OpenAI-compatible endpoint (docs/agents.md): point 1's inverted control is
+what `env.name: agent:...` serves (the agent owns the loop, every call is recorded token in / token
+out) and point 2 is what `env.python` is for: verifiers 0.4.0 installs into its own venv (checked:
+it brings openai 2.54 and mcp 2.0 there, ours untouched). What still stands in the way, read in
+verifiers 0.4.0 (`verifiers/v1/env.py`, `utils/loaders.py`): no bridge is written that runs
+`Env.run_episode(task, ModelContext(model, ClientConfig(base_url=...)))` per episode as an agent,
+and an environment ID names a taskset package that must already be installed (verifiers ships none
+of its own but the Harbor, NeMo-Gym and OpenEnv bridges, which need their own servers or
+containers); its rollouts also start a harness program in a runtime (subprocess, Docker, ...).
+
 So `build` fails with one line that says this; nothing is imported at module load.
 """
 
@@ -52,7 +62,7 @@ def build(env_id: str, cfg: object, reward: RewardFn) -> Environment:
     found = _installed_version()
     where = f"verifiers {found} is installed" if found else "verifiers is not installed"
     raise ConfigError(
-        f"env.name 'verifiers:{env_id}' is not supported ({where}): verifiers environments run their own "
-        "rollout loop against an OpenAI-compatible HTTP endpoint, which does not fit our token-in/token-out "
-        "episodes; write the environment as async_rl.envs.base.Environment and name it 'pkg.module:factory'"
+        f"env.name 'verifiers:{env_id}' is not supported ({where}): no bridge runs a verifiers 0.4 Env's "
+        "run_episode against the engine's OpenAI endpoint yet, and its taskset must be an installed package; "
+        "run your loop as env.name 'agent:pkg.module:fn' (env.python for a verifiers venv, docs/agents.md)"
     )

@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from async_rl.agents.episodes import AgentCounters
 from async_rl.config import EnvConfig, TaskConfig
 from async_rl.envs.base import Environment
 from async_rl.envs.episode import ChatDelta, EpisodeResult, ModelTurn, run_episode
@@ -77,6 +78,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     stop: list[str] = []  # stop strings; the model's EOS/stop tokens are read from model_dir
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)  # multi-turn episodes (env.name '' = single-turn samples)
+    endpoint_host: str = "127.0.0.1"  # env=agent: the address the engine's OpenAI endpoint binds (its agents run here)
 
 
 # An episode's finish -> the wire's: the environment ended it or its turns ran out ('stop'), the
@@ -109,6 +111,7 @@ class EngineStats(msgspec.Struct):
     paused_s: float = 0.0  # time paused or asleep (weight syncs; colocated: the learner's turn)
     reward_pool_restarts: int = 0  # reward pools found wedged or broken and started anew
     reward_last_error: str = ""  # why the last reward that was not ok failed (the exception's last line)
+    agents: AgentCounters | None = None  # env=agent: episodes, calls, prefix breaks, agent failures
 
 
 class EnginePids(msgspec.Struct, frozen=True):
@@ -151,6 +154,7 @@ class GeneratorEngine:
         # learner.lora: the LoRA id an update is loaded into; the one requests name (lora_serving). Kept
         # apart so a test can deliver into another id (verl #7495's failure) and see the sync refuse it.
         self.adapter_slot = SERVED_LORA_ID
+        self.agents = None  # env=agent: AgentEpisodes (async_rl/agents/), with the engine's endpoint
 
     async def start(self, paused: bool = False) -> None:
         """Start vLLM; a `paused` engine generates only after its first `resume` (new weights)."""
@@ -179,7 +183,11 @@ class GeneratorEngine:
         )
         self._params = vc.params_for(self.sampling)
         self.env: Environment | None = None
-        if self.s.env.name:
+        if self.s.env.name.startswith("agent:"):
+            from async_rl.agents.setup import start_agents
+
+            self.agents = await start_agents(self, self.s)
+        elif self.s.env.name:
             from async_rl.envs.factory import build_environment
 
             self.env = build_environment(self.s.env, self._episode_reward)
@@ -217,7 +225,7 @@ class GeneratorEngine:
     async def _run_prompt(self, prompt: Prompt, request_id: str) -> None:
         try:
             await self._running.wait()
-            if self.env is not None:
+            if self.env is not None or self.agents is not None:
                 await self._push_group(await self._run_episodes(prompt, request_id, self.sampling, self.s.group_size))
                 return
             version_first = self.version
@@ -283,6 +291,8 @@ class GeneratorEngine:
     async def _run_episodes(self, prompt: Prompt, request_id: str, sampling: SamplingSpec, n: int) -> TrajectoryGroup:
         """`n` episodes of `prompt` as one group; each model turn samples with `sampling` (its max_tokens
         bounds a turn)."""
+        if self.agents is not None:
+            return await self.agents.run_group(prompt, request_id, sampling, n, self.version)
         if not prompt.token_ids:
             raise RuntimeError(f"prompt {prompt.prompt_id}: an episode needs the rendered prompt tokens")
         messages = list(prompt.messages) or [ChatMessage("user", prompt.text)]
@@ -370,7 +380,8 @@ class GeneratorEngine:
         await self._running.wait()
         version = self.version
         self._evals += 1
-        evaluate_prompt = self._evaluate_episodes if self.env is not None else self._evaluate_completions
+        episodic = self.env is not None or self.agents is not None
+        evaluate_prompt = self._evaluate_episodes if episodic else self._evaluate_completions
         prefix = f"e{self.s.engine_id}-eval{self._evals}"
         outcomes = await asyncio.gather(
             # watched: a prompt in flight when the engine core dies fails at once, not never
@@ -546,6 +557,7 @@ class GeneratorEngine:
             + (time.monotonic() - self._paused_since if self._paused_since is not None else 0.0),
             reward_pool_restarts=self.rewards.pool_restarts if hasattr(self, "rewards") else 0,
             reward_last_error=self.rewards.last_error if hasattr(self, "rewards") else "",
+            agents=self.agents.stats() if self.agents is not None else None,
         )
 
     async def shutdown(self) -> None:
@@ -557,6 +569,8 @@ class GeneratorEngine:
         for t in list(self._inflight.values()):
             t.cancel()
         await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        if self.agents is not None:
+            await self.agents.endpoint.stop()
         if self._llm is not None:
             vc.shutdown(self._llm)
             self._llm = None

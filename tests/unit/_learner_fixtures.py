@@ -72,10 +72,3 @@ def groups(seed: int, n_groups: int = 2, group_size: int = 3, vocab: int = 40) -
             )
         )
     return out
-
-
-def make_rank(model_dir, **overrides) -> LearnerDriver:
-    """A set-up single-rank learner (world size 1) on `model_dir` with `settings(**overrides)`."""
-    rank = LearnerDriver(settings(model_dir, **overrides), 0, 1, "", [])
-    rank.setup()
-    return rank

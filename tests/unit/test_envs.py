@@ -355,7 +355,7 @@ def test_verifiers_env_fails_with_one_line_config_error():
     with pytest.raises(ConfigError) as info:
         build("vf-math", cfg=None, reward=lambda s: 0.0)
     message = str(info.value)
-    assert "\n" not in message and "env.name 'verifiers:vf-math'" in message and "pkg.module:factory" in message
+    assert "\n" not in message and "env.name 'verifiers:vf-math'" in message and "agent:pkg.module:fn" in message
 
 
 def test_call_bonus_is_paid_once_for_a_turn_whose_calls_all_ran_ok(chat_tokenizer):

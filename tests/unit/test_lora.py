@@ -16,24 +16,18 @@ from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, served_tensors
 from async_rl.learner.padded import PaddedShard
 from async_rl.learner.reference import ReferencePolicy
-from async_rl.models.tiny import resolve_model_path
 from async_rl.weight_sync.bucketing import build_manifest
 from async_rl.weight_sync.checksum import checksum_of
 from async_rl.weight_sync.transport import join_receiver, join_sender, open_membership
-from tests.unit._learner_fixtures import groups, settings
+from tests.unit._learner_fixtures import groups
+from tests.unit._learner_fixtures import make_rank as make_rank_of
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
-
 
 def make_rank(model_dir, **overrides) -> LearnerDriver:
-    rank = LearnerDriver(settings(model_dir, lora=LORA, **overrides), 0, 1, "", [])
-    rank.setup()
-    return rank
+    return make_rank_of(model_dir, lora=LORA, **overrides)
 
 
 def adapter_names(rank: LearnerDriver) -> set[str]:

@@ -14,13 +14,7 @@ from async_rl.config import AlgorithmConfig
 from async_rl.learner.driver import LearnerDriver, shard_samples
 from async_rl.learner.padded import PaddedShard
 from async_rl.learner.shared_prefix import block_tokens, prompt_runs, shared, split_shared
-from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, make_rank
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):  # the tiny Qwen2 preset
-    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
 
 
 def episode_groups(seed: int, n_groups: int = 3, group_size: int = 4) -> list:

@@ -1,0 +1,273 @@
+"""The OpenAI-compatible endpoint of one generator engine: /v1/chat/completions, /v1/completions,
+/v1/models, served on the engine actor's event loop (aiohttp), bound to one host address and
+guarded by a key (`Authorization: Bearer KEY`; anything else is a 401).
+
+A request belongs to an episode by its route (`/episodes/{episode}/v1/...`) or by the
+`X-Episode-Id` header; the engine opens an episode before its agent starts and closes it after.
+Every call is recorded in the episode's `EpisodeLog` token in / token out. `/v1/models` needs no
+episode; a generation request without a known episode is refused (404): what is not recorded
+cannot be trained, and an unrecorded caller would only take generation time from the run.
+"""
+
+from __future__ import annotations
+
+import abc
+import hmac
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from async_rl.agents.episode_log import CallRecord, Choice, EpisodeLog, Reply
+from async_rl.agents.openai_types import ChatRequest, CompletionRequest
+from async_rl.agents.rendering import ChatRenderer, parse_reply
+from async_rl.generator.sampling import SamplingSpec
+
+EPISODE_HEADER = "X-Episode-Id"
+
+
+class CallSampling(msgspec.Struct, frozen=True, kw_only=True):
+    """What one call asks for; None fields take the run's sampling settings."""
+
+    n: int = 1
+    max_tokens: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] = []
+
+
+class ModelBackend(abc.ABC):
+    """What the endpoint generates with: the engine's vLLM (one class per process boundary)."""
+
+    model_name: str
+    max_model_len: int  # prompt + completion tokens of one call at most
+
+    @abc.abstractmethod
+    async def complete(
+        self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str
+    ) -> list[Choice]:
+        """Sample `call.n` completions of `prompt_ids` with `base` as changed by `call` (log-probs and
+        policy versions recorded)."""
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+class AgentEndpoint:
+    def __init__(self, backend: ModelBackend, renderer: ChatRenderer, key: str, host: str = "127.0.0.1") -> None:
+        if not key:
+            raise ValueError("the endpoint needs a key")
+        if host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"the endpoint binds one address of this node, not {host!r}")
+        self.backend = backend
+        self.renderer = renderer
+        self.key = key  # handed to the episodes' agents
+        self._key = key.encode()
+        self.host = host
+        self.port = 0
+        self.episodes: dict[str, EpisodeLog] = {}
+        self._ids = itertools.count()
+        self._runner = None
+        self.refused = 0  # requests without the key
+        self.calls = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self, port: int = 0) -> None:
+        from aiohttp import web
+
+        app = web.Application(middlewares=[self._auth], client_max_size=64 << 20)
+        for prefix in ("/v1", "/episodes/{episode}/v1"):
+            app.router.add_get(prefix + "/models", self._models)
+            app.router.add_post(prefix + "/chat/completions", self._wrap(self._chat))
+            app.router.add_post(prefix + "/completions", self._wrap(self._completions))
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def base_url(self, episode_id: str) -> str:
+        """What an episode's OpenAI client is given (`base_url`): its own route."""
+        return f"http://{self.host}:{self.port}/episodes/{episode_id}/v1"
+
+    def open_episode(self, episode_id: str, sampling: SamplingSpec, max_calls: int) -> EpisodeLog:
+        log = EpisodeLog(episode_id, sampling, max_calls)
+        self.episodes[episode_id] = log
+        return log
+
+    def close_episode(self, episode_id: str) -> EpisodeLog:
+        """The episode's log; later calls on its route are refused (404)."""
+        return self.episodes.pop(episode_id)
+
+    # ---- HTTP --------------------------------------------------------------------------------------
+
+    def _error(self, status: int, message: str, kind: str = "invalid_request_error"):
+        from aiohttp import web
+
+        return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+    @property
+    def _auth(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def auth(request, handler):
+            given = request.headers.get("Authorization", "")
+            token = given.removeprefix("Bearer ").encode() if given.startswith("Bearer ") else b""
+            if not hmac.compare_digest(token, self._key):
+                self.refused += 1
+                return self._error(401, "missing or wrong API key for this run's endpoint", "authentication_error")
+            return await handler(request)
+
+        return auth
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.backend.model_name, "object": "model", "owned_by": "async_rl",
+                                         "max_model_len": self.backend.max_model_len}]}
+        )
+
+    def _wrap(self, handler: Callable[[EpisodeLog, bytes], Awaitable[dict]]):
+        from aiohttp import web
+
+        async def serve(request):
+            episode = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER, "")
+            log = self.episodes.get(episode)
+            if log is None:
+                why = "no episode named" if not episode else f"episode '{episode}' is not open on this engine"
+                return self._error(404, f"{why}: use the route /episodes/ID/v1 or the {EPISODE_HEADER} header")
+            try:
+                return web.json_response(await handler(log, await request.read()))
+            except RequestError as exc:
+                return self._error(exc.status, str(exc), exc.kind)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                return self._error(400, f"bad request body: {exc}")
+
+        return serve
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    def _sampling(
+        self, log: EpisodeLog, n: int, max_tokens: int | None, prompt_len: int, temperature, top_p, stop
+    ) -> CallSampling:
+        if len(log.calls) >= log.max_calls:
+            raise RequestError(429, f"episode '{log.episode_id}' made its {log.max_calls} calls (env.max_turns)")
+        if n < 1:
+            raise RequestError(400, f"n must be >= 1, got {n}")
+        room = self.backend.max_model_len - prompt_len
+        if room <= 0:
+            raise RequestError(400, f"the prompt has {prompt_len} tokens; the model allows {self.backend.max_model_len}")
+        want = max_tokens if max_tokens is not None else log.sampling.max_tokens
+        if want < 1:
+            raise RequestError(400, f"max_tokens must be >= 1, got {want}")
+        return CallSampling(n=n, max_tokens=min(want, room), temperature=temperature, top_p=top_p, stop=_stop_list(stop))
+
+    def _request_id(self, log: EpisodeLog) -> str:
+        return f"{log.episode_id}-c{len(log.calls)}-{next(self._ids)}"
+
+    async def _chat(self, log: EpisodeLog, body: bytes) -> dict:
+        req = msgspec.json.decode(body, type=ChatRequest)
+        if req.stream:
+            raise RequestError(400, "stream=true is not served: the endpoint answers whole completions")
+        if not req.messages:
+            raise RequestError(400, "messages is empty")
+        spliced = log.splice(req.messages, req.tools)
+        if spliced is not None:
+            head, _, start = spliced
+            prompt_ids = head + self.renderer.render_after_reply(req.messages[start:])
+        else:
+            prompt_ids = self.renderer.render(req.messages, req.tools)
+        sampling = self._sampling(
+            log, req.n, req.max_completion_tokens or req.max_tokens, len(prompt_ids), req.temperature, req.top_p, req.stop
+        )
+        rid = self._request_id(log)
+        choices = await self.backend.complete(prompt_ids, log.sampling, sampling, rid)
+        self.calls += 1
+        use_tools = req.tools if req.tool_choice != "none" else None
+        replies = [parse_reply(c.text, use_tools, f"call-{rid}-{j}") for j, c in enumerate(choices)]
+        eot = self.renderer.end_of_turn_id
+        log.record_chat(
+            CallRecord(prompt_ids=prompt_ids, choices=choices),
+            req.messages,
+            req.tools,
+            [Reply(content=r.content, tool_calls=r.tool_calls) for r in replies],
+            [c.finish_reason == "stop" and bool(c.token_ids) and c.token_ids[-1] == eot for c in choices],
+        )
+        out_choices = []
+        for j, (c, r) in enumerate(zip(choices, replies, strict=True)):
+            message: dict = {"role": "assistant", "content": r.content}
+            if r.tool_calls:
+                message["tool_calls"] = [msgspec.to_builtins(t) for t in r.tool_calls]
+            finish = "tool_calls" if r.tool_calls else c.finish_reason
+            entry: dict = {"index": j, "message": message, "finish_reason": finish, "token_ids": c.token_ids}
+            if req.logprobs:
+                entry["logprobs"] = {"content": self._token_logprobs(c)}
+            out_choices.append(entry)
+        return self._envelope("chat.completion", rid, prompt_ids, choices, out_choices)
+
+    async def _completions(self, log: EpisodeLog, body: bytes) -> dict:
+        req = msgspec.json.decode(body, type=CompletionRequest)
+        if req.stream:
+            raise RequestError(400, "stream=true is not served: the endpoint answers whole completions")
+        if isinstance(req.prompt, str):
+            prompt_ids = list(self.renderer.tokenizer.encode(req.prompt))
+        else:
+            prompt_ids = list(req.prompt)
+        if not prompt_ids:
+            raise RequestError(400, "prompt is empty")
+        sampling = self._sampling(log, req.n, req.max_tokens, len(prompt_ids), req.temperature, req.top_p, req.stop)
+        rid = self._request_id(log)
+        choices = await self.backend.complete(prompt_ids, log.sampling, sampling, rid)
+        self.calls += 1
+        log.record_completion(CallRecord(prompt_ids=prompt_ids, choices=choices))
+        out_choices = []
+        for j, c in enumerate(choices):
+            entry: dict = {"index": j, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+            if req.logprobs is not None:
+                tokens = self.renderer.tokenizer.convert_ids_to_tokens(c.token_ids)
+                entry["logprobs"] = {"tokens": tokens, "token_logprobs": list(c.logprobs)}
+            out_choices.append(entry)
+        return self._envelope("text_completion", rid, prompt_ids, choices, out_choices)
+
+    def _token_logprobs(self, c: Choice) -> list[dict]:
+        tok = self.renderer.tokenizer
+        out = []
+        for t, lp in zip(c.token_ids, c.logprobs, strict=True):
+            text = tok.decode([t])
+            out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return out
+
+    def _envelope(self, kind: str, rid: str, prompt_ids: list[int], choices: list[Choice], out: list[dict]) -> dict:
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return {
+            "id": rid,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.backend.model_name,
+            "choices": out,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt_ids) + completion_tokens},
+            # beyond OpenAI (vLLM's return_token_ids does the same): what the model saw and the
+            # policy versions that sampled
+            "prompt_token_ids": prompt_ids,
+            "policy_versions": [[c.version_first, c.version_last] for c in choices],
+        }

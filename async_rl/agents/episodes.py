@@ -1,0 +1,203 @@
+"""`env.name: agent:pkg.module:fn` in a generator engine: one agent process per episode, talking to
+the engine's own endpoint; the episode's recorded calls become one trajectory of the group.
+
+A group holds `group_size` samples sharing one prompt on the wire, but an agent renders its own
+prompt (its system message, its tools). So the group's prompt is the longest common prefix of its
+episodes' trained prompts, and each sample's completion starts with the rest of its own prompt,
+masked like environment tokens. What the learner sees is exactly what the model saw.
+
+An episode whose calls split into several segments (prefix breaks) trains its last segment, the one
+that holds the scored answer; the earlier ones are counted (`segments_dropped`) and not trained:
+the wire carries one sequence per sample (see docs/agents.md, 'Not done').
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import numpy as np
+
+from async_rl.agents.endpoint import AgentEndpoint, CallSampling, ModelBackend
+from async_rl.agents.episode_log import Choice, Segment, build_segments
+from async_rl.agents.runner import AgentJob, AgentOutcome, job_prompt, run_agent
+from async_rl.config import EnvConfig
+from async_rl.envs.factory import AGENT_PREFIX
+from async_rl.generator import vllm_compat as vc
+from async_rl.generator.sampling import SamplingSpec
+from async_rl.protocol import (
+    FINISH_REASONS,
+    REWARD_CRASH,
+    REWARD_ERROR,
+    REWARD_OK,
+    REWARD_TIMEOUT,
+    TOKEN_DTYPE,
+    ChatMessage,
+    EpisodeInfo,
+    Prompt,
+    Sample,
+    TrajectoryGroup,
+)
+
+AGENT_STATUS = {"ok": REWARD_OK, "error": REWARD_ERROR, "timeout": REWARD_TIMEOUT, "crash": REWARD_CRASH}
+
+ScoreFn = Callable[[Sample], Awaitable[tuple[float, int]]]
+
+
+class AgentCounters(msgspec.Struct):
+    """Per engine, since its start."""
+
+    episodes: int = 0
+    calls: int = 0  # generation requests served to agents
+    prefix_breaks: int = 0  # calls whose prompt did not extend their episode's tokens so far
+    segments_dropped: int = 0  # segments before a break (not trained)
+    errors: int = 0  # agents that raised (or returned something that is not a reward or messages)
+    timeouts: int = 0  # agents killed at env.agent_timeout_s
+    crashes: int = 0  # agent processes that died without a result
+    refused: int = 0  # endpoint requests without the key
+    last_error: str = ""
+
+
+class EngineModel(ModelBackend):
+    """The endpoint's backend: the engine's vLLM. A call starts only while the engine runs (not in
+    the middle of a weight update) and records the versions it started and ended on."""
+
+    def __init__(
+        self, llm, running: asyncio.Event, version: Callable[[], int], model_name: str, max_model_len: int
+    ) -> None:
+        self._llm = llm
+        self._running = running
+        self._version = version
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+
+    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str) -> list[Choice]:
+        await self._running.wait()
+        first = self._version()
+        spec = msgspec.structs.replace(
+            base,
+            n=call.n,
+            max_tokens=call.max_tokens,
+            temperature=base.temperature if call.temperature is None else call.temperature,
+            top_p=base.top_p if call.top_p is None else call.top_p,
+            stop=list(base.stop) + [s for s in call.stop if s not in base.stop],
+        )
+        _, completions = await vc.generate(self._llm, vc.generation_input(prompt_ids, ""), vc.params_for(spec), request_id)
+        last = self._version()
+        return [Choice(token_ids=c.token_ids, logprobs=c.logprobs, text=c.text, finish_reason=c.finish_reason,
+                       version_first=first, version_last=last) for c in completions]
+
+
+def common_prefix(seqs: list[list[int]]) -> list[int]:
+    if not seqs:
+        return []
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs[1:]):
+            return first[:i]
+    return first[:n]
+
+
+class EpisodeOutcome(msgspec.Struct, kw_only=True):
+    segment: Segment | None  # the trained one (None: the agent made no call)
+    breaks: int
+    reward: float
+    status: int
+
+
+class AgentEpisodes:
+    """Runs a group's episodes through the agent and the endpoint, and assembles the group."""
+
+    def __init__(self, cfg: EnvConfig, endpoint: AgentEndpoint, score: ScoreFn, engine_id: int) -> None:
+        if not cfg.name.startswith(AGENT_PREFIX) or ":" not in cfg.name.removeprefix(AGENT_PREFIX):
+            raise ValueError(f"env.name '{cfg.name}' is not 'agent:pkg.module:fn'")
+        self.target = cfg.name.removeprefix(AGENT_PREFIX)
+        self.cfg = cfg
+        self.endpoint = endpoint
+        self.score = score
+        self.engine_id = engine_id
+        self.counters = AgentCounters()
+
+    def stats(self) -> AgentCounters:
+        return msgspec.structs.replace(self.counters, calls=self.endpoint.calls, refused=self.endpoint.refused)
+
+    async def episode(self, prompt: Prompt, episode_id: str, sampling: SamplingSpec) -> EpisodeOutcome:
+        messages = list(prompt.messages) or [ChatMessage("user", prompt.text)]
+        self.endpoint.open_episode(episode_id, sampling, self.cfg.max_turns)
+        try:
+            outcome = await run_agent(
+                AgentJob(
+                    target=self.target,
+                    base_url=self.endpoint.base_url(episode_id),
+                    api_key=self.endpoint.key,
+                    model=self.endpoint.backend.model_name,
+                    prompt=job_prompt(messages),
+                    answer=prompt.answer,
+                    metadata=dict(prompt.metadata),
+                    timeout_s=self.cfg.agent_timeout_s,
+                ),
+                self.cfg.python,
+            )
+        finally:
+            log = self.endpoint.close_episode(episode_id)
+        self.counters.episodes += 1
+        segments = build_segments(log.calls)
+        breaks = max(0, len(segments) - 1)
+        self.counters.prefix_breaks += breaks
+        self.counters.segments_dropped += breaks
+        reward, status = await self._reward(prompt, outcome)
+        return EpisodeOutcome(segment=segments[-1] if segments else None, breaks=breaks, reward=reward, status=status)
+
+    async def _reward(self, prompt: Prompt, outcome: AgentOutcome) -> tuple[float, int]:
+        if outcome.status != "ok":
+            if outcome.status == "timeout":
+                self.counters.timeouts += 1
+            elif outcome.status == "crash":
+                self.counters.crashes += 1
+            else:
+                self.counters.errors += 1
+            self.counters.last_error = outcome.error
+            return 0.0, AGENT_STATUS[outcome.status]
+        if outcome.reward is not None:
+            return outcome.reward, REWARD_OK
+        answer = next((m.content for m in reversed(outcome.messages or []) if m.role == "assistant"), "")
+        return await self.score(Sample(prompt=prompt, completion=answer))
+
+    async def run_group(self, prompt: Prompt, request_id: str, sampling: SamplingSpec, n: int, version: int) -> TrajectoryGroup:
+        """`n` agent episodes of `prompt` as one group (`version`: the engine's, for episodes without a call)."""
+        outs = await asyncio.gather(*(self.episode(prompt, f"{request_id}-s{i}", sampling) for i in range(n)))
+        trained = [o.segment for o in outs if o.segment is not None]
+        if not trained:
+            raise RuntimeError(f"prompt {prompt.prompt_id}: no agent episode made a model call ({self.counters.last_error})")
+        head = common_prefix([s.prompt_ids for s in trained])
+        if not head:
+            raise RuntimeError(f"prompt {prompt.prompt_id}: the agent episodes' prompts share no first token")
+        completions, masks, logprobs, episodes, firsts, lasts, finishes = [], [], [], [], [], [], []
+        for o in outs:
+            s = o.segment
+            if s is None:  # the agent failed before its first call: an empty sample, its status counted
+                s = Segment(prompt_ids=list(head), turn_versions=[], version_last=version, finish_reason="abort")
+            rest = s.prompt_ids[len(head) :]
+            completions.append(np.asarray(rest + s.completion_ids, dtype=TOKEN_DTYPE))
+            masks.append(np.asarray([0] * len(rest) + s.loss_mask, dtype=np.uint8))
+            logprobs.append(np.asarray([0.0] * len(rest) + s.logprobs, dtype=np.float32))
+            episodes.append(EpisodeInfo(turns=len(s.turn_versions), turn_versions=list(s.turn_versions)))
+            firsts.append(s.turn_versions[0] if s.turn_versions else version)
+            lasts.append(s.version_last)
+            finishes.append(FINISH_REASONS.get(s.finish_reason, FINISH_REASONS["stop"]))
+        return TrajectoryGroup(
+            prompt_id=prompt.prompt_id,
+            engine_id=self.engine_id,
+            prompt_tokens=np.asarray(head, dtype=TOKEN_DTYPE),
+            completions=completions,
+            logprobs=logprobs,
+            rewards=[o.reward for o in outs],
+            version_first=firsts,
+            version_last=lasts,
+            reward_status=[o.status for o in outs],
+            finish_reasons=finishes,
+            loss_masks=masks,
+            episodes=episodes,
+        )

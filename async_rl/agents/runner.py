@@ -1,0 +1,100 @@
+"""Runs a user agent in its own process with a time limit: a crash or a hang costs only its episode.
+
+One process per episode (`agent_main.py`, started by `env.python` or this interpreter, in its own
+session). At the time limit its whole process group is killed. The outcome is typed: ok (a reward
+or final messages), error (the agent raised; one line), timeout, crash (the process died without a
+result)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from async_rl.protocol import ChatMessage
+
+AGENT_MAIN = Path(__file__).with_name("agent_main.py")
+
+
+class AgentJob(msgspec.Struct, frozen=True, kw_only=True):
+    target: str  # 'pkg.module:fn'
+    base_url: str
+    api_key: str
+    model: str
+    prompt: list[dict[str, str]]  # the chat messages the agent starts from
+    answer: str = ""
+    metadata: dict = {}
+    timeout_s: float = 300.0
+
+
+class AgentOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    status: Literal["ok", "error", "timeout", "crash"]
+    reward: float | None = None
+    messages: list[ChatMessage] | None = None
+    error: str = ""
+
+
+class _Result(msgspec.Struct, kw_only=True):
+    reward: float | None = None
+    messages: list[ChatMessage] | None = None
+    error: str | None = None
+    traceback: str = ""
+
+
+def _child_env(python: str) -> dict[str, str]:
+    """Our interpreter sees our import path (the user's module may live in this checkout); another
+    interpreter keeps its own packages and gets only the working directory and PYTHONPATH."""
+    env = dict(os.environ)
+    paths = [os.getcwd()] + ([p for p in sys.path if p and os.path.isdir(p)] if python == sys.executable else [])
+    old = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([old] if old else []))
+    return env
+
+
+async def run_agent(job: AgentJob, python: str = "") -> AgentOutcome:
+    python = python or sys.executable
+    with tempfile.TemporaryDirectory(prefix="async_rl_agent_") as tmp:
+        job_path, result_path = Path(tmp, "job.json"), Path(tmp, "result.json")
+        job_path.write_bytes(msgspec.json.encode(job))
+        job_path.chmod(0o600)  # it holds the endpoint's key
+        proc = await asyncio.create_subprocess_exec(
+            python, str(AGENT_MAIN), str(job_path), str(result_path),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, env=_child_env(python),
+        )
+        try:
+            _, stderr = await asyncio.wait_for(proc.communicate(), timeout=job.timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            _kill_group(proc.pid)
+            await proc.wait()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return AgentOutcome(status="timeout", error=f"the agent ran past env.agent_timeout_s={job.timeout_s:g}")
+        _kill_group(proc.pid)  # whatever the agent left running (its own subprocesses) ends with it
+        if not result_path.exists():
+            tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            return AgentOutcome(status="crash", error=f"the agent's process died: {tail[0]}")
+        try:
+            result = msgspec.json.decode(result_path.read_bytes(), type=_Result)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return AgentOutcome(status="crash", error=f"unreadable agent result: {exc}")
+    if result.error is not None:
+        return AgentOutcome(status="error", error=result.error)
+    return AgentOutcome(status="ok", reward=result.reward, messages=result.messages)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def job_prompt(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]

@@ -1,0 +1,298 @@
+"""Agents over the OpenAI-compatible endpoint: token-in/token-out episode records, segments and
+prefix breaks, OpenAI tool calls, the key, and agents that hang or raise. The model behind the
+endpoint is scripted here (no vLLM); tests/integration/test_agents_real.py serves the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from async_rl.agents.endpoint import AgentEndpoint, CallSampling, ModelBackend
+from async_rl.agents.episode_log import CallRecord, Choice, build_segments
+from async_rl.agents.episodes import AgentEpisodes
+from async_rl.agents.rendering import ChatRenderer
+from async_rl.config import EnvConfig
+from async_rl.generator.sampling import SamplingSpec
+from async_rl.protocol import (
+    REWARD_ERROR,
+    REWARD_OK,
+    REWARD_TIMEOUT,
+    ChatMessage,
+    Prompt,
+    Sample,
+    decode_groups,
+    encode_groups,
+)
+
+SMOLLM2 = Path("~/.cache/async_rl/models/smollm2-135m-v1").expanduser()
+pytestmark = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="no local SmolLM2 tokenizer")
+KEY = "test-key"
+SAMPLING = SamplingSpec(n=1, max_tokens=32, temperature=1.0, stop_token_ids=[2])
+
+
+def choice(ids: list[int], version: int = 0, finish: str = "stop") -> Choice:
+    return Choice(token_ids=ids, logprobs=[-0.5] * len(ids), text="", finish_reason=finish,
+                  version_first=version, version_last=version)
+
+
+class ScriptedModel(ModelBackend):
+    """Answers with the next scripted text (then 'The answer is 5.'), ended by <|im_end|>."""
+
+    def __init__(self, tokenizer, script: list[str] | None = None) -> None:
+        self.tok = tokenizer
+        self.script = list(script or [])
+        self.model_name = "scripted"
+        self.max_model_len = 2048
+        self.prompts: list[list[int]] = []
+        self.version = 0
+
+    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str) -> list[Choice]:
+        self.prompts.append(list(prompt_ids))
+        out = []
+        for _ in range(call.n):
+            text = self.script.pop(0) if self.script else "The answer is 5."
+            ids = self.tok.encode(text) + [2]
+            out.append(Choice(token_ids=ids, logprobs=[-0.25] * len(ids), text=text, finish_reason="stop",
+                              version_first=self.version, version_last=self.version))
+        return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(SMOLLM2))
+
+
+def serve(tokenizer, script: list[str] | None = None) -> tuple[AgentEndpoint, ScriptedModel]:
+    model = ScriptedModel(tokenizer, script)
+    return AgentEndpoint(model, ChatRenderer(tokenizer, 2), KEY), model
+
+
+# ---- segments ------------------------------------------------------------------------------------
+
+
+def test_calls_that_extend_the_episode_make_one_segment_with_environment_tokens_masked():
+    calls = [
+        CallRecord(prompt_ids=[1, 10, 11], choices=[choice([20, 21, 2], version=3)]),
+        CallRecord(prompt_ids=[1, 10, 11, 20, 21, 2, 30, 31], choices=[choice([40, 2], version=4)]),
+    ]
+    (seg,) = build_segments(calls)
+    assert seg.prompt_ids == [1, 10, 11]
+    assert seg.completion_ids == [20, 21, 2, 30, 31, 40, 2]
+    assert seg.loss_mask == [1, 1, 1, 0, 0, 1, 1]
+    assert seg.logprobs == [-0.5, -0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
+    assert seg.turn_versions == [3, 4] and seg.version_last == 4
+
+
+def test_a_call_that_does_not_extend_the_episode_starts_a_new_segment():
+    calls = [
+        CallRecord(prompt_ids=[1, 10, 11], choices=[choice([20, 2])]),
+        CallRecord(prompt_ids=[1, 10, 12, 20, 2, 30], choices=[choice([40, 2])]),  # history rewritten
+        CallRecord(prompt_ids=[1, 10, 12, 20, 2, 30, 40, 2, 50], choices=[choice([60, 2])]),
+    ]
+    segs = build_segments(calls)
+    assert len(segs) == 2  # one prefix break
+    assert segs[0].tokens() == [1, 10, 11, 20, 2]
+    assert segs[1].prompt_ids == [1, 10, 12, 20, 2, 30]  # exactly what the model saw, not re-tokenized
+    assert segs[1].completion_ids == [40, 2, 50, 60, 2] and segs[1].loss_mask == [1, 1, 0, 1, 1]
+
+
+def test_with_n_choices_the_episode_goes_on_with_the_one_the_next_call_extends():
+    calls = [
+        CallRecord(prompt_ids=[1, 10], choices=[choice([20, 2]), choice([21, 2])]),
+        CallRecord(prompt_ids=[1, 10, 21, 2, 30], choices=[choice([40, 2])]),
+    ]
+    (seg,) = build_segments(calls)
+    assert seg.completion_ids == [21, 2, 30, 40, 2] and seg.loss_mask == [1, 1, 0, 1, 1]
+
+
+# ---- the endpoint --------------------------------------------------------------------------------
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_caller_without_the_key_is_refused(tokenizer):
+    async def go():
+        endpoint, model = serve(tokenizer)
+        await endpoint.start()
+        endpoint.open_episode("ep", SAMPLING, 4)
+        try:
+            for key in ("wrong-key", ""):
+                client = openai.AsyncOpenAI(base_url=endpoint.base_url("ep"), api_key=key or "x", max_retries=0)
+                if not key:
+                    client = openai.AsyncOpenAI(base_url=endpoint.base_url("ep"), api_key="x", max_retries=0,
+                                                default_headers={"Authorization": ""})
+                with pytest.raises(openai.AuthenticationError):
+                    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert endpoint.refused == 2 and not model.prompts  # nothing was generated for them
+            ok = openai.AsyncOpenAI(base_url=endpoint.base_url("ep"), api_key=KEY, max_retries=0)
+            assert (await ok.models.list()).data[0].id == "scripted"
+        finally:
+            await endpoint.stop()
+
+    run(go())
+
+
+def test_tool_calls_come_back_in_the_openai_format_and_the_next_call_extends_the_tokens(tokenizer):
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
+                                               "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    call_text = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+
+    async def go():
+        endpoint, model = serve(tokenizer, [call_text, "It is \\boxed{5}."])
+        await endpoint.start()
+        endpoint.open_episode("ep", SAMPLING, 4)
+        try:
+            client = openai.AsyncOpenAI(base_url=endpoint.base_url("ep"), api_key=KEY, max_retries=0)
+            messages = [{"role": "user", "content": "What is 2+3?"}]
+            first = (await client.chat.completions.create(model="m", messages=messages, tools=tools, logprobs=True)).choices[0]
+            assert first.finish_reason == "tool_calls" and first.message.content is None
+            (tc,) = first.message.tool_calls
+            assert tc.type == "function" and tc.function.name == "calculator"
+            assert json.loads(tc.function.arguments) == {"expression": "2+3"}
+            assert [t.logprob for t in first.logprobs.content] == [-0.25] * len(first.logprobs.content)
+            assert "calculator" in tokenizer.decode(model.prompts[0])  # the tools were described to the model
+            messages += [first.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": tc.id, "content": "5"}]
+            second = (await client.chat.completions.create(model="m", messages=messages, tools=tools)).choices[0]
+            assert second.message.content == "It is \\boxed{5}." and not second.message.tool_calls
+        finally:
+            await endpoint.stop()
+        return endpoint.close_episode("ep")
+
+    log = run(go())
+    (seg,) = build_segments(log.calls)  # spliced: the first reply's sampled ids, not its re-rendered text
+    first_ids = tokenizer.encode(call_text) + [2]
+    assert seg.completion_ids[: len(first_ids)] == first_ids
+    env = [t for t, m in zip(seg.completion_ids, seg.loss_mask, strict=True) if m == 0]
+    assert tokenizer.decode(env) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert sum(seg.loss_mask) == len(first_ids) + len(tokenizer.encode("It is \\boxed{5}.")) + 1
+
+
+def test_requests_outside_an_open_episode_and_past_max_turns_are_refused(tokenizer):
+    async def go():
+        endpoint, _ = serve(tokenizer)
+        await endpoint.start()
+        endpoint.open_episode("ep", SAMPLING, 1)
+        msgs = [{"role": "user", "content": "hi"}]
+        try:
+            stray = openai.AsyncOpenAI(base_url=endpoint.base_url("nope"), api_key=KEY, max_retries=0)
+            with pytest.raises(openai.NotFoundError):
+                await stray.chat.completions.create(model="m", messages=msgs)
+            by_header = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{endpoint.port}/v1", api_key=KEY,
+                                           max_retries=0, default_headers={"X-Episode-Id": "ep"})
+            await by_header.chat.completions.create(model="m", messages=msgs)
+            with pytest.raises(openai.RateLimitError):  # env.max_turns=1 call
+                await by_header.chat.completions.create(model="m", messages=msgs)
+            endpoint.open_episode("text", SAMPLING, 1)
+            plain = openai.AsyncOpenAI(base_url=endpoint.base_url("text"), api_key=KEY, max_retries=0)
+            done = await plain.completions.create(model="m", prompt="2+2=", max_tokens=4, logprobs=1)
+            assert done.choices[0].text == "The answer is 5." and done.choices[0].logprobs.token_logprobs[0] == -0.25
+            assert endpoint.close_episode("text").calls[0].prompt_ids == tokenizer.encode("2+2=")
+        finally:
+            await endpoint.stop()
+        return endpoint.close_episode("ep")
+
+    assert len(run(go()).calls) == 1
+
+
+# ---- agents in their own processes ---------------------------------------------------------------
+
+
+async def _score(sample: Sample) -> tuple[float, int]:
+    return (1.0 if "5" in sample.completion else 0.0), REWARD_OK
+
+
+def run_group(tokenizer, target: str, n: int, timeout_s: float = 60.0):
+    async def go():
+        endpoint, _ = serve(tokenizer)
+        await endpoint.start()
+        cfg = EnvConfig(name=f"agent:tests.unit._agents:{target}", agent_timeout_s=timeout_s)
+        agents = AgentEpisodes(cfg, endpoint, _score, engine_id=0)
+        try:
+            prompt = Prompt(prompt_id=7, messages=[ChatMessage("user", "What is 2+3?")], answer="5")
+            return await agents.run_group(prompt, "e0-r1-p7", SAMPLING, n, version=0), agents.stats()
+        finally:
+            await endpoint.stop()
+
+    return run(go())
+
+
+def test_an_agent_episode_becomes_a_masked_sample_that_survives_the_wire(tokenizer):
+    group, stats = run_group(tokenizer, "two_calls", 2)
+    assert stats.episodes == 2 and stats.calls == 4 and stats.prefix_breaks == 0
+    assert group.rewards == [1.0, 1.0] and group.reward_status == [REWARD_OK] * 2
+    text = tokenizer.decode(list(group.prompt_tokens))
+    assert text.endswith("What is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+    for i in range(2):
+        mask = group.loss_mask(i)
+        assert [e.turns for e in group.episodes] == [2, 2] and mask.sum() == 2 * len(tokenizer.encode("The answer is 5.") + [2])
+        env = tokenizer.decode([t for t, m in zip(group.completions[i], mask, strict=True) if not m])
+        assert "<|im_start|>user\nAre you sure?<|im_end|>" in env
+    _, (back,) = decode_groups(encode_groups("run", [group]), "run")
+    assert [list(c) for c in back.completions] == [list(c) for c in group.completions]
+
+
+def test_an_agent_that_rewrites_history_gives_split_segments_counted(tokenizer):
+    group, stats = run_group(tokenizer, "rewrites_history", 2)
+    assert stats.prefix_breaks == 2 and stats.segments_dropped == 2
+    # the trained segment is the last one, exactly as the model saw it: the rewritten question
+    for i in range(2):
+        full = tokenizer.decode(list(group.prompt_tokens) + list(group.completions[i]))
+        assert "Say it again, shorter." in full and "What is 2+3?" not in full
+        assert group.episodes[i].turns == 1
+
+
+def test_an_agent_that_hangs_or_raises_costs_only_its_own_episode(tokenizer):
+    group, stats = run_group(tokenizer, "flaky", 4, timeout_s=6.0)
+    assert group.reward_status == [REWARD_TIMEOUT, REWARD_ERROR, REWARD_OK, REWARD_OK]
+    assert group.rewards == [0.0, 0.0, 1.0, 1.0]
+    assert stats.timeouts == 1 and stats.errors == 1 and stats.crashes == 0
+    assert all(group.loss_mask(i).sum() > 0 for i in range(4))  # their calls before failing are kept
+
+
+def test_final_messages_are_scored_by_the_task_reward_and_async_agents_run(tokenizer):
+    group, _ = run_group(tokenizer, "final_messages", 1)
+    assert group.rewards == [1.0] and group.reward_status == [REWARD_OK]
+    group, _ = run_group(tokenizer, "async_agent", 1)
+    assert group.rewards == [1.0]
+
+
+def test_a_malformed_agent_name_is_a_one_line_config_error():
+    from async_rl.config import load_config
+    from async_rl.errors import ConfigError
+
+    for name in ("agent:pkg.module", "agent::fn", "agent:a:b:c"):
+        with pytest.raises(ConfigError, match="is not 'agent:pkg.module:fn'"):
+            load_config(None, [f"env.name={name}"])
+    assert load_config(None, ["env.name=agent:examples.calculator_agent:solve"]).env.name.startswith("agent:")
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_calls_natively():
+    from transformers import AutoTokenizer
+
+    from async_rl.agents.openai_types import FunctionCall, FunctionSpec, Message, ToolCallOut, ToolSpec
+
+    tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
+    tok.chat_template = (
+        "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>\n"
+        "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<tool_call>{{ c.function.name }}{{ c.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    renderer = ChatRenderer(tok, 2)
+    assert renderer.native_tools
+    call = ToolCallOut(id="a", function=FunctionCall(name="calculator", arguments='{"expression": "1+1"}'))
+    messages = [Message(role="user", content="hi"), Message(role="assistant", tool_calls=[call]),
+                Message(role="tool", content="2", tool_call_id="a")]
+    text = tok.decode(renderer.render(messages, [ToolSpec(function=FunctionSpec(name="calculator"))]))
+    assert text.startswith("<|im_start|>system\nTOOLS:calculator <|im_end|>")
+    assert '<|im_start|>assistant\n<tool_call>calculator{"expression": "1+1"}</tool_call><|im_end|>' in text
+    assert text.endswith("<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
