@@ -146,12 +146,16 @@ def make_groups(batch: str, seed: int = 0) -> list:
 
 
 def cached_groups(batch: str, seed: int = 0) -> list:
-    """`make_groups`, sampled once per config file content and seed (HF generate on a loaded 2-core
+    """`make_groups`, sampled once per model, data, environment and sampling settings and seed (HF generate on a loaded 2-core
     machine takes minutes), then read from ASYNC_RL_MODEL_CACHE/../bench_learner/."""
     import hashlib
 
+    import msgspec
+
+    cfg, _ = load(batch)
     cache = Path(os.environ.get("ASYNC_RL_MODEL_CACHE", str(Path.home() / ".cache" / "async_rl" / "models")))
-    key = hashlib.sha256(CONFIGS[batch].read_bytes()).hexdigest()[:12]
+    what = [cfg.model.path, cfg.data, cfg.env, cfg.generators, cfg.train.prompts_per_step]  # what the batch is of
+    key = hashlib.sha256(msgspec.json.encode(what)).hexdigest()[:12]
     path = cache.parent / "bench_learner" / f"{batch}-{key}-seed{seed}.pkl"
     if path.is_file():
         return pickle.loads(path.read_bytes())
@@ -242,9 +246,12 @@ def run_child(a: argparse.Namespace) -> dict:
 
         profiler = profile(activities=[ProfilerActivity.CPU])
         profiler.__enter__()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     metrics = driver.train_on_shard(1, groups)
     out["step_s"] = time.perf_counter() - t0
+    # CPU seconds of this process's threads: on a shared machine wall time swells with the neighbours'
+    # load, CPU time much less (the work, not the wait for a core).
+    out["step_cpu_s"] = time.process_time() - c0
     if profiler is not None:
         profiler.__exit__(None, None, None)
         out["profile"] = profile_rows(profiler, out["step_s"])
@@ -297,6 +304,7 @@ def summarize(batch: str, variant: str, runs: list[dict], shape: dict, peak: dic
     params = runs[0]["params"]
     row = {
         "batch": batch, "variant": variant, "learner": learner_fields(variant), "step_s": steps, "step_s_median": med,
+        "step_cpu_s": [r.get("step_cpu_s") for r in runs],
         "completion_tokens_per_s": shape["completion_tokens"] / med,
         "useful_flops": 6 * params * shape["tokens"] / med,
         "fraction_of_matmul": 6 * params * shape["tokens"] / med / peak["best"],
@@ -348,18 +356,19 @@ def write_markdown(result: dict, path: Path) -> None:
             f"tokens, completions {shape['completion_tokens_mean']:.1f} tokens on average ({shape['completion_tokens']} "
             f"in all, {shape['model_tokens']} the model's), {shape['tokens']} tokens per step counting the prompt per sample.",
             "",
-            "| variant | step s (runs) | completion tok/s | vs baseline (paired) | GFLOP/s | of matmul (best / MKL) "
+            "| variant | step s (runs) | step CPU s | completion tok/s | vs baseline (paired) | GFLOP/s | of matmul (best / MKL) "
             "| peak RSS GB | step RSS GB | log-prob diff vs fp32 (mean / max) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in result["rows"]:
             if r["batch"] != batch:
                 continue
             mm = result["mismatch"].get(batch, {}).get(r["variant"])
             diff = f"{mm['mean_abs']:.2e} / {mm['max_abs']:.2e}" if mm else "-"
+            cpu = ", ".join(f"{c:.1f}" if c is not None else "-" for c in r.get("step_cpu_s", []))
             lines.append(
                 f"| {r['variant']} | {r['step_s_median']:.1f} ({', '.join(f'{s:.1f}' for s in r['step_s'])}) "
-                f"| {r['completion_tokens_per_s']:.0f} | {r.get('speedup_vs_baseline', 1.0):.2f}x "
+                f"| {cpu or '-'} | {r['completion_tokens_per_s']:.0f} | {r.get('speedup_vs_baseline', 1.0):.2f}x "
                 f"| {r['useful_flops'] / 1e9:.0f} | {r['fraction_of_matmul']:.0%} / {r['fraction_of_mkl_matmul']:.0%} "
                 f"| {r['peak_rss_gb']:.2f} | {r['step_rss_gb']:.2f} | {diff} |")
         lines.append("")
@@ -388,6 +397,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds")
     ap.add_argument("--tools-repeats", type=int, default=0, help="rounds of the tools batch (0 = --repeats)")
+    ap.add_argument("--tools-variants", default="", help="the variants run on the tools batch ('' = --variants)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="arith,tools")
     ap.add_argument("--variants", default="baseline,chunked,share_prompt,bf16,compile")
@@ -406,7 +416,10 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(run_child(a)))
+        line = json.dumps(run_child(a))
+        with open(RESULTS / "learner_runs.jsonl", "a") as f:  # every child's raw result, appended
+            f.write(line + "\n")
+        print(line)
         return
 
     notes = []
@@ -437,7 +450,7 @@ def main() -> None:
         for b in batches:
             if b == "tools" and rnd >= (a.tools_repeats or a.repeats):
                 continue
-            for v in variants:
+            for v in [v for v in variants if b != "tools" or not a.tools_variants or v in a.tools_variants.split(",")]:
                 score = tmp / f"{b}-{v}.npy" if rnd == 0 else None
                 r = child([*common, "--batch", b, "--variant", v, "--groups", str(files[b]),
                            *(["--score", str(score)] if score else [])])
@@ -449,7 +462,7 @@ def main() -> None:
                       file=sys.stderr, flush=True)
     peak = matmul_rates()
     rows = [summarize(b, v, runs[(b, v)], shapes[b], peak, runs.get((b, "baseline")) if v != "baseline" else None)
-            for b in batches for v in variants]
+            for b in batches for v in variants if (b, v) in runs]
     memory, profile = [], []
     mb = a.memory_batch
     if a.memory_tokens and mb in batches:
