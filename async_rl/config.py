@@ -383,6 +383,12 @@ class LearnerConfig(_Section):
         _f("compute dtype of the learner: bf16 autocast (FSDP2: param_dtype) with weights and optimizer in "
            "model.dtype; auto = bf16 on CUDA, none on CPU"),
     ] = "auto"
+    compile: Annotated[
+        bool,
+        _f("torch backend: torch.compile each decoder layer (one graph for the repeated block, dynamic shapes); "
+           "the first steps pay the compile (tens of seconds on CPU). Off by default: measured by "
+           "benchmarks/bench_learner.py, see docs/learner.md"),
+    ] = False
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 

@@ -45,6 +45,18 @@ class ScoringModel(torch.nn.Module):
         return model_scores(self.model, inputs, targets, positions, temperature, self.chunk, hidden=hidden, head=head)
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """`learner.compile`: torch.compile every decoder layer in place. The layers are one class, so
+    they share one compiled graph (compiled once, not 30 times); the head and the loss stay eager
+    (the chunked head is a Python loop over chunks). Dynamic shapes: micro-batches differ in length,
+    and a graph per length would recompile every step. Before DDP/FSDP2 wrap the model, as they expect."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise RunError("learner.compile: the model names no decoder layer class (_no_split_modules) to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 def rank_device(device: str) -> torch.device:
     """This rank's device from learner.device. On cuda Ray gave the rank one GPU and set its
     CUDA_VISIBLE_DEVICES to it, so it is cuda:0 here; never LOCAL_RANK % device_count, which on a
@@ -112,6 +124,8 @@ class TorchBackend(ModelBackend):
         self.model.to(self.device).train()
         if self.cfg.logprob_chunk_tokens and (why := unsupported(self.model)):
             raise RunError(f"learner.logprob_chunk_tokens: the chunked head cannot score this model ({why}); set it to 0")
+        if self.cfg.compile:
+            compile_layers(self.model)
         self.scorer = ScoringModel(self.model, self.cfg.logprob_chunk_tokens)
         self._param_names = [name for name, _ in self.model.named_parameters()]
         compute = self._compute_dtype()
