@@ -9,13 +9,7 @@ import torch
 
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.torch_backend import decoder_layers
-from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, settings
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
 
 
 def rank(model_dir, **learner) -> LearnerDriver:
