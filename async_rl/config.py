@@ -403,12 +403,12 @@ class AlgorithmConfig(_Section):
                   "distribution, aggregated like the policy loss) from the loss; raises entropy (0 = off)", ge=0)
     ] = 0.0
     cov_control: Annotated[
-        Literal["off", "clip_cov", "kl_cov"],
+        Literal["none", "clip_cov", "kl_cov"],
         _f("covariance-based entropy control (Cui et al. 2025), on the per-token covariance (A - mean A)(log pi_old "
            "- mean log pi_old) over the shard's loss tokens: clip_cov detaches the gradient of a random cov_ratio "
            "fraction of the tokens whose covariance lies in [clip_cov_low, clip_cov_high]; kl_cov adds "
            "kl_cov_coef * |log pi - log pi_old| on the cov_ratio fraction with the highest covariance"),
-    ] = "off"
+    ] = "none"
     cov_ratio: Annotated[
         float, _f("cov_control: fraction of the shard's loss tokens selected (at least one token); the paper's 2e-4 "
                   "to 2e-3 assume millions of tokens per batch", gt=0, le=1)

@@ -239,7 +239,7 @@ class Algorithm:
         kl_loss = ref is not None and not c.kl_in_reward
         denominator, signal = self._totals(mask, advantages, kl_loss, reduce)
         cov_select = None
-        if c.cov_control != "off":
+        if c.cov_control != "none":
             # The covariance of the policy before this update (the proximal one when recomputed, else
             # vLLM's), as in the paper's entropy-change estimate; the selection is per shard.
             old = prox if prox is not None else b.behav_logp

@@ -267,7 +267,7 @@ def test_off_is_the_plain_policy_loss_bit_for_bit():
         if run == "plain":
             loss = policy_loss(logp, behav, adv, mask, **CLIP, denominator=float(mask.sum()))[0]
         elif run == "algorithm":
-            assert algorithm().prepare  # defaults: entropy_coef 0, cov_control off
+            assert algorithm().cfg.cov_control == "none" and algorithm().cfg.entropy_coef == 0
             loss = algorithm().loss(prepared(behav, adv, mask), logp, entropy)[0]
         else:  # a selection of no tokens changes nothing either
             zeros = torch.zeros_like(mask)
