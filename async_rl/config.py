@@ -437,6 +437,26 @@ class AlgorithmConfig(_Section):
     kl_in_reward: Annotated[
         bool, _f("apply the KL penalty per token in the reward (reinforce_pp, ppo) instead of as a loss term")
     ] = False
+    entropy_coef: Annotated[
+        float, _f("entropy bonus: subtract this times the policy's mean per-token entropy (of the full next-token "
+                  "distribution, aggregated like the policy loss) from the loss; raises entropy (0 = off)", ge=0)
+    ] = 0.0
+    cov_control: Annotated[
+        Literal["none", "clip_cov", "kl_cov"],
+        _f("covariance-based entropy control (Cui et al. 2025), on the per-token covariance (A - mean A)(log pi_old "
+           "- mean log pi_old) over the shard's loss tokens: clip_cov detaches the gradient of a random cov_ratio "
+           "fraction of the tokens whose covariance lies in [clip_cov_low, clip_cov_high]; kl_cov adds "
+           "kl_cov_coef * |log pi - log pi_old| on the cov_ratio fraction with the highest covariance"),
+    ] = "none"
+    cov_ratio: Annotated[
+        float, _f("cov_control: fraction of the shard's loss tokens selected (at least one token); the paper's 2e-4 "
+                  "to 2e-3 assume millions of tokens per batch", gt=0, le=1)
+    ] = 2e-3
+    clip_cov_low: Annotated[float, _f("cov_control=clip_cov: lower bound of the covariance range")] = 1.0
+    clip_cov_high: Annotated[float, _f("cov_control=clip_cov: upper bound of the covariance range")] = 5.0
+    kl_cov_coef: Annotated[
+        float, _f("cov_control=kl_cov: coefficient of |log pi - log pi_old| on the selected tokens", ge=0)
+    ] = 1.0
     gamma: Annotated[float, _f("discount over completion tokens (reinforce_pp returns, ppo GAE)", ge=0, le=1)] = 1.0
     gae_lambda: Annotated[float, _f("ppo: GAE lambda", ge=0, le=1)] = 0.95
     critic_lr: Annotated[float, _f("ppo: learning rate of the value head (own AdamW)", gt=0)] = 1e-3
@@ -862,6 +882,10 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
     if a.kl_in_reward and a.name not in ("reinforce_pp", "ppo"):
         raise ConfigError(
             f"algorithm.kl_in_reward needs a token-level estimator (reinforce_pp or ppo), not algorithm.name={a.name}"
+        )
+    if a.cov_control == "clip_cov" and a.clip_cov_low >= a.clip_cov_high:
+        raise ConfigError(
+            f"algorithm.clip_cov_low ({a.clip_cov_low}) must be below algorithm.clip_cov_high ({a.clip_cov_high})"
         )
     if a.kl_in_reward and a.kl_coef == 0:
         raise ConfigError("algorithm.kl_in_reward is set but algorithm.kl_coef is 0")

@@ -338,6 +338,7 @@ def make_record(
         kl_ref=sum(m.kl_ref for m in per_rank) / n,
         value_loss=sum(m.value_loss for m in per_rank) / n,
         entropy=sum(m.entropy for m in per_rank) / n,
+        cov_frac=sum(m.cov_frac for m in per_rank) / n,
         filtered_groups=buffer.last_batch_filtered_groups,
         data_epoch=buffer.data_position.epoch,
         data_index=buffer.data_position.index,

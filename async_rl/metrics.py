@@ -82,6 +82,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     requeued: int = 0  # leases handed back to the prompt pool (engine drained or died), leased again
     num_engines: int = 0  # generator engines in the pool at the end of the step
     entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
+    cov_frac: float = 0.0  # fraction of loss tokens clipped (clip_cov) or penalised (kl_cov) by algorithm.cov_control
     # completions of the trained batch: length in tokens, and the fraction cut at max_tokens
     completion_len_mean: float = 0.0
     completion_len_p50: float = 0.0

@@ -23,6 +23,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 TOOL_KEYS = ("turns_mean", "tool_calls_per_episode", "tool_errors_per_episode", "tool_success")
+# The policy's mean per-token entropy and what the entropy controls did (docs/algorithms.md#entropy-controls).
+ENTROPY_KEYS = ("entropy", "cov_frac", "clip_frac")
 
 
 def is_multi_turn(steps: list[dict]) -> bool:
@@ -36,7 +38,8 @@ def plot(steps: list[dict], evals: list[dict], title: str, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     tools = is_multi_turn(steps)
-    fig, axes = plt.subplots(1, 3 if tools else 2, figsize=(18 if tools else 12, 4.5))
+    panels = 3 if tools else 2
+    fig, axes = plt.subplots(1, panels + 1, figsize=(6 * (panels + 1), 4.5))
     sources = sorted({s for e in evals for s in e["per_source"]})
     for ax, key, label in ((axes[0], "step", "optimizer step"), (axes[1], "elapsed_s", "wall time since training started (s)")):
         # train record `step` is the step index (policy version step+1 after it); eval `step` = steps done
@@ -61,6 +64,15 @@ def plot(steps: list[dict], evals: list[dict], title: str, out: Path) -> None:
         ax.set_ylabel("per episode of the trained batch")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    ax = axes[-1]
+    x = [r["step"] + 1 for r in steps]
+    for key in ENTROPY_KEYS:
+        if any(r.get(key) for r in steps):
+            ax.plot(x, [r.get(key, float("nan")) for r in steps], "o-", lw=1.5, label=key)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("trained batch: entropy per token (nats), token fractions")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -77,6 +89,7 @@ def main() -> None:
     steps = read_jsonl(args.run_dir / "metrics.jsonl")
     evals = read_jsonl(args.run_dir / "eval.jsonl")
     first, last = evals[0], evals[-1]
+    best = max(evals, key=lambda e: e["pass_at_1"])
     summary = {
         "command": args.command,
         "load_average": args.load,
@@ -84,6 +97,7 @@ def main() -> None:
         "train_wall_s": steps[-1]["elapsed_s"] if steps else 0.0,
         "eval_before": {"step": first["step"], "pass_at_1": first["pass_at_1"], "per_source": first["per_source"]},
         "eval_after": {"step": last["step"], "pass_at_1": last["pass_at_1"], "per_source": last["per_source"]},
+        "eval_best": {"step": best["step"], "pass_at_1": best["pass_at_1"]},
         "evals": [
             {k: e[k] for k in ("step", "elapsed_s", "eval_s", "pass_at_1", "reward", "completion_len_mean", "truncated_frac")}
             for e in evals
@@ -92,6 +106,7 @@ def main() -> None:
             {
                 k: r.get(k)
                 for k in ("step", "elapsed_s", "reward_mean", "completion_len_mean", "truncation_rate", "logprob_mismatch")
+                + ENTROPY_KEYS
                 + (TOOL_KEYS + ("env_token_share",) if is_multi_turn(steps) else ())
             }
             for r in steps
@@ -108,7 +123,8 @@ def main() -> None:
     )
     sources = sorted(first["per_source"])
     print(
-        f"eval pass@1 {first['pass_at_1']:.3f} (step {first['step']}) -> {last['pass_at_1']:.3f} (step {last['step']})\n"
+        f"eval pass@1 {first['pass_at_1']:.3f} (step {first['step']}) -> {last['pass_at_1']:.3f} (step {last['step']}); "
+        f"best {best['pass_at_1']:.3f} (step {best['step']}), final - best = {last['pass_at_1'] - best['pass_at_1']:+.3f}\n"
         f"| step | train s | pass@1 | {' | '.join(sources)} | len | truncated | eval s |\n"
         f"|---|---|---|{'---|' * len(sources)}---|---|---|\n{rows}"
     )

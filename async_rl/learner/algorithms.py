@@ -26,7 +26,13 @@ from async_rl.learner.advantages import (
 )
 from async_rl.learner.critic import Critic
 from async_rl.learner.head import DEFAULT_CHUNK
-from async_rl.learner.losses import kl_estimate, kl_penalty, policy_loss
+from async_rl.learner.losses import (
+    covariance_selection,
+    kl_estimate,
+    kl_penalty,
+    policy_loss,
+    token_covariance,
+)
 from async_rl.learner.reference import ReferencePolicy
 
 if TYPE_CHECKING:
@@ -57,6 +63,7 @@ class AlgoStats(msgspec.Struct, kw_only=True):
     logprob_abs_diff: float
     kl_ref: float  # mean per-token KL estimate to the reference (0 without one)
     value_loss: float  # ppo: the critic's loss before its step (0 otherwise)
+    cov_frac: float = 0.0  # fraction of kept tokens the covariance control acted on (clip_cov / kl_cov)
 
 
 @dataclass
@@ -71,6 +78,8 @@ class Prepared:
     denominator: float  # the global batch's (all data-parallel ranks): its completion tokens or Dr.GRPO's constant
     kl_ref: float
     value_loss: float
+    # cov_control: the tokens it acts on, 0/1 [B, T] (selected once per batch, on the old log-probs).
+    cov_select: torch.Tensor | None = None
     # Whether the global batch's loss has any gradient: False when every advantage on a loss token is
     # 0 (all groups uniform) and no KL term is in the loss. Such a batch takes no optimizer step.
     signal: bool = True
@@ -88,6 +97,7 @@ class Prepared:
             advantages=self.advantages[sl],
             prox_logp=cut(self.prox_logp),
             ref_logp=cut(self.ref_logp),
+            cov_select=cut(self.cov_select),
             denominator=self.denominator,
             kl_ref=self.kl_ref,
             value_loss=self.value_loss,
@@ -103,6 +113,7 @@ class Prepared:
             advantages=mb.advantages,
             prox_logp=mb.prox_logp,
             ref_logp=mb.ref_logp,
+            cov_select=mb.cov_select,
             denominator=max(self.denominator, 1.0),
             kl_ref=self.kl_ref,
             value_loss=self.value_loss,
@@ -175,6 +186,8 @@ class Algorithm:
             if cfg.name == "ppo"
             else None
         )
+        # Clip-Cov's random choice among the tokens in its covariance range.
+        self._cov_rng = torch.Generator().manual_seed(seed)
 
     def prepare(
         self,
@@ -226,12 +239,22 @@ class Algorithm:
                 advantages = masked_whiten(raw, mask, reduce)
         kl_loss = ref is not None and not c.kl_in_reward
         denominator, signal = self._totals(mask, advantages, kl_loss, reduce)
+        cov_select = None
+        if c.cov_control != "none":
+            # The covariance of the policy before this update (the proximal one when recomputed, else
+            # vLLM's), as in the paper's entropy-change estimate; the selection is per shard.
+            old = prox if prox is not None else b.behav_logp
+            cov = token_covariance(old, advantages, mask, reduce)
+            cov_select = covariance_selection(
+                cov, mask, c.cov_control, c.cov_ratio, c.clip_cov_low, c.clip_cov_high, self._cov_rng
+            )
         return Prepared(
             behav_logp=b.behav_logp,
             mask=mask,
             advantages=advantages,
             prox_logp=prox if c.objective == "decoupled" else None,
             ref_logp=ref if kl_loss else None,
+            cov_select=cov_select,
             denominator=denominator,
             kl_ref=kl_ref,
             value_loss=vloss,
@@ -276,7 +299,11 @@ class Algorithm:
         # count, so the loss of the batch is the sum of its micro-batches' losses.
         return (n_seq * self.max_tokens if self.cfg.name == "dr_grpo" else n_tok), n_signal > 0
 
-    def loss(self, p: Prepared, logp: torch.Tensor) -> tuple[torch.Tensor, AlgoStats]:
+    def loss(
+        self, p: Prepared, logp: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, AlgoStats]:
+        """The loss of a micro-batch from its trained log-probs [B, T] and, for the entropy bonus, the
+        policy's entropies [B, T] with their gradient (`entropy_coef` > 0 needs them)."""
         c = self.cfg
         total, kept, st = policy_loss(
             logp,
@@ -290,7 +317,15 @@ class Algorithm:
             ratio_mask_low=c.ratio_mask_low,
             ratio_mask_high=c.ratio_mask_high,
             denominator=p.denominator,
+            clip_cov=p.cov_select if c.cov_control == "clip_cov" else None,
+            kl_cov=p.cov_select if c.cov_control == "kl_cov" else None,
+            kl_cov_coef=c.kl_cov_coef,
         )
+        if c.entropy_coef > 0:
+            if entropy is None:
+                raise ValueError("algorithm.entropy_coef > 0 needs the policy's entropies in the loss")
+            # Aggregated like the policy loss (sum over kept tokens / the same denominator).
+            total = total - c.entropy_coef * (entropy * kept).sum() / torch.as_tensor(p.denominator).clamp(min=1.0)
         kl_ref = p.kl_ref
         if p.ref_logp is not None:
             term, kl_ref = kl_penalty(logp, p.ref_logp, kept, c.kl_estimator, p.denominator)
@@ -305,6 +340,7 @@ class Algorithm:
             logprob_abs_diff=st.logprob_abs_diff,
             kl_ref=kl_ref,
             value_loss=p.value_loss,
+            cov_frac=st.cov_frac,
         )
 
     def state_dict(self) -> dict:

@@ -76,6 +76,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     kl_ref: float = 0.0  # KL estimate to the frozen reference (0 without algorithm.kl_coef)
     value_loss: float = 0.0  # ppo: the critic's value loss
     entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
+    cov_frac: float = 0.0  # fraction of kept loss tokens the covariance control acted on (algorithm.cov_control)
     completion_lens: list[int] = []  # tokens of every completion of the shard (length percentiles)
     truncated: int = 0  # completions of the shard cut at max_tokens (finish reason length)
     episodes: list[EpisodeInfo] = []  # multi-turn episodes of the shard: turns and tool counts

@@ -51,7 +51,8 @@ from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 
 TRAINER_STATE = "trainer_state.pt"
 # Loss statistics accumulated over micro-batches (token-weighted), in this order on the wire.
-_STATS = ("loss", "clip_frac", "tis_frac", "kl_behav", "logprob_abs_diff", "masked_frac", "kl_ref", "entropy")
+_STATS = ("loss", "clip_frac", "tis_frac", "kl_behav", "logprob_abs_diff", "masked_frac", "kl_ref", "entropy",
+          "cov_frac")
 
 
 def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> ModelBackend:
@@ -111,6 +112,7 @@ def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = Non
                     advantages=_per_token(p.advantages, row, col, n) if p else np.zeros(n, dtype=np.float32),
                     prox_logp=_per_token(p.prox_logp, row, col, n) if p else None,
                     ref_logp=_per_token(p.ref_logp, row, col, n) if p else None,
+                    cov_select=_per_token(p.cov_select, row, col, n) if p else None,
                     in_loss=bool(p.mask[row].any()) if p else True,
                     loss_mask=g.loss_mask(i) if g.loss_masks is not None else None,
                 )
@@ -142,6 +144,7 @@ class UpdateStats(msgspec.Struct, kw_only=True):
     masked_frac: float
     kl_ref: float
     entropy: float
+    cov_frac: float
     grad_norm: float  # before clipping; 0 without signal (no step); not finite when skipped as such
     nonfinite: bool  # skipped: a non-finite loss or gradient norm on some rank
     micro_batches: int
@@ -341,11 +344,11 @@ class LearnerDriver(LearnerRank):
 
         def loss_fn(i: int, scores: TokenScores) -> torch.Tensor:
             mb = mbs[i]
-            loss, st = self.algo.loss(prepared.for_micro_batch(mb), scores.logp)
+            loss, st = self.algo.loss(prepared.for_micro_batch(mb), scores.logp, scores.entropy)
             share = mb.loss_tokens / local_tokens  # statistics: token-weighted over this rank's part
-            entropy = float((scores.entropy * mb.loss_mask).sum()) / max(1, mb.loss_tokens)
-            values = [st.loss] + [share * v for v in (st.clip_frac, st.tis_frac, st.kl_behav,
-                                                      st.logprob_abs_diff, st.masked_frac, st.kl_ref, entropy)]
+            entropy = float((scores.entropy.detach() * mb.loss_mask).sum()) / max(1, mb.loss_tokens)
+            values = [st.loss] + [share * v for v in (st.clip_frac, st.tis_frac, st.kl_behav, st.logprob_abs_diff,
+                                                      st.masked_frac, st.kl_ref, entropy, st.cov_frac)]
             acc.add_(torch.tensor(values, dtype=torch.float64))
             return loss
 

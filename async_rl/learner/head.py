@@ -31,7 +31,8 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: to
 
 class ChunkedHead(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], targets [N]) -> (log p(targets) [N], entropy [N]), fp32, at
-    `temperature`. Differentiable in `logp` (w.r.t. hidden and weight); the entropy is detached."""
+    `temperature`. Both differentiable w.r.t. hidden and weight; an output the loss does not use
+    costs nothing in backward (its gradient arrives as None)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
@@ -48,26 +49,41 @@ class ChunkedHead(torch.autograd.Function):
             logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - m
             p = torch.exp(z - m[:, None])
             entropy[s : s + chunk] = m - (p * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
         t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight.to(dtype)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(dtype)
-            g = grad_logp[s : s + chunk].float()
-            # d log p(y) / d z = onehot(y) - softmax(z); z = logits / t
-            dz = torch.exp(_logits(h, w, t, dtype) - lse[s : s + chunk, None])
-            dz.mul_(-g[:, None])
-            dz.scatter_add_(1, targets[s : s + chunk, None], g[:, None])
+            # log p over the vocabulary, then p, in place: one [chunk x V] tensor without the entropy's
+            # gradient, two with it.
+            logp_all = _logits(h, w, t, dtype).sub_(lse[s : s + chunk, None])
+            if grad_entropy is None:
+                dz = logp_all.exp_()
+            else:
+                # H = -sum p log p: dH / dz_j = -p_j (log p_j + H)
+                p = torch.exp(logp_all)
+                ge = grad_entropy[s : s + chunk].float()
+                dz = logp_all.add_(entropy[s : s + chunk, None]).mul_(p).mul_(-ge[:, None])
+            if grad_logp is not None:
+                # d log p(y) / d z = onehot(y) - softmax(z); z = logits / t
+                g = grad_logp[s : s + chunk].float()
+                if grad_entropy is None:
+                    dz.mul_(-g[:, None])
+                else:
+                    dz.sub_(p.mul_(g[:, None]))
+                dz.scatter_add_(1, targets[s : s + chunk, None], g[:, None])
             if t != 1.0:
                 dz.div_(t)
             dz = dz.to(dtype)
@@ -98,15 +114,15 @@ def head_scores(
 
 
 def full_token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full head's path: log p(targets) (with grad) and the entropy (detached), float32 [B, T],
-    from logits at every position."""
+    """The full head's path: log p(targets) and the entropy, float32 [B, T], from logits at every
+    position, both with their gradient (the entropy's costs one more [B, T, V] tensor kept for backward
+    when gradients are on)."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 

@@ -7,6 +7,8 @@ recomputed by the learner; decoupled objective only), A = advantage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import torch
 
@@ -29,6 +31,7 @@ class PolicyLossStats(msgspec.Struct):
     masked_frac: float  # fraction of completion tokens masked out for an extreme importance ratio
     kl_behav: float  # k3 estimate of KL(mu || pi) on the sampled tokens (all completion tokens)
     logprob_abs_diff: float  # mean |log pi - log mu| before the update (all completion tokens)
+    cov_frac: float = 0.0  # fraction of kept tokens selected by the covariance control (clip_cov / kl_cov)
 
 
 def extreme_ratio_mask(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
@@ -55,6 +58,9 @@ def policy_loss(
     ratio_mask_low: float = 0.0,
     ratio_mask_high: float = 0.0,
     denominator: float | None = None,
+    clip_cov: torch.Tensor | None = None,
+    kl_cov: torch.Tensor | None = None,
+    kl_cov_coef: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, PolicyLossStats]:
     """The off-policy policy-gradient loss. Returns (loss, kept-token mask, stats).
 
@@ -69,6 +75,9 @@ def policy_loss(
     Tokens whose importance ratio against mu (pi_prox / mu, or pi / mu without pi_prox) lies outside
     [ratio_mask_low, ratio_mask_high] are dropped from the loss and counted.
     Every ratio is `exp_log_ratio` of its log ratio (clamped to +-LOG_RATIO_BOUND: no inf, no NaN).
+    Covariance controls (Cui et al. 2025; selections from `covariance_selection`, [B, T] 0/1):
+    `clip_cov` tokens keep their loss value but contribute no gradient (Clip-Cov); `kl_cov` tokens add
+    kl_cov_coef * |log pi - log pi_old| with pi_old = pi_prox, or mu without it (KL-Cov).
     Aggregation: sum over kept tokens / `denominator` (default: the number of kept tokens, i.e. the
     token mean; Dr.GRPO passes a constant). `advantages` is [B, T] or [B, 1] (per sequence).
     """
@@ -81,17 +90,25 @@ def policy_loss(
     denom = torch.as_tensor(denominator if denominator is not None else kept.sum(), dtype=logp.dtype).clamp(
         min=1.0
     )
+    old_logp = anchor if prox_logp is not None else behav_logp
+    trained = logp
+    if clip_cov is not None:
+        # Clip-Cov: the selected tokens' log-probs are constants, so their terms have no gradient.
+        trained = torch.where(clip_cov.to(torch.bool), logp.detach(), logp)
     if prox_logp is None:
-        ratio = exp_log_ratio(logp - behav_logp)
+        ratio = exp_log_ratio(trained - behav_logp)
         unclipped = torch.clamp(ratio, max=tis_cap) * advantages
         weight = torch.ones_like(ratio)
     else:
-        ratio = exp_log_ratio(logp - anchor)
+        ratio = exp_log_ratio(trained - anchor)
         unclipped = ratio * advantages
         weight = torch.clamp(exp_log_ratio(is_log_ratio), max=tis_cap)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
     surrogate = weight * torch.minimum(unclipped, clipped)
     loss = -(surrogate * kept).sum() / denom
+    if kl_cov is not None:
+        loss = loss + kl_cov_coef * ((logp - old_logp).abs() * kl_cov.to(logp.dtype) * kept).sum() / denom
+    selected = clip_cov if clip_cov is not None else kl_cov
     with torch.no_grad():
         n_kept = kept.sum().clamp(min=1.0)
         n_all = mask.sum().clamp(min=1.0)
@@ -103,8 +120,58 @@ def policy_loss(
             masked_frac=float(extreme.sum() / n_all),
             kl_behav=float(((exp_log_ratio(lr) - 1 - lr) * mask).sum() / n_all),
             logprob_abs_diff=float((lr.abs() * mask).sum() / n_all),
+            cov_frac=0.0 if selected is None else float((selected.to(logp.dtype) * kept).sum() / n_kept),
         )
     return loss, kept, stats
+
+
+def token_covariance(
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+) -> torch.Tensor:
+    """Per-token (A - mean A) * (log pi_old - mean log pi_old) [B, T], the means over the batch's loss
+    tokens (`reduce` sums over data-parallel ranks); 0 off the mask. Its mean is the covariance whose
+    sign drives the entropy change of a policy-gradient step (Cui et al. 2025: dH ~ -Cov(log pi, A)):
+    high-probability tokens reinforced and low-probability tokens suppressed lower the entropy."""
+    mask = mask.to(torch.float64)
+    adv = advantages.expand_as(old_logp).to(torch.float64)
+    lp = old_logp.detach().to(torch.float64)
+    n, sum_a, sum_lp = reduce(torch.stack([mask.sum(), (adv * mask).sum(), (lp * mask).sum()])).tolist()
+    n = max(n, 1.0)
+    return ((adv - sum_a / n) * (lp - sum_lp / n) * mask).to(torch.float32)
+
+
+def covariance_selection(
+    cov: torch.Tensor,
+    mask: torch.Tensor,
+    control: str,
+    ratio: float,
+    low: float = 1.0,
+    high: float = 5.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The tokens a covariance control acts on, 0/1 float [B, T], from `token_covariance` over the
+    loss tokens `mask`; max(1, int(ratio * loss tokens)) of them at most.
+    clip_cov: a uniformly random subset of the tokens whose covariance lies in (low, high) (Clip-Cov:
+      the extreme outliers above `high` are left alone, as in the paper);
+    kl_cov: the tokens with the highest covariance (KL-Cov)."""
+    flat_mask = mask.reshape(-1) > 0
+    flat_cov = cov.reshape(-1)
+    count = max(1, int(ratio * int(flat_mask.sum())))
+    out = torch.zeros(flat_cov.shape, dtype=torch.float32, device=cov.device)
+    if control == "clip_cov":
+        eligible = (flat_mask & (flat_cov > low) & (flat_cov < high)).nonzero().squeeze(-1)
+        order = torch.randperm(eligible.numel(), generator=generator).to(eligible.device)
+        out[eligible[order[:count]]] = 1.0
+    elif control == "kl_cov":
+        candidates = flat_mask.nonzero().squeeze(-1)
+        top = torch.topk(flat_cov[candidates], min(count, candidates.numel())).indices
+        out[candidates[top]] = 1.0
+    else:
+        raise ValueError(f"unknown covariance control '{control}' (clip_cov, kl_cov)")
+    return out.reshape(cov.shape)
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")

@@ -30,6 +30,7 @@ class SeqSample:
     advantages: np.ndarray  # float32 [completion_len]
     prox_logp: np.ndarray | None = None  # float32 [completion_len]: decoupled objective only
     ref_logp: np.ndarray | None = None  # float32 [completion_len]: KL penalty as a loss term only
+    cov_select: np.ndarray | None = None  # float32 0/1 [completion_len]: algorithm.cov_control only
     in_loss: bool = True  # False: scored but adds no loss (algorithm.overlong=mask on a truncated one)
     loss_mask: np.ndarray | None = None  # per completion token 0/1: 0 on environment tokens (None: all 1)
 
@@ -52,6 +53,7 @@ class MicroBatch:
     spans: list[tuple[int, int, int]]  # per sequence: (row, logit column of its first completion token, length)
     prox_logp: torch.Tensor | None = None  # float32 [B, T], when the samples carry it
     ref_logp: torch.Tensor | None = None  # float32 [B, T], when the samples carry it
+    cov_select: torch.Tensor | None = None  # float32 0/1 [B, T], when the samples carry it
 
     @property
     def loss_tokens(self) -> int:
@@ -91,6 +93,7 @@ class MicroBatch:
             spans=self.spans,
             prox_logp=None if self.prox_logp is None else self.prox_logp.to(device),
             ref_logp=None if self.ref_logp is None else self.ref_logp.to(device),
+            cov_select=None if self.cov_select is None else self.cov_select.to(device),
         )
 
 
@@ -182,6 +185,7 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
     # being after every real token, the causal mask keeps it from affecting them (loss mask 0).
     prox = _optional(samples, "prox_logp", (n_rows, width))
     ref = _optional(samples, "ref_logp", (n_rows, width))
+    cov = _optional(samples, "cov_select", (n_rows, width))
     spans = []
     offsets = [0] * n_rows
     for s, row in zip(samples, rows, strict=True):
@@ -191,9 +195,10 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
         first, n = _fill(targets[row], mask[row], behav[row], adv[row], offset, s)
         _fill_optional(None if prox is None else prox[row], first, s.prox_logp)
         _fill_optional(None if ref is None else ref[row], first, s.ref_logp)
+        _fill_optional(None if cov is None else cov[row], first, s.cov_select)
         spans.append((row, first, n))
         offsets[row] += length
-    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref)
+    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov)
 
 
 def padded(samples: list[SeqSample]) -> MicroBatch:
@@ -205,6 +210,7 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
     targets = torch.zeros(n_rows, width, dtype=torch.long)
     mask, behav, adv = (torch.zeros(n_rows, width) for _ in range(3))
     prox, ref = _optional(samples, "prox_logp", (n_rows, width)), _optional(samples, "ref_logp", (n_rows, width))
+    cov = _optional(samples, "cov_select", (n_rows, width))
     spans = []
     for i, s in enumerate(samples):
         length = len(s.tokens)
@@ -213,8 +219,9 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
         first, n = _fill(targets[i], mask[i], behav[i], adv[i], 0, s)
         _fill_optional(None if prox is None else prox[i], first, s.prox_logp)
         _fill_optional(None if ref is None else ref[i], first, s.ref_logp)
+        _fill_optional(None if cov is None else cov[i], first, s.cov_select)
         spans.append((i, first, n))
-    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref)
+    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref, cov)
 
 
 def micro_batches(

@@ -224,6 +224,18 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         nan_step["after"] = _live_state(backend)
         backend.gather_weights()
         nan_step["hf_after"] = _copy(backend.hf_weights()) if rank == 0 else None
+
+        # The entropy's gradient (algorithm.entropy_coef) through the vocab-parallel entropy, with the
+        # chunked and the full head: its norm, from a step at lr 0 (the weights stay as they are).
+        def entropy_loss_fn(i, s):
+            return -(s.entropy * halves[i].loss_mask.to(s.entropy.device)).sum() / tokens
+
+        entropy_grad_norm = {}
+        for chunk in (0, 3):
+            backend.chunk = chunk
+            backend.forward_backward(halves, 1.0, entropy_loss_fn)
+            entropy_grad_norm[chunk] = backend.optimizer_step(0.0, 1e9)
+        backend.chunk = default_chunk
         ckpt = Path(out_dir) / "ckpt"
         if rank == 0:
             ckpt.mkdir()
@@ -245,6 +257,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 "head_cmp": head_cmp,
                 "grad_norm": grad_norm,
                 "nan_step": nan_step,
+                "entropy_grad_norm": entropy_grad_norm,
                 "before": before,
                 "after": after,
                 "reloaded": reloaded,

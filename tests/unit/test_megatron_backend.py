@@ -10,6 +10,7 @@ Starts torch.distributed (two gloo ranks on loopback).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -140,6 +141,28 @@ def test_chunked_head_equals_the_full_vocab_parallel_head(run):
         for a, b in zip(full_grads, chunked_grads, strict=True):
             assert (a - b).abs().max() < 1e-5
         assert any(g.abs().sum() > 0 for g in chunked_grads)
+
+
+def test_entropy_gradient_is_the_hf_models(run):
+    """The loss -sum(entropy)/tokens (an entropy bonus alone) over two micro-batches: the gradient
+    norm through the vocab-parallel entropy (reduced over TP ranks forward, identity backward), with
+    the full and the chunked head, is the HF model's full-softmax entropy gradient's (both at the
+    weights after the module's training step)."""
+    tp, pp, ranks, hf = run
+    hf = copy.deepcopy(hf)
+    unexpected = hf.load_state_dict(ranks[0]["after"], strict=False).unexpected_keys  # the weights after the step
+    assert not unexpected
+    halves = ranks[0]["halves"]
+    tokens = sum(mb.loss_tokens for mb in halves)
+    for mb in halves:
+        logits = hf(**mb.model_inputs(torch.device("cpu"))).logits.float()
+        p = torch.log_softmax(logits, dim=-1)
+        (((p.exp() * p).sum(-1) * mb.loss_mask).sum() / tokens).backward()
+    ref = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), 1e9))
+    assert ref > 0
+    for r in ranks:
+        for chunk, norm in r["entropy_grad_norm"].items():
+            assert abs(norm - ref) < 1e-4 * ref, (chunk, norm, ref)
 
 
 def test_weights_round_trip_change_after_a_step_and_reload(run):

@@ -109,30 +109,32 @@ def pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
     return MicroBatch(
         grow(mb.input_ids), position_ids, grow(mb.attention_mask), grow(mb.targets), grow(mb.loss_mask),
         grow(mb.behav_logp), grow(mb.advantages), mb.spans, grow(mb.prox_logp), grow(mb.ref_logp),
+        grow(mb.cov_select),
     )
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
     """Entropy of the full next-token distribution from vocab-parallel logits [B, T, V/tp] -> [B, T]
-    float32 (max and sums reduced over the TP group; padding columns excluded). No gradient."""
+    float32 (max and sums reduced over the TP group; padding columns excluded), differentiable w.r.t.
+    the logits (algorithm.entropy_coef): the sums are reduced by Megatron's reduce-from-TP-region
+    (all-reduce forward, identity backward: every TP rank holds the same loss)."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    with torch.no_grad():
-        x = logits.float() / temperature
-        per_rank = x.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * per_rank
-        if start + per_rank > vocab_size:
-            x = x.masked_fill(torch.arange(start, start + per_rank, device=x.device) >= vocab_size, float("-inf"))
-        group = parallel_state.get_tensor_model_parallel_group()
-        m = x.max(dim=-1).values
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        e = torch.exp(x - m[..., None])
-        z = e.sum(dim=-1)
-        s = (e * torch.nan_to_num(x, neginf=0.0)).sum(dim=-1)
-        both = torch.stack([z, s])
-        dist.all_reduce(both, group=group)
-        z, s = both[0], both[1]
-        return torch.log(z) + m - s / z
+    x = logits.float() / temperature
+    per_rank = x.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+    if start + per_rank > vocab_size:
+        x = x.masked_fill(torch.arange(start, start + per_rank, device=x.device) >= vocab_size, float("-inf"))
+    group = parallel_state.get_tensor_model_parallel_group()
+    # The entropy does not depend on the shift m: a constant here, and the gradient stays exact.
+    m = x.detach().max(dim=-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(x - m[..., None])
+    both = torch.stack([e.sum(dim=-1), (e * torch.nan_to_num(x, neginf=0.0)).sum(dim=-1)])
+    both = reduce_from_tensor_model_parallel_region(both)
+    z, s = both[0], both[1]
+    return torch.log(z) + m - s / z
 
 
 def _distributed_optimizers(opt) -> list:
@@ -369,7 +371,7 @@ class MegatronBackend(ModelBackend):
         def piece(hc: torch.Tensor, tc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             logits, _ = type(layer).forward(layer, hc.to(dtype)[:, None, :], weight=weight)  # [c, 1, V/tp]
             logp = mm.vocab_parallel_logprobs(logits, tc[:, None], vocab, temperature)[:, 0]
-            return logp, vocab_parallel_entropy(logits.detach(), vocab, temperature)[:, 0]
+            return logp, vocab_parallel_entropy(logits, vocab, temperature)[:, 0]
 
         logps, entropies = [], []
         # Every TP rank runs the same chunks (the same positions): their collectives line up, in
@@ -394,7 +396,7 @@ class MegatronBackend(ModelBackend):
             logp, entropy = self._head_scores(logits, mb, temperature, positions)
             return TokenScores(logp=logp, entropy=entropy)
         logp = mm.vocab_parallel_logprobs(logits, mb.targets, self.arch.vocab_size, temperature)
-        entropy = vocab_parallel_entropy(logits.detach(), self.arch.vocab_size, temperature)
+        entropy = vocab_parallel_entropy(logits, self.arch.vocab_size, temperature)
         return TokenScores(logp=logp, entropy=entropy)
 
     def score(
