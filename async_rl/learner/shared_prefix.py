@@ -140,6 +140,7 @@ def _suffix_sample(s: SeqSample) -> SeqSample:
     return SeqSample(
         tokens=s.tokens[prefix_len(s) :], start=1, behav_logp=s.behav_logp, advantages=s.advantages,
         prox_logp=s.prox_logp, ref_logp=s.ref_logp, in_loss=s.in_loss, loss_mask=s.loss_mask,
+        cov_select=s.cov_select,
     )
 
 
@@ -170,6 +171,7 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
     input_ids, position_ids, targets, mask, behav, adv = row_tensors(n_rows, width)
     prox = _optional(samples, "prox_logp", (n_rows, width))
     ref = _optional(samples, "ref_logp", (n_rows, width))
+    cov = _optional(samples, "cov_select", (n_rows, width))
     # Labels for the attention mask; padding gets segment and block -1 (it sees only padding).
     segment = torch.full((n_rows, width), -1, dtype=torch.long)
     block_of = torch.full((n_rows, width), -1, dtype=torch.long)
@@ -197,12 +199,13 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
             first, k = _fill(targets[row], mask[row], behav[row], adv[row], at, sfx)
             _fill_optional(None if prox is None else prox[row], first, sfx.prox_logp)
             _fill_optional(None if ref is None else ref[row], first, sfx.ref_logp)
+            _fill_optional(None if cov is None else cov[row], first, sfx.cov_select)
             span_of[id(s)] = (row, first, k)
             at += n
         offsets[row] = at
     spans = [span_of[id(s)] for s in samples]
     attention = block_attention_mask(segment, block_of, is_prefix)
-    return MicroBatch(input_ids, position_ids, attention, targets, mask, behav, adv, spans, prox, ref)
+    return MicroBatch(input_ids, position_ids, attention, targets, mask, behav, adv, spans, prox, ref, cov)
 
 
 def shared_micro_batches(

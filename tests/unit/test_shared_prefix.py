@@ -137,7 +137,7 @@ def _assert_equal_steps(a: dict, b: dict) -> None:
         # relative to the parameter's gradient (floored at a millionth of the whole gradient's norm)
         assert diff <= 1e-4 * max(float(ga.norm()), 1e-6 * total), name
     ma, mb = a["metrics"], b["metrics"]
-    for field in ("loss", "kl_behav", "logprob_abs_diff", "entropy", "value_loss", "grad_norm"):
+    for field in ("loss", "kl_behav", "logprob_abs_diff", "entropy", "value_loss", "grad_norm", "cov_frac"):
         assert getattr(mb, field) == pytest.approx(getattr(ma, field), rel=1e-4, abs=1e-6), field
 
 
@@ -145,6 +145,8 @@ ALGORITHMS = {
     "grpo": AlgorithmConfig(name="grpo"),
     "ppo": AlgorithmConfig(name="ppo"),  # GAE on a critic reading the hidden states of the scoring pass
     "decoupled": AlgorithmConfig(name="grpo", objective="decoupled"),
+    # the entropy controls: the bonus's gradient and the covariance selection ride through the layout
+    "kl_cov": AlgorithmConfig(name="grpo", entropy_coef=0.05, cov_control="kl_cov", cov_ratio=0.3),
 }
 
 
@@ -158,6 +160,9 @@ def test_shared_step_equals_unshared(model_dir, algo, packing):
     on_rank = make_rank(model_dir, share_prompt=True, **common)
     on = _step(on_rank, gs)
     _assert_equal_steps(off, on)
+    if ALGORITHMS[algo].cov_control != "none":  # the selected tokens reached the loss in both layouts
+        assert all(mb.cov_select is not None and mb.cov_select.sum() > 0 for mb in on["mbs"][:1])
+        assert on["metrics"].cov_frac > 0
     chunks = split_shared(shard_samples(gs), 0, 20)
     runs = [len(prompt_runs(c)) for c in chunks]
     assert len(chunks) > 1 and sum(runs) > len(gs)  # some group was split across micro-batches
