@@ -323,6 +323,6 @@ def test_merged_export_scores_like_the_adapter(run):
 
 
 def test_vllm_and_learner_logprobs_agree_with_the_adapter(run):
-    mismatch = [r["logprob_mismatch"] for r in run.killed_records + run.records]
+    mismatch = [r["logprob_mismatch"] for r in run.killed_records + run.records[2:]]  # every sync once
     print("mismatch after each sync:", [f"{m:.1e}" for m in mismatch], "sync s:", [r["sync_s"] for r in run.records])
     assert all(m is not None and m < 1e-4 for m in mismatch), mismatch
