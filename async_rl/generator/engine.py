@@ -526,15 +526,24 @@ class GeneratorEngine:
     async def param_checksums(self) -> list[ShardChecksum]:
         return await vc.param_checksums(self._llm)
 
-    async def score(self, probe: Probe) -> float:
-        """Mean |vLLM - learner| log-prob over the probe's tokens, both at the current version."""
-        diffs: list[float] = []
-        for i, (ids, positions, learner_lps) in enumerate(
-            zip(probe.token_ids, probe.positions, probe.logprobs, strict=True)
-        ):
+    async def logprobs(self, probe: Probe) -> list[list[float]]:
+        """vLLM's log-probs of the probe's tokens at its positions, with the weights served now (the
+        probe's own log-probs are not read)."""
+        out: list[list[float]] = []
+        for i, (ids, positions) in enumerate(zip(probe.token_ids, probe.positions, strict=True)):
             rid = f"e{self.s.engine_id}-probe-v{self.version}-{i}"
             ours = await vc.watched(self._llm, vc.score_tokens(self._llm, ids, rid), "score")
-            diffs.extend(abs(ours[p] - lp) for p, lp in zip(positions, learner_lps, strict=True))
+            out.append([ours[p] for p in positions])
+        return out
+
+    async def score(self, probe: Probe) -> float:
+        """Mean |vLLM - learner| log-prob over the probe's tokens, both at the current version."""
+        ours = await self.logprobs(probe)
+        diffs = [
+            abs(v - lp)
+            for vllm_lps, learner_lps in zip(ours, probe.logprobs, strict=True)
+            for v, lp in zip(vllm_lps, learner_lps, strict=True)
+        ]
         return sum(diffs) / len(diffs) if diffs else 0.0
 
     def sampling_spec(self) -> SamplingSpec:

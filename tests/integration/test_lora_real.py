@@ -1,15 +1,18 @@
 """learner.lora on the real preset (smollm2-135m, fp32) through the whole system: adapter-only syncs
 with max_lag 2, where every engine's adapter (read back from vLLM's LoRA slot) equals the learner's
-after each sync; a delivery into the wrong adapter slot stops the sync loudly; the run resumes from
-its PEFT-format checkpoint; the merged export scores like the LoRA-served adapter.
+after each sync; a run whose learner is killed (SIGKILL) after a checkpoint resumes from its PEFT-format
+adapter checkpoint; a delivery into the wrong adapter slot stops the sync loudly; the merged export,
+served by vLLM as a plain model, scores like vLLM serving the adapter.
 
-One Ray cluster for the module; two controllers (the run, then its resume)."""
+One Ray cluster for the module; two controllers (the killed run, then its resume), then one engine
+serving the merged export."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import signal
 from pathlib import Path
 
 import msgspec
@@ -17,9 +20,11 @@ import pytest
 import ray
 import torch
 
+from async_rl import checkpoint
 from async_rl.config import WandbConfig
 from async_rl.controller import Controller
 from async_rl.errors import RunError
+from async_rl.generator.engine import EngineSettings, GeneratorEngine
 from async_rl.learner.base import Probe, checkpoint_adapter_dir
 from async_rl.learner.lora import load_adapter, served_tensors
 from async_rl.metrics import MetricsSink
@@ -31,30 +36,40 @@ from tests.integration._real_run import REPO, read_jsonl, real_config, smollm2_d
 
 pytestmark = pytest.mark.integration
 
-STEPS, RESUMED_STEPS = 4, 4  # max_lag 2: the 4th batch cannot come from version 0 alone
+STEPS = 4  # max_lag 2: the 4th batch cannot come from version 0 alone
+KILLED_AFTER = 3  # the first run's learner is SIGKILLed after its 3rd step: its last checkpoint is step 2
 PROMPTS, GROUP, MAX_TOKENS = 2, 4, 24
 RANK = 8
 
+Served = tuple[ParamChecksum, list[ParamChecksum]]  # the learner's adapter and every engine's served one
+
 
 class LoraRun(msgspec.Struct):
-    records: list[dict]
-    after_sync: list[tuple[ParamChecksum, list[ParamChecksum]]]  # learner's and engines' served adapter, per step
-    wrong_slot_error: str
-    resumed_records: list[dict]
-    resumed_learner: ParamChecksum | None  # the learner's adapter right after the resume
-    resumed_final: tuple[ParamChecksum, list[ParamChecksum]]  # after the resumed run's last sync
+    killed_records: list[dict]  # the killed run's metrics, as it left them
+    killed_after_sync: list[Served]  # per step of the killed run
+    kill_error: str  # how the killed run stopped
+    resumed_from: str  # the checkpoint `--resume RUN_DIR` picks
+    dropped_records: int  # the killed run's records after that checkpoint (trained again)
     checkpoint_learner: ParamChecksum  # the adapter the checkpoint holds (as served)
+    at_resume: Served  # after the resume's first sync, before the resumed run's first step
+    resumed_learner: ParamChecksum | None  # the controller's own record of it
+    resumed_after_sync: list[Served]  # per step of the resumed run
+    records: list[dict]  # the run directory's metrics after the resume: every step once
+    wrong_slot_error: str
     merged_vs_learner: float  # mean |merged HF model - HF with the checkpoint's adapter (PEFT)| log-prob
-    merged_vs_served: float  # mean |merged HF model - vLLM with the adapter| log-prob
-    base_vs_served: float  # the same against the base model: the adapter matters
+    merged_vllm_vs_served: float  # mean |vLLM serving the merged folder - vLLM serving the adapter|
+    merged_hf_vs_served: float  # mean |merged HF model (HF forward) - vLLM serving the adapter|
+    base_vs_served: float  # the base model (HF) against vLLM serving the adapter: the adapter matters
+    merged_vllm_vs_hf: float  # the merged folder, vLLM against HF (vLLM's own fp32 gap, no LoRA)
+    max_merged_vllm_vs_served: float  # the largest single-token gap of merged_vllm_vs_served
     adapter_bytes: int
 
 
-def cfg_for(run_dir: Path, steps: int):
+def cfg_for(run_dir: Path):
     return real_config(
         [
             "task.name=tests.integration._chat_task:make_task",
-            f"train.total_steps={steps}",
+            f"train.total_steps={STEPS}",
             "train.max_lag=2",
             f"train.prompts_per_step={PROMPTS}",
             "train.checkpoint_every=2",
@@ -79,13 +94,14 @@ def make_controller(cfg, run_dir: Path, resume_from: Path | None = None) -> tupl
     return Controller(cfg, Path(smollm2_dir()), run_dir, plan_placement(cfg), resume_from=resume_from), sink
 
 
-def served(controller: Controller) -> tuple[ParamChecksum, list[ParamChecksum]]:
+def served(controller: Controller) -> Served:
     learner, engines = controller.checksums()
     return learner, list(engines.values())
 
 
-def mean_abs(a: list[float], b: list[float]) -> float:
-    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+def mean_abs(a: list[list[float]], b: list[list[float]]) -> float:
+    flat_a, flat_b = sum(a, []), sum(b, [])
+    return sum(abs(x - y) for x, y in zip(flat_a, flat_b, strict=True)) / len(flat_a)
 
 
 def hf_logprobs(model_dir: str, probe: Probe, adapter_of: Path | None = None) -> list[list[float]]:
@@ -104,6 +120,47 @@ def hf_logprobs(model_dir: str, probe: Probe, adapter_of: Path | None = None) ->
     return out
 
 
+def kill_learner_after(controller: Controller, steps: int, after_sync: list[Served]):
+    """between_steps: record what every engine serves; after `steps` steps SIGKILL learner rank 0's
+    process (a crash: nothing of the run is stopped or saved on the way out)."""
+
+    def between(step: int) -> None:
+        after_sync.append(served(controller))
+        if step + 1 == steps:
+            pid = ray.get(controller.learner.actors[0].__ray_call__.remote(lambda learner: os.getpid()))
+            os.kill(pid, signal.SIGKILL)
+
+    return between
+
+
+def read_at_start(controller: Controller, into: list[Served]) -> None:
+    """What learner and engines hold once the controller started (for a resume: after the sync of the
+    checkpoint's adapter, before the first step)."""
+    start = controller.start
+
+    def start_then_read() -> None:
+        start()
+        into.append(served(controller))
+
+    controller.start = start_then_read
+
+
+def vllm_logprobs_of(model_dir: Path, settings: EngineSettings, cpus: int, probe: Probe) -> list[list[float]]:
+    """One GeneratorEngine like the run's (`settings`: the same vLLM arguments, dtype, seed, threads),
+    serving `model_dir` as a plain model (no LoRA); started paused, so it leases nothing; its vLLM
+    log-probs at the probe's positions. Stopped by its handle."""
+    spec = msgspec.structs.replace(settings.spec, model_dir=str(model_dir), lora=None)
+    engine = ray.remote(GeneratorEngine).options(num_cpus=cpus).remote(msgspec.structs.replace(settings, spec=spec), None)
+    try:
+        ray.get(engine.start.remote(True))
+        return ray.get(engine.logprobs.remote(probe))
+    finally:
+        try:
+            ray.get(engine.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(engine, no_restart=True)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> LoraRun:
     from async_rl.export_merged import export_merged
@@ -115,85 +172,108 @@ def run(tmp_path_factory) -> LoraRun:
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **FAST_ENGINE_ENV, **env}})
     try:
-        controller, sink = make_controller(cfg_for(run_dir, STEPS), run_dir)
-        after_sync = []
+        # The run: its learner is killed after step 3 (checkpoint step_2 is written, step 3 is not saved).
+        controller, sink = make_controller(cfg_for(run_dir), run_dir)
+        killed_after_sync: list[Served] = []
         try:
-            controller.run(sink, lambda step: after_sync.append(served(controller)))
+            controller.run(sink, kill_learner_after(controller, KILLED_AFTER, killed_after_sync))
+            kill_error = ""
+        except RunError as exc:
+            kill_error = str(exc)
+        finally:
+            controller.shutdown()
+            sink.close()
+        killed_records = read_jsonl(run_dir / "metrics.jsonl")
+
+        # `--resume RUN_DIR`, as launch does it: the newest complete checkpoint, the later records dropped.
+        ckpt = checkpoint.latest(run_dir)
+        dropped = checkpoint.trim_metrics(run_dir, checkpoint.load_state(ckpt).step)
+        tensors, config = load_adapter(checkpoint_adapter_dir(ckpt))
+        checkpoint_learner = checksum_of(served_tensors(tensors, config))
+        controller, sink = make_controller(cfg_for(run_dir), run_dir, resume_from=ckpt)
+        at_resume: list[Served] = []
+        read_at_start(controller, at_resume)
+        resumed_after_sync: list[Served] = []
+        try:
+            controller.run(sink, lambda step: resumed_after_sync.append(served(controller)))
+            resumed_learner = controller.resumed_checksum
             adapter_bytes = ray.get(controller.learner.actors[0].weight_manifest.remote()).total_bytes
+            # The last step's checkpoint, merged, against vLLM serving that same adapter (version 4).
+            last = run_dir / "checkpoints" / f"step_{STEPS}"
+            merged = export_merged(last, run_dir / "merged")
+            # Samples of the last batch; the learner's own log-probs are not used (its packed, chunked
+            # scoring path is ~1e-5 from a plain forward: too coarse here).
+            probe = controller.learner.call(lambda a: a.probe_logprobs.remote(4))[0]
+            engine = controller.generators.actors[0]
+            served_lps = ray.get(engine.logprobs.remote(probe))  # vLLM with the adapter, version 4
+            merged_lps = hf_logprobs(str(merged), probe)
+            adapter_lps = hf_logprobs(model_dir, probe, last)  # the same HF forward, the adapter on (PEFT)
+            base_lps = hf_logprobs(model_dir, probe)
             # A delivery into the wrong slot: the next sync must refuse to go on.
-            ray.get(controller.generators.actors[0].__ray_call__.remote(deliver_into_another_slot))
+            ray.get(engine.__ray_call__.remote(deliver_into_another_slot))
             try:
                 controller.runtime.sync_weights(controller.version)
                 wrong_slot_error = ""
             except RunError as exc:
                 wrong_slot_error = str(exc)
+            engine_settings = controller.generators.make_settings(0)
+            engine_cpus = controller.generators.cpus_per_engine
         finally:
             controller.shutdown()
             sink.close()
         records = read_jsonl(run_dir / "metrics.jsonl")
-        ckpt = run_dir / "checkpoints" / "step_2"
-        tensors, config = load_adapter(checkpoint_adapter_dir(ckpt))
-        checkpoint_learner = checksum_of(served_tensors(tensors, config))
-
-        # The run stopped after step 4; resume it from step 2's adapter checkpoint and go on to step 4.
-        resumed_dir = tmp_path_factory.mktemp("lora_resumed")
-        controller, sink = make_controller(cfg_for(resumed_dir, RESUMED_STEPS), resumed_dir, resume_from=ckpt)
-        try:
-            controller.run(sink)
-            resumed_learner = controller.resumed_checksum
-            final = served(controller)
-            # The last step's checkpoint, merged, against vLLM serving that same adapter (version 4).
-            merged = export_merged(resumed_dir / "checkpoints" / f"step_{RESUMED_STEPS}", resumed_dir / "merged")
-            # The learner's own log-probs (adapter on, version 4) on samples of the last batch.
-            probe = controller.learner.call(lambda a: a.probe_logprobs.remote(4))[0]
-            merged_lps = hf_logprobs(str(merged), probe)
-            # The same HF forward with the checkpoint's adapter on (the learner's own probe values come
-            # from its packed, chunked scoring path, ~1e-5 from a plain forward: too coarse here).
-            adapter_lps = hf_logprobs(model_dir, probe, resumed_dir / "checkpoints" / f"step_{RESUMED_STEPS}")
-            merged_vs_learner = mean_abs(sum(merged_lps, []), sum(adapter_lps, []))
-            engine = controller.generators.actors[0]
-            merged_vs_served = ray.get(engine.score.remote(Probe(probe.token_ids, probe.positions, merged_lps)))
-            base_lps = hf_logprobs(model_dir, probe)
-            base_vs_served = ray.get(engine.score.remote(Probe(probe.token_ids, probe.positions, base_lps)))
-        finally:
-            controller.shutdown()
-            sink.close()
-        resumed_records = read_jsonl(resumed_dir / "metrics.jsonl")
+        # vLLM serving the merged folder, with the run's engine settings (started once the run's
+        # processes are gone: one engine at a time on this machine).
+        merged_served_lps = vllm_logprobs_of(merged, engine_settings, engine_cpus, probe)
     finally:
         ray.shutdown()
     return LoraRun(
-        records=records,
-        after_sync=after_sync,
-        wrong_slot_error=wrong_slot_error,
-        resumed_records=resumed_records,
-        resumed_learner=resumed_learner,
-        resumed_final=final,
+        killed_records=killed_records,
+        killed_after_sync=killed_after_sync,
+        kill_error=kill_error,
+        resumed_from=str(ckpt),
+        dropped_records=dropped,
         checkpoint_learner=checkpoint_learner,
-        merged_vs_learner=merged_vs_learner,
-        merged_vs_served=merged_vs_served,
-        base_vs_served=base_vs_served,
+        at_resume=at_resume[0],
+        resumed_learner=resumed_learner,
+        resumed_after_sync=resumed_after_sync,
+        records=records,
+        wrong_slot_error=wrong_slot_error,
+        merged_vs_learner=mean_abs(merged_lps, adapter_lps),
+        merged_vllm_vs_served=mean_abs(merged_served_lps, served_lps),
+        merged_hf_vs_served=mean_abs(merged_lps, served_lps),
+        base_vs_served=mean_abs(base_lps, served_lps),
+        merged_vllm_vs_hf=mean_abs(merged_served_lps, merged_lps),
+        max_merged_vllm_vs_served=max(abs(x - y) for x, y in zip(sum(merged_served_lps, []), sum(served_lps, []), strict=True)),
         adapter_bytes=adapter_bytes,
     )
 
 
-def test_every_engine_serves_the_learners_adapter_after_each_sync(run):
-    assert [r["version"] for r in run.records] == list(range(1, STEPS + 1))
-    assert len(run.after_sync) == STEPS
+def check_every_engine_serves_the_learners(after_sync: list[Served]) -> None:
     previous = None
-    for learner, engines in run.after_sync:
+    for learner, engines in after_sync:
         assert engines and all(e.close_to(learner) for e in engines), (learner, engines)
         assert learner.count > 0 and (previous is None or not learner.close_to(previous))  # it trained
         previous = learner
 
 
+def test_every_engine_serves_the_learners_adapter_after_each_sync(run):
+    assert [r["version"] for r in run.killed_records] == list(range(1, KILLED_AFTER + 1))
+    assert len(run.killed_after_sync) == KILLED_AFTER and len(run.resumed_after_sync) == STEPS - 2
+    check_every_engine_serves_the_learners(run.killed_after_sync)
+    check_every_engine_serves_the_learners([run.at_resume, *run.resumed_after_sync])
+
+
 def test_samples_carry_adapter_versions_within_max_lag(run):
-    for r in run.records:
+    for r in run.killed_records + run.records:
         assert r["lag_max"] <= 2 and r["generator_version"] == r["version"]  # synced every step
-    # a batch's mean sample version is its step minus its mean lag: later batches hold samples that
+        assert r["step"] - r["lag_max"] >= max(0, r["step"] - 2)
+        assert r["accounting_balanced"]
+    # a batch's mean sample version is its step minus its mean lag: the 4th batch holds samples that
     # trained adapters (versions >= 1) generated, and none older than max_lag allows
-    assert any(r["step"] - r["lag_mean"] > 0 for r in run.records)
-    assert all(r["step"] - r["lag_max"] >= max(0, r["step"] - 2) for r in run.records)
-    assert all(r["accounting_balanced"] for r in run.records)
+    assert run.records[-1]["step"] - run.records[-1]["lag_mean"] > 0
+    # the resumed run's engines started from the checkpoint's adapter (version 2): no older sample
+    assert all(r["step"] - r["lag_max"] >= 2 for r in run.records[2:])
 
 
 def test_a_sync_is_adapter_sized(run):
@@ -207,24 +287,42 @@ def test_delivery_into_the_wrong_slot_stops_the_sync_in_one_line(run):
     assert "LoRA adapter" in run.wrong_slot_error, run.wrong_slot_error
 
 
-def test_resume_continues_from_the_adapter_checkpoint(run):
-    # (close_to: the same values, summed in another order)
+def test_killed_run_resumes_from_the_adapter_checkpoint(run):
+    # The SIGKILLed learner stopped the run in one line naming the checkpoint that --resume picks.
+    assert run.kill_error.startswith("learner rank 0 died ("), run.kill_error
+    assert run.kill_error.endswith(f"resume from checkpoint {run.resumed_from}"), run.kill_error
+    assert Path(run.resumed_from).name == "step_2"
+    # The resumed learner starts from the checkpoint's adapter and every engine serves it after the
+    # first sync, before any step (close_to: the same values, summed in another order).
+    learner, engines = run.at_resume
+    assert learner.close_to(run.checkpoint_learner)
+    assert engines and all(e.close_to(learner) for e in engines), (learner, engines)
     assert run.resumed_learner is not None and run.resumed_learner.close_to(run.checkpoint_learner)
-    assert [r["version"] for r in run.resumed_records] == [3, 4]
-    learner, engines = run.resumed_final
+    # Numbering continues from the checkpoint: step 3 (trained by the killed run, never saved) is
+    # trained again as version 3, every step is in the run's metrics once.
+    assert run.dropped_records == KILLED_AFTER - 2
+    assert [r["step"] for r in run.records] == list(range(STEPS))
+    assert [r["version"] for r in run.records] == list(range(1, STEPS + 1))
+    # the sample accounting goes on from the checkpoint's: one batch trained per step
+    assert [r["trained"] for r in run.records] == [PROMPTS * GROUP * (s + 1) for s in range(STEPS)]
+    learner, engines = run.resumed_after_sync[-1]
     assert engines and all(e.close_to(learner) for e in engines)
 
 
 def test_merged_export_scores_like_the_adapter(run):
-    print(f"merged vs learner {run.merged_vs_learner:.2e}, merged vs vLLM+adapter {run.merged_vs_served:.2e}, "
-          f"base vs vLLM+adapter {run.base_vs_served:.2e}")
+    print(f"merged vs HF+adapter {run.merged_vs_learner:.2e}; vLLM merged vs vLLM+adapter "
+          f"{run.merged_vllm_vs_served:.2e}; HF merged vs vLLM+adapter {run.merged_hf_vs_served:.2e}; "
+          f"base vs vLLM+adapter {run.base_vs_served:.2e}; merged vLLM vs HF {run.merged_vllm_vs_hf:.2e}; "
+          f"largest token gap vLLM merged vs vLLM+adapter {run.max_merged_vllm_vs_served:.2e}")
     assert run.merged_vs_learner < 1e-5  # the merge itself: HF against HF with the adapter (PEFT)
-    # against vLLM serving the adapter: vLLM's own fp32 gap to HF (~1e-5 here, the mismatch metric)
-    assert run.merged_vs_served < 1e-4
-    assert run.base_vs_served > 100 * run.merged_vs_learner  # the adapter matters on these tokens
+    # The issue's claim: vLLM serving the merged folder against vLLM serving the adapter (fp32).
+    assert run.merged_vllm_vs_served < 1e-5
+    # HF's forward against vLLM's: vLLM's own fp32 gap to HF (~1e-5 here, the mismatch metric's)
+    assert run.merged_hf_vs_served < 1e-4
+    assert run.base_vs_served > 100 * max(run.merged_vs_learner, run.merged_vllm_vs_served)  # the adapter matters
 
 
 def test_vllm_and_learner_logprobs_agree_with_the_adapter(run):
-    mismatch = [r["logprob_mismatch"] for r in run.records + run.resumed_records]
+    mismatch = [r["logprob_mismatch"] for r in run.killed_records + run.records[2:]]  # every sync once
     print("mismatch after each sync:", [f"{m:.1e}" for m in mismatch], "sync s:", [r["sync_s"] for r in run.records])
     assert all(m is not None and m < 1e-4 for m in mismatch), mismatch
