@@ -76,7 +76,9 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         group_size=cfg.generators.group_size,
         filter_uniform_groups=cfg.algorithm.dynamic_sampling,
         max_frame_bytes=frame_limit_bytes(
-            cfg.buffer.max_frame_mb, cfg.generators.group_size * sequences_per_episode(cfg), cfg.generators.max_model_len
+            cfg.buffer.max_frame_mb,
+            cfg.generators.group_size * sequences_per_episode(cfg),
+            cfg.generators.max_model_len,
         ),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,

@@ -384,6 +384,20 @@ def test_a_malformed_agent_name_is_a_one_line_config_error():
     assert load_config(None, ["env.name=agent:examples.calculator_agent:solve"]).env.name.startswith("agent:")
 
 
+def test_the_computed_frame_limit_allows_a_sequence_per_call_of_an_agent_episode():
+    from async_rl.config import load_config
+    from async_rl.security import frame_limit_bytes
+    from async_rl.settings import buffer_settings
+
+    sizes = ["generators.group_size=16", "generators.max_model_len=8192"]  # above 1 MiB: rounding shows
+    plain = load_config(None, sizes)
+    agent = load_config(None, [*sizes, "env.name=agent:examples.calculator_agent:solve", "env.max_turns=3"])
+    g = agent.generators
+    limit = buffer_settings(agent, "r", None, Path("m")).max_frame_bytes
+    assert limit == frame_limit_bytes(0, 3 * g.group_size, g.max_model_len)
+    assert limit > buffer_settings(plain, "r", None, Path("m")).max_frame_bytes
+
+
 def test_a_template_that_knows_tools_gets_them_and_the_calls_natively():
     from transformers import AutoTokenizer
 
