@@ -513,7 +513,8 @@ class BufferConfig(_Section):
         int,
         _f("largest accepted trajectory frame, MiB; bounds the buffer's memory per message (a larger "
            "part is dropped by ZMQ, a larger whole frame rejected as too_large). 0 = computed: one group "
-           "of group_size x max_model_len tokens at 8 bytes each plus header, rounded up to MiB", ge=0),
+           "of group_size x max_model_len tokens (x env.max_turns for an agent env: a split episode sends "
+           "each segment) at 8 bytes each plus header, rounded up to MiB", ge=0),
     ] = 0
 
 

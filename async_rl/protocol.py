@@ -9,6 +9,8 @@ A trajectory message is a ZMQ multipart frame of three parts:
 A multi-turn episode's completion holds the model's turns and the environment's turns (tool results,
 feedback) in order; its sample carries a loss mask (1 byte per completion token: 1 the model's, 0 the
 environment's; log-prob 0.0 there) in the header. No mask: every completion token is the model's.
+An agent episode split at prefix breaks (docs/agents.md) is several samples of its group, one per
+segment, each naming its episode (`episode_index`): the group's statistics count episodes.
 
 Token ids and log-probs never travel as lists of Python numbers. The same framing carries groups
 from generators to the buffer and batches from the buffer to learner ranks. A frame that fails any
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 3  # 2: finish reason per sample; 3: multi-turn episodes (loss mask, turns, tool counts)
+# 2: finish reason per sample; 3: multi-turn episodes (loss mask, turns, tool counts); 4: a sample may be
+# one segment of an episode (`episode_index`)
+SCHEMA_VERSION = 4
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -62,6 +66,9 @@ class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     finish_reason: int = FINISH_STOP
     loss_mask: bytes | None = None  # per completion token 0/1 (None: every token is the model's)
     episode: EpisodeInfo | None = None  # multi-turn episodes only
+    # The group's episode this sample is a segment of (an agent episode split at prefix breaks);
+    # None: the sample is its own episode. Within a group: all None, or 0, 1, ... in order.
+    episode_index: int | None = None
 
 
 class GroupMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -149,6 +156,10 @@ class TrajectoryGroup:
     # uint8 0/1 per completion token (1 = the model's), per sample; None (all or one): all the model's
     loss_masks: list[np.ndarray | None] | None = None
     episodes: list[EpisodeInfo] | None = None  # multi-turn episodes: per sample counts
+    # Per sample, the episode it is a segment of: 0, 1, ... non-decreasing, consecutive samples of an
+    # episode (an agent episode split at prefix breaks trains each segment as a sample, all with the
+    # episode's reward). None: sample i is episode i. Accounting and group advantages count episodes.
+    episode_of: list[int] | None = None
 
     def loss_mask(self, i: int) -> np.ndarray:
         """Sample i's loss mask as uint8 0/1 (all 1 without one)."""
@@ -162,6 +173,22 @@ class TrajectoryGroup:
     @property
     def oldest_version(self) -> int:
         return min(self.version_first)
+
+    @property
+    def episode_count(self) -> int:
+        """The group's episodes: what leases, accounting and the group's advantage statistics count."""
+        return self.episode_of[-1] + 1 if self.episode_of else self.size
+
+    def episode_index(self) -> list[int]:
+        """Per sample, its episode (sample i is episode i unless episodes were split)."""
+        return list(self.episode_of) if self.episode_of is not None else list(range(self.size))
+
+    def episode_last_samples(self) -> list[int]:
+        """Per episode, its last sample (the segment holding the episode's last call, its answer)."""
+        if self.episode_of is None:
+            return list(range(self.size))
+        of = self.episode_of
+        return [i for i in range(len(of)) if i + 1 == len(of) or of[i + 1] != of[i]]
 
 
 def _mask_bytes(mask: np.ndarray | None) -> bytes | None:
@@ -181,6 +208,27 @@ def _check_episode(s: SampleMeta, prompt_id: int) -> None:
             f"prompt {prompt_id}: turn versions {v} do not fit {ep.turns} turns between versions "
             f"{s.version_first} and {s.version_last}",
         )
+
+
+def _check_episode_index(samples: list[SampleMeta], prompt_id: int) -> list[int] | None:
+    """The group's episode per sample, checked: none, or 0 first and each next the same or one more
+    (an episode's segments are consecutive), the segments of an episode with one reward and status."""
+    index = [s.episode_index for s in samples]
+    if all(i is None for i in index):
+        return None
+    ok = index[0] == 0 and all(
+        b is not None and (b == a or (b == a + 1)) for a, b in zip(index, index[1:], strict=False)
+    )
+    ok = ok and all(
+        b.episode_index != a.episode_index or (a.reward == b.reward and a.reward_status == b.reward_status)
+        for a, b in zip(samples, samples[1:], strict=False)
+    )
+    if not ok:
+        raise FrameError(
+            "bad_episode", f"prompt {prompt_id}: episode indices {index} are not 0, 1, ... in order with one "
+            "reward per episode",
+        )
+    return [i for i in index if i is not None]  # all set, checked above
 
 
 def _decode_mask(s: SampleMeta, prompt_id: int) -> np.ndarray | None:
@@ -222,6 +270,7 @@ def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) ->
                     finish_reason=int(g.finish_reasons[i]) if g.finish_reasons is not None else FINISH_STOP,
                     loss_mask=_mask_bytes(g.loss_masks[i]) if g.loss_masks is not None else None,
                     episode=g.episodes[i] if g.episodes is not None else None,
+                    episode_index=g.episode_of[i] if g.episode_of is not None else None,
                 )
             )
         metas.append(GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples))
@@ -289,6 +338,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
         masks = [_decode_mask(s, g.prompt_id) for s in g.samples]
         for s in g.samples:
             _check_episode(s, g.prompt_id)
+        episode_of = _check_episode_index(g.samples, g.prompt_id)
         for s in g.samples:
             comps.append(tokens[t : t + s.completion_len])
             lps.append(logprobs[lp : lp + s.completion_len])
@@ -310,6 +360,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 episodes=[s.episode or EpisodeInfo() for s in g.samples]
                 if any(s.episode is not None for s in g.samples)
                 else None,
+                episode_of=episode_of,
             )
         )
     if tokens.size and int(tokens.min()) < 0:

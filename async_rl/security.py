@@ -88,9 +88,10 @@ def warn_insecure(stream=sys.stderr) -> None:
 
 
 def frame_limit_bytes(max_frame_mb: int, group_size: int, max_model_len: int) -> int:
-    """The largest trajectory frame the buffer accepts. 0 MiB = computed: one group of
-    `group_size` samples of at most `max_model_len` tokens each (an id and a log-prob per token)
-    plus its header, rounded up to whole MiB."""
+    """The largest trajectory frame the buffer accepts. 0 MiB = computed: one group of at most
+    `group_size` samples (times the segments an agent episode may split into: see settings) of at most
+    `max_model_len` tokens each (an id and a log-prob per token) plus its header, rounded up to
+    whole MiB."""
     if max_frame_mb > 0:
         return max_frame_mb << 20
     need = group_size * (max_model_len * _BYTES_PER_TOKEN + _HEADER_BYTES_PER_SAMPLE) + _HEADER_SLACK

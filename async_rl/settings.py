@@ -11,6 +11,7 @@ from async_rl.cluster import placement
 from async_rl.cluster.devices import device_of, serving_dtype, use_eager, use_prefix_caching, wire_dtype
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config, DataConfig
+from async_rl.envs.factory import AGENT_PREFIX
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
@@ -58,6 +59,12 @@ def with_env_system_prompt(data: DataConfig, cfg: Config) -> DataConfig:
     return msgspec.structs.replace(data, system_prompt=combined_system_prompt(data.system_prompt, cfg.env))
 
 
+def sequences_per_episode(cfg: Config) -> int:
+    """Trained sequences one episode may send: an agent episode split at prefix breaks sends one per
+    segment, at most one per call (env.max_turns); every other episode sends one."""
+    return cfg.env.max_turns if cfg.env.name.startswith(AGENT_PREFIX) else 1
+
+
 def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: Path) -> BufferSettings:
     return BufferSettings(
         run_id=run_id,
@@ -69,7 +76,9 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         group_size=cfg.generators.group_size,
         filter_uniform_groups=cfg.algorithm.dynamic_sampling,
         max_frame_bytes=frame_limit_bytes(
-            cfg.buffer.max_frame_mb, cfg.generators.group_size, cfg.generators.max_model_len
+            cfg.buffer.max_frame_mb,
+            cfg.generators.group_size * sequences_per_episode(cfg),
+            cfg.generators.max_model_len,
         ),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,

@@ -1,14 +1,15 @@
 """`env.name: agent:pkg.module:fn` in a generator engine: one agent process per episode, talking to
-the engine's own endpoint; the episode's recorded calls become one trajectory of the group.
+the engine's own endpoint; the episode's recorded calls become its trajectories in the group.
 
-A group holds `group_size` samples sharing one prompt on the wire, but an agent renders its own
+A group holds `group_size` episodes sharing one prompt on the wire, but an agent renders its own
 prompt (its system message, its tools). So the group's prompt is the longest common prefix of its
-episodes' trained prompts, and each sample's completion starts with the rest of its own prompt,
+segments' prompts, and each sample's completion starts with the rest of its own prompt,
 masked like environment tokens. What the learner sees is exactly what the model saw.
 
-An episode whose calls split into several segments (prefix breaks) trains its last segment, the one
-that holds the scored answer; the earlier ones are counted (`segments_dropped`) and not trained:
-the wire carries one sequence per sample (see docs/agents.md, 'Not done').
+An episode whose calls split into several segments (prefix breaks) trains every segment: each is a
+sample of the group, exactly what the model saw, carrying the episode's reward and its episode index
+(`TrajectoryGroup.episode_of`), so the group's advantage statistics, the buffer's accounting and
+the learner's sample counts stay per episode (docs/agents.md, 'Split episodes').
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class AgentCounters(msgspec.Struct):
     episodes: int = 0
     calls: int = 0  # generation requests served to agents
     prefix_breaks: int = 0  # calls whose prompt did not extend their episode's tokens so far
-    segments_dropped: int = 0  # segments before a break (not trained)
+    segments: int = 0  # trained sequences of the episodes: episodes with a call + prefix breaks
     errors: int = 0  # agents that raised (or returned something that is not a reward or messages)
     timeouts: int = 0  # agents killed at env.agent_timeout_s
     crashes: int = 0  # agent processes that died without a result
@@ -101,8 +102,7 @@ def common_prefix(seqs: list[list[int]]) -> list[int]:
 
 
 class EpisodeOutcome(msgspec.Struct, kw_only=True):
-    segment: Segment | None  # the trained one (None: the agent made no call)
-    breaks: int
+    segments: list[Segment]  # every one trained, in call order (none: the agent made no call)
     reward: float
     status: int
 
@@ -144,11 +144,10 @@ class AgentEpisodes:
             log = self.endpoint.close_episode(episode_id)
         self.counters.episodes += 1
         segments = build_segments(log.calls)
-        breaks = max(0, len(segments) - 1)
-        self.counters.prefix_breaks += breaks
-        self.counters.segments_dropped += breaks
+        self.counters.prefix_breaks += max(0, len(segments) - 1)
+        self.counters.segments += len(segments)
         reward, status = await self._reward(prompt, outcome)
-        return EpisodeOutcome(segment=segments[-1] if segments else None, breaks=breaks, reward=reward, status=status)
+        return EpisodeOutcome(segments=segments, reward=reward, status=status)
 
     async def _reward(self, prompt: Prompt, outcome: AgentOutcome) -> tuple[float, int]:
         if outcome.status != "ok":
@@ -168,17 +167,21 @@ class AgentEpisodes:
     async def run_group(self, prompt: Prompt, request_id: str, sampling: SamplingSpec, n: int, version: int) -> TrajectoryGroup:
         """`n` agent episodes of `prompt` as one group (`version`: the engine's, for episodes without a call)."""
         outs = await asyncio.gather(*(self.episode(prompt, f"{request_id}-s{i}", sampling) for i in range(n)))
-        trained = [o.segment for o in outs if o.segment is not None]
+        trained = [s for o in outs for s in o.segments]
         if not trained:
             raise RuntimeError(f"prompt {prompt.prompt_id}: no agent episode made a model call ({self.counters.last_error})")
+        # Every sample of the group really starts with the group's prompt: the common prefix of all
+        # segments (a segment after a prefix break may share less of it than the first ones).
         head = common_prefix([s.prompt_ids for s in trained])
         if not head:
             raise RuntimeError(f"prompt {prompt.prompt_id}: the agent episodes' prompts share no first token")
+        rows: list[tuple[int, EpisodeOutcome, Segment]] = []
+        for e, o in enumerate(outs):
+            # The agent failed before its first call: an empty sample, its status counted.
+            empty = Segment(prompt_ids=list(head), turn_versions=[], version_last=version, finish_reason="abort")
+            rows += [(e, o, s) for s in (o.segments or [empty])]
         completions, masks, logprobs, episodes, firsts, lasts, finishes = [], [], [], [], [], [], []
-        for o in outs:
-            s = o.segment
-            if s is None:  # the agent failed before its first call: an empty sample, its status counted
-                s = Segment(prompt_ids=list(head), turn_versions=[], version_last=version, finish_reason="abort")
+        for _, _, s in rows:
             rest = s.prompt_ids[len(head) :]
             completions.append(np.asarray(rest + s.completion_ids, dtype=TOKEN_DTYPE))
             masks.append(np.asarray([0] * len(rest) + s.loss_mask, dtype=np.uint8))
@@ -187,17 +190,19 @@ class AgentEpisodes:
             firsts.append(s.turn_versions[0] if s.turn_versions else version)
             lasts.append(s.version_last)
             finishes.append(FINISH_REASONS.get(s.finish_reason, FINISH_REASONS["stop"]))
+        split = len(rows) > len(outs)
         return TrajectoryGroup(
             prompt_id=prompt.prompt_id,
             engine_id=self.engine_id,
             prompt_tokens=np.asarray(head, dtype=TOKEN_DTYPE),
             completions=completions,
             logprobs=logprobs,
-            rewards=[o.reward for o in outs],
+            rewards=[o.reward for _, o, _ in rows],
             version_first=firsts,
             version_last=lasts,
-            reward_status=[o.status for o in outs],
+            reward_status=[o.status for _, o, _ in rows],
             finish_reasons=finishes,
             loss_masks=masks,
             episodes=episodes,
+            episode_of=[e for e, _, _ in rows] if split else None,
         )

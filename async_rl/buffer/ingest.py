@@ -99,19 +99,23 @@ class Ingest:
             raise FrameError("unknown_prompt", f"prompt {g.prompt_id} is not leased (late or duplicate)")
         if owner != g.engine_id:
             raise FrameError("wrong_engine", f"prompt {g.prompt_id} was leased to engine {owner}")
-        if g.size != self._group_size:
-            raise FrameError("group_size", f"prompt {g.prompt_id}: {g.size} samples, want {self._group_size}")
+        if g.episode_count != self._group_size:  # episodes, not samples: a split episode is several
+            raise FrameError(
+                "group_size", f"prompt {g.prompt_id}: {g.episode_count} episodes, want {self._group_size}"
+            )
 
     def accept(self, g: TrajectoryGroup) -> None:
+        """Counted in episodes (the leased unit): a split agent episode's segments count once."""
         self._leases.settle(g.prompt_id)
-        self.reward_errors += sum(1 for s in g.reward_status if s == REWARD_ERROR)
-        self.reward_timeouts += sum(1 for s in g.reward_status if s == REWARD_TIMEOUT)
-        self.reward_crashes += sum(1 for s in g.reward_status if s == REWARD_CRASH)
+        status = [g.reward_status[i] for i in g.episode_last_samples()]
+        self.reward_errors += sum(1 for s in status if s == REWARD_ERROR)
+        self.reward_timeouts += sum(1 for s in status if s == REWARD_TIMEOUT)
+        self.reward_crashes += sum(1 for s in status if s == REWARD_CRASH)
         if self._filter_uniform and len(set(g.rewards)) == 1:
-            self._ledger.arrived_filtered(g.size)
+            self._ledger.arrived_filtered(g.episode_count)
             self.filtered_groups += 1
         else:
-            self._ledger.arrived(g.size)
+            self._ledger.arrived(g.episode_count)
             self._deliver(g)
 
     async def run(self, pull: zmq.asyncio.Socket) -> None:

@@ -4,6 +4,8 @@ The first request for a step builds its batch (FIFO, stale groups dropped); ever
 shard over the ZMQ ROUTER socket. A built batch is kept (and served again to a rank that asks again)
 until the controller acknowledges that the learner trained on it: only then are its samples counted
 `trained`. A batch never acknowledged (its learner died) is counted lost when the buffer closes.
+The ledger counts episodes (the leased unit): a split agent episode's segments count once, and a
+group is stale by its oldest segment.
 """
 
 from __future__ import annotations
@@ -69,13 +71,13 @@ class BatchServer:
         shards = self._batches.pop(step, None)
         if shards is None:
             return 0
-        samples = sum(g.size for shard in shards for g in shard)
+        samples = sum(g.episode_count for shard in shards for g in shard)
         self._ledger.trained(samples)
         return samples
 
     def lose_unacked(self) -> int:
         """The buffer closes: batches handed out but never acknowledged are counted lost."""
-        samples = sum(g.size for shards in self._batches.values() for shard in shards for g in shard)
+        samples = sum(g.episode_count for shards in self._batches.values() for shard in shards for g in shard)
         self._ledger.lost_waiting(samples)
         self._batches.clear()
         return samples
@@ -99,7 +101,7 @@ class BatchServer:
                     await changed.wait()
                 g = self._waiting.popleft()
                 if Ledger.is_stale(g.oldest_version, step, self._max_lag):
-                    self._ledger.dropped_stale(g.size)
+                    self._ledger.dropped_stale(g.episode_count)
                     changed.notify_all()  # dropping frees admission capacity
                     continue
                 batch.append(g)

@@ -259,7 +259,7 @@ class GeneratorEngine:
     async def _push_group(self, group: TrajectoryGroup) -> None:
         await self._push.send_multipart(encode_groups(self.s.run_id, [group]))
         self._groups += 1
-        self._samples += group.size
+        self._samples += group.episode_count  # episodes (a split agent episode's segments count once)
         masks = group.loss_masks or [None] * group.size
         self._tokens += sum(len(c) if m is None else int(m.sum()) for c, m in zip(group.completions, masks, strict=True))
 
@@ -426,13 +426,14 @@ class GeneratorEngine:
             self.sampling, n=1, temperature=params.temperature, max_tokens=params.max_tokens
         )
         group = await self._run_episodes(prompt, request_id, sampling, params.n)
+        last = group.episode_last_samples()  # per episode (a split agent episode: its last segment)
         return EvalResult(
             prompt_id=prompt.prompt_id,
             data_source=prompt.data_source,
-            rewards=list(group.rewards),
-            completion_lens=[len(c) for c in group.completions],
-            finish_reasons=list(group.finish_reasons or []),
-            reward_failures=sum(1 for st in group.reward_status if st != REWARD_OK),
+            rewards=[group.rewards[i] for i in last],
+            completion_lens=[len(group.completions[i]) for i in last],
+            finish_reasons=[group.finish_reasons[i] for i in last] if group.finish_reasons else [],
+            reward_failures=sum(1 for i in last if group.reward_status[i] != REWARD_OK),
         )
 
     # ---- membership (called by the controller) ---------------------------------------------------

@@ -48,7 +48,10 @@ class TokenBatch(Protocol):
     attention_mask: torch.Tensor  # [B, T + 1]
     behav_logp: torch.Tensor  # [B, T] vLLM's log-probs at completion positions
     loss_mask: torch.Tensor  # [B, T] 1 on completion positions
-    rewards: torch.Tensor  # [groups, n], groups in row order (B = groups * n)
+    rewards: torch.Tensor  # [groups, n] one per episode, groups in row order
+    # [B] long: each row's episode, flat over `rewards` (arange(B) when every row is an episode; a
+    # split agent episode's segments are several rows of one episode)
+    episode_rows: torch.Tensor
     completion_lens: torch.Tensor  # [B] completion tokens per row
     truncated: torch.Tensor  # [B] bool: finish reason length (cut at max_tokens)
 
@@ -83,6 +86,8 @@ class Prepared:
     # Whether the global batch's loss has any gradient: False when every advantage on a loss token is
     # 0 (all groups uniform) and no KL term is in the loss. Such a batch takes no optimizer step.
     signal: bool = True
+    # [B] 1.0 on each episode's first row (None: every row is an episode): Dr.GRPO counts episodes.
+    episode_first: torch.Tensor | None = None
 
     def rows(self, sl: slice) -> Prepared:
         """The shard's rows `sl`, every batch-level value the shard's (`Algorithm.minibatch` then
@@ -102,6 +107,7 @@ class Prepared:
             kl_ref=self.kl_ref,
             value_loss=self.value_loss,
             signal=self.signal,
+            episode_first=cut(self.episode_first),
         )
 
     def for_micro_batch(self, mb: MicroBatch) -> Prepared:
@@ -201,10 +207,15 @@ class Algorithm:
         `reduce` sums over the data-parallel ranks (batch-wide whitening, the global denominator)."""
         c = self.cfg
         mask = b.loss_mask
-        rewards = b.rewards
+        rewards = b.rewards  # per episode; `rows` maps each row (sequence) to its episode
+        rows = b.episode_rows
         if c.overlong == "penalty":
+            # A split episode's length is its longest segment's (each segment is one sequence).
+            lengths = torch.zeros(rewards.numel(), dtype=b.completion_lens.dtype).scatter_reduce(
+                0, rows, b.completion_lens, "amax", include_self=False
+            )
             rewards = rewards + overlong_penalty(
-                b.completion_lens.reshape(rewards.shape), self.max_tokens, c.overlong_buffer_tokens, c.overlong_penalty
+                lengths.reshape(rewards.shape), self.max_tokens, c.overlong_buffer_tokens, c.overlong_penalty
             )
         elif c.overlong == "mask":
             # Truncated samples add no loss (and do not count in the token mean); their rewards still
@@ -223,11 +234,13 @@ class Algorithm:
             kl_tokens = kl_estimate(old, ref, c.kl_estimator)
             kl_ref = float((kl_tokens * mask).sum() / mask.sum().clamp(min=1.0))
         if c.name in GROUP_ESTIMATORS:
-            advantages = GROUP_ESTIMATORS[c.name](rewards).reshape(-1, 1)
+            # Group statistics over episodes (one reward each), then each row gets its episode's.
+            advantages = GROUP_ESTIMATORS[c.name](rewards).reshape(-1)[rows].reshape(-1, 1)
             if c.overlong == "mask":
                 advantages = advantages * mask.amax(dim=1, keepdim=True)
         else:
-            rewards = token_rewards(rewards.reshape(-1), mask, kl_tokens, c.kl_coef)
+            # Each row (a split episode's segments too) ends with its episode's reward.
+            rewards = token_rewards(rewards.reshape(-1)[rows], mask, kl_tokens, c.kl_coef)
             if c.name == "reinforce_pp":
                 advantages = masked_whiten(
                     discounted_returns(rewards, mask, c.gamma), mask, reduce
@@ -238,7 +251,9 @@ class Algorithm:
                 vloss = self.critic.update(hidden, returns, mask)
                 advantages = masked_whiten(raw, mask, reduce)
         kl_loss = ref is not None and not c.kl_in_reward
-        denominator, signal = self._totals(mask, advantages, kl_loss, reduce)
+        first = torch.ones(len(rows))
+        first[1:] = (rows[1:] != rows[:-1]).to(first.dtype)
+        denominator, signal = self._totals(mask, advantages, kl_loss, reduce, first)
         cov_select = None
         if c.cov_control != "none":
             # The covariance of the policy before this update (the proximal one when recomputed, else
@@ -259,6 +274,7 @@ class Algorithm:
             kl_ref=kl_ref,
             value_loss=vloss,
             signal=signal,
+            episode_first=first,
         )
 
     def minibatch(
@@ -270,7 +286,9 @@ class Algorithm:
         ranks' mini-batch of the same index), so each update is the token mean over its mini-batch.
         Collective: one all-reduce, on every rank for every mini-batch."""
         part = p.rows(rows)
-        part.denominator, part.signal = self._totals(part.mask, part.advantages, part.ref_logp is not None, reduce)
+        part.denominator, part.signal = self._totals(
+            part.mask, part.advantages, part.ref_logp is not None, reduce, part.episode_first
+        )
         return part
 
     def _totals(
@@ -279,8 +297,10 @@ class Algorithm:
         advantages: torch.Tensor,
         kl_loss: bool,
         reduce: Callable[[torch.Tensor], torch.Tensor],
+        episode_first: torch.Tensor | None = None,
     ) -> tuple[float, bool]:
-        """(denominator, signal) of the global batch whose rows on this rank are `mask`."""
+        """(denominator, signal) of the global batch whose rows on this rank are `mask`
+        (`episode_first`: 1 on each episode's first row; None: every row is an episode)."""
         # The loss is a sum over tokens / the global batch's denominator on every rank; the backend sums
         # gradients over ranks, so the update is the global batch's token mean, however unequal the
         # ranks' token counts (a per-rank mean averaged over ranks would weight short shards up).
@@ -290,11 +310,13 @@ class Algorithm:
         # full-size step. On a converged policy (most groups uniform) that pair of steps made the
         # quickstart collapse (KL to behaviour 0.35-0.67 right after zero-gradient steps).
         live = 1.0 if kl_loss else float(((advantages != 0).to(mask.dtype) * mask).sum())
+        episodes = float(mask.shape[0]) if episode_first is None else float(episode_first.sum())
         n_seq, n_tok, n_signal = reduce(
-            torch.tensor([float(mask.shape[0]), float(mask.sum()), live], dtype=torch.float64)
+            torch.tensor([episodes, float(mask.sum()), live], dtype=torch.float64)
         ).tolist()
-        # Dr.GRPO: sum over tokens / (sequences * max completion length), the same constant for every
-        # batch, so a long completion is not down-weighted per token. Otherwise the token mean over
+        # Dr.GRPO: sum over tokens / (episodes * max completion length), the same constant for every
+        # batch, so a long completion is not down-weighted per token (a split agent episode counts
+        # once: its segments' tokens weigh what they would in one sequence). Otherwise the token mean over
         # the global batch's completion tokens; tokens masked for an extreme ratio add 0 but still
         # count, so the loss of the batch is the sum of its micro-batches' losses.
         return (n_seq * self.max_tokens if self.cfg.name == "dr_grpo" else n_tok), n_signal > 0

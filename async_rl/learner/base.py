@@ -64,8 +64,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     grad_norm: float
     clip_frac: float
     tis_frac: float
-    samples: int
-    tokens: int
+    samples: int  # episodes trained (a split agent episode's segments count once, as in the buffer)
+    tokens: int  # completion tokens of every trained sequence
     wait_s: float  # time spent waiting for the batch
     compute_s: float
     lr: float = 0.0  # learning rate used by this step
@@ -77,7 +77,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     value_loss: float = 0.0  # ppo: the critic's value loss
     entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
     cov_frac: float = 0.0  # fraction of kept loss tokens the covariance control acted on (algorithm.cov_control)
-    completion_lens: list[int] = []  # tokens of every completion of the shard (length percentiles)
+    completion_lens: list[int] = []  # tokens of every completion (sequence) of the shard (length percentiles)
     truncated: int = 0  # completions of the shard cut at max_tokens (finish reason length)
     episodes: list[EpisodeInfo] = []  # multi-turn episodes of the shard: turns and tool counts
     env_tokens: int = 0  # completion tokens of the shard that the environment wrote (no loss)
@@ -88,8 +88,33 @@ def completion_lengths(groups: list[TrajectoryGroup]) -> list[int]:
     return [len(c) for g in groups for c in g.completions]
 
 
+def episode_rewards(groups: list[TrajectoryGroup]) -> list[float]:
+    """One reward per episode (a split agent episode's segments carry the same one)."""
+    return [g.rewards[i] for g in groups for i in g.episode_last_samples()]
+
+
+def _merged(parts: list[EpisodeInfo]) -> EpisodeInfo:
+    """One episode's counts from its segments' (a split agent episode: one per segment)."""
+    if len(parts) == 1:
+        return parts[0]
+    return EpisodeInfo(
+        turns=sum(p.turns for p in parts),
+        tool_calls=sum(p.tool_calls for p in parts),
+        tool_errors=sum(p.tool_errors for p in parts),
+        tool_timeouts=sum(p.tool_timeouts for p in parts),
+        tool_ok=sum(p.tool_ok for p in parts),
+        turn_versions=[v for p in parts for v in p.turn_versions],
+    )
+
+
 def episode_infos(groups: list[TrajectoryGroup]) -> list[EpisodeInfo]:
-    return [e for g in groups for e in (g.episodes or ())]
+    out = []
+    for g in groups:
+        if g.episodes is None:
+            continue
+        index = g.episode_index()
+        out += [_merged([e for e, k in zip(g.episodes, index, strict=True) if k == ep]) for ep in range(g.episode_count)]
+    return out
 
 
 def env_token_count(groups: list[TrajectoryGroup]) -> int:
@@ -97,8 +122,14 @@ def env_token_count(groups: list[TrajectoryGroup]) -> int:
 
 
 def across_updates_count(groups: list[TrajectoryGroup]) -> int:
-    """Samples generated across a weight update (an episode whose later turns ran on newer weights)."""
-    return sum(last > first for g in groups for first, last in zip(g.version_first, g.version_last, strict=True))
+    """Episodes generated across a weight update (later turns, or later segments, on newer weights)."""
+    count = 0
+    for g in groups:
+        index = g.episode_index()
+        for ep in range(g.episode_count):
+            rows = [i for i, k in enumerate(index) if k == ep]
+            count += max(g.version_last[i] for i in rows) > min(g.version_first[i] for i in rows)
+    return count
 
 
 def truncated_count(groups: list[TrajectoryGroup]) -> int:

@@ -35,6 +35,7 @@ from async_rl.learner.base import (
     completion_lengths,
     env_token_count,
     episode_infos,
+    episode_rewards,
     truncated_count,
 )
 from async_rl.learner.batch_client import BatchClient
@@ -318,8 +319,8 @@ class LearnerDriver(LearnerRank):
         return StepMetrics(
             step=step,
             rank=self.rank,
-            reward_mean=float(np.mean([r for g in groups for r in g.rewards])),
-            samples=len(samples) if counted else 0,
+            reward_mean=float(np.mean(episode_rewards(groups))),
+            samples=sum(g.episode_count for g in groups) if counted else 0,
             tokens=sum(x.completion_len for x in samples) if counted else 0,
             wait_s=0.0,
             compute_s=time.perf_counter() - t0,

@@ -3,7 +3,8 @@
 The torch backend's algorithm prepares on it (advantages and the no-grad passes) before the packed
 micro-batches; the megatron backend trains on it directly (its schedules take fixed shapes). Loss
 positions index the *targets* (input shifted by one). A multi-turn episode's loss mask has holes:
-its environment tokens are inputs (the model saw them) but carry no loss.
+its environment tokens are inputs (the model saw them) but carry no loss. Rewards are per episode:
+the segments of a split agent episode are rows of their own that map to one episode.
 """
 
 from __future__ import annotations
@@ -12,6 +13,16 @@ import numpy as np
 import torch
 
 from async_rl.protocol import FINISH_LENGTH, TrajectoryGroup
+
+
+def episode_rows(groups: list[TrajectoryGroup]) -> torch.Tensor:
+    """Per row (one per sample, groups in order), its episode in the flat [groups * episodes] order of
+    the shard's rewards: arange(rows) unless an agent episode was split into several samples."""
+    rows, base = [], 0
+    for g in groups:
+        rows += [base + e for e in g.episode_index()]
+        base += g.episode_count
+    return torch.tensor(rows, dtype=torch.long)
 
 
 class PaddedShard:
@@ -35,7 +46,12 @@ class PaddedShard:
             self.attention_mask[i, : len(s)] = 1
             self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
             self.loss_mask[i, start : start + length] = torch.from_numpy(m.astype(np.float32))
-        self.rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        # One reward per episode, [groups, episodes]: a split agent episode's segments (rows) share
+        # its reward and count once in its group's statistics; `episode_rows` maps rows to episodes.
+        self.rewards = torch.tensor(
+            [[g.rewards[i] for i in g.episode_last_samples()] for g in groups], dtype=torch.float32
+        )
+        self.episode_rows = episode_rows(groups)
         self.completion_lens = torch.tensor(lengths, dtype=torch.long)
         # cut at max_tokens (finish reason length): algorithm.overlong decides what they count for
         self.truncated = torch.tensor(

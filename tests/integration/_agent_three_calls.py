@@ -1,7 +1,9 @@
 """The agent of tests/integration/test_agents_real.py: three chat calls through the openai SDK, each
 sending the conversation back with a user follow-up (an append-only episode). Episodes of prompts from
 GATED_FROM on hold after their first call until the test writes the marker (after the first weight
-sync), so their later calls run on newer weights than their first: a weight update inside an episode."""
+sync), so their later calls run on newer weights than their first: a weight update inside an episode.
+Each group's second episode (sample index 1) rewrites history for its third call (the first exchange
+dropped): a prefix break, so that episode trains as two segments."""
 
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ def _prompt_id(client) -> int:
 def three_calls(client, prompt, model) -> float:
     messages = list(prompt)
     lengths = []
+    rewrites = str(client.base_url).rstrip("/").split("/")[-2].endswith("-s1")
     for k in range(3):
-        if k:
+        if k == 2 and rewrites:  # the first exchange dropped: the prompt does not extend the episode
+            messages = list(prompt) + [{"role": "user", "content": FOLLOW_UP}]
+        elif k:
             messages.append({"role": "user", "content": FOLLOW_UP})
         reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24).choices[0].message
         messages.append({"role": "assistant", "content": reply.content or ""})

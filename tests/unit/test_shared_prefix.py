@@ -210,3 +210,20 @@ def test_a_backend_without_block_masks_falls_back_with_a_note(model_dir, monkeyp
     rank = make_rank(model_dir, share_prompt=True)
     assert rank.share_prompt is False
     assert "learner.share_prompt" in capsys.readouterr().err
+
+
+def test_split_agent_episodes_step_the_same_shared_and_count_as_episodes(model_dir):
+    """Agent episodes split at prefix breaks (docs/agents.md): each segment a sample with its
+    episode's reward. The shared-prompt step equals the unshared one, and the step's metrics count
+    episodes (samples, reward mean) while its lengths count every trained sequence."""
+    gs = episode_groups(12, n_groups=2, group_size=4)
+    for g in gs:
+        g.rewards[1] = g.rewards[0]
+        g.episode_of = [0, 0, 1, 2]  # 3 episodes, the first in two segments
+    common = {"algorithm": AlgorithmConfig(name="grpo"), "micro_batch_tokens": 20}
+    off = _step(make_rank(model_dir, share_prompt=False, **common), gs)
+    on = _step(make_rank(model_dir, share_prompt=True, **common), gs)
+    _assert_equal_steps(off, on)
+    m = on["metrics"]
+    assert m.samples == 6 and len(m.completion_lens) == 8
+    assert m.reward_mean == pytest.approx(np.mean([r for g in gs for r in g.rewards[1:]]))

@@ -11,4 +11,5 @@ from async_rl.protocol import TrajectoryGroup
 class Collated(PaddedShard):
     def __init__(self, groups: list[TrajectoryGroup]) -> None:
         super().__init__(groups)
-        self.advantages = grpo_advantages(self.rewards).reshape(-1, 1)
+        # per episode, then to each of its rows (a split agent episode's segments share it)
+        self.advantages = grpo_advantages(self.rewards).reshape(-1)[self.episode_rows].reshape(-1, 1)
