@@ -31,6 +31,7 @@ class AgentJob(msgspec.Struct, frozen=True, kw_only=True):
     answer: str = ""
     metadata: dict = {}
     timeout_s: float = 300.0
+    env_id: str = ""  # env.name 'verifiers:ID': the ID, passed to the bridge agent ('' for agent:...)
 
 
 class AgentOutcome(msgspec.Struct, frozen=True, kw_only=True):
