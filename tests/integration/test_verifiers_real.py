@@ -10,8 +10,6 @@ PYTHONPATH (examples/vf_arith), so they need not be installed in that venv.
 from __future__ import annotations
 
 import asyncio
-import os
-from pathlib import Path
 
 import pytest
 
@@ -19,43 +17,25 @@ from async_rl.agents.endpoint import AgentEndpoint
 from async_rl.agents.episodes import AgentEpisodes, EngineModel
 from async_rl.agents.setup import end_of_turn_renderer
 from async_rl.config import EnvConfig
-from async_rl.errors import ConfigError
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.sampling import SamplingSpec
 from async_rl.protocol import REWARD_OK, ChatMessage, Prompt
 from tests.integration._real_run import smollm2_dir
+from tests.unit._verifiers_venv import VF_PYTHON, examples_pythonpath, unavailable
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-VF_PYTHON = os.environ.get("ASYNC_RL_VERIFIERS_PYTHON", str(REPO / ".venv-verifiers" / "bin" / "python"))
-EXAMPLES = REPO / "examples" / "vf_arith"
 PROMPT = Prompt(prompt_id=3, messages=[ChatMessage("user", "What is 17 + 25? Answer with the number in \\boxed{}.")],
                 answer="42")
 SAMPLING = SamplingSpec(n=1, max_tokens=96, temperature=1.0, stop_token_ids=[2])
-
-
-def _unavailable() -> str | None:
-    """Why this machine cannot run verifiers episodes (None: it can)."""
-    from async_rl.envs.verifiers_env import check_interpreter
-
-    if not Path(VF_PYTHON).is_file():
-        return (f"no verifiers venv at {VF_PYTHON}: `make verifiers-venv` (or set ASYNC_RL_VERIFIERS_PYTHON)")
-    if not (Path(VF_PYTHON).parent / "uv").is_file():
-        return f"no uv next to {VF_PYTHON} (verifiers prepares its harness programs with it): pip install uv there"
-    try:
-        check_interpreter(VF_PYTHON, "vf-arith")
-    except ConfigError as exc:
-        return str(exc)
-    return None
 
 
 @pytest.fixture(scope="module")
 def engine_endpoint():
     """One smollm2 engine and its endpoint for the module; the example tasksets on the agents' path."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")]))
-        why = _unavailable()
+        mp.setenv("PYTHONPATH", examples_pythonpath())
+        why = unavailable()
         if why:
             pytest.skip(why)
         from transformers import AutoTokenizer

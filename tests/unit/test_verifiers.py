@@ -1,7 +1,8 @@
 """`env.name: verifiers:ID` without verifiers installed: the endpoint's streamed chat completions (what
 verifiers' harness programs ask for), the routing of verifiers:ID to the bridge agent with its ID,
 the bridge's reward contract, and the one-line errors of the config and the interpreter check.
-tests/integration/test_verifiers_real.py runs real verifiers episodes (it needs a verifiers venv)."""
+With a verifiers venv, real verifiers episodes against the scripted model (exact rewards and tokens);
+tests/integration/test_verifiers_real.py runs them against a real engine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from async_rl.agents.verifiers_bridge import episode_reward
 from async_rl.config import EnvConfig, load_config
 from async_rl.envs.verifiers_env import check_interpreter, id_error
 from async_rl.errors import ConfigError
-from async_rl.protocol import REWARD_ERROR, ChatMessage, Prompt
+from async_rl.protocol import REWARD_ERROR, REWARD_OK, ChatMessage, Prompt
+from tests.unit._verifiers_venv import VF_PYTHON, examples_pythonpath, unavailable
 from tests.unit.test_agents import KEY, SAMPLING, SMOLLM2, serve
 
 needs_tokenizer = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="no local SmolLM2 tokenizer")
@@ -129,3 +131,43 @@ def test_an_interpreter_without_verifiers_is_one_line_naming_it(tmp_path):
     assert "\n" not in message and "does not import verifiers" in message and "No module named 'verifiers'" in message
     with pytest.raises(ConfigError, match="cannot run env.python"):
         check_interpreter(str(tmp_path / "no-python"), "vf-arith")
+
+
+# ---- real verifiers episodes against the scripted model (needs a verifiers venv) -------------------
+
+
+@pytest.fixture(scope="module")
+def verifiers_venv():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", examples_pythonpath())
+        why = unavailable()
+        if why:
+            pytest.skip(why)
+        yield VF_PYTHON
+
+
+@needs_tokenizer
+def test_verifiers_episodes_score_our_prompt_or_the_tasksets_row_and_multi_turn_is_one_segment(tokenizer, verifiers_venv):
+    async def episode(env_id: str, script: list[str], prompt: Prompt):
+        endpoint, model = serve(tokenizer, script)
+        await endpoint.start()
+        cfg = EnvConfig(name=f"verifiers:{env_id}", python=verifiers_venv, agent_timeout_s=120)
+        agents = AgentEpisodes(cfg, endpoint, None, engine_id=0)
+        try:
+            return await agents.episode(prompt, "ep", SAMPLING), agents.counters, model
+        finally:
+            await endpoint.stop()
+
+    ours = Prompt(prompt_id=1, messages=[ChatMessage("user", "What is 17 + 25?")], answer="42")
+    right, counters, _ = asyncio.run(episode("vf-arith", ["It is \\boxed{42}."], ours))
+    assert (right.reward, right.status, counters.errors) == (1.0, REWARD_OK, 0), counters.last_error
+    assert "What is 17 + 25?" in tokenizer.decode(right.segment.prompt_ids)
+    row = Prompt(prompt_id=2, messages=[ChatMessage("user", "ignored")], answer="", metadata={"vf_idx": 1})
+    wrong, _, _ = asyncio.run(episode("vf-arith", ["It is \\boxed{42}."], row))  # row 1: 9 * 8
+    assert wrong.reward == 0.0 and "What is 9 * 8?" in tokenizer.decode(wrong.segment.prompt_ids)
+    retried, counters, model = asyncio.run(episode("vf-arith-retry", ["\\boxed{41}", "\\boxed{42}"], ours))
+    assert retried.reward == 1.0 and retried.breaks == 0 and len(model.prompts) == 2
+    seg = retried.segment  # both answers trained, the env's feedback between them masked
+    assert seg.turn_versions == [0, 0] and sum(seg.loss_mask) == 2 * len(tokenizer.encode("\\boxed{41}") + [2])
+    feedback = tokenizer.decode([t for t, m in zip(seg.completion_ids, seg.loss_mask, strict=True) if not m])
+    assert "Check the arithmetic and answer again" in feedback
