@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install quickstart test test-unit test-integration test-gpu lint bench bench-quick docs clean
+.PHONY: install quickstart test test-unit test-integration test-gpu lint bench bench-quick docs clean verifiers-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration
+
+# A venv of its own for `env.name: verifiers:ID` (its pins conflict with ours): env.python names
+# .venv-verifiers/bin/python; tests/integration/test_verifiers_real.py runs when it exists (~40 s).
+verifiers-venv:
+	$(PYTHON) -m venv .venv-verifiers
+	.venv-verifiers/bin/pip install verifiers==0.4.0 uv
 
 # The GPU tier, on a CUDA machine, in the Python environment that has the CUDA builds (not $(VENV):
 # `make install` puts the CPU torch there). Part A needs torch, CuPy, megatron-core and transformers;

@@ -569,15 +569,17 @@ class EnvConfig(_Section):
         str,
         _f("'' = single-turn (one completion per sample); 'tools' (the model may call env.tools before it "
            "answers; task.reward scores the final answer); 'guess' (guess-the-number game, prompts from "
-           "task.name 'async_rl.envs.guess:GuessNumberTask'); 'verifiers:ID' (a verifiers-library "
-           "environment); 'agent:pkg.module:fn' (a user agent written against the openai SDK, served by the "
+           "task.name 'async_rl.envs.guess:GuessNumberTask'); 'verifiers:ID' (a verifiers 0.4 environment, "
+           "run as an agent in env.python: docs/agents.md); 'agent:pkg.module:fn' (a user agent written "
+           "against the openai SDK, served by the "
            "engine's OpenAI-compatible endpoint: docs/agents.md); or a factory 'pkg.module:make_env', called as "
            "make_env(env_config, reward) -> Environment"),
     ] = ""
     python: Annotated[
         str,
-        _f("env=agent: the Python interpreter that runs the agent ('' = the run's own); e.g. a venv whose "
-           "packages conflict with ours. It needs the openai SDK and the agent's module"),
+        _f("env=agent or verifiers: the Python interpreter that runs the agent ('' = the run's own); e.g. a venv "
+           "whose packages conflict with ours. It needs the openai SDK and the agent's module (verifiers:ID: "
+           "verifiers 0.4, uv and the taskset package ID: docs/agents.md)"),
     ] = ""
     agent_timeout_s: Annotated[
         float,
@@ -812,8 +814,11 @@ def validate_env(cfg: Config) -> None:
             f"env.name '{e.name}' is not a built-in environment {_ENV_BUILTINS}, 'verifiers:<id>', "
             "'agent:pkg.module:fn' nor 'pkg.module:factory'"
         )
-    if e.name == "verifiers:":
-        raise ConfigError("env.name 'verifiers:' names no environment: give verifiers:<id>")
+    if e.name.startswith("verifiers:"):
+        from async_rl.envs.verifiers_env import id_error
+
+        if why := id_error(e.name.removeprefix("verifiers:")):
+            raise ConfigError(f"env.name '{e.name}' {why}")
     if e.name.startswith("agent:") and (e.name.count(":") != 2 or not all(e.name.split(":")[1:])):
         raise ConfigError(f"env.name '{e.name}' is not 'agent:pkg.module:fn'")
     if e.name == "tools" and not e.tools:

@@ -5,7 +5,7 @@ Self-contained on purpose (standard library and the `openai` SDK only, no async_
 The job (JSON) names the agent 'pkg.module:fn', the episode's base_url and key, and the prompt; fn is
 called as fn(client, prompt, **extras), sync or async, where `client` is an `openai.OpenAI` (or
 `openai.AsyncOpenAI` for an async fn) pointed at the episode's route, `prompt` the chat messages, and
-extras those of model/answer/metadata that fn names (or all, with **kwargs). It returns the reward
+extras those of model/answer/metadata/env_id that fn names (or all, with **kwargs). It returns the reward
 (a number) or the final messages (a list of {"role", "content"}); the result is written as JSON.
 """
 
@@ -54,7 +54,8 @@ def main(job_path, result_path):
         import openai
 
         fn = _load(job["target"])
-        extras = _extras(fn, {"model": job["model"], "answer": job["answer"], "metadata": job["metadata"]})
+        offered = {"model": job["model"], "answer": job["answer"], "metadata": job["metadata"], "env_id": job["env_id"]}
+        extras = _extras(fn, offered)
         kwargs = {"base_url": job["base_url"], "api_key": job["api_key"], "max_retries": 0, "timeout": job["timeout_s"]}
         if inspect.iscoroutinefunction(fn):
             async def run():

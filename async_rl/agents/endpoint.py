@@ -22,6 +22,7 @@ import msgspec
 from async_rl.agents.episode_log import CallRecord, Choice, EpisodeLog, Reply
 from async_rl.agents.openai_types import ChatRequest, CompletionRequest
 from async_rl.agents.rendering import ChatRenderer, parse_reply
+from async_rl.agents.streaming import StreamFlags, chat_completion_chunks, sse_body
 from async_rl.generator.sampling import SamplingSpec
 
 EPISODE_HEADER = "X-Episode-Id"
@@ -90,7 +91,7 @@ class AgentEndpoint:
         app = web.Application(middlewares=[self._auth], client_max_size=64 << 20)
         for prefix in ("/v1", "/episodes/{episode}/v1"):
             app.router.add_get(prefix + "/models", self._models)
-            app.router.add_post(prefix + "/chat/completions", self._wrap(self._chat))
+            app.router.add_post(prefix + "/chat/completions", self._wrap(self._chat, streams=True))
             app.router.add_post(prefix + "/completions", self._wrap(self._completions))
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -146,7 +147,8 @@ class AgentEndpoint:
                                          "max_model_len": self.backend.max_model_len}]}
         )
 
-    def _wrap(self, handler: Callable[[EpisodeLog, bytes], Awaitable[dict]]):
+    def _wrap(self, handler: Callable[[EpisodeLog, bytes], Awaitable[dict]], streams: bool = False):
+        """`streams`: a request with `stream: true` gets the reply as server-sent events (streaming.py)."""
         from aiohttp import web
 
         async def serve(request):
@@ -156,7 +158,13 @@ class AgentEndpoint:
                 why = "no episode named" if not episode else f"episode '{episode}' is not open on this engine"
                 return self._error(404, f"{why}: use the route /episodes/ID/v1 or the {EPISODE_HEADER} header")
             try:
-                return web.json_response(await handler(log, await request.read()))
+                body = await request.read()
+                reply = await handler(log, body)
+                flags = msgspec.json.decode(body, type=StreamFlags) if streams else StreamFlags()
+                if flags.stream:
+                    events = sse_body(chat_completion_chunks(reply, flags.include_usage))
+                    return web.Response(body=events, content_type="text/event-stream")
+                return web.json_response(reply)
             except RequestError as exc:
                 return self._error(exc.status, str(exc), exc.kind)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -186,8 +194,6 @@ class AgentEndpoint:
 
     async def _chat(self, log: EpisodeLog, body: bytes) -> dict:
         req = msgspec.json.decode(body, type=ChatRequest)
-        if req.stream:
-            raise RequestError(400, "stream=true is not served: the endpoint answers whole completions")
         if not req.messages:
             raise RequestError(400, "messages is empty")
         spliced = log.splice(req.messages, req.tools)

@@ -24,7 +24,7 @@ from async_rl.agents.endpoint import AgentEndpoint, CallSampling, ModelBackend
 from async_rl.agents.episode_log import Choice, Segment, build_segments
 from async_rl.agents.runner import AgentJob, AgentOutcome, job_prompt, run_agent
 from async_rl.config import EnvConfig
-from async_rl.envs.factory import AGENT_PREFIX
+from async_rl.envs.factory import AGENT_PREFIX, VERIFIERS_PREFIX
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.sampling import SamplingSpec
 from async_rl.protocol import (
@@ -40,6 +40,9 @@ from async_rl.protocol import (
     Sample,
     TrajectoryGroup,
 )
+
+# env.name 'verifiers:ID' runs this agent (under env.python, a venv with verifiers 0.4) with env_id=ID.
+VERIFIERS_BRIDGE = "async_rl.agents.verifiers_bridge:run_episode"
 
 AGENT_STATUS = {"ok": REWARD_OK, "error": REWARD_ERROR, "timeout": REWARD_TIMEOUT, "crash": REWARD_CRASH}
 
@@ -111,9 +114,12 @@ class AgentEpisodes:
     """Runs a group's episodes through the agent and the endpoint, and assembles the group."""
 
     def __init__(self, cfg: EnvConfig, endpoint: AgentEndpoint, score: ScoreFn, engine_id: int) -> None:
-        if not cfg.name.startswith(AGENT_PREFIX) or ":" not in cfg.name.removeprefix(AGENT_PREFIX):
-            raise ValueError(f"env.name '{cfg.name}' is not 'agent:pkg.module:fn'")
-        self.target = cfg.name.removeprefix(AGENT_PREFIX)
+        if cfg.name.startswith(VERIFIERS_PREFIX):  # a verifiers environment, run by the bridge agent
+            self.target, self.env_id = VERIFIERS_BRIDGE, cfg.name.removeprefix(VERIFIERS_PREFIX)
+        elif cfg.name.startswith(AGENT_PREFIX) and ":" in cfg.name.removeprefix(AGENT_PREFIX):
+            self.target, self.env_id = cfg.name.removeprefix(AGENT_PREFIX), ""
+        else:
+            raise ValueError(f"env.name '{cfg.name}' is not 'agent:pkg.module:fn' nor 'verifiers:ID'")
         self.cfg = cfg
         self.endpoint = endpoint
         self.score = score
@@ -137,6 +143,7 @@ class AgentEpisodes:
                     answer=prompt.answer,
                     metadata=dict(prompt.metadata),
                     timeout_s=self.cfg.agent_timeout_s,
+                    env_id=self.env_id,
                 ),
                 self.cfg.python,
             )

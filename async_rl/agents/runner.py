@@ -31,6 +31,7 @@ class AgentJob(msgspec.Struct, frozen=True, kw_only=True):
     answer: str = ""
     metadata: dict = {}
     timeout_s: float = 300.0
+    env_id: str = ""  # env.name 'verifiers:ID': the ID, passed to the bridge agent ('' for agent:...)
 
 
 class AgentOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,7 +48,7 @@ class _Result(msgspec.Struct, kw_only=True):
     traceback: str = ""
 
 
-def _child_env(python: str) -> dict[str, str]:
+def child_env(python: str) -> dict[str, str]:
     """Our interpreter sees our import path (the user's module may live in this checkout); another
     interpreter keeps its own packages and gets only the working directory and PYTHONPATH."""
     env = dict(os.environ)
@@ -66,7 +67,7 @@ async def run_agent(job: AgentJob, python: str = "") -> AgentOutcome:
         proc = await asyncio.create_subprocess_exec(
             python, str(AGENT_MAIN), str(job_path), str(result_path),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, env=_child_env(python),
+            start_new_session=True, env=child_env(python),
         )
         try:
             _, stderr = await asyncio.wait_for(proc.communicate(), timeout=job.timeout_s)

@@ -1,7 +1,8 @@
 """The environment named by the `env` config section, built in each generator engine.
 
-'' is no environment (single-turn samples); 'tools' and 'guess' are built in; 'verifiers:ID' loads an
-environment of the verifiers library (`async_rl.envs.verifiers_env`, imported only then); anything
+'' is no environment (single-turn samples); 'tools' and 'guess' are built in; 'verifiers:ID' (a
+verifiers 0.4 environment) and 'agent:pkg.module:fn' run as agents, not Environments: here they are
+only checked (`async_rl.envs.verifiers_env`, imported only then, checks the interpreter); anything
 else is a factory 'pkg.module:make_env' called as make_env(env_config, reward) -> Environment.
 """
 

@@ -1,68 +1,109 @@
-"""`env.name: "verifiers:ID"`: environments of the `verifiers` library (what prime-rl users write).
+"""`env.name: "verifiers:ID"`: environments of the `verifiers` library (what prime-rl users write),
+run through the engine's OpenAI-compatible endpoint like any agent (docs/agents.md, 'verifiers').
 
-Not supported, for reasons measured on verifiers 0.4.0 (the current release on the package index):
+Measured on verifiers 0.4.0 (the current release on the package index):
 
-1. Control is inverted. Our engine owns the episode loop: it generates a model turn token in /
-   token out and asks the environment for the next observation (`Episode.step(text)`). A verifiers
-   0.4 environment (`verifiers.v1`: Env -> Rollout -> Harness) owns the loop instead: each rollout
-   boots a runtime (subprocess, Docker, Podman, Apptainer or a Prime sandbox), serves an HTTP
-   interception server on it, and runs a harness program that calls the model at `{base_url}/v1`
-   as an OpenAI-compatible chat endpoint (`Client.get_response(dialect, body, ...)` receives the
-   whole native request body: messages and function-calling tools). Adapting it would mean parking
-   that request until our engine produced the turn, diffing the request's messages against the
-   tokens we already hold (a harness may rewrite history, which breaks token in / token out), and
-   turning the model's text back into native `tool_calls` (their train client does this with the
-   `renderers` library). That is a second rollout system bridged into ours, not an adapter.
-2. It does not install cleanly next to our stack: `pip install verifiers` (0.4.0) pulls in ~20
-   packages (gepa, mcp, prime-sandboxes, prime-tunnel, prime-runs, renderers, openai-harmony, ...)
-   and downgrades `openai` 3.54 -> 2.54 and `mcp` 2.3 -> 2.0 (exact pins), which vLLM's server uses.
-3. The pre-0.4 API (`MultiTurnEnv.env_response` / `is_completed`, `Rubric`) would map onto
-   `Episode.step` / `final_reward`, but it changed signatures (sync -> async, return shapes) across
-   the 0.1.x releases and is gone from the current one; an adapter for it would pin a dead API.
+- Control is inverted: a verifiers 0.4 environment (`verifiers.v1`: Env -> Rollout -> Harness) owns
+  the episode loop. Each rollout boots a runtime, serves an HTTP interception server and runs a
+  harness program (a PEP 723 script prepared by `uv`) that calls the model at an OpenAI-compatible
+  endpoint. That is what `env.name: agent:...` serves, so `verifiers:ID` is an agent: the bridge
+  `async_rl/agents/verifiers_bridge.py:run_episode` builds the environment with verifiers' own
+  loader (`utils/loaders.py`: `resolve_env_config` + `load_environment`) and runs one
+  `Env.run_episode(task, ModelContext(model, EvalClientConfig(base_url=<episode route>)))` per
+  episode; every model call of the harness program goes through verifiers' interception server to
+  the endpoint and is recorded token in / token out (tested: tests/unit/test_verifiers.py,
+  tests/integration/test_verifiers_real.py).
+- It does not install next to our stack (`pip install verifiers==0.4.0` pins openai 2.54 and mcp
+  2.0; ours has openai 3.x and mcp 2.3, which vLLM's server uses), so it runs under `env.python`, a
+  venv of its own (docs/agents.md gives the commands; measured: ~40 s to install on the 2-core
+  machine with a warm pip cache).
+- Its harness programs always stream (`harnesses/utils/core.py` calls `chat.completions.create(
+  stream=True)` and `clients/eval.py` relays a streamed request as a stream), so the endpoint answers
+  `stream: true` with the whole completion as server-sent events (`async_rl/agents/streaming.py`).
+- Runtimes: every seat runs in verifiers' `subprocess` runtime (`runtimes/subprocess.py`), on the
+  engine's node, no container; its default (`PrimeConfig`, a remote sandbox) and Docker/Podman/
+  Apptainer/Modal/E2B are not used. `Runtime.prepare_uv_script` (`runtimes/base.py`) needs `uv`
+  (the bridge puts the venv's `bin` first on PATH, so `pip install uv` there) and an index for the
+  script's dependencies on first use (cached after).
+- IDs: verifiers resolves an ID to an importable top-level module (`_import_plugin` in
+  `utils/loaders.py` imports `name.replace('-', '_')` or `verifiers.v1.tasksets.<name>`; a dotted
+  name fails in its `find_spec`), so a taskset is an installed package (or on `PYTHONPATH`), e.g.
+  `examples/vf_arith` as `verifiers:vf-arith`. verifiers itself ships only its Harbor, NeMo-Gym and
+  OpenEnv tasksets, which need their own servers or containers (not tried).
 
-What changed with the OpenAI-compatible endpoint (docs/agents.md): point 1's inverted control is
-what `env.name: agent:...` serves (the agent owns the loop, every call is recorded token in / token
-out) and point 2 is what `env.python` is for: verifiers 0.4.0 installs into its own venv (checked:
-it brings openai 2.54 and mcp 2.0 there, ours untouched). What still stands in the way, read in
-verifiers 0.4.0 (`verifiers/v1/env.py`, `utils/loaders.py`): no bridge is written that runs
-`Env.run_episode(task, ModelContext(model, ClientConfig(base_url=...)))` per episode as an agent,
-and an environment ID names a taskset package that must already be installed (verifiers ships none
-of its own but the Harbor, NeMo-Gym and OpenEnv bridges, which need their own servers or
-containers); its rollouts also start a harness program in a runtime (subprocess, Docker, ...).
-
-So `build` fails with one line that says this; nothing is imported at module load.
+So `build` checks, once per process, that the interpreter imports verifiers 0.4 and resolves ID (one
+line naming what failed), and returns no Environment: the engine runs `verifiers:ID` as an agent.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import re
+import subprocess
+import sys
 from typing import TYPE_CHECKING
 
 from async_rl.errors import ConfigError
 
 if TYPE_CHECKING:
+    from async_rl.config import EnvConfig
     from async_rl.envs.base import Environment
     from async_rl.envs.tool_env import RewardFn
 
+SUPPORTED = "0.4."  # the verifiers releases the bridge is written against
+# An ID as verifiers 0.4 resolves it: a module name (dashes become underscores), optionally
+# `owner/name@version` (a hub id: verifiers keeps `name`). A dot would fail in its loader.
+ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9_.-]+/)?[A-Za-z_][A-Za-z0-9_-]*(?:@[A-Za-z0-9_.+-]+)?$")
 
-def _installed_version() -> str | None:
-    """The installed verifiers version, or None when the library is not installed."""
-    if importlib.util.find_spec("verifiers") is None:
-        return None
-    from importlib.metadata import PackageNotFoundError, version
+# Run by the agent's interpreter: the verifiers version, then the taskset class ID resolves to.
+_CHECK = """
+import sys
+import verifiers
+print(verifiers.__version__)
+from verifiers.v1.utils.loaders import taskset_class
+print(taskset_class(sys.argv[1]).__name__)
+"""
 
+
+def id_error(env_id: str) -> str | None:
+    """Why `env_id` cannot name a verifiers 0.4 taskset (None: it can)."""
+    if not env_id:
+        return "names no environment: give verifiers:<id>"
+    if not ID_PATTERN.match(env_id):
+        return ("is not an ID verifiers 0.4 resolves: a package name such as 'vf-arith' or 'owner/name' "
+                "(verifiers/v1/utils/loaders.py _import_plugin imports it as one top-level module; no dots)")
+    return None
+
+
+@functools.cache
+def check_interpreter(python: str, env_id: str, timeout_s: float = 120.0) -> str:
+    """The verifiers version of `python` after it resolved `env_id` to a taskset; a one-line
+    ConfigError naming the failure otherwise."""
+    from async_rl.agents.runner import child_env
+
+    where = f"env.python '{python}'" if python != sys.executable else "this interpreter (env.python is '')"
     try:
-        return version("verifiers")
-    except PackageNotFoundError:
-        return "unknown"
+        done = subprocess.run([python, "-c", _CHECK, env_id], capture_output=True, text=True, timeout=timeout_s,
+                              env=child_env(python), stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"env.name 'verifiers:{env_id}': cannot run {where}: {exc}") from None
+    out = done.stdout.split()
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        if not out:
+            why = "does not import verifiers (make a venv with verifiers==0.4.0: docs/agents.md)"
+        else:
+            why = f"has verifiers {out[0]} but does not resolve the taskset"
+        raise ConfigError(f"env.name 'verifiers:{env_id}': {where} {why}: {last}")
+    if not out[0].startswith(SUPPORTED):
+        raise ConfigError(f"env.name 'verifiers:{env_id}': {where} has verifiers {out[0]}; the bridge needs {SUPPORTED}x")
+    return out[0]
 
 
-def build(env_id: str, cfg: object, reward: RewardFn) -> Environment:
-    """The Environment for `env.name: "verifiers:<env_id>"`; always a ConfigError (see the module doc)."""
-    found = _installed_version()
-    where = f"verifiers {found} is installed" if found else "verifiers is not installed"
-    raise ConfigError(
-        f"env.name 'verifiers:{env_id}' is not supported ({where}): no bridge runs a verifiers 0.4 Env's "
-        "run_episode against the engine's OpenAI endpoint yet, and its taskset must be an installed package; "
-        "run your loop as env.name 'agent:pkg.module:fn' (env.python for a verifiers venv, docs/agents.md)"
-    )
+def build(env_id: str, cfg: EnvConfig, reward: RewardFn) -> Environment | None:
+    """None (the engine runs `verifiers:<env_id>` as an agent) once the interpreter resolves it."""
+    why = id_error(env_id)
+    if why:
+        raise ConfigError(f"env.name 'verifiers:{env_id}' {why}")
+    check_interpreter(cfg.python or sys.executable, env_id)
+    return None

@@ -183,7 +183,7 @@ class GeneratorEngine:
         )
         self._params = vc.params_for(self.sampling)
         self.env: Environment | None = None
-        if self.s.env.name.startswith("agent:"):
+        if self.s.env.name.startswith(("agent:", "verifiers:")):  # verifiers:ID runs as an agent (verifiers_env.py)
             from async_rl.agents.setup import start_agents
 
             self.agents = await start_agents(self, self.s)
