@@ -98,7 +98,7 @@ def test_verifiers_id_runs_the_bridge_and_a_missing_verifiers_costs_only_the_epi
     agents, outcome, model = asyncio.run(go())
     assert (agents.target, agents.env_id) == (VERIFIERS_BRIDGE, "vf-arith")
     # this interpreter has no verifiers: the bridge ran and failed with one line; nothing generated
-    assert outcome.status == REWARD_ERROR and outcome.reward == 0.0 and outcome.segment is None
+    assert outcome.status == REWARD_ERROR and outcome.reward == 0.0 and outcome.segments == []
     assert "No module named 'verifiers'" in agents.counters.last_error and agents.counters.errors == 1
     assert not model.prompts
 
@@ -161,13 +161,13 @@ def test_verifiers_episodes_score_our_prompt_or_the_tasksets_row_and_multi_turn_
     ours = Prompt(prompt_id=1, messages=[ChatMessage("user", "What is 17 + 25?")], answer="42")
     right, counters, _ = asyncio.run(episode("vf-arith", ["It is \\boxed{42}."], ours))
     assert (right.reward, right.status, counters.errors) == (1.0, REWARD_OK, 0), counters.last_error
-    assert "What is 17 + 25?" in tokenizer.decode(right.segment.prompt_ids)
+    assert "What is 17 + 25?" in tokenizer.decode(right.segments[0].prompt_ids)
     row = Prompt(prompt_id=2, messages=[ChatMessage("user", "ignored")], answer="", metadata={"vf_idx": 1})
     wrong, _, _ = asyncio.run(episode("vf-arith", ["It is \\boxed{42}."], row))  # row 1: 9 * 8
-    assert wrong.reward == 0.0 and "What is 9 * 8?" in tokenizer.decode(wrong.segment.prompt_ids)
+    assert wrong.reward == 0.0 and "What is 9 * 8?" in tokenizer.decode(wrong.segments[0].prompt_ids)
     retried, counters, model = asyncio.run(episode("vf-arith-retry", ["\\boxed{41}", "\\boxed{42}"], ours))
-    assert retried.reward == 1.0 and retried.breaks == 0 and len(model.prompts) == 2
-    seg = retried.segment  # both answers trained, the env's feedback between them masked
+    assert retried.reward == 1.0 and len(retried.segments) == 1 and len(model.prompts) == 2
+    seg = retried.segments[0]  # both answers trained, the env's feedback between them masked
     assert seg.turn_versions == [0, 0] and sum(seg.loss_mask) == 2 * len(tokenizer.encode("\\boxed{41}") + [2])
     feedback = tokenizer.decode([t for t, m in zip(seg.completion_ids, seg.loss_mask, strict=True) if not m])
     assert "Check the arithmetic and answer again" in feedback
