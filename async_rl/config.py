@@ -83,8 +83,9 @@ class JudgeConfig(RewardModelServing):
         str,
         _f("the judge's user message, a Python format string: {question} (the prompt as text), {completion} and "
            "{answer} (the reference; '' when the data has none); {question} and {completion} are required; "
-           "literal braces doubled ({{ }})"),
-    ] = DEFAULT_JUDGE_TEMPLATE
+           "literal braces doubled ({{ }}); '' = the built-in template, which shows all three and asks for YES or "
+           "NO on the last line (docs/rewards.md)"),
+    ] = ""
     system_prompt: Annotated[str, _f("a system message sent before the template ('' = none)")] = ""
     verdict: Annotated[
         Literal["yes_no", "score"],
@@ -106,6 +107,10 @@ class JudgeConfig(RewardModelServing):
         _f("dtype the judge is served in; auto = bfloat16 on cuda, float32 on cpu"),
     ] = "auto"
     max_inflight: Annotated[int, _f("requests a judge replica runs at once (vLLM max_num_seqs)", ge=1)] = 16
+
+    def prompt_template(self) -> str:
+        """The template in use: `template`, or the built-in one."""
+        return self.template or DEFAULT_JUDGE_TEMPLATE
 
 
 class ClassifierConfig(RewardModelServing):
@@ -896,7 +901,7 @@ def validate_reward_model(task: TaskConfig) -> None:
         if not model:
             raise ConfigError("task.reward 'judge:' names no model: give judge:<preset or HF model folder>")
         _check_judge_model(model)
-        why = check_judge_template(task.judge.template, JUDGE_PLACEHOLDERS, JUDGE_REQUIRED)
+        why = check_judge_template(task.judge.prompt_template(), JUDGE_PLACEHOLDERS, JUDGE_REQUIRED)
         if why:
             raise ConfigError(f"task.judge.template {why}")
         serving: RewardModelServing = task.judge
@@ -914,6 +919,15 @@ def validate_reward_model(task: TaskConfig) -> None:
             f"{section}.timeout_s={serving.timeout_s:g} must be below task.reward_timeout_s={task.reward_timeout_s:g}: "
             "a reward-model call must time out (counted) before its reward worker is killed"
         )
+
+
+def reward_model_serving(task: TaskConfig) -> RewardModelServing | None:
+    """The reward model's replica settings when task.reward names one (judge:, classifier:), else None."""
+    if task.reward.startswith(JUDGE_PREFIX):
+        return task.judge
+    if task.reward.startswith(CLASSIFIER_PREFIX):
+        return task.classifier
+    return None
 
 
 def _check_judge_model(model: str) -> None:

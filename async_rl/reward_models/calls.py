@@ -90,7 +90,7 @@ class JudgeCall(RewardModelCall):
         self._clients: dict[str, object] = {}  # an openai client per replica, kept for the worker's life
 
     def messages(self, sample: Sample) -> list[dict[str, str]]:
-        user = render_judge_prompt(self.cfg.template, question_text(sample.prompt), sample.completion, sample.prompt.answer)
+        user = render_judge_prompt(self.cfg.prompt_template(), question_text(sample.prompt), sample.completion, sample.prompt.answer)
         system = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
         return [*system, {"role": "user", "content": user}]
 
