@@ -70,12 +70,17 @@ class RewardModelCall(abc.ABC):
     async def score(self, sample: Sample, endpoints: list[RewardEndpoint]) -> tuple[float, str]:
         """(reward, OK or UNPARSEABLE); raises RewardModelFailure or RewardModelTimeout."""
         endpoint = self.pick(endpoints)
+        self._connect(endpoint)  # outside the timeout: a first client builds its SSL context (~1 s on 2 busy cores)
         try:
             return await asyncio.wait_for(self._call(endpoint, sample), self.timeout_s)
         except TimeoutError:
             raise RewardModelTimeout(
                 f"{endpoint.kind} replica {endpoint.replica_id}: no answer within {self.timeout_s:g} s"
             ) from None
+
+    @abc.abstractmethod
+    def _connect(self, endpoint: RewardEndpoint) -> None:
+        """Make (once) the HTTP client `_call` uses for `endpoint`."""
 
     @abc.abstractmethod
     async def _call(self, endpoint: RewardEndpoint, sample: Sample) -> tuple[float, str]: ...
@@ -94,14 +99,18 @@ class JudgeCall(RewardModelCall):
         system = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
         return [*system, {"role": "user", "content": user}]
 
+    def _connect(self, endpoint: RewardEndpoint) -> None:
+        import openai
+
+        if endpoint.base_url not in self._clients:
+            self._clients[endpoint.base_url] = openai.AsyncOpenAI(
+                base_url=endpoint.base_url, api_key=endpoint.key, max_retries=0, timeout=self.timeout_s
+            )
+
     async def _call(self, endpoint: RewardEndpoint, sample: Sample) -> tuple[float, str]:
         import openai
 
-        client = self._clients.get(endpoint.base_url)
-        if client is None:
-            client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.key, max_retries=0,
-                                        timeout=self.timeout_s)
-            self._clients[endpoint.base_url] = client
+        client = self._clients[endpoint.base_url]
         try:
             reply = await client.chat.completions.create(
                 model=endpoint.model, messages=self.messages(sample), max_tokens=self.cfg.max_tokens,
@@ -124,13 +133,17 @@ class ClassifierCall(RewardModelCall):
         super().__init__(cfg.timeout_s)
         self._client = None
 
+    def _connect(self, endpoint: RewardEndpoint) -> None:
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+
     async def _call(self, endpoint: RewardEndpoint, sample: Sample) -> tuple[float, str]:
         import httpx
 
         from async_rl.reward_models.classifier import ClassifyInput, ClassifyReply, ClassifyRequest
 
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
         body = msgspec.json.encode(ClassifyRequest([ClassifyInput(question_text(sample.prompt), sample.completion)]))
         try:
             response = await self._client.post(

@@ -102,6 +102,7 @@ class Batcher:
         self.wait_s = wait_s
         self._queue: asyncio.Queue[tuple[ClassifyInput, asyncio.Future]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self._pending: set[asyncio.Future] = set()  # every input not answered yet (queued or being scored)
         self.batches = 0
         self.largest = 0
 
@@ -112,6 +113,9 @@ class Batcher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for f in list(self._pending):  # their requests answer now (an error), not at the server's shutdown timeout
+            if not f.done():
+                f.set_exception(RuntimeError("the classifier replica is stopping"))
 
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -120,6 +124,8 @@ class Batcher:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
         for item, future in zip(items, futures, strict=True):
+            self._pending.add(future)
+            future.add_done_callback(self._pending.discard)
             self._queue.put_nowait((item, future))
         return list(await asyncio.gather(*futures))
 
