@@ -84,7 +84,7 @@ class JudgeConfig(RewardModelServing):
         _f("the judge's user message, a Python format string: {question} (the prompt as text), {completion} and "
            "{answer} (the reference; '' when the data has none); {question} and {completion} are required; "
            "literal braces doubled ({{ }}); '' = the built-in template, which shows all three and asks for YES or "
-           "NO on the last line (docs/rewards.md)"),
+           "NO on the last line (docs/reward-models.md)"),
     ] = ""
     system_prompt: Annotated[str, _f("a system message sent before the template ('' = none)")] = ""
     verdict: Annotated[
