@@ -25,6 +25,7 @@ from async_rl.reward_models.server import (
     ReplicaStats,
     RewardEndpoint,
     RewardModelServer,
+    bind_address,
 )
 
 
@@ -170,7 +171,7 @@ class ClassifierSettings(msgspec.Struct, frozen=True):
     max_length: int
     max_batch: int
     batch_wait_ms: float
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address the endpoint binds ('' = its node's IP: reward workers on other nodes)
 
     def __repr__(self) -> str:
         return f"ClassifierSettings(replica {self.replica_id}, {self.folder}, key <redacted>)"
@@ -199,10 +200,11 @@ class ClassifierServer(RewardModelServer):
         app.router.add_post("/v1/classify", self._classify)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, s.host, 0)
+        host = bind_address(s.host)
+        site = web.TCPSite(self._runner, host, 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        return RewardEndpoint(CLASSIFIER, s.replica_id, f"http://{s.host}:{port}/v1", s.key, os.path.basename(s.folder))
+        return RewardEndpoint(CLASSIFIER, s.replica_id, f"http://{host}:{port}/v1", s.key, os.path.basename(s.folder))
 
     def _auth(self):
         from aiohttp import web

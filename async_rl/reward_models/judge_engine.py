@@ -13,7 +13,14 @@ import msgspec
 
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.sampling import SamplingSpec
-from async_rl.reward_models.server import JUDGE, ReplicaPids, ReplicaStats, RewardEndpoint, RewardModelServer
+from async_rl.reward_models.server import (
+    JUDGE,
+    ReplicaPids,
+    ReplicaStats,
+    RewardEndpoint,
+    RewardModelServer,
+    bind_address,
+)
 
 
 class JudgeSettings(msgspec.Struct, frozen=True):
@@ -25,7 +32,7 @@ class JudgeSettings(msgspec.Struct, frozen=True):
     kv_cache_gib: float
     max_tokens: int  # a verdict's default length (callers send their own max_tokens)
     temperature: float
-    host: str = "127.0.0.1"  # the address the endpoint binds: reward workers on other nodes use the node's IP
+    host: str = "127.0.0.1"  # the address the endpoint binds ('' = its node's IP: reward workers on other nodes)
 
     def __repr__(self) -> str:
         return f"JudgeSettings(replica {self.replica_id}, {self.spec.model_dir}, key <redacted>)"
@@ -56,9 +63,10 @@ class JudgeEngine(RewardModelServer):
         backend = EngineModel(self._llm, always, lambda: 0, s.model_name, s.spec.max_model_len)
         tokenizer = AutoTokenizer.from_pretrained(s.spec.model_dir)
         defaults = SamplingSpec(n=1, max_tokens=s.max_tokens, temperature=s.temperature, stop_token_ids=stops)
-        self._endpoint = AgentEndpoint(backend, end_of_turn_renderer(tokenizer, stops), s.key, s.host, unrecorded=defaults)
+        host = bind_address(s.host)
+        self._endpoint = AgentEndpoint(backend, end_of_turn_renderer(tokenizer, stops), s.key, host, unrecorded=defaults)
         await self._endpoint.start()
-        return RewardEndpoint(JUDGE, s.replica_id, f"http://{s.host}:{self._endpoint.port}/v1", s.key, s.model_name)
+        return RewardEndpoint(JUDGE, s.replica_id, f"http://{host}:{self._endpoint.port}/v1", s.key, s.model_name)
 
     def healthy(self) -> bool:
         return self._llm is not None and not vc.is_dead(self._llm)

@@ -62,3 +62,12 @@ class RewardModelServer(abc.ABC):
 
     @abc.abstractmethod
     async def shutdown(self) -> None: ...
+
+
+def bind_address(host: str) -> str:
+    """A replica's settings name its address, or '' for the IP of the node it runs on."""
+    if host:
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()

@@ -24,12 +24,9 @@ def _dtype(value: str, device: str) -> str:
 
 
 def _host(cfg: Config) -> str:
-    # Reward workers on other nodes reach a replica at its node's address; a local run stays on loopback.
-    if not cfg.ray.address:
-        return "127.0.0.1"
-    import ray
-
-    return ray.util.get_node_ip_address()
+    """What a replica binds: loopback in a local run; '' (its node's IP, resolved where it runs) on a Ray
+    cluster, whose reward workers may run on other nodes."""
+    return "" if cfg.ray.address else "127.0.0.1"
 
 
 def reward_model_pool(cfg: Config, key: str = "") -> RewardModelPool | None:

@@ -256,3 +256,65 @@ def test_judge_verdicts_are_counted_and_see_the_sample():
     sample = _samples(3)[1]
     want = JudgeCall(task.judge).messages(sample)[-1]["content"]
     assert want in seen and sample.prompt.text in seen and sample.completion in seen and sample.prompt.answer in seen
+
+
+# ---------------------------------------------------------------- placement, settings, step metrics
+
+
+def test_judge_replicas_count_in_the_cluster_plan(tmp_path):
+    from async_rl.cluster.devices import ClusterView, NodeView
+    from async_rl.cluster.placement import plan_placement
+
+    folder = tmp_path / "judge"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    judge = [f"task.reward=judge:{folder}", "task.judge.device=cuda", "task.judge.replicas=2",
+             "task.judge.tensor_parallel_size=2", "generators.device=cuda", "learner.device=cuda"]
+    cfg = load_config(None, judge)
+    view = ClusterView([NodeView("10.0.0.1", {"CPU": 64.0, "GPU": 4.0})], "Ray cluster at test", local=False)
+    with pytest.raises(ConfigError) as info:  # 1 engine + 1 rank + 2 replicas x 2 GPUs = 6 > 4
+        plan_placement(cfg, cores=[0, 1], view=view)
+    assert "reward model need 4 GPUs (2 replicas x 2 per replica)" in str(info.value)
+    fits = load_config(None, [*judge, "task.judge.replicas=1"])
+    assert plan_placement(fits, cores=[0, 1], view=view) is not None
+
+
+def test_pool_settings_follow_the_config(tmp_path, classifier_dir):
+    from async_rl.reward_models.judge_engine import JudgeEngine
+    from async_rl.reward_models.setup import reward_model_pool
+
+    folder = tmp_path / "judge"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    cfg = load_config(None, [f"task.reward=judge:{folder}", "task.judge.device=cpu", "task.judge.max_model_len=256",
+                             "task.judge.cpus_per_replica=2"])
+    pool = reward_model_pool(cfg, key="k")
+    s = pool.make_settings(1)
+    assert pool.server_cls is JudgeEngine and pool.bundle == {"CPU": 2}
+    assert (s.replica_id, s.key, s.host, s.threads) == (1, "k", "127.0.0.1", 2)
+    assert (s.spec.model_dir, s.spec.max_model_len, s.spec.dtype, s.spec.device) == (str(folder), 256, "float32", "cpu")
+    on_cluster = load_config(None, [f"task.reward=classifier:{classifier_dir}", "ray.address=10.0.0.1:6379",
+                                    "task.classifier.device=cpu"])
+    assert reward_model_pool(on_cluster).make_settings(0).host == ""  # its node's IP, resolved where it runs
+    assert reward_model_pool(load_config(None, [])) is None
+
+
+def test_step_metrics_sum_the_engines_counts():
+    from async_rl.controller import add_reward_model_counts
+    from async_rl.generator.engine import EngineStats
+    from async_rl.metrics import StepRecord
+
+    def engine(i, counts):
+        return EngineStats(engine_id=i, version=0, groups_pushed=0, samples_pushed=0, tokens_generated=0, inflight=0,
+                           paused=False, idle_s=0.0, failed_requests=0, last_error="", reward_model=counts)
+
+    record = StepRecord(step=0, version=1, elapsed_s=0, reward_mean=0, loss=0, kl_behav=0, logprob_abs_diff=0,
+                        logprob_mismatch=None, grad_norm=0, clip_frac=0, tis_frac=0, samples_per_s=0, tokens_per_s=0,
+                        learner_wait_s=0, learner_compute_s=0, sync_s=0, generator_version=0, buffer_waiting_groups=0,
+                        lag_max=0, lag_mean=0, leased=0, in_flight=0, waiting=0, trained=0, dropped_stale=0, filtered=0,
+                        lost=0, accounting_balanced=True, rejected_frames=0, reward_errors=0, reward_timeouts=0)
+    add_reward_model_counts(record, [engine(0, RewardModelCounts(5, 3, 1, 1, 0)), engine(1, RewardModelCounts(4, 2, 0, 0, 2)),
+                                     engine(2, None)], restarts=1)
+    got = (record.reward_model_calls, record.reward_model_unparseable, record.reward_model_failures,
+           record.reward_model_timeouts, record.reward_model_restarts)
+    assert got == (9, 1, 1, 2, 1)
