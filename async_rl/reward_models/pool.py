@@ -43,6 +43,7 @@ class RewardModelPool:
         self.bundle = bundle
         self.handles: dict[int, ReplicaHandle] = {}
         self.restarts = 0  # dead replicas started anew
+        self._starts = 0  # placement groups made: each gets a name of its own (a removed one may linger)
 
     def start(self) -> None:
         """Every replica, started side by side (a judge's vLLM takes ~30 s on CPU)."""
@@ -52,7 +53,8 @@ class RewardModelPool:
         new = []
         try:
             for replica_id in ids:
-                pool = ResourcePool(f"{self.name}-{replica_id}", [self.bundle])
+                self._starts += 1
+                pool = ResourcePool(f"{self.name}-{replica_id}-{self._starts}", [self.bundle])
                 actor = ray.remote(self.server_cls).options(**pool.actor_options(0), max_concurrency=1000).remote(
                     self.make_settings(replica_id)
                 )
