@@ -12,6 +12,7 @@ import ray
 from ray.actor import ActorHandle
 
 from async_rl.cluster.resources import ResourcePool
+from async_rl.errors import RunError
 from async_rl.reward_models.server import ReplicaPids, ReplicaStats, RewardEndpoint, RewardModelServer
 
 START_TIMEOUT_S = 600.0
@@ -61,11 +62,12 @@ class RewardModelPool:
                 handle = self.handles[replica_id] = ReplicaHandle(replica_id, actor, pool)
                 new.append(handle)
             endpoints = ray.get([h.actor.start.remote() for h in new], timeout=START_TIMEOUT_S)
-        except Exception:
+        except Exception as exc:
             for h in new:
                 self.handles.pop(h.replica_id, None)
                 self._stop(h)
-            raise
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            raise RunError(f"{self.name} replica(s) {ids} did not start: {lines[-1].strip()}") from None
         for h, endpoint in zip(new, endpoints, strict=True):
             h.endpoint = endpoint
 
