@@ -29,7 +29,7 @@ from tests.unit._classifier import build_tiny_classifier
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
 
-STEPS = 4
+STEPS = 6  # the samples of steps 5 and 6 are leased after the restart: the new judge scores them
 KILL_AFTER = 1  # the judge dies after step 2 (0-based step 1)
 JUDGE = [
     "task.judge.device=cpu",
@@ -42,10 +42,12 @@ JUDGE = [
 
 
 def _kill_judge_then_recover(controller, step: int, seen: dict) -> None:
-    if step != KILL_AFTER:
-        return
     rt, sup = controller.runtime, controller.supervisor
     pool = rt.reward_models
+    if step == STEPS - 1:
+        seen["last_stats"] = pool.stats()  # before the run's end stops the replica
+    if step != KILL_AFTER:
+        return
     before = pool.endpoints()
     for pid in pool.pids()[0].engine_core:
         os.kill(pid, signal.SIGKILL)
@@ -82,7 +84,9 @@ def test_a_judge_scores_the_run_and_is_restarted_after_its_engine_dies(tmp_path,
     assert first["reward_model_calls"] >= batch  # every trained sample was judged
     assert at_kill["reward_model_failures"] == at_kill["reward_model_timeouts"] == 0  # a healthy judge
     assert last["reward_model_calls"] > at_kill["reward_model_calls"]
-    assert ok(last) > ok(at_kill)  # the restarted judge answered
+    assert ok(last) > ok(at_kill)
+    (restarted,) = seen["last_stats"]
+    assert restarted.requests > 0 and restarted.refused == 0  # the new engine judged the later samples
     assert last["reward_model_timeouts"] == 0
     # the step metrics are the engines' counters summed
     engines = [e.reward_model for e in summary.engines]
