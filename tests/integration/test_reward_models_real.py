@@ -72,6 +72,9 @@ def test_a_judge_scores_the_run_and_is_restarted_after_its_engine_dies(tmp_path,
         between=lambda controller, step: _kill_judge_then_recover(controller, step, seen),
     )
     assert [r["step"] for r in records] == list(range(STEPS))
+    print("judge counters per step (calls, unparseable, failures, timeouts, restarts):",
+          [(r["reward_model_calls"], r["reward_model_unparseable"], r["reward_model_failures"],
+            r["reward_model_timeouts"], r["reward_model_restarts"]) for r in records])
     # the replica came back at a new address and the engines call it there
     assert seen["before"][0].base_url != seen["after"][0].base_url
     assert records[-1]["reward_model_restarts"] == 1 and records[KILL_AFTER]["reward_model_restarts"] == 0
