@@ -38,6 +38,111 @@ class ModelConfig(_Section):
     )
 
 
+Device = Literal["auto", "cuda", "cpu"]
+DEVICE_AUTO = "auto: cuda when the Ray cluster offers GPUs (a local Ray: this machine's), else cpu"
+
+
+JUDGE_PREFIX = "judge:"
+CLASSIFIER_PREFIX = "classifier:"
+# What a judge template may name: the prompt as the policy saw it, the completion, the reference answer.
+JUDGE_PLACEHOLDERS = ("question", "completion", "answer")
+JUDGE_REQUIRED = ("question", "completion")
+DEFAULT_JUDGE_TEMPLATE = (
+    "You are grading an answer to a question.\n\nQuestion:\n{question}\n\nReference answer:\n{answer}\n\n"
+    "Answer to grade:\n{completion}\n\nIs the answer to grade correct (does it agree with the reference "
+    "answer)? Reply with one word on the last line: YES or NO."
+)
+
+
+class RewardModelServing(_Section):
+    """Where and how many replicas of a reward model run: Ray actors placed beside the generator pool,
+    each in a placement group of its own; never trained, never weight-synced."""
+
+    replicas: Annotated[int, _f("replicas of the reward model; reward workers spread their calls over them", ge=1)] = 1
+    device: Annotated[
+        Device, _f(f"where each replica runs: cuda (its Ray bundle holds its GPUs), cpu; {DEVICE_AUTO}")
+    ] = "auto"
+    cpus_per_replica: Annotated[int, _f("Ray CPUs (and OpenMP threads) of each replica", ge=1)] = 1
+    ray_resources: Annotated[
+        dict[str, float],
+        _f("custom Ray resources each replica also asks for, to choose its nodes ({} = any node with free CPUs)"),
+    ] = {}
+    timeout_s: Annotated[
+        float,
+        _f("one call to the reward model (from a reward worker) taking longer than this fails: the sample scores "
+           "0 as a reward error and the call is counted as a reward-model timeout; must be below "
+           "task.reward_timeout_s (which kills the worker)", gt=0),
+    ] = 4.0
+
+
+class JudgeConfig(RewardModelServing):
+    """task.reward=judge:<model>: an LLM judge served by vLLM engines of its own, asked through their
+    OpenAI-compatible /v1/chat/completions (the run's key) from the reward workers."""
+
+    template: Annotated[
+        str,
+        _f("the judge's user message, a Python format string: {question} (the prompt as text), {completion} and "
+           "{answer} (the reference; '' when the data has none); {question} and {completion} are required; "
+           "literal braces doubled ({{ }}); '' = the built-in template, which shows all three and asks for YES or "
+           "NO on the last line (docs/reward-models.md)"),
+    ] = ""
+    system_prompt: Annotated[str, _f("a system message sent before the template ('' = none)")] = ""
+    verdict: Annotated[
+        Literal["yes_no", "score"],
+        _f("how the judge's reply is read: yes_no (the last YES or NO in the reply, whole words, any case: 1 or 0), "
+           "score (the last number in the reply, divided by score_max and clipped to [0, 1])"),
+    ] = "yes_no"
+    score_max: Annotated[float, _f("verdict=score: the judge's best score (the reward is score / score_max)", gt=0)] = 10.0
+    unparseable_reward: Annotated[
+        float, _f("the reward of a sample whose verdict cannot be read (counted as reward_model_unparseable)")
+    ] = 0.0
+    max_tokens: Annotated[int, _f("tokens the judge may write per verdict", ge=1)] = 32
+    temperature: Annotated[float, _f("the judge's sampling temperature (0 = greedy)", ge=0)] = 0.0
+    max_model_len: Annotated[int, _f("the judge engine's max sequence length (prompt + verdict)", ge=16)] = 1024
+    tensor_parallel_size: Annotated[int, _f("vLLM tensor-parallel workers per judge replica (cuda: its GPUs)", ge=1)] = 1
+    gpu_memory_utilization: Annotated[float, _f("fraction of each GPU vLLM may use (cuda only)", gt=0, le=1)] = 0.3
+    kv_cache_gib: Annotated[float, _f("KV cache per judge replica on CPU (VLLM_CPU_KVCACHE_SPACE), GiB", gt=0)] = 1.0
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        _f("dtype the judge is served in; auto = bfloat16 on cuda, float32 on cpu"),
+    ] = "auto"
+    max_inflight: Annotated[int, _f("requests a judge replica runs at once (vLLM max_num_seqs)", ge=1)] = 16
+
+    def prompt_template(self) -> str:
+        """The template in use: `template`, or the built-in one."""
+        return self.template or DEFAULT_JUDGE_TEMPLATE
+
+
+class ClassifierConfig(RewardModelServing):
+    """task.reward=classifier:<hf folder>: an AutoModelForSequenceClassification reward model, batched in a
+    reward-model Ray actor, asked over HTTP (POST /v1/classify, the run's key) from the reward workers."""
+
+    input: Annotated[
+        Literal["chat", "text"],
+        _f("what the classifier reads: chat (the question as a user turn and the completion as the assistant "
+           "turn, rendered with the classifier's chat template when it has one, else question + completion) "
+           "or text (the completion alone)"),
+    ] = "chat"
+    label: Annotated[
+        int,
+        _f("which output is the reward: a model with one output (num_labels=1, a regression head) gives it as it "
+           "is and label must be 0; with several, the output of this label index", ge=0),
+    ] = 0
+    transform: Annotated[
+        Literal["logit", "sigmoid", "softmax"],
+        _f("the reward from the outputs: logit (the chosen output as it is), sigmoid of it, or softmax over "
+           "all outputs at the chosen label (a probability)"),
+    ] = "logit"
+    max_length: Annotated[int, _f("inputs longer than this many tokens are cut (their start kept)", ge=8)] = 1024
+    max_batch: Annotated[int, _f("inputs scored in one forward pass at most", ge=1)] = 32
+    batch_wait_ms: Annotated[
+        float, _f("a batch waits at most this long after its first input for others to join", ge=0)
+    ] = 5.0
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"], _f("dtype of the classifier; auto = bfloat16 on cuda, float32 on cpu")
+    ] = "auto"
+
+
 class TaskConfig(_Section):
     name: Annotated[
         str,
@@ -53,7 +158,9 @@ class TaskConfig(_Section):
             "how completions are scored: '' (the task's own reward), 'math' (math-verify: \\boxed{} or a "
             "final-answer line, symbolic equivalence), 'exact' (normalised string equality), 'regex' "
             "(task.reward_pattern extracts the answer) or a function of the Sample 'pkg.module:fn' "
-            "(may be async); dataset runs (data.train_files) need one"
+            "(may be async); 'judge:<model>' (an LLM judge served beside the pool: a preset or HF folder, "
+            "see task.judge) or 'classifier:<hf folder>' (a sequence-classification reward model, see "
+            "task.classifier); dataset runs (data.train_files) need one"
         ),
     ] = ""
     reward_pattern: Annotated[
@@ -89,6 +196,8 @@ class TaskConfig(_Section):
             ge=0,
         ),
     ] = 64
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    classifier: ClassifierConfig = msgspec.field(default_factory=ClassifierConfig)
 
 
 class DataConfig(_Section):
@@ -156,10 +265,6 @@ class AutoscaleConfig(_Section):
     window_steps: Annotated[int, _f("decisions use the mean of the last this many steps", ge=1)] = 3
     cooldown_steps: Annotated[int, _f("steps after a change before the next decision (new engines start)", ge=0)] = 3
     step_engines: Annotated[int, _f("engines added or removed per decision", ge=1)] = 1
-
-
-Device = Literal["auto", "cuda", "cpu"]
-DEVICE_AUTO = "auto: cuda when the Ray cluster offers GPUs (a local Ray: this machine's), else cpu"
 
 
 class GeneratorConfig(_Section):
@@ -786,6 +891,85 @@ def validate(cfg: Config) -> None:
     validate_eval(cfg)
     validate_data(cfg)
     validate_env(cfg)
+    validate_reward_model(cfg.task)
+
+
+def validate_reward_model(task: TaskConfig) -> None:
+    """task.reward=judge:<model> / classifier:<folder>: the model exists and is the right kind, the judge's
+    template names what it must, and a reward-model call times out before its reward worker is killed."""
+    from async_rl.reward_models.verdicts import check_judge_template
+
+    if task.reward.startswith(JUDGE_PREFIX):
+        model = task.reward.removeprefix(JUDGE_PREFIX)
+        if not model:
+            raise ConfigError("task.reward 'judge:' names no model: give judge:<preset or HF model folder>")
+        _check_judge_model(model)
+        why = check_judge_template(task.judge.prompt_template(), JUDGE_PLACEHOLDERS, JUDGE_REQUIRED)
+        if why:
+            raise ConfigError(f"task.judge.template {why}")
+        serving: RewardModelServing = task.judge
+        section = "task.judge"
+    elif task.reward.startswith(CLASSIFIER_PREFIX):
+        folder = task.reward.removeprefix(CLASSIFIER_PREFIX)
+        if not folder:
+            raise ConfigError("task.reward 'classifier:' names no folder: give classifier:<HF model folder>")
+        _check_classifier(folder, task.classifier)
+        serving, section = task.classifier, "task.classifier"
+    else:
+        return
+    if serving.timeout_s >= task.reward_timeout_s:
+        raise ConfigError(
+            f"{section}.timeout_s={serving.timeout_s:g} must be below task.reward_timeout_s={task.reward_timeout_s:g}: "
+            "a reward-model call must time out (counted) before its reward worker is killed"
+        )
+
+
+def reward_model_serving(task: TaskConfig) -> RewardModelServing | None:
+    """The reward model's replica settings when task.reward names one (judge:, classifier:), else None."""
+    if task.reward.startswith(JUDGE_PREFIX):
+        return task.judge
+    if task.reward.startswith(CLASSIFIER_PREFIX):
+        return task.classifier
+    return None
+
+
+def _check_judge_model(model: str) -> None:
+    from async_rl.models.tiny import ALL_PRESETS
+
+    if model in ALL_PRESETS:
+        return
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"task.reward 'judge:{model}': '{model}' is not a folder nor a preset {ALL_PRESETS}")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"task.reward 'judge:{model}': '{model}' has no config.json: not a Hugging Face model folder")
+
+
+def _check_classifier(folder: str, c: ClassifierConfig) -> None:
+    """The folder holds a sequence-classification model (its config.json's architectures say so) whose
+    outputs `label` and `transform` can use."""
+    where = f"task.reward 'classifier:{folder}'"
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"{where}: '{folder}' is not a folder")
+    config_json = path / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(f"{where}: '{folder}' has no config.json: not a Hugging Face model folder")
+    try:
+        hf = msgspec.json.decode(config_json.read_bytes())
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{where}: {config_json} is not valid JSON: {exc}") from None
+    architectures = hf.get("architectures") or [] if isinstance(hf, dict) else []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        raise ConfigError(
+            f"{where}: not a sequence-classification model (config.json architectures {architectures}; "
+            "want one ending in ForSequenceClassification)"
+        )
+    labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
+    if c.label >= labels:
+        raise ConfigError(f"task.classifier.label={c.label}: the model has {labels} output(s) (labels 0..{labels - 1})")
+    if labels == 1 and c.transform == "softmax":
+        raise ConfigError("task.classifier.transform=softmax over a model with one output is always 1: use logit or sigmoid")
 
 
 def validate_lora(cfg: Config) -> None:

@@ -29,6 +29,7 @@ from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec, StepMetrics, checkpoint_model_dir
 from async_rl.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
+from async_rl.reward_models.calls import RewardModelCounts
 from async_rl.runtime import START_TIMEOUT_S, Runtime
 from async_rl.supervisor import PromptsExhausted, Supervisor
 from async_rl.weight_sync.checksum import ParamChecksum, ShardChecksum, engine_checksum
@@ -124,6 +125,8 @@ class Controller:
             elapsed = time.perf_counter() - t0
             record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
             record.num_engines = len(rt.generators.engines)
+            if rt.reward_models is not None:
+                add_reward_model_counts(record, rt.generators.stats(), rt.reward_models.restarts)
             metrics.log(record)
             sup.check_failures(buffer)  # a run whose rewards all fail stops here
             rewards.append(record.reward_mean)
@@ -279,6 +282,19 @@ def engine_checksums(parts: dict[int, list[ShardChecksum]]) -> dict[int, ParamCh
         except ValueError as exc:
             raise RunError(f"engine {engine_id}: {exc}") from None
     return out
+
+
+def add_reward_model_counts(record: StepRecord, engines: list[EngineStats], restarts: int) -> None:
+    """task.reward names a reward model: its calls so far by outcome, summed over the engines that answer."""
+    total = RewardModelCounts()
+    for e in engines:
+        if e.reward_model is not None:
+            total.add(e.reward_model)
+    record.reward_model_calls = total.calls
+    record.reward_model_unparseable = total.unparseable
+    record.reward_model_failures = total.failures
+    record.reward_model_timeouts = total.timeouts
+    record.reward_model_restarts = restarts
 
 
 def make_record(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from async_rl.cluster.devices import ClusterView, local_view, ray_view, resolve_devices
 from async_rl.cluster.placement import PlacementPlan, plan_placement
-from async_rl.config import Config, describe, load_config, to_dict, to_yaml
+from async_rl.config import Config, describe, load_config, reward_model_serving, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
 from async_rl.models.tiny import ALL_PRESETS, resolve_model_path
 from async_rl.tasks.registry import load_task
@@ -100,6 +100,8 @@ def start_ray(cfg: Config, plan: PlacementPlan) -> None:
         engines = max(engines, cfg.generators.autoscale.max_engines)
     needed = engines * cfg.generators.cpus_per_engine
     needed += cfg.learner.world_size * cfg.learner.cpus_per_rank
+    if serving := reward_model_serving(cfg.task):  # the reward model's replicas beside the pool
+        needed += serving.replicas * serving.cpus_per_replica
     env = _RAY_ENV
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=cfg.ray.actor_logs, runtime_env={"env_vars": env})

@@ -101,6 +101,13 @@ class StepRecord(msgspec.Struct, kw_only=True):
     data_epoch: int = 0  # the prompt stream's position after the step: epoch ...
     data_index: int = 0  # ... and items of that epoch's order drawn (a task: prompts drawn)
     skipped_prompts: int = 0  # prompts or data rows that could not be used (bad rows, too long), so far
+    # task.reward=judge:/classifier: calls to the reward model so far (engines alive), by outcome, and its
+    # replicas restarted after they died
+    reward_model_calls: int = 0
+    reward_model_unparseable: int = 0  # judge replies without a verdict (scored task.judge.unparseable_reward)
+    reward_model_failures: int = 0  # error answers or no connection (reward errors)
+    reward_model_timeouts: int = 0  # past the model's timeout_s (reward errors)
+    reward_model_restarts: int = 0
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:

@@ -27,6 +27,9 @@ from async_rl.config import Config
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec
 from async_rl.learner.driver import LearnerDriver
+from async_rl.reward_models.pool import RewardModelPool
+from async_rl.reward_models.server import RewardEndpoint
+from async_rl.reward_models.setup import reward_model_pool
 from async_rl.security import RunKeys, make_run_keys, warn_insecure
 
 START_TIMEOUT_S = 600.0
@@ -49,6 +52,7 @@ class Runtime:
         self._generators: GeneratorPool | None = None
         self._learner: WorkerGroup | None = None
         self._pools: RunPools | None = None
+        self._reward_models: RewardModelPool | None = None  # task.reward=judge:/classifier: its replicas
         self._generators_version = 0  # the version every engine holds (after the last sync)
         self._acked_step = -1  # the last batch acknowledged to the buffer (repeated to a restarted one)
 
@@ -75,6 +79,13 @@ class Runtime:
         return self._learner
 
     @property
+    def reward_models(self) -> RewardModelPool | None:
+        return self._reward_models
+
+    def reward_endpoints(self) -> list[RewardEndpoint]:
+        return self._reward_models.endpoints() if self._reward_models is not None else []
+
+    @property
     def generators_version(self) -> int:
         return self._generators_version
 
@@ -97,7 +108,7 @@ class Runtime:
         self._generators = GeneratorPool(
             # reads the addresses when an engine starts: a restarted buffer has new ones
             lambda i: settings.engine_settings(
-                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys
+                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys, self.reward_endpoints()
             ),
             self._buffer,
             cfg.generators.cpus_per_engine,
@@ -106,13 +117,18 @@ class Runtime:
             **self._pools.generator_pool_kwargs(),
         )
         self._learner = self._make_learner()
+        self._reward_models = reward_model_pool(cfg)
         if cfg.placement == "colocated":
+            if self._reward_models is not None:  # engines start with its replicas' endpoints
+                self._reward_models.start()
             # One GPU for both: vLLM sizes its KV cache from what it sees allocated while it starts,
             # so the engines start alone, then the learner sets up in what they left.
             self._generators.add(cfg.generators.num_engines, paused=engines_paused)
             ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
         else:
             setup = [a.setup.remote() for a in self._learner.actors]  # overlaps vLLM's ~30 s start-up
+            if self._reward_models is not None:  # engines start with its replicas' endpoints
+                self._reward_models.start()
             self._generators.add(cfg.generators.num_engines, paused=engines_paused)
             ray.get(setup, timeout=START_TIMEOUT_S)
         self._generators.rebuild_membership(self._learner.actors[0])
@@ -153,6 +169,9 @@ class Runtime:
         final = None
         if self._generators is not None:
             self._generators.shutdown()
+        if self._reward_models is not None:
+            self._reward_models.shutdown()
+            self._reward_models = None
         if self._buffer is not None:
             try:
                 final = ray.get(self._buffer.close.remote(), timeout=30)
@@ -235,6 +254,13 @@ class Runtime:
         return None
 
     # ---- recovery (called by the supervisor) ------------------------------------------------------
+
+    def restart_reward_models(self, dead: list[int]) -> None:
+        """Start dead reward-model replicas anew and point every engine's reward workers at them."""
+        assert self._reward_models is not None
+        self._reward_models.restart(dead)
+        endpoints = self.reward_endpoints()
+        ray.get([a.set_reward_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
 
     def restart_buffer(self) -> None:
         """A new buffer from the last snapshot; engines and learner ranks reconnect to it, and it

@@ -15,6 +15,7 @@ from async_rl.envs.factory import AGENT_PREFIX
 from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
+from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
 
 BATCH_TIMEOUT_S = 600.0
@@ -105,7 +106,9 @@ def engine_settings(
     engine_id: int,
     ingest: str,
     keys: RunKeys | None,
+    reward_endpoints: list[RewardEndpoint] | None = None,
 ) -> EngineSettings:
+    """`reward_endpoints`: the reward model's replicas (task.reward=judge:/classifier:)."""
     g = cfg.generators
     device = device_of(g.device)
     return EngineSettings(
@@ -144,6 +147,7 @@ def engine_settings(
         reward_workers=cfg.task.reward_workers,
         ingest_address=ingest,
         curve=keys.engine if keys is not None else None,
+        reward_endpoints=list(reward_endpoints or []),
     )
 
 

@@ -220,14 +220,30 @@ class Supervisor:
             )
 
     def recover(self, step: int) -> None:
-        """Restart a dead buffer; replace dead engines (they get the learner's version `step` at once)."""
+        """Restart a dead buffer and dead reward-model replicas; replace dead engines (they get the
+        learner's version `step` at once)."""
         if not self.rt.buffer_alive():
             self.restart_buffer(step)
+        self.recover_reward_models(step)
         dead = self.rt.generators.find_dead()
         if not dead:
             return
         self.replace(step, dead)
         self.sync(step, during_step=True)
+
+    def recover_reward_models(self, step: int) -> None:
+        """A reward-model replica that died (its actor, or the judge's vLLM engine core) is started anew
+        and every engine's reward workers call it at its new address. Calls made to it meanwhile failed
+        (counted as reward-model failures)."""
+        pool = self.rt.reward_models
+        if pool is None:
+            return
+        dead = pool.find_dead()
+        if not dead:
+            return
+        n = len(self.rt.generators.engines)
+        self._event(step, "recovery", n, n, f"{pool.name} replica(s) {dead} died; restarting them")
+        self.rt.restart_reward_models(dead)
 
     def replace_dead(self, version: int, dead: list[int]) -> dict[int, ActorHandle]:
         """Engines that died outside a training step (an evaluation) are replaced, and every engine

@@ -7,6 +7,8 @@ A request belongs to an episode by its route (`/episodes/{episode}/v1/...`) or b
 Every call is recorded in the episode's `EpisodeLog` token in / token out. `/v1/models` needs no
 episode; a generation request without a known episode is refused (404): what is not recorded
 cannot be trained, and an unrecorded caller would only take generation time from the run.
+An endpoint made with `unrecorded` sampling (the LLM judge's, reward_models/judge_engine.py) serves
+calls without an episode too, each on its own, recorded nowhere: that model is never trained.
 """
 
 from __future__ import annotations
@@ -66,7 +68,16 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 class AgentEndpoint:
-    def __init__(self, backend: ModelBackend, renderer: ChatRenderer, key: str, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        backend: ModelBackend,
+        renderer: ChatRenderer,
+        key: str,
+        host: str = "127.0.0.1",
+        unrecorded: SamplingSpec | None = None,
+    ) -> None:
+        """`unrecorded`: serve calls that name no episode too, each on its own with these sampling
+        defaults and recorded nowhere (a served model that is never trained: the LLM judge)."""
         if not key:
             raise ValueError("the endpoint needs a key")
         if host in ("0.0.0.0", "::", ""):
@@ -76,6 +87,7 @@ class AgentEndpoint:
         self.key = key  # handed to the episodes' agents
         self._key = key.encode()
         self.host = host
+        self.unrecorded = unrecorded
         self.port = 0
         self.episodes: dict[str, EpisodeLog] = {}
         self._ids = itertools.count()
@@ -154,6 +166,8 @@ class AgentEndpoint:
         async def serve(request):
             episode = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER, "")
             log = self.episodes.get(episode)
+            if log is None and not episode and self.unrecorded is not None:
+                log = EpisodeLog(f"call{next(self._ids)}", self.unrecorded, max_calls=1)  # dropped after the call
             if log is None:
                 why = "no episode named" if not episode else f"episode '{episode}' is not open on this engine"
                 return self._error(404, f"{why}: use the route /episodes/ID/v1 or the {EPISODE_HEADER} header")

@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 from async_rl.cluster.devices import ClusterView, device_of, local_view
-from async_rl.config import Config
+from async_rl.config import Config, reward_model_serving
 from async_rl.errors import ConfigError
 
 # Ray's GPU fraction for each process of a colocated pair (an engine and a learner rank in one
@@ -57,6 +57,7 @@ class PlacementPlan(msgspec.Struct, frozen=True):
     colocated: bool = False
     cluster: bool = False  # a Ray cluster: processes are placed by Ray and not pinned
     gpu_summary: str = ""  # '' when no process uses a GPU
+    reward_models: str = ""  # task.reward=judge:/classifier: its replicas, as the plan shows them ('' = none)
 
     def _gpu_text(self, p: ProcessPlacement) -> str:
         if p.gpu is None:
@@ -72,6 +73,7 @@ class PlacementPlan(msgspec.Struct, frozen=True):
         if self.cluster:
             lines = [f"placement plan (Ray cluster: nothing pinned; Ray places by CPUs, GPUs and ray_resources{gpus}):"]
             lines += [f"  {p.role:<18} {self._gpu_text(p) or 'a node Ray picks'}" for p in procs]
+            lines += [f"  {'reward model':<18} {self.reward_models}"] if self.reward_models else []
             lines.append(f"  {'buffer':<18} the controller's node (its snapshot is in the run directory)")
             lines.append(f"  {'controller':<18} this process")
             return "\n".join(lines)
@@ -81,6 +83,7 @@ class PlacementPlan(msgspec.Struct, frozen=True):
         for p in procs:
             gpu = self._gpu_text(p)
             lines.append(f"  {p.role:<18} cores {','.join(map(str, p.cores))}" + (f"  {gpu}" if gpu else ""))
+        lines += [f"  {'reward model':<18} {self.reward_models}"] if self.reward_models else []
         lines.append(f"  {'buffer':<18} unpinned (ZMQ I/O)")
         lines.append(f"  {'controller':<18} unpinned (this process)")
         return "\n".join(lines)
@@ -176,10 +179,18 @@ def _demands(cfg: Config) -> list[_Demand]:
     eb, lb = engine_bundle(cfg), learner_bundle(cfg)
     ewhy = {"GPU": f"tensor_parallel_size {g.tensor_parallel_size}", "CPU": f"cpus_per_engine {g.cpus_per_engine}"}
     lwhy = {"GPU": "1 GPU each", "CPU": f"cpus_per_rank {learner.cpus_per_rank}"}
-    return [
+    demands = [
         _Demand("the learner", learner.world_size, "rank", [lb] * learner.world_size, lwhy),
         _Demand("generators", g.num_engines, "engine", [eb] * g.num_engines, ewhy),
     ]
+    if serving := reward_model_serving(cfg.task):  # the reward model's replicas, beside the pool
+        from async_rl.reward_models.setup import replica_bundle
+
+        gpus = cfg.task.judge.tensor_parallel_size if serving is cfg.task.judge else 1
+        bundle = replica_bundle(serving, gpus)
+        why = {"GPU": f"{gpus} per replica", "CPU": f"cpus_per_replica {serving.cpus_per_replica}"}
+        demands.append(_Demand("reward model", serving.replicas, "replica", [bundle] * serving.replicas, why))
+    return demands
 
 
 def _check_totals(demands: list[_Demand], view: ClusterView) -> None:
@@ -284,7 +295,7 @@ def plan_placement(cfg: Config, cores: list[int] | None = None, view: ClusterVie
     whose processes use no GPU (tests). With a view, a plan the cluster cannot hold raises
     ConfigError naming what is missing."""
     cores = cores if cores is not None else available_cores()
-    plan = _plan_cores(cfg, cores)
+    plan = msgspec.structs.replace(_plan_cores(cfg, cores), reward_models=_reward_model_text(cfg))
     uses_gpus = generators_on_cuda(cfg) or learner_on_cuda(cfg)
     if view is None and not uses_gpus:
         return plan
@@ -302,6 +313,15 @@ def plan_placement(cfg: Config, cores: list[int] | None = None, view: ClusterVie
         learner_ranks=attach(plan.learner_ranks, rank_gpus),
         gpu_summary=_gpu_summary(cfg, view),
     )
+
+
+def _reward_model_text(cfg: Config) -> str:
+    serving = reward_model_serving(cfg.task)
+    if serving is None:
+        return ""
+    kind = cfg.task.reward.partition(":")[0]
+    return (f"{kind}: {serving.replicas} replica(s) of {serving.cpus_per_replica} CPU(s), device {serving.device}, "
+            "unpinned, each in a placement group of its own")
 
 
 def _plan_cores(cfg: Config, cores: list[int]) -> PlacementPlan:

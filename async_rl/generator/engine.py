@@ -49,6 +49,8 @@ from async_rl.protocol import (
     TrajectoryGroup,
     encode_groups,
 )
+from async_rl.reward_models.calls import RewardModelCounts
+from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import ClientKeys, harden_client
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -79,6 +81,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     stop: list[str] = []  # stop strings; the model's EOS/stop tokens are read from model_dir
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)  # multi-turn episodes (env.name '' = single-turn samples)
     endpoint_host: str = "127.0.0.1"  # env=agent: the address the engine's OpenAI endpoint binds (its agents run here)
+    reward_endpoints: list[RewardEndpoint] = []  # task.reward=judge:/classifier: the reward model's replicas
 
 
 # An episode's finish -> the wire's: the environment ended it or its turns ran out ('stop'), the
@@ -112,6 +115,7 @@ class EngineStats(msgspec.Struct):
     reward_pool_restarts: int = 0  # reward pools found wedged or broken and started anew
     reward_last_error: str = ""  # why the last reward that was not ok failed (the exception's last line)
     agents: AgentCounters | None = None  # env=agent: episodes, calls, prefix breaks, agent failures
+    reward_model: RewardModelCounts | None = None  # task.reward=judge:/classifier: its calls by outcome
 
 
 class EnginePids(msgspec.Struct, frozen=True):
@@ -161,6 +165,7 @@ class GeneratorEngine:
         self.rewards = RewardRunner(
             self.s.task, self.s.reward_timeout_s, self.s.reward_workers, on_restart=self._reward_pool_restarted
         )
+        self.rewards.endpoints = list(self.s.reward_endpoints)
         # Its fork server and workers start here, off the event loop (Ray calls keep being served).
         await asyncio.get_running_loop().run_in_executor(None, self.rewards.start)
         self._llm = vc.make_engine(self.s.spec)
@@ -551,6 +556,11 @@ class GeneratorEngine:
         """What this engine samples with (stop tokens resolved from the model's generation config)."""
         return self.sampling
 
+    def set_reward_endpoints(self, endpoints: list[RewardEndpoint]) -> None:
+        """The reward model's replicas changed (a dead one was restarted at a new address): calls from
+        now on go to these."""
+        self.rewards.endpoints = list(endpoints)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             engine_id=self.s.engine_id,
@@ -568,6 +578,7 @@ class GeneratorEngine:
             reward_pool_restarts=self.rewards.pool_restarts if hasattr(self, "rewards") else 0,
             reward_last_error=self.rewards.last_error if hasattr(self, "rewards") else "",
             agents=self.agents.stats() if self.agents is not None else None,
+            reward_model=self.rewards.model_counts if hasattr(self, "rewards") and self.rewards.uses_model else None,
         )
 
     async def shutdown(self) -> None:

@@ -18,9 +18,11 @@ from async_rl.protocol import Sample
 
 if TYPE_CHECKING:
     from async_rl.config import TaskConfig
+    from async_rl.reward_models.calls import RewardModelCall
+    from async_rl.reward_models.server import RewardEndpoint
     from async_rl.tasks.rewards import RewardFn
 
-_reward_fn: RewardFn | None = None
+_reward_fn: RewardFn | RewardModelCall | None = None
 _load_error = "init_worker was not called"
 _loop: asyncio.AbstractEventLoop | None = None
 
@@ -68,14 +70,22 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return _loop
 
 
-def score(sample: Sample) -> float:
-    """The reward of one sample: a finite float, or an exception (counted as a reward error)."""
+def score(sample: Sample, endpoints: list[RewardEndpoint]) -> tuple[float, str]:
+    """The reward of one sample: a finite float and the reward model's outcome ('' without one: see
+    reward_models/calls.py), or an exception (counted as a reward error). `endpoints`: the reward
+    model's replicas when task.reward names one."""
+    from async_rl.reward_models.calls import RewardModelCall
+
     if _reward_fn is None:
         raise RuntimeError(f"the reward function did not load in the worker: {_load_error}")
-    value = _reward_fn(sample)
-    if inspect.isawaitable(value):
-        value = _event_loop().run_until_complete(value)
+    outcome = ""
+    if isinstance(_reward_fn, RewardModelCall):
+        value, outcome = _event_loop().run_until_complete(_reward_fn.score(sample, endpoints))
+    else:
+        value = _reward_fn(sample)
+        if inspect.isawaitable(value):
+            value = _event_loop().run_until_complete(value)
     result = float(value)
     if not math.isfinite(result):
         raise ValueError(f"reward is not finite: {result}")
-    return result
+    return result, outcome

@@ -41,9 +41,11 @@ import pebble
 from pebble.common import CONSTS
 from pebble.common.types import RemoteTraceback
 
-from async_rl.config import TaskConfig
+from async_rl.config import CLASSIFIER_PREFIX, JUDGE_PREFIX, TaskConfig
 from async_rl.generator import reward_main, reward_worker
 from async_rl.protocol import REWARD_CRASH, REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, Sample
+from async_rl.reward_models.calls import OK, RewardModelCounts, RewardModelTimeout
+from async_rl.reward_models.server import RewardEndpoint
 
 # Worker processes come from a fork server: started once per engine process, fresh (none of the
 # engine's threads), with the reward's libraries imported before it forks. A replaced worker then
@@ -87,6 +89,8 @@ def _preload(task: TaskConfig) -> list[str]:
     modules = [reward_main.__name__, reward_worker.__name__]
     if task.reward == "math":
         modules.append("math_verify")
+    elif task.reward.startswith((JUDGE_PREFIX, CLASSIFIER_PREFIX)):
+        modules.extend(["async_rl.reward_models.calls", "openai", "httpx"])
     elif ":" in task.reward:
         modules.append(task.reward.partition(":")[0])
     if not task.reward and task.name.startswith("reasoning_gym:"):
@@ -122,6 +126,11 @@ class RewardRunner:
         self.stall_limit_s = timeout_s + CONSTS.term_timeout + stall_margin_s
         self.on_restart = on_restart
         self.counts = RewardCounts()
+        # task.reward names a reward model: its replicas (handed to every call: a restarted replica has a
+        # new address) and the outcomes of the calls to them
+        self.uses_model = task.reward.startswith((JUDGE_PREFIX, CLASSIFIER_PREFIX))
+        self.endpoints: list[RewardEndpoint] = []
+        self.model_counts = RewardModelCounts()
         self.pool_restarts = 0  # pools found wedged or broken, stopped and started anew
         self.last_error = ""  # why the last reward that was not REWARD_OK failed, for the user's eyes
         self.failure = ""  # why the last restart failed ('' = it did not): the engine is then unhealthy
@@ -157,7 +166,9 @@ class RewardRunner:
     async def score(self, sample: Sample) -> tuple[float, int]:
         """(reward, status): status is REWARD_OK, or REWARD_ERROR, REWARD_TIMEOUT, REWARD_CRASH
         with reward 0."""
-        value, status = await self._run(sample)
+        value, status, outcome = await self._run(sample)
+        if self.uses_model:
+            self._count_model(status, outcome)
         if status == REWARD_OK:
             self.counts.ok += 1
         elif status == REWARD_TIMEOUT:
@@ -168,49 +179,65 @@ class RewardRunner:
             self.counts.error += 1
         return value, status
 
-    async def _run(self, sample: Sample) -> tuple[float, int]:
+    def _count_model(self, status: int, outcome: str) -> None:
+        """A reward-model call's outcome: the worker's (ok, unparseable), or how the call failed. A worker
+        killed past task.reward_timeout_s counts as a timeout too."""
+        c = self.model_counts
+        c.calls += 1
+        if status == REWARD_OK:
+            c.ok += outcome == OK
+            c.unparseable += outcome != OK
+        elif status == REWARD_TIMEOUT or outcome == RewardModelTimeout.__name__:
+            c.timeouts += 1
+        else:
+            c.failures += 1
+
+    async def _run(self, sample: Sample) -> tuple[float, int, str]:
+        """(reward, status, outcome): the worker's outcome ('' for a plain reward function) when it
+        answered, else the name of the exception a reward raised ('' when none: timeouts, crashes)."""
         for _ in range(3):
             if self._rebuilding is not None:
                 await self._restarted()
             pool = self._pool
             try:
-                future = pool.schedule(reward_worker.score, args=(sample,), timeout=self.timeout_s)
+                future = pool.schedule(reward_worker.score, args=(sample, self.endpoints), timeout=self.timeout_s)
             except RuntimeError:  # the pool is broken: see below
                 await self._restart(pool, wedged=False)
                 continue
             try:
-                return await self._result(pool, future), REWARD_OK
+                value, outcome = await self._result(pool, future)
+                return value, REWARD_OK, outcome
             except PoolWedged:
                 started = future.running()
                 await self._restart(pool, wedged=True)
                 if not started:  # it never ran: it runs on the new pool
                     continue
                 self.last_error = f"timeout: the reward pool made no progress for {self.stall_limit_s:g} s; restarted"
-                return 0.0, REWARD_TIMEOUT
+                return 0.0, REWARD_TIMEOUT, ""
             except TimeoutError:
                 # pebble's own timeout carries no remote traceback; a TimeoutError the reward raised does
                 # (asyncio re-creates TimeoutErrors without their cause: read the original).
                 error = future.exception()
                 if isinstance(error.__cause__, RemoteTraceback):
                     self.last_error = f"TimeoutError: {error}"
-                    return 0.0, REWARD_ERROR
+                    return 0.0, REWARD_ERROR, type(error).__name__
                 self.last_error = f"timeout: running past {self.timeout_s} s"
-                return 0.0, REWARD_TIMEOUT
+                return 0.0, REWARD_TIMEOUT, ""
             except pebble.ProcessExpired as exc:
                 # its worker died mid-call (a crash, a signal); pebble starts another
                 self.last_error = f"crash: the reward worker exited with code {exc.exitcode}"
-                return 0.0, REWARD_CRASH
+                return 0.0, REWARD_CRASH, ""
             except BrokenProcessPool:
                 # pebble gives up its pool when a worker dies with no call running (killed while idle);
                 # this call had not started: it runs again on a fresh pool.
                 await self._restart(pool, wedged=False)
             except Exception as exc:
                 self.last_error = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
-                return 0.0, REWARD_ERROR
+                return 0.0, REWARD_ERROR, type(exc).__name__
         self.last_error = self.failure or "crash: the reward pool broke three times"
-        return 0.0, REWARD_CRASH
+        return 0.0, REWARD_CRASH, ""
 
-    async def _result(self, pool: pebble.ProcessPool, future: concurrent.futures.Future) -> float:
+    async def _result(self, pool: pebble.ProcessPool, future: concurrent.futures.Future) -> tuple[float, str]:
         """The call's result; PoolWedged once the pool made no progress for stall_limit_s (or another
         call restarted it)."""
         waiter = asyncio.wrap_future(future)

@@ -18,6 +18,7 @@ from async_rl.tasks.registry import load_callable, load_task
 
 if TYPE_CHECKING:
     from async_rl.config import TaskConfig
+    from async_rl.reward_models.calls import RewardModelCall
 
 RewardFn = Callable[[Sample], float | Awaitable[float]]
 
@@ -81,8 +82,19 @@ def _load_user_reward(name: str) -> RewardFn:
     return load_callable("task.reward", name)
 
 
-def load_reward(cfg: TaskConfig) -> RewardFn:
-    """The reward function `cfg` names: `cfg.reward` when set, else the reward of task `cfg.name`."""
+def load_reward(cfg: TaskConfig) -> RewardFn | RewardModelCall:
+    """The reward function `cfg` names: `cfg.reward` when set, else the reward of task `cfg.name`; a
+    reward model's call (judge:, classifier:), which the reward worker hands the replicas' endpoints."""
+    from async_rl.config import CLASSIFIER_PREFIX, JUDGE_PREFIX
+
+    if cfg.reward.startswith(JUDGE_PREFIX):
+        from async_rl.reward_models.calls import JudgeCall
+
+        return JudgeCall(cfg.judge)
+    if cfg.reward.startswith(CLASSIFIER_PREFIX):
+        from async_rl.reward_models.calls import ClassifierCall
+
+        return ClassifierCall(cfg.classifier)
     if not cfg.reward:
         return load_task(cfg.name).reward
     if cfg.reward == "math":

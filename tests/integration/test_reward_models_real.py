@@ -1,0 +1,128 @@
+"""Reward models served beside the pool, with real parts on one Ray for the module.
+
+1. A short run of the tiny policy whose reward is an LLM judge (smollm2-135m) on a vLLM engine of its own:
+   every sample is scored by the judge through its OpenAI-compatible endpoint (the reward workers' calls
+   counted in the step metrics); after step 2 the judge's vLLM engine core is killed, the supervisor finds
+   the replica dead and restarts it, every engine is pointed at its new address, and later samples are
+   scored by the new engine.
+2. A tiny random sequence-classification model (built here, SmolLM2's tokenizer) in a reward-model actor
+   scores a batch from real reward workers, equal to the model's own outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from async_rl.config import load_config
+from async_rl.generator.rewards import RewardRunner
+from async_rl.protocol import REWARD_OK, Prompt, Sample
+from async_rl.reward_models.classifier import ClassifierModel, ClassifyInput
+from async_rl.reward_models.setup import reward_model_pool
+from tests.integration._real_run import smollm2_dir
+from tests.integration.test_training_run import run_short
+from tests.unit._classifier import build_tiny_classifier
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
+
+STEPS = 6  # the samples of steps 5 and 6 are leased after the restart: the new judge scores them
+KILL_AFTER = 1  # the judge dies after step 2 (0-based step 1)
+JUDGE = [
+    "task.judge.device=cpu",
+    "task.judge.max_model_len=512",
+    "task.judge.max_tokens=8",
+    "task.judge.timeout_s=30",
+    "task.reward_timeout_s=60",
+    "task.failure_window=0",
+]
+
+
+def _kill_judge_then_recover(controller, step: int, seen: dict) -> None:
+    rt, sup = controller.runtime, controller.supervisor
+    pool = rt.reward_models
+    if step == STEPS - 1:
+        seen["last_stats"] = pool.stats()  # before the run's end stops the replica
+    if step != KILL_AFTER:
+        return
+    before = pool.endpoints()
+    for pid in pool.pids()[0].engine_core:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while pool.find_dead() != [0]:
+        assert time.monotonic() < deadline, "the killed judge engine was never found dead"
+        time.sleep(0.5)
+    # what the supervisor's health check runs while the learner waits (here at once, not at its next tick)
+    sup.recover_reward_models(step)
+    seen["before"], seen["after"] = before, pool.endpoints()
+    seen["engines"] = [e.reward_model for e in rt.generators.stats()]
+
+
+def test_a_judge_scores_the_run_and_is_restarted_after_its_engine_dies(tmp_path, model_cache):
+    # the judge: the real preset's folder (converted once per machine, shared with the other real-model tests)
+    judge = f"task.reward=judge:{smollm2_dir()}"
+    seen: dict = {}
+    cfg, summary, _, _, _, records = run_short(
+        tmp_path, model_cache,
+        [f"train.total_steps={STEPS}", "train.prompts_per_step=2", "generators.group_size=2", "train.max_lag=1",
+         "train.checkpoint_at_end=false", judge, *JUDGE],
+        between=lambda controller, step: _kill_judge_then_recover(controller, step, seen),
+    )
+    assert [r["step"] for r in records] == list(range(STEPS))
+    print("judge counters per step (calls, unparseable, failures, timeouts, restarts):",
+          [(r["reward_model_calls"], r["reward_model_unparseable"], r["reward_model_failures"],
+            r["reward_model_timeouts"], r["reward_model_restarts"]) for r in records])
+    # the replica came back at a new address and the engines call it there
+    assert seen["before"][0].base_url != seen["after"][0].base_url
+    assert records[-1]["reward_model_restarts"] == 1 and records[KILL_AFTER]["reward_model_restarts"] == 0
+
+    def ok(r):
+        return r["reward_model_calls"] - r["reward_model_unparseable"] - r["reward_model_failures"] - r["reward_model_timeouts"]
+
+    first, at_kill, last = records[0], records[KILL_AFTER], records[-1]
+    batch = cfg.train.prompts_per_step * cfg.generators.group_size
+    assert first["reward_model_calls"] >= batch  # every trained sample was judged
+    assert at_kill["reward_model_failures"] == at_kill["reward_model_timeouts"] == 0  # a healthy judge
+    assert last["reward_model_calls"] > at_kill["reward_model_calls"]
+    assert ok(last) > ok(at_kill)
+    (restarted,) = seen["last_stats"]
+    assert restarted.requests > 0 and restarted.refused == 0  # the new engine judged the later samples
+    assert last["reward_model_timeouts"] == 0
+    # the step metrics are the engines' counters summed
+    engines = [e.reward_model for e in summary.engines]
+    assert sum(c.calls for c in engines) == last["reward_model_calls"]
+
+
+def test_a_classifier_scores_a_batch_in_its_actor(tmp_path):
+    folder = build_tiny_classifier(tmp_path / "classifier", smollm2_dir(), num_labels=3)
+    cfg = load_config(None, [f"task.reward=classifier:{folder}", "task.classifier.device=cpu",
+                             "task.classifier.label=2", "task.classifier.transform=softmax",
+                             "task.classifier.timeout_s=20", "task.reward_timeout_s=30"])
+    pool = reward_model_pool(cfg)
+    samples = [Sample(prompt=Prompt(prompt_id=i, text=f"What is {i} + 1?", answer=str(i + 1)),
+                      completion=f"The answer is {i + 1 + i % 2}.") for i in range(6)]
+    pool.start()
+    try:
+        async def score():
+            runner = RewardRunner(cfg.task, cfg.task.reward_timeout_s, workers=2)
+            runner.endpoints = pool.endpoints()
+            try:
+                return await asyncio.gather(*(runner.score(s) for s in samples)), runner.model_counts
+            finally:
+                runner.close()
+
+        scored, counts = asyncio.run(score())
+        (stats,) = pool.stats()
+    finally:
+        pool.shutdown()
+    c = cfg.task.classifier
+    model = ClassifierModel(str(folder), "float32", "cpu", c.input, c.label, c.transform, c.max_length)
+    want = model.score([ClassifyInput(s.prompt.text, s.completion) for s in samples])
+    assert [st for _, st in scored] == [REWARD_OK] * len(samples)
+    assert [v for v, _ in scored] == pytest.approx(want, abs=1e-5)
+    assert all(0 < v < 1 for v, _ in scored)  # softmax probabilities of label 2
+    assert (counts.calls, counts.ok) == (len(samples), len(samples))
+    assert stats.requests == len(samples) and stats.batches <= len(samples)
