@@ -9,6 +9,7 @@ messages are returned, so the run's `task.reward` (math) scores the last answer.
 from __future__ import annotations
 
 import json
+import re
 
 from async_rl.envs.tools import Calculator
 
@@ -26,9 +27,37 @@ CALCULATOR = {
 }
 
 
+# The data's worked examples (configs/data/tools_*.jsonl) call the calculator in the built-in
+# environment's tag format; a model shown those imitates them, and the endpoint (which tells it to use
+# <tool_call> blocks) never sees a call: every episode ended in a tag-format "answer" scoring 0.
+TAG_CALL = re.compile(r'<tool name="calculator">(.*?)</tool>', re.S)
+
+
+def as_tool_calls(prompt: list[dict]) -> list[dict]:
+    """The prompt with each worked example's tag-format call as an assistant `tool_calls` message and
+    its result as the `tool` message answering that call: the endpoint renders both in the format the
+    model is asked to use."""
+    messages: list[dict] = []
+    call_id = ""
+    for m in prompt:
+        call = TAG_CALL.fullmatch(m["content"].strip()) if m["role"] == "assistant" else None
+        if call is not None:
+            call_id = f"example_{len(messages)}"
+            arguments = json.dumps({"expression": call.group(1).strip()})
+            function = {"name": "calculator", "arguments": arguments}
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": [{"id": call_id, "type": "function", "function": function}]})
+        elif m["role"] == "tool" and call_id:
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": m["content"]})
+            call_id = ""
+        else:
+            messages.append(dict(m))
+    return messages
+
+
 def solve(client, prompt: list[dict], model: str, max_turns: int = 3) -> list[dict]:
     """Ask; run every calculator call the model makes and send the results back; stop at an answer."""
-    messages = list(prompt)
+    messages = as_tool_calls(prompt)
     tool = Calculator()
     for _ in range(max_turns):
         reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR]).choices[0].message

@@ -98,4 +98,5 @@ def test_a_multi_turn_verifiers_episode_trains_its_turns_with_the_feedback_maske
         env_text = tok.decode([t for t, m in zip(group.completions[i], group.loss_mask(i), strict=True) if not m])
         if group.episodes[i].turns == 2:  # both answers trained, the feedback between them masked
             assert "Check the arithmetic and answer again" in env_text
-    assert sum(e.turns for e in group.episodes) + stats.segments_dropped == stats.calls
+    assert sum(e.turns for e in group.episodes) == stats.calls  # every call trained, in one segment or several
+    assert stats.segments == len(group.episodes)

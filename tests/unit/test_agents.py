@@ -419,3 +419,20 @@ def test_a_template_that_knows_tools_gets_them_and_the_calls_natively():
     assert text.startswith("<|im_start|>system\nTOOLS:calculator <|im_end|>")
     assert '<|im_start|>assistant\n<tool_call>calculator{"expression": "1+1"}</tool_call><|im_end|>' in text
     assert text.endswith("<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_calculator_agent_shows_its_worked_examples_as_tool_calls():
+    """The data's examples call the calculator in the tag format; the agent (tools API) must turn them
+    into tool_calls answered by tool messages, or the model imitates calls the endpoint never parses."""
+    from examples.calculator_agent import as_tool_calls
+
+    data = Path(__file__).resolve().parents[2] / "configs/data/tools_eval.jsonl"
+    prompt = json.loads(data.read_text().splitlines()[0])["prompt"]
+    messages = as_tool_calls(prompt)
+    assert not any("<tool name=" in (m.get("content") or "") for m in messages)
+    calls = [m for m in messages if m.get("tool_calls")]
+    results = [m for m in messages if m["role"] == "tool"]
+    assert len(calls) == len(results) == 2
+    assert [c["tool_calls"][0]["id"] for c in calls] == [r["tool_call_id"] for r in results]
+    assert json.loads(calls[0]["tool_calls"][0]["function"]["arguments"]) == {"expression": "123*45"}
+    assert messages[-1] == prompt[-1]  # the question itself is untouched
