@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+from async_rl.envs.tool_env import tool_instructions
 from async_rl.envs.tools import Calculator
 
 CALCULATOR = {
@@ -71,4 +72,34 @@ def solve(client, prompt: list[dict], model: str, max_turns: int = 3) -> list[di
                 arguments = {}
             result = tool.run(arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": f"calculator: {result.text}"})
+    return messages
+
+
+def with_tag_instructions(prompt: list[dict]) -> list[dict]:
+    """The prompt with the built-in tool environment's instructions for the tag format after the system
+    prompt (a blank line between), as `env.name: tools` with `tool_format: tag` renders it."""
+    paragraph = tool_instructions([Calculator()], "tag")
+    messages = [dict(m) for m in prompt]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = messages[0]["content"] + "\n\n" + paragraph
+    else:
+        messages.insert(0, {"role": "system", "content": paragraph})
+    return messages
+
+
+def solve_tagged(client, prompt: list[dict], model: str, max_turns: int = 3) -> list[dict]:
+    """The same task as a homemade tool loop, without the tools API: the model writes its calls in the
+    tag format its worked examples show (<tool name="calculator">EXPR</tool>), the agent finds them in
+    the reply's text, runs them and sends each result back as a `tool` message. SmolLM2-135M writes
+    much better expressions this way than in the tools API's JSON (see docs/agents.md)."""
+    messages = with_tag_instructions(prompt)
+    tool = Calculator()
+    for _ in range(max_turns):
+        text = client.chat.completions.create(model=model, messages=messages).choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": text})
+        calls = TAG_CALL.findall(text)
+        if not calls:
+            break
+        for expression in calls:
+            messages.append({"role": "tool", "content": f"calculator: {tool.run({'expression': expression}).text}"})
     return messages

@@ -436,3 +436,14 @@ def test_the_calculator_agent_shows_its_worked_examples_as_tool_calls():
     assert [c["tool_calls"][0]["id"] for c in calls] == [r["tool_call_id"] for r in results]
     assert json.loads(calls[0]["tool_calls"][0]["function"]["arguments"]) == {"expression": "123*45"}
     assert messages[-1] == prompt[-1]  # the question itself is untouched
+
+
+def test_the_tagged_calculator_agent_asks_like_the_built_in_tool_environment():
+    from async_rl.envs.tool_env import tool_instructions
+    from async_rl.envs.tools import Calculator
+    from examples.calculator_agent import with_tag_instructions
+
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2*3?"}]
+    messages = with_tag_instructions(prompt)
+    assert messages[0]["content"] == "Be brief.\n\n" + tool_instructions([Calculator()], "tag")
+    assert messages[1:] == prompt[1:] and prompt[0]["content"] == "Be brief."  # the caller's list untouched
