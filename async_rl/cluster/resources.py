@@ -143,3 +143,18 @@ class WorkerGroup(Generic[T]):
     def kill(self) -> None:
         for a in self.actors:
             ray.kill(a, no_restart=True)
+
+
+def unhealthy_actors(health: dict[int, ray.ObjectRef], timeout_s: float) -> list[int]:
+    """The ids whose `healthy` call (issued for all of them first, so they answer in parallel) said
+    False or whose actor died. A reply slower than `timeout_s` is not death: it is left out."""
+    dead = []
+    for key, ref in health.items():
+        try:
+            if not ray.get(ref, timeout=timeout_s):
+                dead.append(key)
+        except ray.exceptions.RayActorError:
+            dead.append(key)
+        except ray.exceptions.GetTimeoutError:
+            pass
+    return dead

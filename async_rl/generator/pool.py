@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import ray
 from ray.actor import ActorHandle
 
-from async_rl.cluster.resources import PoolShare, ResourcePool
+from async_rl.cluster.resources import PoolShare, ResourcePool, unhealthy_actors
 from async_rl.errors import RunError
 from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
 from async_rl.weight_sync.base import WeightGroupInfo
@@ -137,17 +137,7 @@ class GeneratorPool:
 
     def find_dead(self, timeout_s: float = 10.0) -> list[int]:
         """Engines whose actor died or whose vLLM engine core died. A slow reply is not death."""
-        refs = {eid: h.actor.healthy.remote() for eid, h in self.engines.items()}
-        dead = []
-        for eid, ref in refs.items():
-            try:
-                if not ray.get(ref, timeout=timeout_s):
-                    dead.append(eid)
-            except ray.exceptions.RayActorError:
-                dead.append(eid)
-            except ray.exceptions.GetTimeoutError:
-                pass
-        return dead
+        return unhealthy_actors({eid: h.actor.healthy.remote() for eid, h in self.engines.items()}, timeout_s)
 
     def reconnect(self, buffer: ActorHandle, ingest_address: str) -> None:
         """A restarted buffer: every engine leases from and pushes to the new one."""

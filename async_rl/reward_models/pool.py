@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import ray
 from ray.actor import ActorHandle
 
-from async_rl.cluster.resources import ResourcePool
+from async_rl.cluster.resources import ResourcePool, unhealthy_actors
 from async_rl.errors import RunError
 from async_rl.reward_models.server import ReplicaPids, ReplicaStats, RewardEndpoint, RewardModelServer
 
@@ -76,17 +76,7 @@ class RewardModelPool:
 
     def find_dead(self, timeout_s: float = 10.0) -> list[int]:
         """Replicas whose actor died or that cannot serve (the judge's engine core died). Slow is not dead."""
-        refs = {rid: h.actor.healthy.remote() for rid, h in self.handles.items()}
-        dead = []
-        for rid, ref in refs.items():
-            try:
-                if not ray.get(ref, timeout=timeout_s):
-                    dead.append(rid)
-            except ray.exceptions.RayActorError:
-                dead.append(rid)
-            except ray.exceptions.GetTimeoutError:
-                pass
-        return dead
+        return unhealthy_actors({rid: h.actor.healthy.remote() for rid, h in self.handles.items()}, timeout_s)
 
     def restart(self, dead: list[int]) -> None:
         """Kill what is left of each dead replica and start it anew (same id, a new address)."""
