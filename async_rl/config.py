@@ -494,6 +494,14 @@ class LearnerConfig(_Section):
            "the first steps pay the compile (tens of seconds on CPU). Off by default: measured by "
            "benchmarks/bench_learner.py, see docs/learner.md"),
     ] = False
+    activation_checkpointing: Annotated[
+        bool,
+        _f("keep only each decoder layer's input through the forward and recompute the layer in backward "
+           "(torch: HF gradient checkpointing, non-reentrant; megatron: full recompute per layer): the step's "
+           "activations shrink from every layer's intermediates to one hidden state per layer and token, for "
+           "about one more forward of compute. Off by default: turn it on when learner memory, not time, "
+           "is what limits micro_batch_tokens (measured in docs/learner.md)"),
+    ] = False
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 

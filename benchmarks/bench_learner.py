@@ -26,7 +26,9 @@ drifts). Variants (learner.* fields; every row fp32 unless it says bf16):
                 default, the for-loop AdamW): the learner's defaults today;
   compile       fused_adamw + compile (torch.compile of the decoder layers), fp32;
   bf16          fused_adamw + mixed_precision bf16 (autocast; weights and optimizer stay fp32);
-  bf16_compile  both (not in the default list).
+  bf16_compile  both (not in the default list);
+  checkpointing fused_adamw + learner.activation_checkpointing (each layer recomputed in backward):
+                for the memory runs (not in the default list).
 
 Measured per run: the step's seconds; peak RSS during the step (VmHWM reset just before it) and
 its growth over the RSS before it (the step's transient memory: activations, logits, gradients);
@@ -76,6 +78,7 @@ VARIANTS: dict[str, dict] = {
     "compile": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "compile": True},
     "bf16": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "mixed_precision": "bf16"},
     "bf16_compile": {"logprob_chunk_tokens": 1024, "share_prompt": True, "mixed_precision": "bf16", "compile": True},
+    "checkpointing": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "activation_checkpointing": True},
 }
 # The AdamW kernel of each variant (learner/optimizer.py): the rows before `fused_adamw` keep the former
 # CPU default (for_loop), so the ladder starts from the original learner; the rest run the backend's own.

@@ -81,6 +81,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
             device=device_of(spec.learner.device),
             seed=spec.train.seed,
             logprob_chunk_tokens=spec.learner.logprob_chunk_tokens,
+            activation_checkpointing=spec.learner.activation_checkpointing,
         )
     raise RunError(f"learner.backend={spec.learner.backend} has no model backend for the learner driver yet")
 

@@ -120,6 +120,10 @@ class TorchBackend(ModelBackend):
             # HF model (now with the adapter), and only the adapter requires grad.
             self.peft = apply_lora(self.model, self.cfg.lora)
             self._adapter_config = adapter_config_dict(self.peft, model_dir)
+        if self.cfg.activation_checkpointing:
+            # Non-reentrant: gradients reach the layers' weights even when the layer's input needs none
+            # (LoRA: the frozen embedding's output), and it nests with compile and FSDP2.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.hidden_size = int(self.model.config.hidden_size)
         self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
         self.model.to(self.device).train()

@@ -87,3 +87,38 @@ def test_forward_backward_and_megatron_optimizer_step_run_on_cpu(one_rank):
     assert grad_norm > 0
     after = policy.hf_state_dict()
     assert not torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+
+
+def test_full_recompute_gives_the_same_loss_and_update(one_rank):
+    """learner.activation_checkpointing on megatron (full recompute per layer): the same loss, gradient
+    norm and updated weights as keeping every activation."""
+    from async_rl.learner.megatron.learner import MegatronPolicy, megatron_optimizer
+
+    hf = tiny_qwen2()
+    arch = mcv.arch_from_hf_config(hf.config)
+    results = []
+    with megatron_cpu.patched():
+        for recompute in (False, True):
+            torch.manual_seed(0)
+            policy = MegatronPolicy(
+                arch, dict(hf.named_parameters()), dtype=torch.float32, lr=1e-3, weight_decay=0.0,
+                max_grad_norm=1.0, distributed_optimizer=False, te_spec=False, cpu_init=True,
+                make_optimizer=lambda ddp: megatron_optimizer(ddp, torch.float32, 1e-3, 0.0, 1.0, False),
+                recompute=recompute,
+            )
+            assert (policy.config.recompute_granularity == "full") is recompute
+            b = fixed_batch(arch.vocab_size)
+            b.behav_logp = policy.logprobs(b.input_ids).detach() * b.loss_mask
+            layers = policy.model.module.decoder.layers
+            calls = []
+            hooks = [layer.register_forward_pre_hook(lambda *_, c=calls: c.append(1)) for layer in layers]
+            stats, grad_norm = policy.train_batch(b, 2, 1.0, 0.2, 0.2, 2.0)
+            for h in hooks:
+                h.remove()
+            # Recompute runs every layer's forward again in backward: twice the layer calls.
+            assert len(calls) == len(layers) * 2 * (2 if recompute else 1)
+            results.append((stats.loss, grad_norm, policy.hf_state_dict()))
+    (loss0, norm0, after0), (loss1, norm1, after1) = results
+    assert loss1 == pytest.approx(loss0, abs=1e-6) and norm1 == pytest.approx(norm0, rel=1e-5)
+    for name, t in after0.items():
+        torch.testing.assert_close(after1[name], t, atol=1e-6, rtol=0, msg=name)

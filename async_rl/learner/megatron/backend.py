@@ -203,6 +203,7 @@ class MegatronBackend(ModelBackend):
         device: str,
         seed: int,
         logprob_chunk_tokens: int = 1024,
+        activation_checkpointing: bool = False,
     ) -> None:
         self.rank, self.world_size, self.master = rank, world_size, master
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
@@ -213,6 +214,7 @@ class MegatronBackend(ModelBackend):
         self.on_cpu = device == "cpu"
         self.seed = seed
         self.chunk = logprob_chunk_tokens
+        self.recompute = activation_checkpointing
         self._snapshot: dict[str, torch.Tensor] | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -262,6 +264,7 @@ class MegatronBackend(ModelBackend):
             distributed_optimizer=distributed,
             te_spec=te_spec,
             cpu_init=self.on_cpu,
+            recompute=self.recompute,
         )
         self.device = self.policy.device
         first_stage = parallel_state.is_pipeline_first_stage()

@@ -10,6 +10,9 @@ the fp32 optimizer step reach in that version:
   buffers, the pipeline's receive buffers and DDP's grad buffers: it answers "cpu".
 - `tensor_parallel.get_cuda_rng_tracker().fork()` wraps attention dropout and reads the CUDA RNG:
   a tracker whose fork does nothing (the CPU path runs with dropout 0; `check_config` enforces it).
+  Activation recompute (`tensor_parallel.random.CheckpointFunction`, learner.activation_checkpointing)
+  saves and restores the CUDA RNG state and the tracker's around each recomputed layer: in that
+  module the tracker is the same stand-in and the CUDA RNG state is none (the CPU RNG it keeps too).
 - the pipeline schedules (a token counter), the fp32 optimizer (its loss scale), gradient
   clipping (norm buffers) and `utils.local_multi_tensor_l2_norm` (the grad norm without Apex) call
   torch factories with the literal `device="cuda"`: in those four modules `torch` is a view of torch whose factories put "cuda" tensors on the CPU.
@@ -140,6 +143,11 @@ def check_targets() -> list[str]:
         problems.append("megatron.core.optimizer.optimizer no longer calls clip_grad_by_total_norm_fp32")
     if not callable(getattr(tensor_parallel, "get_cuda_rng_tracker", None)):
         problems.append("megatron.core.tensor_parallel.get_cuda_rng_tracker is gone")
+    from megatron.core.tensor_parallel import random as tp_random
+
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state", "get_cuda_rng_tracker"):
+        if not callable(getattr(tp_random, name, None)):
+            problems.append(f"megatron.core.tensor_parallel.random.{name} (activation recompute's RNG states) is gone")
     from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     if "torch.cuda.current_device()" not in inspect.getsource(rotary_pos_embedding):
@@ -174,6 +182,7 @@ def patched() -> Iterator[None]:
         raise CpuSupportError(f"megatron-core {found}: " + "; ".join(problems))
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import optimizer
+    from megatron.core.tensor_parallel import random as tp_random
 
     tracker = _NoCudaRngTracker()
     with contextlib.ExitStack() as stack:
@@ -181,6 +190,9 @@ def patched() -> Iterator[None]:
         stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda device=None: None))
         stack.enter_context(mock.patch.object(torch.Tensor, "cuda", _stay))
         stack.enter_context(mock.patch.object(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker))
+        stack.enter_context(mock.patch.object(tp_random, "get_cuda_rng_tracker", lambda *a, **k: tracker))
+        stack.enter_context(mock.patch.object(tp_random, "_get_cuda_rng_state", lambda *a, **k: None))
+        stack.enter_context(mock.patch.object(tp_random, "_set_cuda_rng_state", lambda *a, **k: None))
         stack.enter_context(mock.patch.object(optimizer, "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm))
         for name in _CUDA_LITERAL_MODULES:
             stack.enter_context(mock.patch.object(importlib.import_module(name), "torch", _TorchOnCpu()))

@@ -55,6 +55,7 @@ class MegatronPolicy:
         te_spec: bool,
         cpu_init: bool,
         make_optimizer: Callable[[torch.nn.Module], Any] | None = None,
+        recompute: bool = False,
     ) -> None:
         """`make_optimizer(ddp_model)` replaces megatron's optimizer (whose code allocates on 'cuda'
         unconditionally): the CPU tests pass a stand-in with the same step/zero_grad/scale_loss."""
@@ -66,7 +67,7 @@ class MegatronPolicy:
 
         self.arch = arch
         self.te_spec = te_spec
-        model = mm.build_model(arch, dtype, cpu_init=cpu_init, te_spec=te_spec)
+        model = mm.build_model(arch, dtype, cpu_init=cpu_init, te_spec=te_spec, recompute=recompute)
         if not cpu_init:
             model.cuda(torch.cuda.current_device())
         mm.load_hf_weights(model, weights, arch, te_spec)

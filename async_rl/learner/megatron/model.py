@@ -33,10 +33,11 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def transformer_config(arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipeline: int) -> Any:
+def transformer_config(arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipeline: int, recompute: bool = False) -> Any:
     """Megatron's TransformerConfig for `arch`: RMSNorm, SwiGLU, GQA, RoPE, no dropout, no fusions
     that need Apex/TE kernels (Transformer Engine, when used, brings its own). `cpu_init`: the model
-    is built on the CPU and stays there (see megatron.cpu)."""
+    is built on the CPU and stays there (see megatron.cpu). `recompute` (learner.activation_checkpointing):
+    full recompute of every layer, one layer per checkpoint, so only each layer's input is kept."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -73,6 +74,7 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipelin
         batch_p2p_comm=not cpu_init,
         tensor_model_parallel_size=_tp_size(),
         pipeline_model_parallel_size=pipeline,
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if recompute else {}),
     )
 
 
@@ -82,7 +84,7 @@ def _tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool) -> Any:
+def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool, recompute: bool = False) -> Any:
     """This rank's GPTModel (its TP shard of its pipeline stage), randomly initialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -90,7 +92,7 @@ def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mcv.check_parallel_layout(arch, tp, pp)
-    config = transformer_config(arch, dtype, cpu_init, pp)
+    config = transformer_config(arch, dtype, cpu_init, pp, recompute)
     return GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(config, te_spec),
