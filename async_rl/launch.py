@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: a CONFIG file is required (or --describe)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    # A run started in the background by a non-interactive shell inherits SIGINT ignored, so `kill -INT`
+    # did nothing; Ctrl-C and `kill -INT` now both stop it cleanly wherever it was started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cfg = load_config(args.config, args.overrides)
         check_inputs(cfg)

@@ -23,12 +23,14 @@ drifts). Variants (learner.* fields; every row fp32 unless it says bf16):
   share_prompt  + learner.share_prompt (one prompt per group; skipped with a note where the config
                 has no such field);
   fused_adamw   + torch's fused AdamW (learner/optimizer.py; the rows above run the former CPU
-                default, the for-loop AdamW): the learner's defaults today;
+                default, the for-loop AdamW);
   compile       fused_adamw + compile (torch.compile of the decoder layers), fp32;
   bf16          fused_adamw + mixed_precision bf16 (autocast; weights and optimizer stay fp32);
   bf16_compile  both (not in the default list);
-  checkpointing fused_adamw + learner.activation_checkpointing (each layer recomputed in backward):
-                for the memory runs (not in the default list).
+  host_malloc   fused_adamw + learner.malloc_mmap_threshold_kb 128 (freed tensors go back to the OS;
+                the rows above keep glibc's dynamic threshold, 0): the learner's defaults today;
+  checkpointing host_malloc + learner.activation_checkpointing (each layer recomputed in backward);
+  low_memory    checkpointing with logprob_chunk_tokens 256 (a quarter of the head's chunk).
 
 Measured per run: the step's seconds; peak RSS during the step (VmHWM reset just before it) and
 its growth over the RSS before it (the step's transient memory: activations, logits, gradients);
@@ -52,6 +54,7 @@ CPU-heavy: run it under /work/bin/heavy on the shared machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -68,7 +71,10 @@ RESULTS = REPO / "benchmarks" / "results"
 CONFIGS = {"arith": REPO / "configs" / "smollm2_arith.yaml", "tools": REPO / "configs" / "smollm2_tools.yaml"}
 ENV_SHARE = 0.29  # tool results' share of an episode's completion tokens (smollm2_tools.json: env_token_share)
 WARMUP_GROUPS = 1
-FP32 = {"mixed_precision": "none", "compile": False}
+# The ladder's rows keep glibc's dynamic mmap threshold (the learner before malloc_mmap_threshold_kb);
+# `host_malloc` and the rows after it fix it at the learner's default.
+FP32 = {"mixed_precision": "none", "compile": False, "malloc_mmap_threshold_kb": 0}
+MALLOC = {"malloc_mmap_threshold_kb": 128}
 # Each variant's learner fields; `share_prompt` is dropped where LearnerConfig has no such field.
 VARIANTS: dict[str, dict] = {
     "baseline": {**FP32, "logprob_chunk_tokens": 0, "share_prompt": False},
@@ -78,7 +84,10 @@ VARIANTS: dict[str, dict] = {
     "compile": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "compile": True},
     "bf16": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "mixed_precision": "bf16"},
     "bf16_compile": {"logprob_chunk_tokens": 1024, "share_prompt": True, "mixed_precision": "bf16", "compile": True},
-    "checkpointing": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "activation_checkpointing": True},
+    "host_malloc": {**FP32, **MALLOC, "logprob_chunk_tokens": 1024, "share_prompt": True},
+    "checkpointing": {**FP32, **MALLOC, "logprob_chunk_tokens": 1024, "share_prompt": True,
+                      "activation_checkpointing": True},
+    "low_memory": {**FP32, **MALLOC, "logprob_chunk_tokens": 256, "share_prompt": True, "activation_checkpointing": True},
 }
 # The AdamW kernel of each variant (learner/optimizer.py): the rows before `fused_adamw` keep the former
 # CPU default (for_loop), so the ladder starts from the original learner; the rest run the backend's own.
@@ -176,7 +185,10 @@ def cached_groups(batch: str, seed: int = 0) -> list:
     key = hashlib.sha256(msgspec.json.encode(what)).hexdigest()[:12]
     path = cache.parent / "bench_learner" / f"{batch}-{key}-seed{seed}.pkl"
     if path.is_file():
-        return pickle.loads(path.read_bytes())
+        # Rebuilt field by field: a group pickled before TrajectoryGroup gained a field (episode_of, wire
+        # schema 4) unpickles without it; the rebuilt one takes the field's default, as the wire would.
+        return [type(g)(**{f.name: getattr(g, f.name) for f in dataclasses.fields(g) if hasattr(g, f.name)})
+                for g in pickle.loads(path.read_bytes())]
     groups = make_groups(batch, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(groups))

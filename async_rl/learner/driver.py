@@ -40,6 +40,7 @@ from async_rl.learner.base import (
 )
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.hf_io import rng_state, set_rng_state
+from async_rl.learner.host_memory import set_malloc_mmap_threshold
 from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
 from async_rl.learner.padded import PaddedShard
 from async_rl.learner.schedule import lr_factor
@@ -196,6 +197,7 @@ class LearnerDriver(LearnerRank):
         random.seed(s.train.seed)
         np.random.seed(s.train.seed)
         torch.manual_seed(s.train.seed)
+        set_malloc_mmap_threshold(s.learner.malloc_mmap_threshold_kb)  # before the model's tensors exist
         self.backend = make_backend(s, self.rank, self.world_size, self.master)
         params = self.backend.setup(s.model_dir)
         self.device = self.backend.device

@@ -11,11 +11,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _sigint_default() -> None:
-    # A shell without job control starts background commands with SIGINT ignored, and the child
-    # inherits that: Python then installs no KeyboardInterrupt handler and Ctrl-C tests would see
-    # the run go on. A terminal's foreground process has the default disposition: give it that.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _sigint_ignored() -> None:
+    # The hard case: a shell without job control starts background commands with SIGINT ignored and
+    # the child inherits that (Python then installs no KeyboardInterrupt handler of its own). The
+    # launcher installs one itself, so the Ctrl-C tests stop a run started this way too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -26,6 +26,6 @@ def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_sigint_default,
+        preexec_fn=_sigint_ignored,
         env={**os.environ, **env} if env else None,
     )

@@ -1,0 +1,39 @@
+"""Host memory of a learner rank: give freed tensors back to the OS (glibc's mmap threshold).
+
+torch's CPU allocator takes every tensor from malloc. glibc serves an allocation above its mmap
+threshold with its own mmap, unmapped again on free, but the threshold is dynamic: the first time
+such a block is freed, glibc raises the threshold to that block's size (up to 32 MB on 64-bit), so from
+then on a step's activations, gradients of the chunked head and attention masks come from the heap,
+and the heap keeps what they freed. A learner's RSS then holds the high-water mark of every step
+(measured on SmolLM2-135M at micro_batch_tokens 4096 with activation checkpointing: 4.73 GB peak with
+glibc's default, 2.89 GB with a fixed 128 KB threshold; benchmarks/results/learner.md).
+
+`mallopt(M_MMAP_THRESHOLD, n)` fixes the threshold (glibc then stops adjusting it) and
+`M_TRIM_THRESHOLD` lets the heap's top be trimmed at the same size. Each allocation above it costs an
+mmap and its first-touch page faults; a micro-batch's tensors are megabytes, so that is small beside
+the matmuls they feed (the bench's timed rows compare both). Not glibc (musl, macOS): nothing to set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+M_TRIM_THRESHOLD = -1  # glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+
+
+def set_malloc_mmap_threshold(kb: int) -> bool:
+    """Fix glibc's mmap and trim thresholds of this process at `kb` KiB (learner.malloc_mmap_threshold_kb).
+    0 leaves glibc's dynamic default. True when set; False where the C library is not glibc."""
+    if kb <= 0 or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # no glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    size = kb * 1024
+    return bool(mallopt(M_MMAP_THRESHOLD, size)) and bool(mallopt(M_TRIM_THRESHOLD, size))
