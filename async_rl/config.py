@@ -706,6 +706,13 @@ class EnvConfig(_Section):
         _f("env=agent: an agent process still running after this many seconds is killed (with its process "
            "group); its episode scores 0 and counts as a reward timeout", gt=0),
     ] = 300.0
+    max_concurrent_agents: Annotated[
+        int,
+        _f("env=agent or verifiers: agent processes running at once per engine; further episodes wait for a "
+           "slot (agent_timeout_s counts from their process's start). Without a bound an eval starts one "
+           "process per prompt at once (96 on 2 cores: ~70 MB each, every one lasting the whole eval); "
+           "0 = no bound", ge=0),
+    ] = 16
     tools: Annotated[
         list[Literal["calculator", "python"]],
         _f("env=tools: the tools the model may call (calculator: arithmetic; python: a program run in a sandbox)"),

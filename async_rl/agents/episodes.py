@@ -15,6 +15,7 @@ the learner's sample counts stay per episode (docs/agents.md, 'Split episodes').
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -125,30 +126,32 @@ class AgentEpisodes:
         self.score = score
         self.engine_id = engine_id
         self.counters = AgentCounters()
+        # Agent processes of this engine at once (train and eval episodes alike); the wait is outside
+        # run_agent, so an episode's timeout counts from its own process's start.
+        self._slots = asyncio.Semaphore(cfg.max_concurrent_agents) if cfg.max_concurrent_agents else None
 
     def stats(self) -> AgentCounters:
         return msgspec.structs.replace(self.counters, calls=self.endpoint.calls, refused=self.endpoint.refused)
 
     async def episode(self, prompt: Prompt, episode_id: str, sampling: SamplingSpec) -> EpisodeOutcome:
         messages = list(prompt.messages) or [ChatMessage("user", prompt.text)]
-        self.endpoint.open_episode(episode_id, sampling, self.cfg.max_turns)
-        try:
-            outcome = await run_agent(
-                AgentJob(
-                    target=self.target,
-                    base_url=self.endpoint.base_url(episode_id),
-                    api_key=self.endpoint.key,
-                    model=self.endpoint.backend.model_name,
-                    prompt=job_prompt(messages),
-                    answer=prompt.answer,
-                    metadata=dict(prompt.metadata),
-                    timeout_s=self.cfg.agent_timeout_s,
-                    env_id=self.env_id,
-                ),
-                self.cfg.python,
-            )
-        finally:
-            log = self.endpoint.close_episode(episode_id)
+        job = AgentJob(
+            target=self.target,
+            base_url=self.endpoint.base_url(episode_id),
+            api_key=self.endpoint.key,
+            model=self.endpoint.backend.model_name,
+            prompt=job_prompt(messages),
+            answer=prompt.answer,
+            metadata=dict(prompt.metadata),
+            timeout_s=self.cfg.agent_timeout_s,
+            env_id=self.env_id,
+        )
+        async with self._slots or contextlib.nullcontext():  # the episode is open while its agent runs
+            self.endpoint.open_episode(episode_id, sampling, self.cfg.max_turns)
+            try:
+                outcome = await run_agent(job, self.cfg.python)
+            finally:
+                log = self.endpoint.close_episode(episode_id)
         self.counters.episodes += 1
         segments = build_segments(log.calls)
         self.counters.prefix_breaks += max(0, len(segments) - 1)

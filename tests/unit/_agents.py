@@ -54,3 +54,15 @@ def rewrites_per_episode(client, prompt, model):
     for k in range(i):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Again, take {k}."}])
     return i / 2
+
+
+def records_its_window(client, prompt, model):
+    """One call, then holds its process for 3 s; writes when it ran to $ASYNC_RL_TEST_WINDOWS/<episode>."""
+    import os
+    from pathlib import Path
+
+    start = time.time()
+    client.chat.completions.create(model=model, messages=list(prompt))
+    time.sleep(3.0)
+    Path(os.environ["ASYNC_RL_TEST_WINDOWS"], str(_episode_index(client))).write_text(f"{start} {time.time()}")
+    return 1.0

@@ -210,11 +210,12 @@ async def _score(sample: Sample) -> tuple[float, int]:
     return (1.0 if "5" in sample.completion else 0.0), REWARD_OK
 
 
-def run_group_on(model: ScriptedModel, tokenizer, target: str, n: int, timeout_s: float = 60.0):
+def run_group_on(model: ScriptedModel, tokenizer, target: str, n: int, timeout_s: float = 60.0, max_concurrent: int = 16):
     async def go():
         endpoint = AgentEndpoint(model, ChatRenderer(tokenizer, 2), KEY)
         await endpoint.start()
-        cfg = EnvConfig(name=f"agent:tests.unit._agents:{target}", agent_timeout_s=timeout_s)
+        cfg = EnvConfig(name=f"agent:tests.unit._agents:{target}", agent_timeout_s=timeout_s,
+                        max_concurrent_agents=max_concurrent)
         agents = AgentEpisodes(cfg, endpoint, _score, engine_id=0)
         try:
             prompt = Prompt(prompt_id=7, messages=[ChatMessage("user", "What is 2+3?")], answer="5")
@@ -225,8 +226,8 @@ def run_group_on(model: ScriptedModel, tokenizer, target: str, n: int, timeout_s
     return run(go())
 
 
-def run_group(tokenizer, target: str, n: int, timeout_s: float = 60.0):
-    return run_group_on(ScriptedModel(tokenizer), tokenizer, target, n, timeout_s)
+def run_group(tokenizer, target: str, n: int, timeout_s: float = 60.0, max_concurrent: int = 16):
+    return run_group_on(ScriptedModel(tokenizer), tokenizer, target, n, timeout_s, max_concurrent)
 
 
 def test_an_agent_episode_becomes_a_masked_sample_that_survives_the_wire(tokenizer):
@@ -365,6 +366,29 @@ def test_an_agent_that_hangs_or_raises_costs_only_its_own_episode(tokenizer):
     assert group.rewards == [0.0, 0.0, 1.0, 1.0]
     assert stats.timeouts == 1 and stats.errors == 1 and stats.crashes == 0
     assert all(group.loss_mask(i).sum() > 0 for i in range(4))  # their calls before failing are kept
+
+
+def most_at_once(windows: list[tuple[float, float]]) -> int:
+    edges = sorted([(a, 1) for a, _ in windows] + [(b, -1) for _, b in windows])
+    running = peak = 0
+    for _, d in edges:
+        running += d
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.parametrize("bound", [2, 0])
+def test_agent_processes_per_engine_are_bounded_by_max_concurrent_agents(tokenizer, tmp_path, monkeypatch, bound):
+    monkeypatch.setenv("ASYNC_RL_TEST_WINDOWS", str(tmp_path))
+    # Each agent holds its process 3 s after its call: with a bound of 2 the 6 episodes run in 3 waves.
+    group, stats = run_group(tokenizer, "records_its_window", 6, max_concurrent=bound)
+    assert group.reward_status == [REWARD_OK] * 6 and stats.timeouts == 0
+    windows = [tuple(map(float, p.read_text().split())) for p in tmp_path.iterdir()]
+    assert len(windows) == 6
+    if bound:
+        assert most_at_once(windows) <= bound
+    else:
+        assert most_at_once(windows) > 2  # no bound: they all start at once
 
 
 def test_final_messages_are_scored_by_the_task_reward_and_async_agents_run(tokenizer):
