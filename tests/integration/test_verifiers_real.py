@@ -91,10 +91,13 @@ def test_a_single_turn_verifiers_episode_gets_a_reward_and_trainable_tokens(engi
 def test_a_multi_turn_verifiers_episode_trains_its_turns_with_the_feedback_masked(engine_endpoint):
     _, _, tok = engine_endpoint
     group, stats = _group(engine_endpoint, "vf-arith-retry", 2)
-    assert group.reward_status == [REWARD_OK, REWARD_OK], stats.last_error
+    # A retry whose history the chat template renders other than the model saw it splits its episode
+    # into two trained samples (a prefix break): 2 episodes in 2 or more samples, every one scored.
+    assert group.episode_count == 2 and group.reward_status == [REWARD_OK] * group.size, stats.last_error
     # one call per episode, two where the first answer was wrong (the env's feedback, another try)
-    assert stats.calls == sum(1 if r == 1.0 else 2 for r in group.rewards)
-    for i in range(2):
+    rewards = {e: group.rewards[i] for i, e in enumerate(group.episode_index())}
+    assert stats.calls == sum(1 if r == 1.0 else 2 for r in rewards.values())
+    for i in range(group.size):
         env_text = tok.decode([t for t, m in zip(group.completions[i], group.loss_mask(i), strict=True) if not m])
         if group.episodes[i].turns == 2:  # both answers trained, the feedback between them masked
             assert "Check the arithmetic and answer again" in env_text
