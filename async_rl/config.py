@@ -505,10 +505,11 @@ class LearnerConfig(_Section):
     malloc_mmap_threshold_kb: Annotated[
         int,
         _f("glibc: allocations above this many KiB are mmap'd and returned to the OS when freed, fixed for "
-           "the learner rank's process (glibc's default threshold grows to 32 MB after the first frees, and "
-           "the heap then keeps each step's high-water mark: 4.73 vs 2.89 GB peak measured, see "
-           "docs/learner.md); 0 = glibc's dynamic default", ge=0),
-    ] = 128
+           "the learner rank's process (glibc's default threshold grows to 32 MB after the first frees and the "
+           "heap keeps what the step freed). With activation_checkpointing, 128 took SmolLM2-135M's peak at "
+           "micro_batch_tokens 4096 from 4.6 to 3.2 GB for a 1.3x slower step (every large tensor is "
+           "page-faulted afresh; docs/learner.md); 0 = glibc's dynamic default (fastest)", ge=0),
+    ] = 0
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 

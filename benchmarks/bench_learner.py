@@ -23,14 +23,15 @@ drifts). Variants (learner.* fields; every row fp32 unless it says bf16):
   share_prompt  + learner.share_prompt (one prompt per group; skipped with a note where the config
                 has no such field);
   fused_adamw   + torch's fused AdamW (learner/optimizer.py; the rows above run the former CPU
-                default, the for-loop AdamW);
+                default, the for-loop AdamW): the learner's defaults today;
   compile       fused_adamw + compile (torch.compile of the decoder layers), fp32;
   bf16          fused_adamw + mixed_precision bf16 (autocast; weights and optimizer stay fp32);
   bf16_compile  both (not in the default list);
   host_malloc   fused_adamw + learner.malloc_mmap_threshold_kb 128 (freed tensors go back to the OS;
-                the rows above keep glibc's dynamic threshold, 0): the learner's defaults today;
+                the other rows keep glibc's dynamic threshold, the default);
   checkpointing host_malloc + learner.activation_checkpointing (each layer recomputed in backward);
-  low_memory    checkpointing with logprob_chunk_tokens 256 (a quarter of the head's chunk).
+  low_memory    checkpointing with logprob_chunk_tokens 256 (a quarter of the head's chunk);
+  checkpointing_glibc, malloc_4mb, checkpointing_4mb: the threshold's trade (0, 4 MB).
 
 Measured per run: the step's seconds; peak RSS during the step (VmHWM reset just before it) and
 its growth over the RSS before it (the step's transient memory: activations, logits, gradients);
@@ -71,8 +72,8 @@ RESULTS = REPO / "benchmarks" / "results"
 CONFIGS = {"arith": REPO / "configs" / "smollm2_arith.yaml", "tools": REPO / "configs" / "smollm2_tools.yaml"}
 ENV_SHARE = 0.29  # tool results' share of an episode's completion tokens (smollm2_tools.json: env_token_share)
 WARMUP_GROUPS = 1
-# The ladder's rows keep glibc's dynamic mmap threshold (the learner before malloc_mmap_threshold_kb);
-# `host_malloc` and the rows after it fix it at the learner's default.
+# glibc's dynamic mmap threshold (the learner's default, 0) except where a row sets
+# learner.malloc_mmap_threshold_kb (host_memory.py).
 FP32 = {"mixed_precision": "none", "compile": False, "malloc_mmap_threshold_kb": 0}
 MALLOC = {"malloc_mmap_threshold_kb": 128}
 # Each variant's learner fields; `share_prompt` is dropped where LearnerConfig has no such field.
@@ -88,6 +89,11 @@ VARIANTS: dict[str, dict] = {
     "checkpointing": {**FP32, **MALLOC, "logprob_chunk_tokens": 1024, "share_prompt": True,
                       "activation_checkpointing": True},
     "low_memory": {**FP32, **MALLOC, "logprob_chunk_tokens": 256, "share_prompt": True, "activation_checkpointing": True},
+    # The threshold's trade (each mmap'd allocation is page-faulted afresh): glibc's default, 4 MB.
+    "checkpointing_glibc": {**FP32, "logprob_chunk_tokens": 1024, "share_prompt": True, "activation_checkpointing": True},
+    "malloc_4mb": {**FP32, "malloc_mmap_threshold_kb": 4096, "logprob_chunk_tokens": 1024, "share_prompt": True},
+    "checkpointing_4mb": {**FP32, "malloc_mmap_threshold_kb": 4096, "logprob_chunk_tokens": 1024, "share_prompt": True,
+                          "activation_checkpointing": True},
 }
 # The AdamW kernel of each variant (learner/optimizer.py): the rows before `fused_adamw` keep the former
 # CPU default (for_loop), so the ladder starts from the original learner; the rest run the backend's own.

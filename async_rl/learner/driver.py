@@ -197,7 +197,7 @@ class LearnerDriver(LearnerRank):
         random.seed(s.train.seed)
         np.random.seed(s.train.seed)
         torch.manual_seed(s.train.seed)
-        set_malloc_mmap_threshold(s.learner.malloc_mmap_threshold_kb)  # before the model's tensors exist
+        set_malloc_mmap_threshold(s.learner.malloc_mmap_threshold_kb)  # a memory switch, off by default
         self.backend = make_backend(s, self.rank, self.world_size, self.master)
         params = self.backend.setup(s.model_dir)
         self.device = self.backend.device

@@ -4,14 +4,17 @@ torch's CPU allocator takes every tensor from malloc. glibc serves an allocation
 threshold with its own mmap, unmapped again on free, but the threshold is dynamic: the first time
 such a block is freed, glibc raises the threshold to that block's size (up to 32 MB on 64-bit), so from
 then on a step's activations, gradients of the chunked head and attention masks come from the heap,
-and the heap keeps what they freed. A learner's RSS then holds the high-water mark of every step
-(measured on SmolLM2-135M at micro_batch_tokens 4096 with activation checkpointing: 4.73 GB peak with
-glibc's default, 2.89 GB with a fixed 128 KB threshold; benchmarks/results/learner.md).
+and the heap keeps what they freed, fragmented. Measured on SmolLM2-135M, one step of the arithmetic
+batch at micro_batch_tokens 4096 with activation checkpointing (benchmarks/results/learner-quiet.md and
+learner-malloc.md, quiet machine): peak RSS 4.6 GB with glibc's default, 3.6 GB with a fixed 4 MB
+threshold, 3.2 GB with 128 KB.
 
 `mallopt(M_MMAP_THRESHOLD, n)` fixes the threshold (glibc then stops adjusting it) and
-`M_TRIM_THRESHOLD` lets the heap's top be trimmed at the same size. Each allocation above it costs an
-mmap and its first-touch page faults; a micro-batch's tensors are megabytes, so that is small beside
-the matmuls they feed (the bench's timed rows compare both). Not glibc (musl, macOS): nothing to set.
+`M_TRIM_THRESHOLD` lets the heap's top be trimmed at the same size. The price: every allocation above
+it is an mmap whose pages are faulted in afresh, and a step allocates many gigabytes of short-lived
+tensors: the same step took 21.3 s instead of 16.3 s (13.8 vs 16.8 s without checkpointing). So it
+is off by default (learner.malloc_mmap_threshold_kb 0), a switch for runs whose limit is memory. Not
+glibc (musl, macOS): nothing to set.
 """
 
 from __future__ import annotations
