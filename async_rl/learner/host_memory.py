@@ -12,7 +12,7 @@ threshold, 3.2 GB with 128 KB.
 `mallopt(M_MMAP_THRESHOLD, n)` fixes the threshold (glibc then stops adjusting it) and
 `M_TRIM_THRESHOLD` lets the heap's top be trimmed at the same size. The price: every allocation above
 it is an mmap whose pages are faulted in afresh, and a step allocates many gigabytes of short-lived
-tensors: the same step took 21.3 s instead of 16.3 s (13.8 vs 16.8 s without checkpointing). So it
+tensors: the same step took 21.2 s instead of 16.3 s (16.8 vs 13.7 s without checkpointing). So it
 is off by default (learner.malloc_mmap_threshold_kb 0), a switch for runs whose limit is memory. Not
 glibc (musl, macOS): nothing to set.
 """

@@ -5,6 +5,8 @@ The megatron side (full recompute) is tested in test_megatron_cpu.py."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -31,15 +33,12 @@ class SavedBytes:
 
 
 def step(rank, shard, saved: SavedBytes | None = None):
-    hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t) if saved else None
+    hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t) if saved else contextlib.nullcontext()
     layers = decoder_layers(rank.backend.model)
     calls = []  # layer calls started (a recompute stops once it has what backward needs: no post-hook)
     handles = [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in layers]
     try:
-        if hooks:
-            with hooks:
-                metrics = rank.train_on_shard(0, shard)
-        else:
+        with hooks:
             metrics = rank.train_on_shard(0, shard)
     finally:
         for h in handles:

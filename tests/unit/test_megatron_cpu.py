@@ -115,7 +115,8 @@ def test_full_recompute_gives_the_same_loss_and_update(one_rank):
             stats, grad_norm = policy.train_batch(b, 2, 1.0, 0.2, 0.2, 2.0)
             for h in hooks:
                 h.remove()
-            # Recompute runs every layer's forward again in backward: twice the layer calls.
+            # train_batch(b, 2, ...): two micro-batches, each entering every layer once; recompute
+            # enters every layer again in backward.
             assert len(calls) == len(layers) * 2 * (2 if recompute else 1)
             results.append((stats.loss, grad_norm, policy.hf_state_dict()))
     (loss0, norm0, after0), (loss1, norm1, after1) = results
