@@ -173,6 +173,7 @@ def test_dead_learner_rank_stops_the_run_naming_the_checkpoint(tmp_path, model_c
 
     def learner_died(*args):
         noticed_at.append(time.time())
+        stop_burners(burners)  # noticed: the shutdown that follows runs on free cores
         return real_died(*args)
 
     monkeypatch.setattr(supervisor, "learner_died", learner_died)

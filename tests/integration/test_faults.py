@@ -29,6 +29,28 @@ DETECT_S = 10.0  # a death is noticed (and logged) within this
 MARGIN_S = 30.0  # a step may take the replacement's start-up plus this
 
 
+def death_logged_since(run_dir, since: float) -> bool:
+    """The run's scaling log holds a death logged at or after `since` (wall time)."""
+    log = run_dir / "scaling.jsonl"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        try:
+            event = json.loads(line)
+        except ValueError:  # the line being written
+            continue
+        if "died" in event["reason"] and event["at"] >= since:
+            return True
+    return False
+
+
+def burn_until_noticed(run_dir, since: float, procs: list) -> None:
+    """Stop `procs` once a death at or after `since` is logged, or once the detection window (and
+    2 s) passed."""
+    deadline = time.monotonic() + DETECT_S + 2
+    while time.monotonic() < deadline and not death_logged_since(run_dir, since):
+        time.sleep(0.1)
+    stop_burners(procs)
+
+
 def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path, model_cache):
     rng = random.Random(SEED)
     plan = {1: "engine_core", 3: "engine_actor", 5: "buffer"}  # after step k, during step k + 1
@@ -44,11 +66,12 @@ def test_sigkill_engine_core_engine_actor_and_buffer_at_random_moments(tmp_path,
             victim = controller.generators.pids()[sorted(controller.generators.engines)[0]]
             pids = victim.engine_core if kind == "engine_core" else [victim.actor]
         # Detection must not wait for the controller's loop to get a turn: every core is kept busy
-        # from just before the kill until the detection window is over.
+        # from just before the kill until the supervisor logged a death after it (or the detection
+        # window is over); the replacement then starts on free cores, as after a real burst of load.
         procs = start_burners()
         burners.extend(procs)
-        threading.Timer(DETECT_S + 2, stop_burners, (procs,)).start()
         killed[kind] = time.time()
+        threading.Thread(target=burn_until_noticed, args=(controller.run_dir, killed[kind], procs), daemon=True).start()
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
 
