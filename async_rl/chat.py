@@ -12,7 +12,6 @@ or tokenized as it is when that is off.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,37 +31,13 @@ class RenderError(ValueError):
 
 
 class PromptRenderer:
-    """Loads the tokenizer on a thread of its own, so that the process that made it (the buffer,
-    during a run's start-up) goes on meanwhile; the first use waits for it. Importing transformers
-    and torch takes ~4.5 s of CPU: in the buffer it used to hold up every other process's start."""
-
     def __init__(self, model_dir: str | Path, system_prompt: str = "", template_for_text: bool = True) -> None:
-        self.model_dir = str(model_dir)
+        from transformers import AutoTokenizer  # heavy: only where prompts are rendered
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.system_prompt = system_prompt
         self.template_for_text = template_for_text
-        self._tokenizer: Any = None
-        self._load_error: BaseException | None = None
-        self._loading = threading.Thread(target=self._load, name="tokenizer-load", daemon=True)
-        self._loading.start()
-
-    def _load(self) -> None:
-        try:
-            from transformers import AutoTokenizer  # heavy: only where prompts are rendered
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        except BaseException as exc:  # re-raised, as it was, by the first use
-            self._load_error = exc
-
-    @property
-    def tokenizer(self) -> Any:
-        self._loading.join()
-        if self._load_error is not None:
-            raise self._load_error
-        return self._tokenizer
-
-    @property
-    def has_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
 
     def messages_of(self, prompt: Prompt) -> list[ChatMessage] | None:
         """The chat the template renders (system prompt included), or None: tokenize `text` as it is."""

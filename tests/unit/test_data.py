@@ -328,16 +328,3 @@ def test_the_buffer_gets_absolute_data_paths(tmp_path, monkeypatch):
     cfg = load_config(None, ["data.train_files=[train.jsonl]", "generators.max_model_len=64", "generators.max_tokens=8"])
     s = settings_for(cfg, "r", None, Path("m"))
     assert s.data.train_files == [str(tmp_path / "train.jsonl")] and s.max_prompt_tokens == 56
-
-
-def test_the_renderer_loads_its_tokenizer_meanwhile_and_its_first_use_raises_what_loading_raised(tmp_path, tiny):
-    # The tokenizer loads on a thread of its own: the first use waits for it, and a folder without a
-    # tokenizer fails there, with what loading raised.
-    renderer = PromptRenderer(tiny)
-    assert renderer.render(Prompt(prompt_id=0, text="a:")) == list(renderer.tokenizer.encode("a:"))
-    (tmp_path / "empty").mkdir()
-    broken = PromptRenderer(tmp_path / "empty")
-    with pytest.raises((OSError, ValueError)):
-        broken.render(Prompt(prompt_id=0, text="a:"))
-    with pytest.raises((OSError, ValueError)):  # every later use too, not a None tokenizer
-        assert broken.has_template
