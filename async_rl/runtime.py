@@ -116,20 +116,24 @@ class Runtime:
             cfg.weight_sync.timeout_s,
             **self._pools.generator_pool_kwargs(),
         )
-        self._learner = self._make_learner()
         self._reward_models = reward_model_pool(cfg)
+        if self._reward_models is not None:  # engines start with its replicas' endpoints
+            self._reward_models.start()
         if cfg.placement == "colocated":
-            if self._reward_models is not None:  # engines start with its replicas' endpoints
-                self._reward_models.start()
             # One GPU for both: vLLM sizes its KV cache from what it sees allocated while it starts,
             # so the engines start alone, then the learner sets up in what they left.
+            self._learner = self._make_learner()
             self._generators.add(cfg.generators.num_engines, paused=engines_paused)
             ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
         else:
-            setup = [a.setup.remote() for a in self._learner.actors]  # overlaps vLLM's ~30 s start-up
-            if self._reward_models is not None:  # engines start with its replicas' endpoints
-                self._reward_models.start()
-            self._generators.add(cfg.generators.num_engines, paused=engines_paused)
+            # The learner's ranks are made and set up while vLLM starts (~20-30 s on CPU).
+            setup: list[ray.ObjectRef] = []
+
+            def make_learner() -> None:
+                self._learner = self._make_learner()
+                setup.extend(a.setup.remote() for a in self._learner.actors)
+
+            self._generators.add(cfg.generators.num_engines, paused=engines_paused, while_starting=make_learner)
             ray.get(setup, timeout=START_TIMEOUT_S)
         self._generators.rebuild_membership(self._learner.actors[0])
 

@@ -70,8 +70,10 @@ class GeneratorPool:
     def actors(self) -> list[ActorHandle]:
         return [h.actor for h in self.engines.values()]
 
-    def add(self, count: int, paused: bool) -> list[int]:
-        """Start `count` engines (in parallel; vLLM start-up takes ~30 s each on CPU)."""
+    def add(self, count: int, paused: bool, while_starting: Callable[[], None] | None = None) -> list[int]:
+        """Start `count` engines (in parallel; vLLM start-up takes ~30 s each on CPU). `while_starting`
+        runs once their start-up is under way, before waiting for it (a run's start makes its learner
+        then); should it raise, the new engines are stopped."""
         new: list[EngineHandle] = []
         try:
             for _ in range(count):
@@ -85,7 +87,10 @@ class GeneratorPool:
                 handle = EngineHandle(engine_id, actor, pool, slot)
                 self.engines[engine_id] = handle  # registered first, so shutdown finds a half-started engine
                 new.append(handle)
-            ray.get([h.actor.start.remote(paused) for h in new], timeout=TIMEOUT_S)
+            starts = [h.actor.start.remote(paused) for h in new]
+            if while_starting is not None:
+                while_starting()
+            ray.get(starts, timeout=TIMEOUT_S)
         except Exception:
             # No room for another engine (or one failed to start): the pool stays as it was.
             for h in new:
