@@ -47,7 +47,10 @@ class StubPool:
     def __init__(self, rec: Recorder) -> None:
         self._rec = rec
 
-    def add(self, count: int, paused: bool) -> list[int]:
+    def add(self, count: int, paused: bool, while_starting=None) -> list[int]:
+        self._rec.log.append("engines starting")
+        if while_starting is not None:
+            while_starting()
         self._rec.log.append("engines started")
         return list(range(count))
 
@@ -78,11 +81,11 @@ def runtime_with(monkeypatch, placement: str) -> tuple[runtime_mod.Runtime, Reco
 def test_colocated_engines_start_before_the_learner_sets_up(monkeypatch, placement):
     rt, rec = runtime_with(monkeypatch, placement)
     rt.start(None, engines_paused=False)
-    order = [e for e in rec.log if e == "engines started" or e.endswith(".setup")]
+    order = [e for e in rec.log if e.startswith("engines start") or e.endswith(".setup")]
     if placement == "colocated":
-        assert order == ["engines started", "rank0.setup", "rank1.setup"]
-    else:  # disaggregated: learner set-up overlaps vLLM's start-up
-        assert order == ["rank0.setup", "rank1.setup", "engines started"]
+        assert order == ["engines starting", "engines started", "rank0.setup", "rank1.setup"]
+    else:  # disaggregated: the learner is made and set up while vLLM starts
+        assert order == ["engines starting", "rank0.setup", "rank1.setup", "engines started"]
 
 
 @pytest.mark.parametrize("during_step", [False, True])
