@@ -35,15 +35,10 @@ MARGIN_S = 30.0  # a step may take the replacement's start-up plus this
 
 def death_logged_since(run_dir, since: float) -> bool:
     """The run's scaling log holds a death logged at or after `since` (wall time)."""
-    log = run_dir / "scaling.jsonl"
-    for line in log.read_text().splitlines() if log.exists() else []:
-        try:
-            event = json.loads(line)
-        except ValueError:  # the line being written
-            continue
-        if "died" in event["reason"] and event["at"] >= since:
-            return True
-    return False
+    try:
+        return any("died" in e["reason"] and e["at"] >= since for e in events(run_dir))
+    except (FileNotFoundError, ValueError):  # no event yet, or the line being written
+        return False
 
 
 def burn_until_noticed(run_dir, since: float, procs: list) -> None:
