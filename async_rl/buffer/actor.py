@@ -29,7 +29,7 @@ from async_rl.buffer.ledger import Accounts, Ledger
 from async_rl.buffer.prompt_source import DataPosition, PromptSource
 from async_rl.buffer.serving import BatchServer
 from async_rl.buffer.snapshot import BufferParts, BufferState, read_snapshot, write_snapshot
-from async_rl.cluster.resources import advertised_host
+from async_rl.cluster.net import advertised_host
 from async_rl.config import DataConfig
 from async_rl.errors import RunError
 from async_rl.protocol import Prompt

@@ -1,12 +1,13 @@
 """ResourcePool over Ray placement groups, and WorkerGroup: R ranked actors with typed fan-out.
 
+Socket helpers (free ports, advertised addresses) live in `cluster/net.py`, which needs no Ray.
+
 Calls are ordinary actor methods passed as callables (`wg.call(lambda a: a.train_step.remote(k))`),
 never method names in strings.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -83,24 +84,6 @@ class PoolShare:
 
     def actor_options(self, index: int) -> dict[str, Any]:
         return self.pool.actor_options(index, cpus=self.cpus, gpus=self.gpus)
-
-
-ALL_INTERFACES = "0.0.0.0"
-
-
-def advertised_host(host: str) -> str:
-    """The address peers connect to: a socket bound to every interface is reached at this node's IP."""
-    if host != ALL_INTERFACES:
-        return host
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class WorkerGroup(Generic[T]):

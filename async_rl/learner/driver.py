@@ -21,8 +21,8 @@ import msgspec
 import numpy as np
 import torch
 
+from async_rl.cluster.net import free_port
 from async_rl.cluster.placement import pin_current_process
-from async_rl.cluster.resources import free_port
 from async_rl.errors import RunError
 from async_rl.learner.algorithms import Algorithm, Prepared
 from async_rl.learner.backend import ModelBackend, TokenScores

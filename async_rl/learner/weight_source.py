@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from async_rl.cluster.resources import advertised_host
+from async_rl.cluster.net import advertised_host
 from async_rl.config import WeightSyncConfig
 from async_rl.weight_sync.base import BucketHook, SendProgress, UpdateReceipt, WeightGroupInfo, WeightSender
 from async_rl.weight_sync.bucketing import Manifest, build_manifest, to_dtype

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
+from async_rl.cluster.net import free_port
 from async_rl.config import ConfigError, ModelConfig
 from async_rl.models.tiny import resolve_model_path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "model_dir_or_skip"]  # free_port: the one of async_rl.cluster.net (no Ray)
 
 
 def model_dir_or_skip(name: str) -> str:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-# LearnerDriver imports async_rl.cluster.resources, which imports Ray at module level.
-pytest.importorskip("ray", reason="needs Ray: async_rl.learner.driver imports it (cluster/resources.py)")
-
-from async_rl.learner.driver import LearnerDriver  # noqa: E402
-from async_rl.models.tiny import resolve_model_path  # noqa: E402
-from tests.gpu._gpu_util import free_port  # noqa: E402
-from tests.unit._learner_fixtures import groups, settings  # noqa: E402
+from async_rl.cluster.net import free_port
+from async_rl.learner.driver import LearnerDriver
+from async_rl.models.tiny import resolve_model_path
+from tests.unit._learner_fixtures import groups, settings
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.net import free_port
 from async_rl.config import AlgorithmConfig
 from async_rl.learner.driver import LearnerDriver
 from async_rl.models.tiny import resolve_model_path

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.net import free_port
 from async_rl.learner.advantages import masked_whiten
 from async_rl.learner.algorithms import data_parallel_sum
 from async_rl.learner.critic import Critic

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.net import free_port
 from async_rl.learner.base import checkpoint_model_dir
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.hf_io import read_hf_weights

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.net import free_port
 from tests.integration._minibatch_worker import make_learner, run_rank, shard, weights
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.net import free_port
 from tests.integration._token_mean_worker import gradients, make_learner, run_rank, shard
 
 pytestmark = pytest.mark.integration

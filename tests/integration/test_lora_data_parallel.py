@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.net import free_port
 from tests.integration._lora_dp_worker import run_rank
 
 pytestmark = pytest.mark.integration

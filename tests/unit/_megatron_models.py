@@ -73,7 +73,7 @@ def one_rank_model_parallel() -> Iterator[None]:
     """A one-rank gloo group and Megatron's parallel state with TP=PP=1 (for a module fixture)."""
     from megatron.core import parallel_state
 
-    from async_rl.cluster.resources import free_port
+    from async_rl.cluster.net import free_port
 
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")

@@ -290,7 +290,7 @@ def test_learner_death_names_the_checkpoint(tmp_path):
 def test_all_interfaces_are_advertised_as_the_node_ip():
     import ipaddress
 
-    from async_rl.cluster.resources import advertised_host
+    from async_rl.cluster.net import advertised_host
 
     assert advertised_host("127.0.0.1") == "127.0.0.1"  # loopback stays loopback (one machine)
     ip = ipaddress.ip_address(advertised_host("0.0.0.0"))  # peers cannot connect to 0.0.0.0
