@@ -644,7 +644,7 @@ class WeightSyncConfig(_Section):
         Literal["auto", "gloo", "shm", "nccl", "cuda_ipc"],
         _f("weight transport: gloo (sockets, any host), shm (shared memory, one host), nccl (CuPy, "
            "CUDA tensors), cuda_ipc (one GPU region mapped by learner and generators on the same GPU; "
-           "its CPU-side checksum costs a device-to-host copy of the update, checksum=off avoids it); "
+           "its checksum is computed on the GPU, no host copy); "
            "auto = on CUDA (a megatron learner on cuda), cuda_ipc when colocated and nccl when "
            "disaggregated; off CUDA shm on a local Ray, else gloo; nccl with placement=colocated is refused"),
     ] = "auto"

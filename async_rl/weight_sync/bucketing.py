@@ -7,6 +7,7 @@ viewed in place inside its bucket.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Iterable
@@ -120,6 +121,58 @@ def _hash_chunk(buf: torch.Tensor, j: int) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(buf[j * CHUNK_BYTES : (j + 1) * CHUNK_BYTES].cpu().numpy()))
 
 
+# The device hash of a chunk (a CUDA bucket is hashed where it is, no copy to the host): the chunk's
+# little-endian int16 words w_i weighted by fixed pseudo-random coefficients c_i in [1, 2^27),
+# H = sum_i w_i * c_i, exact in int64 (|w_i c_i| < 2^42, 2^19 words: |H| < 2^61), so any device and
+# the CPU compute the same value whatever the summation order. Any change of one word changes H
+# (c_i != 0); several changed words cancel only if their weighted differences sum to zero, which
+# random coefficients make vanishingly unlikely for corruption that does not know them. It is not
+# xxh3: both ends of a channel must hash alike, and they do, since a channel's buckets live on the
+# same kind of device at both ends (CUDA for nccl and cuda_ipc, the host for gloo and shm).
+_WORDS_PER_CHUNK = CHUNK_BYTES // 2
+_COEFFICIENT_SEED = 0x30A5EED
+_ROWS_PER_PASS = 16  # chunks hashed per kernel pass: an int64 temporary of 64 MiB at most
+
+
+@functools.cache
+def hash_coefficients(device: torch.device) -> torch.Tensor:
+    """The device hash's c_i (the same on every device: drawn on the CPU from a fixed seed)."""
+    g = torch.Generator().manual_seed(_COEFFICIENT_SEED)
+    return torch.randint(1, 1 << 27, (_WORDS_PER_CHUNK,), generator=g, dtype=torch.int64).to(device)
+
+
+def _weighted_words(words: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    x = words.to(torch.int64)
+    x.mul_(coefficients[: x.shape[-1]])
+    return x.sum(dim=-1)
+
+
+def device_chunk_hashes(buf: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """The device hashes of chunks `chunks` (ascending) of bucket `buf` (uint8, on any device): an
+    int64 tensor on `buf`'s device, one value per chunk, in order. Only launches kernels (runs of
+    consecutive chunks are sliced, never indexed by a host list): nothing waits for the device."""
+    coefficients = hash_coefficients(buf.device)
+    full = buf.numel() // CHUNK_BYTES  # whole chunks; a last short chunk is hashed on its own
+    rows = buf[: full * CHUNK_BYTES].view(full, CHUNK_BYTES)
+    out = torch.empty(len(chunks), dtype=torch.int64, device=buf.device)
+    i = 0
+    while i < len(chunks):
+        j = chunks[i]
+        if j >= full:  # the short last chunk: an odd length gets a zero byte, to whole words
+            tail = buf[j * CHUNK_BYTES :]
+            if tail.numel() % 2:
+                tail = torch.cat([tail, tail.new_zeros(1)])
+            out[i] = _weighted_words(tail.view(torch.int16), coefficients)
+            i += 1
+            continue
+        n = 1
+        while n < _ROWS_PER_PASS and i + n < len(chunks) and chunks[i + n] == j + n and j + n < full:
+            n += 1
+        out[i : i + n] = _weighted_words(rows[j : j + n].view(torch.int16), coefficients)
+        i += n
+    return out
+
+
 class ChunkTable:
     """The sender's checksum of an update: one xxh3-64 per chunk (MiB) of every bucket it hashed
     (0 for the others); it travels in the trailer.
@@ -166,13 +219,20 @@ class ChunkTable:
 class ChunkChecker:
     """Hash the chosen chunks of each bucket as it goes by. The sender and every receiver build one
     from the same seed, so they choose the same chunks; receivers compare with the sender's table.
-    A GPU bucket's chunk is copied to the host to be hashed (only the chosen chunks)."""
 
-    def __init__(self, manifest: Manifest, mode: str, rng: random.Random | None = None) -> None:
+    A bucket on the host is hashed with xxh3; a CUDA bucket on its device (`device_chunk_hashes`, no
+    copy to the host per bucket: the hashes stay on the device until the update's table is needed,
+    then come over in one small copy). `device_hash` forces one or the other (tests)."""
+
+    def __init__(
+        self, manifest: Manifest, mode: str, rng: random.Random | None = None, device_hash: bool | None = None
+    ) -> None:
         self.counts = chunk_counts(manifest)
         self.mode = mode
         self.rng = rng or random.Random()
-        self.seen: dict[tuple[int, int], int] = {}
+        self.device_hash = device_hash
+        self._seen: dict[tuple[int, int], int] = {}
+        self._on_device: list[tuple[int, list[int], torch.Tensor]] = []  # (bucket, chunks, their hashes)
 
     def chosen(self, k: int) -> list[int]:
         n = self.counts[k]
@@ -181,12 +241,27 @@ class ChunkChecker:
         return [j for j in range(n - 1) if self.rng.randrange(SAMPLE_ONE_IN) == 0] + [n - 1]
 
     def hash_bucket(self, k: int, buf: torch.Tensor) -> None:
-        for j in self.chosen(k):
-            self.seen[(k, j)] = _hash_chunk(buf, j)
+        chunks = self.chosen(k)
+        if buf.is_cuda if self.device_hash is None else self.device_hash:
+            self._on_device.append((k, chunks, device_chunk_hashes(buf, chunks)))
+            return
+        for j in chunks:
+            self._seen[(k, j)] = _hash_chunk(buf, j)
+
+    @property
+    def seen(self) -> dict[tuple[int, int], int]:
+        """(bucket, chunk) -> hash of every chunk hashed so far (waits for the device's hashes)."""
+        if self._on_device:  # one copy to the host for the whole update
+            values = iter(torch.cat([hashes for _, _, hashes in self._on_device]).tolist())
+            for k, chunks, _ in self._on_device:
+                for j in chunks:
+                    self._seen[(k, j)] = next(values) & 0xFFFF_FFFF_FFFF_FFFF  # the table holds uint64
+            self._on_device = []
+        return self._seen
 
     def bad_chunks(self, table: ChunkTable) -> list[tuple[int, int]]:
         return [(k, j) for (k, j), h in self.seen.items() if table.hashes[table.starts[k] + j] != h]
 
     @property
     def chunks_checked(self) -> int:
-        return len(self.seen)
+        return len(self._seen) + sum(len(chunks) for _, chunks, _ in self._on_device)

@@ -57,7 +57,16 @@ class RegionChannel(BucketChannel):
         self._signals: list[torch.Tensor] = []
 
     def _slot(self, k: int, nbytes: int) -> torch.Tensor:
+        if self.region.numel() < self._offsets[-1]:
+            raise RuntimeError(f"the {self.kind} weight channel was closed (its membership is over)")
         return self.region[self._offsets[k] : self._offsets[k] + nbytes]
+
+    def close(self) -> None:
+        """Drop this member's reference to the region (the file mapping, or the CUDA allocation or
+        its IPC mapping): it is freed once nothing else holds it. Tensors a sender adopted into the
+        region are views of it and keep it alive until they move (into the next membership's region)."""
+        self.region = self.region.new_empty(0)
+        self._signals = []
 
     def staging(self, k: int, nbytes: int) -> torch.Tensor:
         return self._slot(k, nbytes)

@@ -1,5 +1,9 @@
 """The cuda_ipc weight channel on a real GPU: the sender (this process) and a receiver in a second
-process (spawn) on the same device, as a colocated learner and vLLM worker are."""
+process (spawn) on the same device, as a colocated learner and vLLM worker are.
+
+What the receiver got comes back as bytes (dtype name, shape, raw bytes), never as tensors: torch
+shares a tensor put on a multiprocessing queue through a file descriptor of the putting process,
+which is gone once that process exits."""
 
 from __future__ import annotations
 
@@ -10,10 +14,29 @@ import pytest
 import torch
 
 from async_rl.weight_sync.base import CorruptUpdate, WeightGroupInfo
-from async_rl.weight_sync.bucketing import Manifest, build_manifest
+from async_rl.weight_sync.bucketing import (
+    CHUNK_BYTES,
+    Manifest,
+    build_manifest,
+    chunk_counts,
+    device_chunk_hashes,
+    to_dtype,
+)
 from async_rl.weight_sync.transport import join_receiver, join_sender, open_membership
 
 TIMEOUT_S = 120
+
+Raw = tuple[str, list[int], bytes]  # a tensor across processes: dtype name, shape, bytes
+
+
+def to_raw(t: torch.Tensor) -> Raw:
+    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return str(t.dtype).removeprefix("torch."), list(t.shape), data
+
+
+def from_raw(raw: Raw) -> torch.Tensor:
+    dtype, shape, data = raw
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(to_dtype(dtype)).view(shape)
 
 
 def cuda_state() -> dict[str, torch.Tensor]:
@@ -41,9 +64,9 @@ def _receive(info_bytes: bytes, manifest_bytes: bytes, versions: list[int], corr
                 buf, pending = original(k, nbytes)
                 seen = torch.empty_like(buf)  # what this receiver read; never write into the sender's region
 
-                class Corrupting:
-                    def wait(self):
-                        pending.wait()
+                class Corrupting:  # a Pending (weight_sync.base): wait(timeout) like c10d's Work
+                    def wait(self, timeout=None):
+                        pending.wait(timeout) if timeout is not None else pending.wait()
                         seen.copy_(buf)
                         if k == corrupt_bucket:
                             seen[-1] ^= 0xFF  # the last byte: in the bucket's last chunk, which 'sampled' checks
@@ -62,9 +85,10 @@ def _receive(info_bytes: bytes, manifest_bytes: bytes, versions: list[int], corr
 
             try:
                 receipt = rx.receive(v, load)
-                results.append(("ok", receipt.checksum, {n: t.cpu() for n, t in params.items()}))
+                results.append(("ok", receipt.checksum, {n: to_raw(t) for n, t in params.items()}))
             except CorruptUpdate as e:
                 results.append(("corrupt", str(e), {}))
+        rx.close()  # drop the mapping before the sender lets go of its region
         out.put(results)
     except BaseException as e:  # noqa: BLE001 - report any failure to the test instead of hanging it
         out.put([("error", repr(e), {})])
@@ -94,6 +118,7 @@ def run_update(state, versions, adopt=False, between=None, corrupt_bucket=-1, ch
         if proc.is_alive():
             proc.terminate()
     assert results[0][0] != "error", results[0][1]
+    results = [(status, detail, {n: from_raw(r) for n, r in got.items()}) for status, detail, got in results]
     return sender, moved, sent, results
 
 
@@ -105,6 +130,8 @@ def test_receiver_in_another_process_gets_the_weights_bit_exact():
         assert got.keys() == state.keys()
         for name, t in state.items():
             assert got[name].dtype == t.dtype and torch.equal(got[name], t.detach().cpu()), name
+    chunks = sum(chunk_counts(build_manifest(state.items(), bucket_bytes=1 << 20)))
+    assert [r.chunks_checked for r in sent] == [chunks, chunks]  # 'full': every MiB of every bucket, both times
 
 
 @pytest.mark.parametrize("checksum", ["full", "sampled"])
@@ -136,3 +163,12 @@ def test_adopted_learner_parameters_live_in_the_region_and_updates_follow_them()
     for name, t in originals.items():
         assert torch.equal(results[0][2][name], t.cpu()), name
         assert torch.equal(results[1][2][name], (t + 1).cpu()), name
+    sender.close()
+    assert sender.channel.region.numel() == 0  # the channel let go (the parameters still hold their block)
+    assert all(lo <= t.data_ptr() < hi for t in state.values())
+
+
+def test_device_chunk_hashes_on_cuda_equal_those_on_the_cpu():
+    buf = torch.randint(0, 256, (3 * CHUNK_BYTES + 777,), dtype=torch.uint8, device="cuda")
+    chunks = [0, 1, 3]  # a run of whole chunks and the short odd-length last one
+    assert device_chunk_hashes(buf, chunks).tolist() == device_chunk_hashes(buf.cpu(), chunks).tolist()

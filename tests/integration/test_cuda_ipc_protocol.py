@@ -24,6 +24,7 @@ class FakeCuda:
     def __init__(self) -> None:
         self.regions: dict[bytes, torch.Tensor] = {}
         self.syncs: list[str] = []
+        self.collected = 0
 
     def new_region(self, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
@@ -44,11 +45,14 @@ class FakeCuda:
 
         self.syncs.append(threading.current_thread().name)
 
+    def collect_exported(self) -> None:
+        self.collected += 1
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch) -> FakeCuda:
     fake = FakeCuda()
-    for name in ("new_region", "export_region", "open_region", "loader_device", "synchronize"):
+    for name in ("new_region", "export_region", "open_region", "loader_device", "synchronize", "collect_exported"):
         monkeypatch.setattr(cuda_ipc, name, getattr(fake, name))
     return fake
 
@@ -64,7 +68,7 @@ def model_state() -> dict[str, torch.Tensor]:
     }
 
 
-def run(state, receivers=2, versions=(1, 2), adopt=False, between=None, receiver_manifest=None):
+def run(state, receivers=2, versions=(1, 2), adopt=False, between=None, receiver_manifest=None, close=False):
     manifest = build_manifest(state.items(), bucket_bytes=4096)
     assert len(manifest.buckets) > 1
     info, store = open_membership("127.0.0.1", 0, receivers + 1, 30, "cuda_ipc", manifest, "full", 1)
@@ -77,6 +81,9 @@ def run(state, receivers=2, versions=(1, 2), adopt=False, between=None, receiver
             got: dict[str, torch.Tensor] = {}
             rx.receive(v, lambda it, got=got: got.update((n, t.clone()) for n, t in it))
             loaded.append(got)
+        if close:
+            rx.close()
+            return loaded, rx.channel
         return loaded
 
     with ThreadPoolExecutor(receivers, thread_name_prefix="receiver") as pool:
@@ -145,3 +152,18 @@ def test_receiver_with_another_manifest_is_refused_at_join(fake_cuda):
             except Exception:  # noqa: BLE001 - the sender times out waiting for the refused receiver
                 pass
             future.result(timeout=60)
+
+
+def test_close_releases_the_region_on_every_member(fake_cuda):
+    state = model_state()
+    _, sender, _, _, results = run(state, versions=(1,), close=True)
+    syncs_before = len(fake_cuda.syncs)
+    sender.close()
+    channels = [sender.channel] + [channel for _, channel in results]
+    assert all(c.region.numel() == 0 for c in channels)  # no member holds the region or a mapping
+    assert fake_cuda.collected == 1  # the sender asked torch to free its exported block
+    assert len(fake_cuda.syncs) == syncs_before + 1  # it waited for its device before letting go
+    sender.close()  # closing twice is harmless
+    assert fake_cuda.collected == 1
+    with pytest.raises(RuntimeError, match="weight channel was closed"):
+        sender.channel.staging(0, 16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,9 @@ from async_rl.weight_sync.bucketing import (
     Manifest,
     TensorSpec,
     build_manifest,
+    device_chunk_hashes,
     dtype_name,
+    hash_coefficients,
     pack,
     to_dtype,
     unpack,
@@ -198,6 +201,65 @@ def test_chunk_table_hashes_every_mib_and_round_trips():
     for k, buf in enumerate(bufs):
         checker.hash_bucket(k, buf)
     assert checker.bad_chunks(table) == [(0, 2)]
+
+
+def reference_device_hash(chunk: bytes) -> int:
+    """The device hash written out with numpy: int16 words (a zero byte pads an odd length) weighted by
+    the same coefficients, summed exactly."""
+    words = np.frombuffer(chunk + bytes(len(chunk) % 2), dtype="<i2").astype(np.int64)
+    coefficients = hash_coefficients(torch.device("cpu"))[: len(words)].numpy()
+    return int(np.dot(words, coefficients))
+
+
+def test_device_chunk_hash_on_cpu_tensors_is_the_exact_weighted_word_sum():
+    # the same kernels run on CUDA; integer sums below 2^63 do not depend on the device or the order
+    buf = torch.randint(0, 256, (2 * CHUNK_BYTES + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    hashes = device_chunk_hashes(buf, [2, 0, 1]).tolist()
+    raw = buf.numpy().tobytes()
+    want = [reference_device_hash(raw[j * CHUNK_BYTES : (j + 1) * CHUNK_BYTES]) for j in (2, 0, 1)]
+    assert hashes == want and len(set(hashes)) == 3
+    # extreme words cannot overflow: every byte 0xFF (word -1) and 0x80 (the most negative word)
+    for fill in (0xFF, 0x80):
+        full = torch.full((CHUNK_BYTES,), fill, dtype=torch.uint8)
+        assert device_chunk_hashes(full, [0]).tolist() == [reference_device_hash(bytes([fill]) * CHUNK_BYTES)]
+
+
+def test_device_chunk_hash_changes_with_any_flipped_byte_and_with_swapped_words():
+    buf = torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    clean = device_chunk_hashes(buf, [0]).item()
+    for at in (0, 1, 777, CHUNK_BYTES // 2, CHUNK_BYTES - 1):
+        bad = buf.clone()
+        bad[at] ^= 0x01
+        assert device_chunk_hashes(bad, [0]).item() != clean, at
+    swapped = buf.clone()
+    swapped[0:2], swapped[2:4] = buf[2:4].clone(), buf[0:2].clone()
+    assert bool((swapped != buf).any()) and device_chunk_hashes(swapped, [0]).item() != clean
+
+
+def test_device_hashed_checker_finds_the_corrupted_chunk():
+    manifest = chunked_manifest()
+    bufs = [torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8) for b in manifest.buckets]
+    table = ChunkTable(manifest)
+    sender = ChunkChecker(manifest, "full", device_hash=True)
+    for k, buf in enumerate(bufs):
+        sender.hash_bucket(k, buf)
+    assert sender.chunks_checked == 4
+    table.fill(sender)
+    receiver = ChunkChecker(manifest, "full", device_hash=True)
+    for k, buf in enumerate(bufs):
+        receiver.hash_bucket(k, buf)
+    assert receiver.bad_chunks(table) == []
+    bufs[0][2 * CHUNK_BYTES + 5] ^= 1  # one bit in the short last chunk of bucket 0
+    receiver = ChunkChecker(manifest, "full", device_hash=True)
+    for k, buf in enumerate(bufs):
+        receiver.hash_bucket(k, buf)
+    assert receiver.bad_chunks(table) == [(0, 2)]
+    # a receiver hashing with xxh3 what the sender hashed on the device refuses rather than accepts
+    host = ChunkChecker(manifest, "full", device_hash=False)
+    bufs[0][2 * CHUNK_BYTES + 5] ^= 1
+    for k, buf in enumerate(bufs):
+        host.hash_bucket(k, buf)
+    assert len(host.bad_chunks(table)) == 4
 
 
 def test_chunk_table_of_wrong_size_is_refused():
