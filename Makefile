@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install quickstart test test-unit test-integration test-gpu lint bench bench-quick docs clean verifiers-venv
+.PHONY: install quickstart test test-unit test-integration test-gpu gpu-wheels gpu-check lint bench bench-quick docs clean verifiers-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,22 @@ GPU_MARK_a := gpu and not gpu_e2e
 GPU_MARK_b := gpu_e2e
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest tests/gpu -m "$(GPU_MARK_$(GPU_PART))" -rs -v
+
+# A lent GPU in one call (docs/gpu.md#a-lent-device-in-one-call). `make gpu-wheels` here (CPU
+# machine, package index): the cp312 manylinux wheels the device image lacks, ~4.6 MB, into an
+# ignored folder that travels with the tree. `make gpu-check` there: installs them, runs part A,
+# the GPU learner benchmark and the weight-sync benchmark, each under its own timeout (8 min in
+# all), and writes benchmarks/results/gpu/<date>-*. DRY=1: wheels found, part A collected, the
+# benchmarks' dry modes; on a CPU machine the CUDA parts skip with their reason (seconds).
+GPU_WHEELS ?= .gpu-wheels
+GPU_WHEEL_PINS := megatron-core==0.16.1 msgspec==0.22.0 pyzmq==27.3.0 liger-kernel==0.8.5
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --dest $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	du -sh $(GPU_WHEELS)
+
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/gpu_check.py --python $(GPU_PY) --wheels $(GPU_WHEELS) $(if $(DRY),--dry-run)
 
 # Every benchmark, 3 repetitions, results under benchmarks/results/ (run on a quiet machine).
 bench: $(STAMP)

@@ -19,7 +19,7 @@ GPU (a colocated learner and its generators), and the rows are:
 
   ours-cuda_ipc   the protocol through one CUDA region mapped by every receiver (IPC handle at join,
                   "bucket k ready" over gloo); the sender's tensors adopted into it. -ckoff: no
-                  checksum (the CPU-side checksum copies every bucket to the host on the sender)
+                  checksum (the checksum of a CUDA bucket is computed on the device)
   ours-nccl       the NCCL (CuPy) channel; NCCL refuses two ranks on one GPU, so with one GPU the
                   row records that error instead of times
   ours-shm        the protocol through /dev/shm: pack is a device-to-host copy, load a host-to-device one
@@ -30,6 +30,10 @@ GPU (a colocated learner and its generators), and the rows are:
 
     .venv/bin/python benchmarks/bench_weight_sync.py [--sizes-mb 50 500 2000] [--repeats 3]
     .venv/bin/python benchmarks/bench_weight_sync.py --device cuda --sizes-mb 500 2000 --receivers 1
+
+`--dry-run`: one 8 MB state, one receiver, one repetition, no bucket sweep (seconds). Where
+`--device cuda` finds no CUDA the last line printed is `SKIP: <reason>` and the exit status 3 (the
+convention of every part of `make gpu-check`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,16 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+EXIT_SKIPPED = 3  # `make gpu-check`: skipped, with the reason on the last line
+
+
+def cuda_missing() -> str:
+    """'' when CUDA is usable; otherwise what is missing (the words of tests/gpu's skips)."""
+    if torch.version.cuda is None:
+        return f"needs CUDA: torch {torch.__version__} is a CPU build (install the CUDA wheel)"
+    if not torch.cuda.is_available():
+        return f"needs CUDA: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+    return ""
 LAYERS = 36  # 9 tensors per layer + embedding + final norm = 326 tensors
 
 
@@ -372,7 +386,7 @@ def run_cuda(args, report, failed) -> None:
                     failed(method, size_mb, receivers, e)
                     continue
                 report(summarize(method, size_mb, receivers, size, times, bucket_mb=args.bucket_mb))
-                if backend == "cuda_ipc":  # what the CPU-side checksum costs on a GPU
+                if backend == "cuda_ipc":  # what the (device-side) checksum costs
                     times = bench_ours(
                         state, receivers, args.bucket_mb, args.repeats, backend, checksum="off", device="cuda"
                     )
@@ -398,12 +412,16 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--backends", nargs="+", help="default: gloo shm (cpu); cuda_ipc nccl shm (cuda)")
     ap.add_argument("--sweep-size-mb", type=float, default=500)
-    ap.add_argument("--sweep-buckets-mb", type=int, nargs="+", default=[4, 16, 64, 256])
+    ap.add_argument("--sweep-buckets-mb", type=int, nargs="*", default=[4, 16, 64, 256], help="none: no sweep")
     ap.add_argument("--out", help="default: results/weight_sync.json (cpu), results/weight_sync_cuda.json (cuda)")
+    ap.add_argument("--dry-run", action="store_true", help="8 MB, 1 receiver, 1 repetition, no sweep: seconds")
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device")
+    if cuda and (missing := cuda_missing()):
+        print(f"SKIP: {missing}", flush=True)
+        raise SystemExit(EXIT_SKIPPED)
+    if args.dry_run:
+        args.sizes_mb, args.receivers, args.repeats, args.sweep_buckets_mb = [8], [1], 1, []
     args.backends = args.backends or (["cuda_ipc", "nccl", "shm"] if cuda else ["gloo", "shm"])
     torch.set_num_threads(1)
     rows = []

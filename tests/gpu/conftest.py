@@ -33,3 +33,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu_e2e)
         if missing:
             item.add_marker(pytest.mark.skip(reason=missing))
+
+
+# `make gpu-check` runs part A with --exit-3-without-cuda: where CUDA is missing the run ends with one
+# line `SKIP: <reason>` and exit status 3 (skipped, with its reason), the convention of every part
+# of the check, instead of a green run in which every test was skipped.
+EXIT_SKIPPED = 3
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--exit-3-without-cuda",
+        action="store_true",
+        default=False,
+        help="without CUDA: print 'SKIP: <reason>' last and exit 3 (scripts/gpu_check.py)",
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("--exit-3-without-cuda", default=False) and cuda_missing():
+        if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = EXIT_SKIPPED
+
+
+def pytest_unconfigure(config):
+    if config.getoption("--exit-3-without-cuda", default=False) and (missing := cuda_missing()):
+        print(f"SKIP: {missing}", flush=True)

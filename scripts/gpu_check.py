@@ -1,0 +1,253 @@
+"""`make gpu-check`: everything a lent GPU should run, in one command that fits one device call.
+
+On the device (its image has torch with CUDA, CuPy and transformers; no Ray, no vLLM) it
+
+  1. installs the wheels `make gpu-wheels` downloaded here (megatron-core, msgspec, pyzmq,
+     liger-kernel) with `pip install --no-index --no-deps`;
+  2. runs part A of the GPU tier (`pytest tests/gpu -m "gpu and not gpu_e2e"`);
+  3. runs the GPU learner benchmark (`benchmarks/bench_learner.py --device cuda`);
+  4. runs the weight-sync benchmark on CUDA tensors (`benchmarks/bench_weight_sync.py --device cuda`);
+
+each in its own process under its own timeout (a hang costs only that part), all within a total
+budget (8 minutes by default), and writes `benchmarks/results/gpu/<date>-gpu-check.json` and
+`.md` (each part: status, seconds, the reason of a skip or failure, its log file) beside what the
+benchmarks write there. A part that exits 3 was skipped; its last `SKIP: <reason>` line says why.
+
+`--dry-run` (`make gpu-check DRY=1`): wheels found but not installed, part A only collected, the
+benchmarks in their dry modes (a tiny model, one small transfer); where CUDA is absent every CUDA
+part skips with its reason. It runs on the CPU machines in seconds (tests/unit/test_gpu_check.py).
+
+Only the standard library here: the script runs under the device's Python before anything is
+installed; everything that needs torch runs in the parts' own processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+EXIT_SKIPPED = 3  # every part: skipped, with `SKIP: <reason>` as its last line
+# The wheels the device image lacks (`make gpu-wheels`), by their distribution names in wheel files.
+WHEELS = ("megatron_core", "msgspec", "pyzmq", "liger_kernel")
+LOG_TAIL_CHARS = 3000
+ENV_PROBE = """
+import json, platform, sys
+info = {"python": platform.python_version()}
+try:
+    import torch
+    info.update(torch=torch.__version__, cuda=torch.version.cuda, gpus=torch.cuda.device_count() if torch.version.cuda else 0)
+    if info["gpus"]:
+        info["device"] = torch.cuda.get_device_name(0)
+except ImportError as e:
+    info["torch"] = f"missing ({e})"
+print(json.dumps(info))
+"""
+
+
+@dataclass
+class Part:
+    name: str
+    argv: list[str]
+    timeout_s: float
+    writes: list[Path] = field(default_factory=list)  # the result files it is expected to write
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # passed | failed | skipped | timed out | not run
+    seconds: float
+    command: str
+    reason: str = ""  # a skip's `SKIP:` line, a failure's last line, or why it did not run
+    returncode: int | None = None
+    log: str = ""  # the part's full output, beside the summary
+    writes: list[str] = field(default_factory=list)  # those of its result files that exist
+
+
+def find_wheels(folder: Path) -> tuple[list[Path], list[str]]:
+    """The newest wheel of every needed distribution in `folder`, and the names with none."""
+    found, missing = [], []
+    for name in WHEELS:
+        matches = sorted(folder.glob(f"{name}-*.whl")) if folder.is_dir() else []
+        if matches:
+            found.append(matches[-1])
+        else:
+            missing.append(name)
+    return found, missing
+
+
+def last_line(text: str, prefix: str = "") -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip() and line.strip().startswith(prefix)]
+    return lines[-1] if lines else ""
+
+
+def run_part(part: Part, python_env: dict[str, str], budget_left_s: float, log_dir: Path, tag: str) -> Outcome:
+    command = " ".join(part.argv)
+    if budget_left_s <= 1:
+        return Outcome(part.name, "not run", 0.0, command, reason="the check's total time budget was spent")
+    timeout = min(part.timeout_s, budget_left_s)
+    log = log_dir / f"{tag}-{part.name}.log"
+    print(f"== {part.name} (timeout {timeout:.0f} s): {command}", flush=True)
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            part.argv, cwd=ROOT, env=python_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the part and whatever it started (its own session)
+            proc.wait()
+            rc = None
+    seconds = time.monotonic() - t0
+    text = log.read_text(errors="replace")
+    rel = str(log.relative_to(ROOT)) if log.is_relative_to(ROOT) else str(log)
+    if rc is None:
+        status, reason = "timed out", f"killed after {timeout:.0f} s"
+    elif rc == 0:
+        status, reason = "passed", ""
+    elif rc == EXIT_SKIPPED and (skip := last_line(text, "SKIP:")):
+        status, reason = "skipped", skip.removeprefix("SKIP:").strip()
+    else:
+        status, reason = "failed", f"exit {rc}: {last_line(text)[:300]}"
+    print(f"   {status} in {seconds:.1f} s{': ' + reason if reason else ''}", flush=True)
+    if status != "passed":
+        print(text[-LOG_TAIL_CHARS:], flush=True)
+    written = [str(w.relative_to(ROOT)) if w.is_relative_to(ROOT) else str(w) for w in part.writes if w.is_file()]
+    return Outcome(part.name, status, round(seconds, 1), command, reason, rc, rel, written)
+
+
+def install_wheels(python: str, wheels: list[Path], missing: list[str], dry_run: bool) -> Part | Outcome:
+    command = [python, "-m", "pip", "install", "--no-index", "--no-deps", *map(str, wheels)]
+    if missing:
+        return Outcome(
+            "wheels", "failed", 0.0, " ".join(command), reason=f"no wheel for {', '.join(missing)}: run make gpu-wheels"
+        )
+    if dry_run:  # found, and the command that would install them
+        names = ", ".join(w.name for w in wheels)
+        return Outcome("wheels", "passed", 0.0, " ".join(command), reason=f"dry run, not installed: {names}")
+    return Part("wheels", command, 90)
+
+
+def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[str, float]) -> list[Part]:
+    junit = out_dir / f"{tag}-part-a.xml"
+    part_a = [python, "-m", "pytest", "tests/gpu", "-m", "gpu and not gpu_e2e", "-rs", "-q", "-p", "no:cacheprovider"]
+    part_a += ["--exit-3-without-cuda", f"--junitxml={junit}"]
+    # The learner benchmark's contract (issue 31): --out is relative to benchmarks/results.
+    learner_out = RESULTS / "gpu" / f"{tag}-learner"
+    learner = [python, "benchmarks/bench_learner.py", "--device", "cuda", "--out", f"gpu/{tag}-learner"]
+    sync_out = out_dir / f"{tag}-weight-sync.json"
+    sync = [python, "benchmarks/bench_weight_sync.py", "--device", "cuda", "--out", str(sync_out)]
+    if dry_run:
+        part_a.append("--collect-only")
+        learner.append("--dry-run")
+        sync.append("--dry-run")
+    else:  # 1 GB of bf16-like tensors into one receiver process (~60 s on an H100), no bucket sweep
+        sync += ["--sizes-mb", "1000", "--receivers", "1", "--backends", "cuda_ipc", "--repeats", "3"]
+        sync += ["--sweep-buckets-mb"]
+    return [
+        Part("part-a", part_a, timeouts["part-a"], [junit]),
+        Part("learner", learner, timeouts["learner"], [learner_out.with_suffix(".json"), learner_out.with_suffix(".md")]),
+        Part("weight-sync", sync, timeouts["weight-sync"], [sync_out]),
+    ]
+
+
+def environment(python: str, env: dict[str, str]) -> dict[str, object]:
+    probe = subprocess.run([python, "-c", ENV_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    info: dict[str, object] = {"probe_error": probe.stderr.strip()[-300:]} if probe.returncode else {}
+    if probe.returncode == 0:
+        info.update(json.loads(last_line(probe.stdout)))
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        capture_output=True, text=True, check=False,
+    ) if _has("nvidia-smi") else None
+    if smi is not None and smi.returncode == 0:
+        info["nvidia_smi"] = smi.stdout.strip()
+    try:
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["commit"] = "unknown (no git here)"
+    info["cpus"] = os.cpu_count()
+    return info
+
+
+def _has(program: str) -> bool:
+    return any((Path(d) / program).is_file() for d in os.environ.get("PATH", "").split(os.pathsep) if d)
+
+
+def summary_markdown(tag: str, dry_run: bool, env: dict[str, object], outcomes: list[Outcome], seconds: float) -> str:
+    lines = [
+        f"# `make gpu-check`{' (dry run)' if dry_run else ''}, {tag}",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in env.items()),
+        f"Total: {seconds:.0f} s.",
+        "",
+        "| part | status | seconds | reason | log | results |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for o in outcomes:
+        written = ", ".join(f"`{Path(w).name}`" for w in o.writes) or "-"
+        reason = re.sub(r"\s+", " ", o.reason).replace("|", "/")
+        lines.append(f"| {o.name} | {o.status} | {o.seconds:.1f} | {reason or '-'} | `{Path(o.log).name if o.log else '-'}` | {written} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="find wheels, collect part A, benchmarks' dry modes")
+    ap.add_argument("--python", default=sys.executable, help="the device's Python (GPU_PY); default: this one")
+    ap.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"), help="the folder make gpu-wheels filled")
+    ap.add_argument("--out-dir", default=str(RESULTS / "gpu"), help="where the summary and the logs go")
+    ap.add_argument("--tag", default="", help="file name prefix (default: today's UTC date, '-dry' added in a dry run)")
+    ap.add_argument("--budget-s", type=float, default=480, help="the whole check's time limit")
+    ap.add_argument("--part-a-timeout-s", type=float, default=150)
+    ap.add_argument("--learner-timeout-s", type=float, default=200)
+    ap.add_argument("--weight-sync-timeout-s", type=float, default=100)
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    tag = args.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d") + ("-dry" if args.dry_run else "")
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "gpu").mkdir(parents=True, exist_ok=True)  # where the learner benchmark writes
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+
+    wheels, missing = find_wheels(Path(args.wheels))
+    install = install_wheels(args.python, wheels, missing, args.dry_run)
+    outcomes: list[Outcome] = []
+    if isinstance(install, Part):
+        outcomes.append(run_part(install, env, args.budget_s, out_dir, tag))
+    else:
+        outcomes.append(install)
+        print(f"== wheels: {install.status}: {install.reason}", flush=True)
+    machine = environment(args.python, env)
+    print(f"== machine: {machine}", flush=True)
+    timeouts = {"part-a": args.part_a_timeout_s, "learner": args.learner_timeout_s, "weight-sync": args.weight_sync_timeout_s}
+    for part in parts(args.python, tag, args.dry_run, out_dir, timeouts):
+        outcomes.append(run_part(part, env, args.budget_s - (time.monotonic() - t0), out_dir, tag))
+
+    seconds = time.monotonic() - t0
+    report = {"tag": tag, "dry_run": args.dry_run, "seconds": round(seconds, 1), "machine": machine,
+              "parts": [asdict(o) for o in outcomes]}
+    (out_dir / f"{tag}-gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{tag}-gpu-check.md").write_text(summary_markdown(tag, args.dry_run, machine, outcomes, seconds))
+    print(f"wrote {out_dir / f'{tag}-gpu-check.md'} ({seconds:.0f} s)")
+    for o in outcomes:
+        print(f"  {o.name:<12} {o.status:<10} {o.seconds:6.1f} s  {o.reason}")
+    return 1 if any(o.status in ("failed", "timed out") for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""`make gpu-check DRY=1` on the CPU: the wheels are found (placeholders here: no download in tests),
+every part starts in its own process, and the parts that need CUDA skip, each naming what is
+missing (exit 3 and a last `SKIP:` line), so the first call on a lent device is also the last."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+WHEELS = [
+    "megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+    "msgspec-0.22.0-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl",
+    "pyzmq-27.3.0-cp312-abi3-manylinux_2_26_x86_64.manylinux_2_28_x86_64.whl",
+    "liger_kernel-0.8.5-py3-none-any.whl",
+]
+
+
+def gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run's CUDA parts skip only where CUDA is absent")
+def test_dry_run_finds_the_wheels_starts_every_part_and_the_cuda_parts_skip_with_their_reason(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in WHEELS:
+        (wheels / name).write_bytes(b"")
+    out = tmp_path / "out"
+    argv = [sys.executable, "scripts/gpu_check.py", "--dry-run", "--wheels", str(wheels), "--out-dir", str(out)]
+    proc = subprocess.run([*argv, "--tag", "t"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads((out / "t-gpu-check.json").read_text())
+    parts = {p["name"]: p for p in report["parts"]}
+    assert list(parts) == ["wheels", "part-a", "learner", "weight-sync"]
+    assert parts["wheels"]["status"] == "passed" and all(name in parts["wheels"]["reason"] for name in WHEELS)
+    assert "--no-index --no-deps" in parts["wheels"]["command"]
+    for name in ("part-a", "learner", "weight-sync"):
+        part = parts[name]
+        assert "--device cuda" in part["command"] or name == "part-a"
+        assert (part["status"], part["returncode"]) == ("skipped", 3), part
+        assert "CUDA" in part["reason"], part  # says what is missing
+        assert (ROOT / part["log"]).is_file() if not Path(part["log"]).is_absolute() else Path(part["log"]).is_file()
+    summary = (out / "t-gpu-check.md").read_text()
+    assert "| part-a | skipped |" in summary and "(dry run)" in summary
+
+
+def test_missing_wheels_are_named_with_the_command_that_fetches_them(tmp_path):
+    gc = gpu_check_module()
+    (tmp_path / WHEELS[0]).write_bytes(b"")
+    (tmp_path / WHEELS[3]).write_bytes(b"")
+    found, missing = gc.find_wheels(tmp_path)
+    assert [w.name for w in found] == [WHEELS[0], WHEELS[3]] and missing == ["msgspec", "pyzmq"]
+    outcome = gc.install_wheels("python3", found, missing, dry_run=False)
+    assert outcome.status == "failed" and outcome.reason == "no wheel for msgspec, pyzmq: run make gpu-wheels"
+    for name in WHEELS[1:3]:
+        (tmp_path / name).write_bytes(b"")
+    part = gc.install_wheels("python3", *gc.find_wheels(tmp_path), dry_run=False)
+    assert part.argv[:6] == ["python3", "-m", "pip", "install", "--no-index", "--no-deps"] and len(part.argv) == 10
