@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
-from async_rl.cluster.net import free_port
+from async_rl.cluster.net import free_port, node_ip
 from async_rl.cluster.placement import pin_current_process
 from async_rl.errors import RunError
 from async_rl.learner.algorithms import Algorithm, Prepared
@@ -186,9 +186,7 @@ class LearnerDriver(LearnerRank):
         self._weights_lock = threading.Lock()
 
     def rendezvous_address(self) -> str:
-        import ray
-
-        host = ray.util.get_node_ip_address()  # other ranks may run on other nodes
+        host = node_ip()  # other ranks may run on other nodes (in a Ray actor: Ray's address of this node)
         self.master = f"{host}:{free_port(host)}"
         return self.master
 
