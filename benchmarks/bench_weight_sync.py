@@ -126,6 +126,7 @@ def _receiver(info_bytes: bytes, rank: int, shapes, manifest_bytes: bytes, repea
         receiver.receive(v, load)
         synchronize(device)
         receiver.group.barrier()
+    receiver.close()  # the mapping (cuda_ipc) goes before the sender lets go of its region
 
 
 def bench_ours(
@@ -154,6 +155,7 @@ def bench_ours(
     procs = [ctx.Process(target=_receiver, args=(args[0], r, *args[1:])) for r in range(1, world)]
     for p in procs:
         p.start()
+    sender = None
     try:
         sender = join_sender(info, store, manifest)
         if adopt:
@@ -174,6 +176,8 @@ def bench_ours(
             p.join(timeout=60)
             if p.is_alive():  # the sender failed (e.g. NCCL refused the group): do not wait forever
                 p.terminate()
+        if sender is not None:
+            sender.close()  # frees the exported region (cuda_ipc) now that the receivers are gone
     return times
 
 
