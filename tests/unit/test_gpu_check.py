@@ -67,3 +67,19 @@ def test_missing_wheels_are_named_with_the_command_that_fetches_them(tmp_path):
         (tmp_path / name).write_bytes(b"")
     part = gc.install_wheels("python3", *gc.find_wheels(tmp_path), dry_run=False)
     assert part.argv[:6] == ["python3", "-m", "pip", "install", "--no-index", "--no-deps"] and len(part.argv) == 10
+
+
+def test_a_part_is_skipped_only_with_its_reason_and_a_hang_costs_only_its_timeout(tmp_path):
+    gc = gpu_check_module()
+
+    def run(code: str, timeout_s: float = 60, budget_s: float = 60):
+        part = gc.Part("p", [sys.executable, "-c", code], timeout_s)
+        return gc.run_part(part, {}, budget_s, tmp_path, "t")
+
+    skipped = run("import sys; print('SKIP: needs CUDA: none here'); sys.exit(3)")
+    assert (skipped.status, skipped.reason) == ("skipped", "needs CUDA: none here")
+    silent = run("import sys; print('no reason given'); sys.exit(3)")  # exit 3 without its reason
+    assert silent.status == "failed" and silent.reason == "exit 3: no reason given"
+    hung = run("import time; print('started', flush=True); time.sleep(600)", timeout_s=1)
+    assert (hung.status, hung.returncode) == ("timed out", None) and "started" in (tmp_path / "t-p.log").read_text()
+    assert run("print('x')", budget_s=0).status == "not run"  # the check's budget is spent
