@@ -206,7 +206,11 @@ class MegatronBackend(ModelBackend):
         seed: int,
         logprob_chunk_tokens: int = 1024,
         activation_checkpointing: bool = False,
+        micro_batch_tokens: int = 0,
+        row_tokens: int = 0,
     ) -> None:
+        """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
+        start-up line without Transformer Engine (`megatron.memory`); they change nothing else."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.dtype = getattr(torch, dtype)
@@ -217,6 +221,7 @@ class MegatronBackend(ModelBackend):
         self.seed = seed
         self.chunk = logprob_chunk_tokens
         self.recompute = activation_checkpointing
+        self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -280,7 +285,26 @@ class MegatronBackend(ModelBackend):
             counts_samples=parallel_state.get_tensor_model_parallel_rank() == 0 and first_stage,
         )
         self.gather_weights()  # rank 0 serves the sync manifest from the start
-        return sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
+        params = sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
+        if not self.on_cpu and not te_spec and self.rank == 0:
+            print(self._local_spec_line(params), flush=True)
+        return params
+
+    def _local_spec_line(self, params: int) -> str:
+        """What megatron's local spec costs on this GPU (see `megatron.memory`), in one line."""
+        from async_rl.learner.megatron import memory
+        from async_rl.learner.megatron.convert import padded_vocab_size
+
+        shape = memory.RankShape(
+            layers=self.arch.num_layers, hidden=self.arch.hidden_size, ffn=self.arch.ffn_hidden_size,
+            heads=self.arch.num_heads, vocab=padded_vocab_size(self.arch.vocab_size, self.tp), params=params,
+            tp=self.tp, pp=self.pp, dp=self.info.dp_size, dtype_bytes=self.dtype.itemsize,
+            distributed_optimizer=self.sharded_optimizer, recompute=self.recompute, chunk=self.chunk,
+        )
+        free, _ = torch.cuda.mem_get_info()
+        capacity = free + torch.cuda.memory_reserved()  # what this process may hold: ours and what is free
+        rows = self.row_tokens or self.micro_batch_tokens or self.arch.max_position_embeddings
+        return memory.local_spec_line(shape, self.micro_batch_tokens, rows, capacity)
 
     # ---- forward and backward ---------------------------------------------------------------------
 
