@@ -190,6 +190,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         scores = {k: backend.score(mb, 1.0) for k, mb in mbs.items()}
         packed_hidden = backend.score(mbs["packed"], 1.0, hidden=True).hidden
         hidden = backend.score(mbs["padded"], 1.0, hidden=True).hidden  # ppo's critic reads these
+        headless = backend.score(mbs["padded"], 1.0, hidden=True, head=False)  # what the driver asks then
         critic_head = critic_step(hidden.to(backend.device), mbs["padded"].attention_mask.float())
         backend.gather_weights()
         before = _copy(backend.hf_weights()) if rank == 0 else None  # valid until the next step: copy
@@ -259,6 +260,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 "thd_scores": thd_scores,
                 "packed_hidden": packed_hidden,
                 "hidden": hidden,
+                "headless": headless,
                 "critic_head": critic_head,
                 "halves": halves,
                 "head_cmp": head_cmp,

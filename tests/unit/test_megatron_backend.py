@@ -95,6 +95,14 @@ def test_last_hidden_states_match_the_hf_model_on_every_rank(run):
         assert (r["hidden"] - want).abs()[mask].max() < 1e-4, (r["hidden"] - want).abs()[mask].max()
 
 
+def test_hidden_states_without_the_head_are_the_same_and_carry_no_log_probs(run):
+    """`score(head=False)` (ppo's critic without a probe): the output layer is skipped."""
+    tp, pp, ranks, hf = run
+    for r in ranks:
+        assert r["headless"].logp is None and r["headless"].entropy is None
+        assert torch.equal(r["headless"].hidden, r["hidden"])
+
+
 def test_critic_step_on_every_rank_is_the_single_process_step(run):
     """ppo's critic all-reduces its gradients over the whole learner group, TP and PP peers included:
     they read the same hidden states from the backend, so the mean is the data-parallel one and

@@ -424,7 +424,8 @@ class MegatronBackend(ModelBackend):
     def score(
         self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True
     ) -> TokenScores | None:
-        # `head` is not used: GPTModel's last stage always applies its output layer.
+        # `head=False` (ppo's critic reads the hidden states only): no log-probs. With the chunked head
+        # the output layer is then never applied; without it GPTModel's last stage applies it anyway.
         out: list[TokenScores] = []
         # The last hidden states (ppo's critic): the final layernorm's output on the last stage, what
         # the output layer reads and HF's `hidden_states[-1]`. Without sequence parallelism it is
@@ -434,9 +435,12 @@ class MegatronBackend(ModelBackend):
         handle = norm.register_forward_hook(lambda _m, _i, o: final.append(o)) if norm is not None else None
 
         def keep(i: int, logits: torch.Tensor, m: MicroBatch, as_rows) -> torch.Tensor:
-            s = self._scores(logits, m, temperature, m.span_positions(), with_entropy=False)
             h = as_rows(final[-1].transpose(0, 1)).float() if hidden else None
-            out.append(TokenScores(logp=s.logp.detach(), entropy=s.entropy, hidden=h))
+            if not head:
+                out.append(TokenScores(logp=None, entropy=None, hidden=h))
+                return torch.zeros((), device=logits.device)
+            s = self._scores(logits, m, temperature, m.span_positions(), with_entropy=False)
+            out.append(TokenScores(logp=s.logp.detach(), entropy=None, hidden=h))
             return s.logp.sum()
 
         try:
@@ -447,9 +451,9 @@ class MegatronBackend(ModelBackend):
                 handle.remove()
         if self.pp == 1:
             return out[0] if out else None
-        return self._from_last_stage(out[0] if out else None, mb, hidden)
+        return self._from_last_stage(out[0] if out else None, mb, hidden, head)
 
-    def _from_last_stage(self, scores: TokenScores | None, mb: MicroBatch, hidden: bool) -> TokenScores:
+    def _from_last_stage(self, scores: TokenScores | None, mb: MicroBatch, hidden: bool, head: bool) -> TokenScores:
         """Every pipeline stage gets the last stage's scores (and hidden states): the controller reads
         the mismatch probe and compute_logprobs from global rank 0, the first stage, and ppo's critic
         trains on every rank alike."""
@@ -457,10 +461,12 @@ class MegatronBackend(ModelBackend):
 
         group = parallel_state.get_pipeline_model_parallel_group()
         src = dist.get_process_group_ranks(group)[-1]
-        logp = torch.zeros(*mb.input_ids.shape, dtype=torch.float32, device=self.device)
-        if scores is not None:
-            logp.copy_(scores.logp)
-        dist.broadcast(logp, src=src, group=group)
+        logp = None
+        if head:
+            logp = torch.zeros(*mb.input_ids.shape, dtype=torch.float32, device=self.device)
+            if scores is not None:
+                logp.copy_(scores.logp)
+            dist.broadcast(logp, src=src, group=group)
         h = None
         if hidden:
             h = torch.zeros(*mb.input_ids.shape, self.arch.hidden_size, dtype=torch.float32, device=self.device)
