@@ -83,6 +83,8 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
             seed=spec.train.seed,
             logprob_chunk_tokens=spec.learner.logprob_chunk_tokens,
             activation_checkpointing=spec.learner.activation_checkpointing,
+            micro_batch_tokens=spec.learner.micro_batch_tokens,
+            row_tokens=spec.learner.pack_row_tokens or spec.generators.max_model_len,
         )
     raise RunError(f"learner.backend={spec.learner.backend} has no model backend for the learner driver yet")
 

@@ -190,6 +190,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         scores = {k: backend.score(mb, 1.0) for k, mb in mbs.items()}
         packed_hidden = backend.score(mbs["packed"], 1.0, hidden=True).hidden
         hidden = backend.score(mbs["padded"], 1.0, hidden=True).hidden  # ppo's critic reads these
+        headless = backend.score(mbs["padded"], 1.0, hidden=True, head=False)  # what the driver asks then
         critic_head = critic_step(hidden.to(backend.device), mbs["padded"].attention_mask.float())
         backend.gather_weights()
         before = _copy(backend.hf_weights()) if rank == 0 else None  # valid until the next step: copy
@@ -200,16 +201,23 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
             return -(s.logp * halves[i].loss_mask.to(s.logp.device)).sum() / tokens
 
         # The chunked head (3 positions a chunk) against the full vocab-parallel head (chunk 0):
-        # scores at temperature 0.7 and this rank's gradients of the same loss, before any step.
+        # scores at temperature 0.7, the training pass's scores (log-probs and the logged entropy,
+        # on output ranks) and this rank's gradients of the same loss, before any step.
         head_cmp = {}
         default_chunk = backend.chunk
         for chunk in (0, 3):
             backend.chunk = chunk
             scored = backend.score(mbs["padded"], 0.7)
-            backend.forward_backward(halves, 1.0, loss_fn)
+            trained = []
+
+            def recording_loss_fn(i, s, trained=trained):
+                trained.append((s.logp.detach().cpu(), s.entropy.detach().cpu()))
+                return loss_fn(i, s)
+
+            backend.forward_backward(halves, 0.7, recording_loss_fn)
             grads = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
             backend.policy.model.zero_grad_buffer()
-            head_cmp[chunk] = (scored, grads)
+            head_cmp[chunk] = (scored, grads, trained)
         backend.chunk = default_chunk
         backend.forward_backward(halves, 1.0, loss_fn)
         grad_norm = backend.optimizer_step(1e-3, 1e9)
@@ -252,6 +260,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 "thd_scores": thd_scores,
                 "packed_hidden": packed_hidden,
                 "hidden": hidden,
+                "headless": headless,
                 "critic_head": critic_head,
                 "halves": halves,
                 "head_cmp": head_cmp,

@@ -63,9 +63,10 @@ def test_scores_match_the_hf_model(run, layout):
     got = last["scores"][layout]
     mask = mb.loss_mask.bool()
     assert (got.logp - logp).abs()[mask].mean() < 1e-4, (got.logp - logp).abs()[mask].max()
-    assert (got.entropy - entropy).abs()[mask].max() < 1e-4
     first = ranks[0]["scores"][layout]  # the first stage gets the last stage's scores (probe on rank 0)
-    assert torch.equal(first.logp, got.logp) and torch.equal(first.entropy, got.entropy)
+    assert torch.equal(first.logp, got.logp)
+    # no caller reads a scoring pass's entropy: it is not computed (training computes it, below)
+    assert got.entropy is None and first.entropy is None
 
 
 def test_packed_as_thd_equals_the_masked_packed_path_on_every_rank(run):
@@ -78,7 +79,6 @@ def test_packed_as_thd_equals_the_masked_packed_path_on_every_rank(run):
         thd, masked = r["thd_scores"], r["scores"]["packed"]
         assert thd.logp.shape == masked.logp.shape == r["mbs"]["packed"].input_ids.shape
         assert (thd.logp - masked.logp).abs().max() < 1e-5, (thd.logp - masked.logp).abs().max()
-        assert (thd.entropy - masked.entropy).abs().max() < 1e-5
         assert (thd.hidden - r["packed_hidden"]).abs().max() < 1e-5
 
 
@@ -93,6 +93,14 @@ def test_last_hidden_states_match_the_hf_model_on_every_rank(run):
     for r in ranks:
         assert r["hidden"].shape == want.shape
         assert (r["hidden"] - want).abs()[mask].max() < 1e-4, (r["hidden"] - want).abs()[mask].max()
+
+
+def test_hidden_states_without_the_head_are_the_same_and_carry_no_log_probs(run):
+    """`score(head=False)` (ppo's critic without a probe): the output layer is skipped."""
+    tp, pp, ranks, hf = run
+    for r in ranks:
+        assert r["headless"].logp is None and r["headless"].entropy is None
+        assert torch.equal(r["headless"].hidden, r["hidden"])
 
 
 def test_critic_step_on_every_rank_is_the_single_process_step(run):
@@ -127,20 +135,41 @@ def test_gradient_is_the_sum_over_micro_batches(run):
 
 
 def test_chunked_head_equals_the_full_vocab_parallel_head(run):
-    """The output layer at the scored positions only, 3 positions a chunk (checkpointed, its TP
-    collectives recomputed in backward), against GPTModel's own vocab-parallel head at every
-    position: log-probs and entropies at the scored positions, and every rank's gradients."""
+    """The output layer at the scored positions only, 3 positions a chunk (`megatron.head`: one
+    softmax for both, logits recomputed in backward), against GPTModel's own vocab-parallel head at
+    every position: scored log-probs, the training pass's log-probs and entropies at the loss
+    positions, and every rank's gradients."""
     tp, pp, ranks, hf = run
     for r in ranks:
-        (full, full_grads), (chunked, chunked_grads) = r["head_cmp"][0], r["head_cmp"][3]
+        (full, full_grads, full_trained), (chunked, chunked_grads, chunked_trained) = r["head_cmp"][0], r["head_cmp"][3]
         mask = r["mbs"]["padded"].loss_mask.bool()
         assert (chunked.logp - full.logp).abs()[mask].max() < 1e-5
-        assert (chunked.entropy - full.entropy).abs()[mask].max() < 1e-5
         assert torch.all(chunked.logp[~r["mbs"]["padded"].span_positions()] == 0)
+        assert len(full_trained) == len(chunked_trained) == (len(r["halves"]) if r["info"].has_outputs else 0)
+        halves = r["halves"] if r["info"].has_outputs else []
+        for (lp_full, ent_full), (lp, ent), mb in zip(full_trained, chunked_trained, halves, strict=True):
+            m = mb.loss_mask.bool()
+            assert (lp - lp_full).abs()[m].max() < 1e-5
+            assert (ent - ent_full).abs()[m].max() < 1e-5
         assert len(full_grads) == len(chunked_grads)
         for a, b in zip(full_grads, chunked_grads, strict=True):
             assert (a - b).abs().max() < 1e-5
         assert any(g.abs().sum() > 0 for g in chunked_grads)
+
+
+def test_training_entropy_is_the_hf_models(run):
+    """The entropy the training pass logs (temperature 0.7), with both heads, equals the HF model's
+    full-softmax entropy at the loss positions."""
+    tp, pp, ranks, hf = run
+    last = ranks[1]
+    for chunk in (0, 3):
+        for (_, ent), mb in zip(last["head_cmp"][chunk][2], last["halves"], strict=True):
+            with torch.no_grad():
+                logits = hf(**mb.model_inputs(torch.device("cpu"))).logits.float() / 0.7
+            p = torch.log_softmax(logits, dim=-1)
+            want = -(p.exp() * p).sum(-1)
+            m = mb.loss_mask.bool()
+            assert (ent - want).abs()[m].max() < 1e-4, (chunk, (ent - want).abs()[m].max())
 
 
 def test_entropy_gradient_is_the_hf_models(run):

@@ -3,6 +3,12 @@ after a save and a load (through files, as MegatronBackend.save/load write them)
 step without them. Its `state_dict` alone leaves Adam's moments out (the load fills them with
 `torch.empty`).
 
+In bfloat16 too, for a model with qkv biases (Qwen2) and one without (Llama): before every
+parameter was built in the model's dtype, the local spec's fp32 norms shared the no-weight-decay
+group with Qwen2's bf16 biases, megatron-core 0.16.1 keyed that group's state by a stale index
+(Megatron-LM #2777) and the load crashed ("size of tensor a (256) must match ... (128)"), as on the
+GPU.
+
 One gloo rank on CPU (DP=1: the state is this rank's whole shard). megatron's DistributedOptimizer
 checks `param.type() == "torch.cuda.FloatTensor"` when it builds its parameter groups; everything
 else it does runs under the learner.megatron.cpu patches, so these tests report CPU float32
@@ -23,7 +29,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from async_rl.learner.megatron import convert as mcv  # noqa: E402
 from async_rl.learner.megatron import cpu as megatron_cpu  # noqa: E402
 from async_rl.learner.megatron.backend import load_parameter_state, parameter_state  # noqa: E402
-from tests.unit._megatron_models import fixed_batch, one_rank_model_parallel, tiny_qwen2  # noqa: E402
+from tests.unit._megatron_models import fixed_batch, one_rank_model_parallel, tiny_llama, tiny_qwen2  # noqa: E402
 
 _tensor_type = torch.Tensor.type
 
@@ -41,25 +47,40 @@ def distributed_optimizer_on_cpu() -> Iterator[None]:
         yield
 
 
+CASES = {
+    "float32-qwen2": (torch.float32, tiny_qwen2),
+    "bfloat16-qwen2-biases": (torch.bfloat16, tiny_qwen2),
+    "bfloat16-llama-no-biases": (torch.bfloat16, tiny_llama),
+}
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def model_parallel():
+    with one_rank_model_parallel():
+        yield
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def trained(request, model_parallel, tmp_path_factory):
     """A policy after one step (weights and both optimizer files saved), then after a second step;
     `make(weights)` builds a fresh policy with the same settings."""
     from async_rl.learner.megatron.learner import MegatronPolicy
 
-    with one_rank_model_parallel(), distributed_optimizer_on_cpu():
-        hf = tiny_qwen2()
+    dtype, build = CASES[request.param]
+    with distributed_optimizer_on_cpu():
+        hf = build()
         arch = mcv.arch_from_hf_config(hf.config)
 
         def make(weights):
             return MegatronPolicy(
-                arch, weights, dtype=torch.float32, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0,
+                arch, weights, dtype=dtype, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0,
                 distributed_optimizer=True, te_spec=False, cpu_init=True,
             )
 
         policy = make(dict(hf.named_parameters()))
+        built = (dtype, {p.dtype for p in policy.model.parameters()})
         b = fixed_batch(arch.vocab_size)
-        b.behav_logp = policy.logprobs(b.input_ids).detach() * b.loss_mask
+        b.behav_logp = policy.logprobs(b.input_ids).detach().float() * b.loss_mask
         policy.train_batch(b, 2, 1.0, 0.2, 0.2, 2.0)
         saved = {n: t.clone() for n, t in policy.hf_state_dict().items()}
         root = tmp_path_factory.mktemp("ckpt")
@@ -76,13 +97,13 @@ def trained(tmp_path_factory):
             resumed.train_batch(b, 2, 1.0, 0.2, 0.2, 2.0)
             return resumed.hf_state_dict()
 
-        yield unbroken, step_after_load
+        yield unbroken, step_after_load, built
 
 
 def test_a_step_after_save_and_load_equals_the_unbroken_step(trained):
     """Moments, fp32 main weights and Adam's step restored (each parameter its own `step`: shared,
     as megatron's load leaves it under torch's Adam, the step lands up to 4e-3 away)."""
-    unbroken, step_after_load = trained
+    unbroken, step_after_load, _ = trained
     resumed = step_after_load(with_parameter_state=True)
     assert list(resumed) == list(unbroken)
     for name, want in unbroken.items():
@@ -91,6 +112,24 @@ def test_a_step_after_save_and_load_equals_the_unbroken_step(trained):
 
 def test_the_optimizer_state_dict_alone_loses_the_moments(trained):
     """What the checkpoint held before: the same step then lands elsewhere."""
-    unbroken, step_after_load = trained
+    unbroken, step_after_load, _ = trained
     resumed = step_after_load(with_parameter_state=False)
     assert not all(torch.allclose(resumed[n], want, rtol=0, atol=1e-4) for n, want in unbroken.items())
+
+
+def test_every_parameter_is_built_in_the_model_dtype(trained):
+    """Without Transformer Engine too (torch's RMSNorm ignores megatron's `params_dtype`)."""
+    _, _, (dtype, dtypes) = trained
+    assert dtypes == {dtype}
+
+
+def test_a_parameter_of_another_dtype_is_refused_in_one_line():
+    """The distributed optimizer's guard: a model that mixes dtypes fails at start-up, not on the
+    first resume."""
+    from async_rl.learner.megatron.model import check_single_dtype
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.LayerNorm(4))
+    with pytest.raises(RuntimeError, match=r"^megatron: 2 parameters are not torch.bfloat16 \(first: 1.bias") as e:
+        check_single_dtype(model, torch.bfloat16)
+    assert "\n" not in str(e.value)
+    check_single_dtype(model.to(torch.bfloat16), torch.bfloat16)

@@ -27,9 +27,10 @@ micro-batches of a step are padded to one shape (megatron's p2p sends fixed-shap
 The output layer (`logprob_chunk_tokens` > 0) runs outside GPTModel's forward: during a step the last
 stage returns its final hidden states, and `_head_scores` applies the (vocab-parallel) output layer
 at the positions that need scores only (the loss mask in training, the completion positions in
-`score`), `chunk` positions at a time, each chunk under activation checkpointing (its logits are
-recomputed in backward, with their TP collectives), so no [positions x vocabulary/TP] tensor
-larger than one chunk outlives its chunk.
+`score`), `chunk` positions at a time (`megatron.head`): one softmax per chunk gives the log-probs
+and the entropy, at most two fp32 [chunk x vocabulary/TP] tensors live at once, backward recomputes
+a chunk's logits and the entropy's gradient only where a loss uses it. `score` computes no entropy
+(no caller reads it); training computes it for its metric, without grad unless the loss uses it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from async_rl.errors import RunError
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
+from async_rl.learner.megatron.head import VocabShard, chunked_scores
 from async_rl.learner.packing import MicroBatch
 from async_rl.protocol import TrajectoryGroup
 
@@ -204,7 +206,11 @@ class MegatronBackend(ModelBackend):
         seed: int,
         logprob_chunk_tokens: int = 1024,
         activation_checkpointing: bool = False,
+        micro_batch_tokens: int = 0,
+        row_tokens: int = 0,
     ) -> None:
+        """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
+        start-up line without Transformer Engine (`megatron.memory`); they change nothing else."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.dtype = getattr(torch, dtype)
@@ -215,6 +221,7 @@ class MegatronBackend(ModelBackend):
         self.seed = seed
         self.chunk = logprob_chunk_tokens
         self.recompute = activation_checkpointing
+        self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -278,7 +285,26 @@ class MegatronBackend(ModelBackend):
             counts_samples=parallel_state.get_tensor_model_parallel_rank() == 0 and first_stage,
         )
         self.gather_weights()  # rank 0 serves the sync manifest from the start
-        return sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
+        params = sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
+        if not self.on_cpu and not te_spec and self.rank == 0:
+            print(self._local_spec_line(params), flush=True)
+        return params
+
+    def _local_spec_line(self, params: int) -> str:
+        """What megatron's local spec costs on this GPU (see `megatron.memory`), in one line."""
+        from async_rl.learner.megatron import memory
+        from async_rl.learner.megatron.convert import padded_vocab_size
+
+        shape = memory.RankShape(
+            layers=self.arch.num_layers, hidden=self.arch.hidden_size, ffn=self.arch.ffn_hidden_size,
+            heads=self.arch.num_heads, vocab=padded_vocab_size(self.arch.vocab_size, self.tp), params=params,
+            tp=self.tp, pp=self.pp, dp=self.info.dp_size, dtype_bytes=self.dtype.itemsize,
+            distributed_optimizer=self.sharded_optimizer, recompute=self.recompute, chunk=self.chunk,
+        )
+        free, _ = torch.cuda.mem_get_info()
+        capacity = free + torch.cuda.memory_reserved()  # what this process may hold: ours and what is free
+        rows = self.row_tokens or self.micro_batch_tokens or self.arch.max_position_embeddings
+        return memory.local_spec_line(shape, self.micro_batch_tokens, rows, capacity)
 
     # ---- forward and backward ---------------------------------------------------------------------
 
@@ -356,56 +382,50 @@ class MegatronBackend(ModelBackend):
         finally:
             del layer.forward  # the class's forward again
 
-    def _head_scores(self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, positions: torch.Tensor):
-        """Log-probs (with grad) and entropies [B, T] from the final hidden states [B, T, H] at
-        `positions` only (0 elsewhere), through the vocab-parallel output layer a chunk at a time."""
-        from torch.utils.checkpoint import checkpoint
+    def _head_scores(
+        self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, positions: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs (with grad) and, when `with_entropy`, entropies [B, T] (zeros otherwise) from the
+        final hidden states [B, T, H] at `positions` only (0 elsewhere), through the vocab-parallel
+        output layer a chunk at a time (`megatron.head`)."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         gpt = self._gpt
-        layer = gpt.output_layer
-        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-        vocab = self.arch.vocab_size
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
         b, t, h = hidden.shape
         idx = positions.reshape(-1).nonzero().squeeze(-1)
         flat = hidden.reshape(b * t, h).index_select(0, idx)
         targets = mb.targets.reshape(-1).index_select(0, idx)
-        dtype = (weight if weight is not None else layer.weight).dtype
-
-        def piece(hc: torch.Tensor, tc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits, _ = type(layer).forward(layer, hc.to(dtype)[:, None, :], weight=weight)  # [c, 1, V/tp]
-            logp = mm.vocab_parallel_logprobs(logits, tc[:, None], vocab, temperature)[:, 0]
-            return logp, vocab_parallel_entropy(logits, vocab, temperature)[:, 0]
-
-        logps, entropies = [], []
-        # Every TP rank runs the same chunks (the same positions): their collectives line up, in
-        # forward and in the recomputation.
-        for s in range(0, max(1, idx.numel()), self.chunk):
-            hc, tc = flat[s : s + self.chunk], targets[s : s + self.chunk]
-            if torch.is_grad_enabled():
-                lp, ent = checkpoint(piece, hc, tc, use_reentrant=False)
-            else:
-                lp, ent = piece(hc, tc)
-            logps.append(lp)
-            entropies.append(ent)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        shard = VocabShard.of(self.arch.vocab_size, weight.shape[0], parallel_state.get_tensor_model_parallel_rank(), group)
+        if tp > 1:  # the hidden states' gradient is a sum over the vocabulary shards (all-reduce in backward)
+            flat = copy_to_tensor_model_parallel_region(flat)
+        # Every TP rank runs the same chunks (the same positions): their collectives line up.
+        logp, entropy = chunked_scores(flat, weight, targets, temperature, self.chunk, shard, with_entropy)
         zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
-        logp = zeros.index_copy(0, idx, torch.cat(logps).float())
-        entropy = zeros.index_copy(0, idx, torch.cat(entropies).float())
-        return logp.reshape(b, t), entropy.reshape(b, t)
+        return zeros.index_copy(0, idx, logp).reshape(b, t), zeros.index_copy(0, idx, entropy).reshape(b, t)
 
-    def _scores(self, logits: torch.Tensor, mb: MicroBatch, temperature: float, positions: torch.Tensor) -> TokenScores:
+    def _scores(
+        self, logits: torch.Tensor, mb: MicroBatch, temperature: float, positions: torch.Tensor, with_entropy: bool
+    ) -> TokenScores:
         """Scores from what the last stage returned: its final hidden states with the chunked head
-        (at `positions`), vocab-parallel logits otherwise (every position)."""
+        (at `positions`), vocab-parallel logits otherwise (every position). The entropy (None unless
+        `with_entropy`) is what training logs and what `algorithm.entropy_coef` trains on; the
+        scoring passes use none."""
         if self.chunk:
-            logp, entropy = self._head_scores(logits, mb, temperature, positions)
-            return TokenScores(logp=logp, entropy=entropy)
+            logp, entropy = self._head_scores(logits, mb, temperature, positions, with_entropy)
+            return TokenScores(logp=logp, entropy=entropy if with_entropy else None)
         logp = mm.vocab_parallel_logprobs(logits, mb.targets, self.arch.vocab_size, temperature)
-        entropy = vocab_parallel_entropy(logits, self.arch.vocab_size, temperature)
+        entropy = vocab_parallel_entropy(logits, self.arch.vocab_size, temperature) if with_entropy else None
         return TokenScores(logp=logp, entropy=entropy)
 
     def score(
         self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True
     ) -> TokenScores | None:
-        # `head` is not used: GPTModel's last stage always applies its output layer.
+        # `head=False` (ppo's critic reads the hidden states only): no log-probs. With the chunked head
+        # the output layer is then never applied; without it GPTModel's last stage applies it anyway.
         out: list[TokenScores] = []
         # The last hidden states (ppo's critic): the final layernorm's output on the last stage, what
         # the output layer reads and HF's `hidden_states[-1]`. Without sequence parallelism it is
@@ -415,9 +435,12 @@ class MegatronBackend(ModelBackend):
         handle = norm.register_forward_hook(lambda _m, _i, o: final.append(o)) if norm is not None else None
 
         def keep(i: int, logits: torch.Tensor, m: MicroBatch, as_rows) -> torch.Tensor:
-            s = self._scores(logits, m, temperature, m.span_positions())
             h = as_rows(final[-1].transpose(0, 1)).float() if hidden else None
-            out.append(TokenScores(logp=s.logp.detach(), entropy=s.entropy, hidden=h))
+            if not head:
+                out.append(TokenScores(logp=None, entropy=None, hidden=h))
+                return torch.zeros((), device=logits.device)
+            s = self._scores(logits, m, temperature, m.span_positions(), with_entropy=False)
+            out.append(TokenScores(logp=s.logp.detach(), entropy=None, hidden=h))
             return s.logp.sum()
 
         try:
@@ -428,9 +451,9 @@ class MegatronBackend(ModelBackend):
                 handle.remove()
         if self.pp == 1:
             return out[0] if out else None
-        return self._from_last_stage(out[0] if out else None, mb, hidden)
+        return self._from_last_stage(out[0] if out else None, mb, hidden, head)
 
-    def _from_last_stage(self, scores: TokenScores | None, mb: MicroBatch, hidden: bool) -> TokenScores:
+    def _from_last_stage(self, scores: TokenScores | None, mb: MicroBatch, hidden: bool, head: bool) -> TokenScores:
         """Every pipeline stage gets the last stage's scores (and hidden states): the controller reads
         the mismatch probe and compute_logprobs from global rank 0, the first stage, and ppo's critic
         trains on every rank alike."""
@@ -438,17 +461,19 @@ class MegatronBackend(ModelBackend):
 
         group = parallel_state.get_pipeline_model_parallel_group()
         src = dist.get_process_group_ranks(group)[-1]
-        both = torch.zeros(2, *mb.input_ids.shape, dtype=torch.float32, device=self.device)
-        if scores is not None:
-            both[0], both[1] = scores.logp, scores.entropy
-        dist.broadcast(both, src=src, group=group)
+        logp = None
+        if head:
+            logp = torch.zeros(*mb.input_ids.shape, dtype=torch.float32, device=self.device)
+            if scores is not None:
+                logp.copy_(scores.logp)
+            dist.broadcast(logp, src=src, group=group)
         h = None
         if hidden:
             h = torch.zeros(*mb.input_ids.shape, self.arch.hidden_size, dtype=torch.float32, device=self.device)
             if scores is not None:
                 h.copy_(scores.hidden)
             dist.broadcast(h, src=src, group=group)
-        return TokenScores(logp=both[0], entropy=both[1], hidden=h)
+        return TokenScores(logp=logp, entropy=None, hidden=h)
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         # megatron divides each micro-batch's loss by their count and its DDP averages gradients
@@ -456,7 +481,8 @@ class MegatronBackend(ModelBackend):
         scale = len(mbs) * self.info.dp_size
 
         def loss(i: int, logits: torch.Tensor, m: MicroBatch, _as_rows) -> torch.Tensor:
-            return loss_fn(i, self._scores(logits, m, temperature, m.loss_mask != 0)) * scale
+            # the entropy is always logged; it carries a gradient only where the loss uses it
+            return loss_fn(i, self._scores(logits, m, temperature, m.loss_mask != 0, with_entropy=True)) * scale
 
         self._snapshot = None
         self._run(mbs, temperature, False, loss)

@@ -68,6 +68,8 @@ class MegatronPolicy:
         self.arch = arch
         self.te_spec = te_spec
         model = mm.build_model(arch, dtype, cpu_init=cpu_init, te_spec=te_spec, recompute=recompute)
+        if distributed_optimizer:
+            mm.check_single_dtype(model, dtype)
         if not cpu_init:
             model.cuda(torch.cuda.current_device())
         mm.load_hf_weights(model, weights, arch, te_spec)

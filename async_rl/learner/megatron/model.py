@@ -93,7 +93,7 @@ def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool,
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mcv.check_parallel_layout(arch, tp, pp)
     config = transformer_config(arch, dtype, cpu_init, pp, recompute)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(config, te_spec),
         vocab_size=mcv.padded_vocab_size(arch.vocab_size, tp),
@@ -107,6 +107,35 @@ def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         parallel_output=True,  # logits stay vocab-parallel; the loss uses vocab-parallel CE
     )
+    cast_parameters(model, dtype)
+    return model
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point parameter of `model` in `dtype`, as Transformer Engine's spec builds them
+    and as the HF checkpoint and vLLM hold them. Without TE megatron's local spec builds its norms
+    with torch's RMSNorm (`WrappedTorchNorm`), which ignores `params_dtype`: fp32 norm weights beside
+    bf16 weights. megatron-core 0.16.1's distributed optimizer then puts both dtypes in one parameter
+    group (norms and qkv biases share the no-weight-decay group) and keys their state by an index
+    that its fp32-first reordering made stale (Megatron-LM #2777): saving reads, and loading writes,
+    another parameter's shard ("size of tensor a (256) must match ... (128)"). One dtype keeps every
+    group single-dtype; the optimizer's fp32 main weights keep the update's precision, and torch's
+    rms_norm computes the statistics in fp32 whatever the weight's dtype."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
+def check_single_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Refuse, in one line, a model whose parameters are not all `dtype` (the distributed optimizer's
+    checkpoints would mix up parameters on the first resume: see `cast_parameters`)."""
+    other = sorted({f"{n} ({p.dtype})" for n, p in model.named_parameters() if p.dtype != dtype})
+    if other:
+        raise RuntimeError(
+            f"megatron: {len(other)} parameters are not {dtype} (first: {other[0]}); the distributed "
+            "optimizer needs one parameter dtype to checkpoint correctly (Megatron-LM #2777)"
+        )
 
 
 def decoder_spec(config: Any, te_spec: bool) -> Any:

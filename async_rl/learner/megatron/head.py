@@ -1,0 +1,162 @@
+"""The Megatron backend's output layer at the scored positions only, `chunk` positions at a time,
+over a vocab-parallel weight (this TP rank's [V/tp, H] rows): log p(target) and, from the same
+softmax, the entropy of the full next-token distribution.
+
+`VocabParallelHead` is one autograd function over all chunks. Its forward keeps, per chunk, the fp32
+logits and their exponentials (two fp32 [chunk x V/tp] tensors with the entropy, one without; the
+compute-dtype matmul output is freed as soon as it is converted) and saves only vectors for backward: the log-sum-exp and the
+entropy of each position. Its backward recomputes a chunk's logits; it works in one fp32
+[chunk x V/tp] tensor when no loss uses the entropy (its gradient arrives as None: the entropy that
+was only logged costs nothing in backward) and in two when one does (`algorithm.entropy_coef`).
+
+Across TP ranks: the max and the sums are all-reduced in forward (every rank runs the same chunks,
+so the collectives line up); backward needs none (the saved log-sum-exp and entropy are global).
+The gradient w.r.t. the hidden states is this rank's part of a sum over the vocabulary shards: the
+caller passes the hidden states through megatron's `copy_to_tensor_model_parallel_region` (identity
+forward, all-reduce backward), as megatron's ColumnParallelLinear does. Columns past the real
+vocabulary (padding to a TP multiple) are left out of the matmul.
+
+Pure torch (torch.distributed for TP > 1): no megatron import here, so the CPU tests measure it alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Which rows of the (padded) output weight this TP rank holds, and its TP group."""
+
+    start: int  # first vocabulary id of this rank's rows
+    valid: int  # how many of its rows are real ids (the rest pad the vocabulary to a TP multiple)
+    group: dist.ProcessGroup | None = None  # None: one TP rank, no collectives
+
+    @classmethod
+    def of(cls, vocab_size: int, rows: int, tp_rank: int, group: dist.ProcessGroup | None) -> VocabShard:
+        start = tp_rank * rows
+        return cls(start=start, valid=max(0, min(rows, vocab_size - start)), group=group)
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature of one chunk [c, valid], the matmul in the weight's dtype."""
+    z = h.to(w.dtype) @ w.t()
+    z = z.float()  # a new tensor in bf16 (the bf16 one is freed on return); the same one in fp32
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class VocabParallelHead(torch.autograd.Function):
+    """(hidden [N, H], weight [V/tp, H], targets [N]) -> (log p(targets) [N], entropy [N]), fp32, at
+    `temperature`; the entropy is computed only when `with_entropy` (else zeros, no pass over the
+    vocabulary for it). Both outputs differentiable w.r.t. hidden and weight."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, shard: VocabShard, with_entropy: bool):
+        n = hidden.shape[0]
+        w = weight[: shard.valid]
+        logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros_like(logp)
+        lse = torch.empty_like(logp)
+        for s in range(0, n, chunk):
+            h, tc = hidden[s : s + chunk], targets[s : s + chunk]
+            c = h.shape[0]
+            z = _logits(h, w, temperature)  # fp32 tensor 1
+            m = z.max(dim=-1).values if shard.valid else torch.full((c,), float("-inf"), device=z.device)
+            if shard.group is not None:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
+            local = tc - shard.start
+            mine = (local >= 0) & (local < shard.valid)
+            sums = torch.zeros(3, c, dtype=torch.float32, device=z.device)
+            if shard.valid:
+                # the target's logit, on the rank whose rows hold it (0 elsewhere; summed over TP)
+                at = local.clamp(0, shard.valid - 1)[:, None]
+                sums[2] = torch.where(mine, z.gather(-1, at).squeeze(-1), 0.0)
+            if with_entropy:
+                e = (z - m[:, None]).exp_()  # fp32 tensor 2: the one softmax (unnormalised) both use
+                sums[0] = e.sum(-1)
+                sums[1] = e.mul_(z).sum(-1)  # sum_j e_j z_j, in place
+                del e
+            else:
+                sums[0] = z.sub_(m[:, None]).exp_().sum(-1)  # in place: one fp32 tensor in all
+            del z
+            if shard.group is not None:
+                dist.all_reduce(sums, group=shard.group)
+            log_z = m + torch.log(sums[0])
+            lse[s : s + c] = log_z
+            logp[s : s + c] = sums[2] - log_z
+            if with_entropy:
+                # H = log Z - sum_j p_j z_j, p_j = e_j / sum e (z shifted by m: e_j z_j keeps z unshifted)
+                entropy[s : s + c] = log_z - sums[1] / sums[0]
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.shard, ctx.with_entropy = temperature, chunk, shard, with_entropy
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        t, chunk, shard = ctx.temperature, ctx.chunk, ctx.shard
+        if not ctx.with_entropy:
+            grad_entropy = None
+        none = (None,) * 5
+        if grad_logp is None and grad_entropy is None:
+            return None, None, *none
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        # accumulated in fp32 over the chunks, cast to the weight's dtype once
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        w = weight[: shard.valid]
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk].to(w.dtype)
+            c = h.shape[0]
+            # log p over this rank's vocabulary rows, then p, in place: one fp32 [c x V/tp] tensor
+            # without the entropy's gradient, two with it.
+            logp_all = _logits(h, w, t).sub_(lse[s : s + c, None])
+            if grad_entropy is None:
+                dz = logp_all.exp_()  # p
+            else:
+                # H = -sum p log p: dH/dz_j = -p_j (log p_j + H)
+                p = torch.exp(logp_all)
+                ge = grad_entropy[s : s + c].float()
+                dz = logp_all.add_(entropy[s : s + c, None]).mul_(p).mul_(-ge[:, None])
+            if grad_logp is not None:
+                # d log p(y) / dz = onehot(y) - p
+                g = grad_logp[s : s + c].float()
+                if grad_entropy is None:
+                    dz.mul_(-g[:, None])
+                else:
+                    dz.sub_(p.mul_(g[:, None]))
+                local = targets[s : s + c] - shard.start
+                mine = (local >= 0) & (local < shard.valid)
+                if shard.valid:  # the one-hot on the rank whose rows hold the target
+                    dz.scatter_add_(1, local.clamp(0, shard.valid - 1)[:, None], (g * mine)[:, None])
+            if grad_entropy is not None:
+                del p
+            if t != 1.0:
+                dz.div_(t)
+            dz = dz.to(w.dtype)
+            if need_h:
+                grad_h[s : s + c] = (dz @ w).to(hidden.dtype)
+            if need_w:
+                grad_w[: shard.valid].add_((dz.t() @ h).float())
+            del dz, logp_all  # the same tensor (in place): both names go before the next chunk's
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), *none
+
+
+def chunked_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    shard: VocabShard,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) and the entropy (zeros unless `with_entropy`), fp32 [N], of hidden states
+    [N, H] through this rank's vocab-parallel weight rows [V/tp, H]."""
+    return VocabParallelHead.apply(hidden, weight, targets, float(temperature), max(1, int(chunk)), shard, with_entropy)
