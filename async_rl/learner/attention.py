@@ -27,7 +27,8 @@ Kernels:
   (`create_block_mask`), compiled once with dynamic shapes on CUDA so new packed lengths do not
   recompile. On CPU torch runs its forward only (no backward), so training refuses it there.
 - `auto`: `sdpa` on CPU; on CUDA `varlen` for micro-batches without shared prompts and `flex` for
-  shared-prompt blocks: the choice expected from the first H100 profile (the dense mask makes cuDNN
+  shared-prompt blocks (`flex` for both where the attention computes in fp32, which flash attention
+  does not take): the choice expected from the first H100 profile (the dense mask makes cuDNN
   compute every tile), to be confirmed by `make gpu-check`'s learner benchmark.
 
 The kernels plug into HF models through transformers' attention registry: one registered
@@ -208,25 +209,37 @@ def flex_layout(seg: Segments) -> AttentionLayout:
     return AttentionLayout("flex", block_mask=mask)
 
 
-def choose_kernel(setting: str, device_type: str, shares_prefixes: bool) -> Kernel:
-    """`learner.attention` for one micro-batch on `device_type`."""
-    if setting != "auto":
-        return setting  # type: ignore[return-value]
-    if device_type != "cuda":
-        return "sdpa"
-    return "flex" if shares_prefixes else "varlen"
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel of each kind of micro-batch: without shared prompts, and with shared-prompt blocks."""
+
+    unshared: Kernel = "sdpa"
+    shared: Kernel = "sdpa"
+
+    def of(self, seg: Segments) -> Kernel:
+        return self.shared if seg.shares_prefixes else self.unshared
+
+    @property
+    def uses_registry(self) -> bool:
+        """Whether some micro-batch runs the registered implementation (else HF's SDPA stays set)."""
+        return self.unshared != "sdpa" or self.shared != "sdpa"
 
 
-def check_setting(setting: str, device_type: str) -> str | None:
-    """Why `learner.attention` cannot train on this device (None when it can)."""
+SDPA = KernelChoice()
+
+
+def resolve(setting: str, device_type: str, half: bool) -> KernelChoice:
+    """`learner.attention` on this device; `half`: the attention computes in bf16/fp16 (flash attention
+    takes nothing else). Raises ValueError saying why a setting cannot train here."""
+    if setting == "auto":
+        if device_type != "cuda":
+            return SDPA
+        return KernelChoice("varlen" if half else "flex", "flex")
     if setting == "flex" and device_type != "cuda":
-        return "FlexAttention has no backward on CPU in torch (its forward runs eagerly): use sdpa or auto there"
-    return None
-
-
-def uses_registry(setting: str, device_type: str) -> bool:
-    """Whether some micro-batch may run the registered implementation (else HF's SDPA stays set)."""
-    return any(choose_kernel(setting, device_type, s) != "sdpa" for s in (False, True))
+        raise ValueError("FlexAttention has no backward on CPU in torch (its forward runs eagerly): use sdpa or auto there")
+    if setting == "varlen" and device_type == "cuda" and not half:
+        raise ValueError("flash attention computes in bf16/fp16 only: set learner.mixed_precision bf16 (or use flex)")
+    return KernelChoice(setting, setting)  # type: ignore[arg-type]
 
 
 # ---- the kernels --------------------------------------------------------------------------------------------
@@ -297,6 +310,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                                       **kwargs)
     if dropout:
         raise ValueError(f"learner.attention={layout.kernel}: attention dropout is not supported")
+    if torch.is_autocast_enabled(query.device.type):
+        # SDPA is on autocast's list, these kernels are not: the rotary embedding left q and k in the
+        # residual stream's fp32, so cast them as autocast would have (flash takes bf16/fp16 only)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     b, h, t, d = query.shape
     hk = key.shape[1]
     if layout.kernel == "flex":

@@ -20,10 +20,11 @@ import torch
 
 from async_rl.learner.attention import (
     LAYOUT_KWARG,
+    SDPA,
     AttentionLayout,
+    KernelChoice,
     Segments,
     SegmentTable,
-    choose_kernel,
     dense_mask,
     layout_for,
 )
@@ -82,7 +83,9 @@ class MicroBatch:
             out[row, col : col + length] = True
         return out
 
-    def model_inputs(self, device: torch.device, attention: str = "sdpa") -> dict[str, torch.Tensor | bool | AttentionLayout]:
+    def model_inputs(
+        self, device: torch.device, kernels: KernelChoice = SDPA
+    ) -> dict[str, torch.Tensor | bool | AttentionLayout]:
         """The HF forward's keyword arguments under `learner.attention` (`attention.py`): position ids and
         the SDPA mask (or the varlen/flex layout) built on `device` from the segment table; a padded
         layout's SDPA path keeps its 2D padding mask."""
@@ -90,7 +93,7 @@ class MicroBatch:
             "input_ids": self.input_ids.to(device), "use_cache": False,
         }
         seg = None if self.segments is None else self.segments.to(device)
-        kernel = "sdpa" if seg is None else choose_kernel(attention, device.type, seg.shares_prefixes)
+        kernel = "sdpa" if seg is None else kernels.of(seg)
         if seg is None or (kernel == "sdpa" and self.attention_mask is not None):
             if self.position_ids is not None:
                 inputs["position_ids"] = self.position_ids.to(device)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from async_rl.config import AlgorithmConfig
 from async_rl.errors import RunError
 from async_rl.learner import attention
-from async_rl.learner.attention import choose_kernel, dense_mask, position_ids, register
+from async_rl.learner.attention import KernelChoice, dense_mask, position_ids, register, resolve
 from async_rl.learner.driver import shard_samples
 from async_rl.learner.head import model_scores
 from async_rl.learner.packing import micro_batches
@@ -104,7 +104,7 @@ def scores(model, mb, kernel: str, grad: bool = False):
     model.set_attn_implementation("sdpa" if kernel == "sdpa" else register())
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grad):
-        logp, entropy, _ = model_scores(model, mb.model_inputs(CPU, kernel), mb.targets, mb.span_positions(), 0.7, 16)
+        logp, entropy, _ = model_scores(model, mb.model_inputs(CPU, KernelChoice(kernel, kernel)), mb.targets, mb.span_positions(), 0.7, 16)
     grads = None
     if grad:
         w = torch.linspace(0.5, 1.5, logp.numel()).view_as(logp) * mb.loss_mask
@@ -166,11 +166,13 @@ def test_a_learner_step_with_varlen_equals_the_sdpa_step(model_dir, share_prompt
 
 
 def test_auto_is_sdpa_on_cpu_and_varlen_or_flex_on_cuda():
-    assert choose_kernel("auto", "cpu", False) == choose_kernel("auto", "cpu", True) == "sdpa"
-    assert choose_kernel("auto", "cuda", False) == "varlen"
-    assert choose_kernel("auto", "cuda", True) == "flex"
-    assert choose_kernel("varlen", "cuda", True) == "varlen"
-    assert not attention.uses_registry("auto", "cpu") and attention.uses_registry("auto", "cuda")
+    assert resolve("auto", "cpu", half=False) == resolve("auto", "cpu", half=True) == KernelChoice("sdpa", "sdpa")
+    assert resolve("auto", "cuda", half=True) == KernelChoice("varlen", "flex")
+    assert resolve("auto", "cuda", half=False) == KernelChoice("flex", "flex")  # flash takes no fp32
+    assert resolve("varlen", "cuda", half=True) == KernelChoice("varlen", "varlen")
+    assert not resolve("auto", "cpu", half=False).uses_registry and resolve("auto", "cuda", half=True).uses_registry
+    with pytest.raises(ValueError, match="bf16/fp16 only"):
+        resolve("varlen", "cuda", half=False)
 
 
 def test_flex_training_on_cpu_is_refused_with_one_line(model_dir):
