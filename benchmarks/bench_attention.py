@@ -39,6 +39,7 @@ import numpy as np
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
     "tiny": (128, 256, 2, 4, 2, 64),
     "smollm2": (576, 1536, 30, 9, 3, 49152),
+    "smollm2-8": (576, 1536, 8, 9, 3, 49152),  # its first 8 layers: the per-micro-batch costs weigh more
     "qwen05": (896, 4864, 24, 14, 2, 151936),
 }
 BATCHES = {  # groups, group size, prompt range, completion range, micro_batch_tokens, env-token share
@@ -135,20 +136,21 @@ def child(a: argparse.Namespace) -> None:
 
         real(mbs, temperature, keep)
 
-    times = []
+    times, cpu = [], []
     cuda = rank.device.type == "cuda"
     for r in range(a.repeats):
         rank.backend.forward_backward = spy if r == 0 else real
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rank.train_on_shard(r + 1, gs)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     tokens = sum(len(g.prompt_tokens) + len(c) for g in gs for c in g.completions)
-    result = {"kernel": a.kernel, "batch": a.batch, "times": times, "tokens": tokens,
+    result = {"kernel": a.kernel, "batch": a.batch, "times": times, "cpu_s": cpu, "tokens": tokens,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "logp": [x.tolist() for x in logps]}
     Path(a.result).write_text(json.dumps(result))
@@ -192,7 +194,7 @@ def main() -> None:
             r["logp_diff"] = float(np.abs(logp - ref).max()) if len(logp) == len(ref) else None
             rows.append(r)
             print(f"{batch:6s} {kernel:8s} step s {min(r['times']):7.2f} (runs {', '.join(f'{t:.2f}' for t in r['times'])})"
-                  f"  tokens {r['tokens']}  tokens/s {r['tokens'] / min(r['times']):9.0f}"
+                  f"  CPU s {min(r['cpu_s']):7.2f}  tokens {r['tokens']}  tokens/s {r['tokens'] / min(r['times']):9.0f}"
                   f"  peak GiB {r['peak_gib'] if r['peak_gib'] is None else round(r['peak_gib'], 2)}"
                   f"  max |logp - {a.kernels.split(',')[0]}| {r['logp_diff']}", flush=True)
     if a.out:
