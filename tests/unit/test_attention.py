@@ -139,6 +139,29 @@ def test_the_device_built_sdpa_inputs_equal_the_former_host_ones(model):
         assert torch.equal(a, b), name
 
 
+def test_the_registered_implementation_without_a_layout_is_hf_sdpa(model):
+    """A forward without our layout (the LoRA base reference's padded rows) gets HF's padding mask:
+    left-padded rows here, where a missing mask would let tokens see the padding."""
+    mb = layouts()["padded"]
+    shift = [int(n) for n in (mb.attention_mask.shape[1] - mb.attention_mask.sum(1))]
+
+    def left(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([row.roll(k) for row, k in zip(x, shift, strict=True)])
+
+    assert max(shift) > 0
+    inputs = {"input_ids": left(mb.input_ids), "attention_mask": left(mb.attention_mask), "use_cache": False}
+    targets, at = left(mb.targets), left(mb.span_positions())
+    out = {}
+    for impl in ("sdpa", register()):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl], _, _ = model_scores(model, inputs, targets, at, 0.7, 16)
+    assert torch.equal(out["sdpa"], out[attention.IMPLEMENTATION])
+    with torch.no_grad():  # and the mask matters here: without it the scores differ
+        unmasked, _, _ = model_scores(model, {**inputs, "attention_mask": None}, targets, at, 0.7, 16)
+    assert not torch.allclose(unmasked[at], out["sdpa"][at], atol=1e-4)
+
+
 def test_varlen_gradients_equal_the_dense_path(model):
     for name, mb in layouts().items():
         _, _, ref = scores(model, mb, "sdpa", grad=True)
