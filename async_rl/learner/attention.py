@@ -292,6 +292,11 @@ def _compiled_flex():
 
 
 def _flex(q, k, v, block_mask, scale):
+    group = q.shape[1] // k.shape[1]
+    if group & (group - 1):
+        # Inductor's flex decoding kernel (which it may pick for short queries) takes only power-of-2
+        # query groups per KV head (Qwen2.5-0.5B: 14 / 2 = 7); HF's flex integration repeats K/V then too
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if q.device.type == "cuda":
         return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     from torch.nn.attention.flex_attention import flex_attention

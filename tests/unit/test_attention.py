@@ -185,6 +185,21 @@ def test_a_learner_step_with_varlen_equals_the_sdpa_step(model_dir, share_prompt
     assert_equal_steps(sdpa, varlen)
 
 
+def test_the_kernels_take_a_query_group_of_any_size():
+    """attention_forward itself, 6 query heads on 2 KV heads (a group of 3, as Qwen2.5-0.5B's 7): each
+    kernel equals SDPA with the dense mask."""
+    mb = layouts()["shared_packed"]
+    seg = mb.segments
+    b, t = seg.rows, seg.width
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, 16, generator=g) for h in (6, 2, 2))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(seg), enable_gqa=True)
+    for kernel in ("varlen", "flex"):
+        out, _ = attention.attention_forward(None, q, k, v, None, scaling=None,
+                                             **{attention.LAYOUT_KWARG: attention.layout_for(seg, kernel)})
+        torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=0, msg=kernel)
+
+
 # ---------------------------------------------------------------- choice and guards
 
 
