@@ -478,6 +478,15 @@ class LearnerConfig(_Section):
            "unshared layout (false: every sample carries its prompt, for comparison). Torch backend only: "
            "megatron ignores it with a logged note"),
     ] = True
+    attention: Annotated[
+        Literal["auto", "sdpa", "varlen", "flex"],
+        _f("torch backend attention kernel: sdpa (HF's SDPA: position ids for packed rows, a dense block mask "
+           "for shared prompts), varlen (varlen flash attention from cumulative sequence lengths, no mask; "
+           "CUDA, on CPU a slow per-sequence reference), flex (FlexAttention with a block-sparse mask; CUDA "
+           "only for training); auto = sdpa on CPU, on CUDA varlen without shared prompts and flex with them "
+           "(the expected fastest, to be confirmed by make gpu-check). Masks and position ids are built on "
+           "the device"),
+    ] = "auto"
     lr_warmup_steps: Annotated[int, _f("linear learning-rate warmup over this many steps", ge=0)] = 0
     lr_decay: Annotated[
         Literal["constant", "linear", "cosine"], _f("learning-rate decay after warmup, to lr * lr_min_ratio at the last step")

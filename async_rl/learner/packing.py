@@ -18,6 +18,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from async_rl.learner.attention import (
+    LAYOUT_KWARG,
+    SDPA,
+    AttentionLayout,
+    KernelChoice,
+    Segments,
+    SegmentTable,
+    dense_mask,
+    layout_for,
+)
+from async_rl.learner.attention import position_ids as segment_positions
+
 
 @dataclass
 class SeqSample:
@@ -43,8 +55,8 @@ class SeqSample:
 class MicroBatch:
     input_ids: torch.Tensor  # long [B, T]
     position_ids: torch.Tensor | None  # long [B, T], packed and shared-prefix layouts
-    # long [B, T] (padded layout: 1 on tokens), or bool [B, 1, T, T] (shared-prefix layout: who may
-    # attend to whom, `shared_prefix.py`)
+    # long [B, T] (padded layout: 1 on tokens); the shared-prefix layout's block mask is built from
+    # `segments` on the device (`attention.dense_mask`)
     attention_mask: torch.Tensor | None
     targets: torch.Tensor  # long [B, T]
     loss_mask: torch.Tensor  # float32 [B, T]
@@ -54,6 +66,9 @@ class MicroBatch:
     prox_logp: torch.Tensor | None = None  # float32 [B, T], when the samples carry it
     ref_logp: torch.Tensor | None = None  # float32 [B, T], when the samples carry it
     cov_select: torch.Tensor | None = None  # float32 0/1 [B, T], when the samples carry it
+    # how the rows cut into attention segments (`attention.py`): the torch learner builds its position
+    # ids and masks (or varlen/flex layout) from it on the device
+    segments: Segments | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -68,12 +83,29 @@ class MicroBatch:
             out[row, col : col + length] = True
         return out
 
-    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | bool]:
-        inputs: dict[str, torch.Tensor | bool] = {"input_ids": self.input_ids.to(device), "use_cache": False}
-        if self.position_ids is not None:
-            inputs["position_ids"] = self.position_ids.to(device)
-        if self.attention_mask is not None:
-            inputs["attention_mask"] = self.attention_mask.to(device)
+    def model_inputs(
+        self, device: torch.device, kernels: KernelChoice = SDPA
+    ) -> dict[str, torch.Tensor | bool | AttentionLayout]:
+        """The HF forward's keyword arguments under `learner.attention` (`attention.py`): position ids and
+        the SDPA mask (or the varlen/flex layout) built on `device` from the segment table; a padded
+        layout's SDPA path keeps its 2D padding mask."""
+        inputs: dict[str, torch.Tensor | bool | AttentionLayout] = {
+            "input_ids": self.input_ids.to(device), "use_cache": False,
+        }
+        seg = None if self.segments is None else self.segments.to(device)
+        kernel = "sdpa" if seg is None else kernels.of(seg)
+        if seg is None or (kernel == "sdpa" and self.attention_mask is not None):
+            if self.position_ids is not None:
+                inputs["position_ids"] = self.position_ids.to(device)
+            if self.attention_mask is not None:
+                inputs["attention_mask"] = self.attention_mask.to(device)
+            return inputs
+        inputs["position_ids"] = segment_positions(seg)
+        if kernel == "sdpa":
+            if seg.shares_prefixes:
+                inputs["attention_mask"] = dense_mask(seg)
+        else:
+            inputs[LAYOUT_KWARG] = layout_for(seg, kernel)
         return inputs
 
     def per_sequence(self, logp: torch.Tensor) -> list[np.ndarray]:
@@ -94,6 +126,7 @@ class MicroBatch:
             prox_logp=None if self.prox_logp is None else self.prox_logp.to(device),
             ref_logp=None if self.ref_logp is None else self.ref_logp.to(device),
             cov_select=None if self.cov_select is None else self.cov_select.to(device),
+            segments=None if self.segments is None else self.segments.to(device),
         )
 
 
@@ -198,7 +231,12 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
         _fill_optional(None if cov is None else cov[row], first, s.cov_select)
         spans.append((row, first, n))
         offsets[row] += length
-    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov)
+    table = SegmentTable(width)
+    for r in range(n_rows):
+        for n in (length for length, row in zip(lengths, rows, strict=True) if row == r):
+            table.add(n)
+        table.end_row("extend")
+    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build())
 
 
 def padded(samples: list[SeqSample]) -> MicroBatch:
@@ -221,7 +259,11 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
         _fill_optional(None if ref is None else ref[i], first, s.ref_logp)
         _fill_optional(None if cov is None else cov[i], first, s.cov_select)
         spans.append((i, first, n))
-    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref, cov)
+    table = SegmentTable(width)
+    for s in samples:
+        table.add(len(s.tokens))
+        table.end_row("own")
+    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref, cov, table.build())
 
 
 def micro_batches(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from async_rl.learner.attention import SegmentTable
 from async_rl.learner.packing import (
     MicroBatch,
     SeqSample,
@@ -144,18 +145,6 @@ def _suffix_sample(s: SeqSample) -> SeqSample:
     )
 
 
-def block_attention_mask(segment: torch.Tensor, block: torch.Tensor, is_prefix: torch.Tensor) -> torch.Tensor:
-    """bool [B, 1, T, T] (True = may attend) from per-position labels [B, T]: causal within a segment
-    (a prefix or a suffix), and a suffix onto its block's prefix. Every position also sees itself, so
-    that no query row is empty (SDPA gives NaN there, and NaN times a zero gradient is still NaN)."""
-    t = segment.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=segment.device).tril()
-    same_segment = segment[:, :, None] == segment[:, None, :]
-    onto_prefix = (block[:, :, None] == block[:, None, :]) & is_prefix[:, None, :]
-    eye = torch.eye(t, dtype=torch.bool, device=segment.device)
-    return ((causal & (same_segment | onto_prefix)) | eye).unsqueeze(1)
-
-
 def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> MicroBatch:
     """The micro-batch of `samples` with one prefix per prompt run. `pack`: blocks first-fit into
     rows of `row_tokens` positions (0 = the longest block; a longer block is cut into blocks that
@@ -172,40 +161,42 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
     prox = _optional(samples, "prox_logp", (n_rows, width))
     ref = _optional(samples, "ref_logp", (n_rows, width))
     cov = _optional(samples, "cov_select", (n_rows, width))
-    # Labels for the attention mask; padding gets segment and block -1 (it sees only padding).
-    segment = torch.full((n_rows, width), -1, dtype=torch.long)
-    block_of = torch.full((n_rows, width), -1, dtype=torch.long)
-    is_prefix = torch.zeros(n_rows, width, dtype=torch.bool)
     span_of: dict[int, tuple[int, int, int]] = {}
     offsets = [0] * n_rows
-    label = 0
-    for bi, (b, row) in enumerate(zip(blocks, rows, strict=True)):
+    in_row: list[list[tuple[int, list[int]]]] = [[] for _ in range(n_rows)]  # per row: (prefix, suffixes)
+    for b, row in zip(blocks, rows, strict=True):
         at = offsets[row]
         p = prefix_len(b[0])
         input_ids[row, at : at + p] = torch.from_numpy(np.asarray(b[0].tokens[:p], dtype=np.int64))
         position_ids[row, at : at + p] = torch.arange(p)
-        segment[row, at : at + p] = label
-        is_prefix[row, at : at + p] = True
-        block_of[row, at : at + lengths[bi]] = bi
-        label += 1
         at += p
+        suffixes = []
         for s in b:
             sfx = _suffix_sample(s)
             n = len(sfx.tokens)
             input_ids[row, at : at + n] = torch.from_numpy(np.asarray(sfx.tokens, dtype=np.int64))
             position_ids[row, at : at + n] = torch.arange(p, p + n)
-            segment[row, at : at + n] = label
-            label += 1
             first, k = _fill(targets[row], mask[row], behav[row], adv[row], at, sfx)
             _fill_optional(None if prox is None else prox[row], first, sfx.prox_logp)
             _fill_optional(None if ref is None else ref[row], first, sfx.ref_logp)
             _fill_optional(None if cov is None else cov[row], first, sfx.cov_select)
             span_of[id(s)] = (row, first, k)
+            suffixes.append(n)
             at += n
         offsets[row] = at
+        in_row[row].append((p, suffixes))
+    # The attention segments, row by row: a block's prefix, then its suffixes reading it; a row's
+    # padding is a segment of its own (it sees only padding), its positions counting from 0.
+    table = SegmentTable(width)
+    for row, row_blocks in enumerate(in_row):
+        for p, suffixes in row_blocks:
+            prefix = table.add(p) if p else -1
+            for n in suffixes:
+                table.add(n, prefix)
+        position_ids[row, offsets[row] :] = torch.arange(width - offsets[row])
+        table.end_row("own")
     spans = [span_of[id(s)] for s in samples]
-    attention = block_attention_mask(segment, block_of, is_prefix)
-    return MicroBatch(input_ids, position_ids, attention, targets, mask, behav, adv, spans, prox, ref, cov)
+    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build())
 
 
 def shared_micro_batches(

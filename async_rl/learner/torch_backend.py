@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from async_rl.config import LearnerConfig
 from async_rl.errors import RunError
+from async_rl.learner.attention import register
+from async_rl.learner.attention import resolve as resolve_attention
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import model_scores, unsupported
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
@@ -129,6 +131,13 @@ class TorchBackend(ModelBackend):
         self.model.to(self.device).train()
         if self.cfg.logprob_chunk_tokens and (why := unsupported(self.model)):
             raise RunError(f"learner.logprob_chunk_tokens: the chunked head cannot score this model ({why}); set it to 0")
+        half = self._compute_dtype() is not None or self.dtype in (torch.bfloat16, torch.float16)
+        try:
+            self.kernels = resolve_attention(self.cfg.attention, self.device.type, half)
+        except ValueError as e:
+            raise RunError(f"learner.attention={self.cfg.attention}: {e}") from None
+        if self.kernels.uses_registry:
+            self.model.set_attn_implementation(register())  # varlen/flex (attention.py); SDPA otherwise
         if self.cfg.compile:
             compile_layers(self.model)
         self.scorer = ScoringModel(self.model, self.cfg.logprob_chunk_tokens)
@@ -178,7 +187,7 @@ class TorchBackend(ModelBackend):
         )
         with autocast:
             logp, entropy, last = self.wrapped(
-                mb.model_inputs(self.device), mb.targets.to(self.device), positions.to(self.device),
+                mb.model_inputs(self.device, self.kernels), mb.targets.to(self.device), positions.to(self.device),
                 temperature, hidden, head,
             )
         return TokenScores(logp=logp, entropy=entropy, hidden=last.detach() if hidden else None)

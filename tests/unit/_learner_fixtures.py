@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
 
 from async_rl.config import (
     AlgorithmConfig,
@@ -14,6 +16,7 @@ from async_rl.config import (
 )
 from async_rl.learner.base import LearnerSpec
 from async_rl.learner.driver import LearnerDriver
+from async_rl.learner.padded import PaddedShard
 from async_rl.protocol import TrajectoryGroup
 
 LEARNER_FIELDS = set(LearnerConfig.__struct_fields__)
@@ -72,3 +75,69 @@ def groups(seed: int, n_groups: int = 2, group_size: int = 3, vocab: int = 40) -
             )
         )
     return out
+
+
+def episode_groups(seed: int, n_groups: int = 3, group_size: int = 4) -> list:
+    """groups() with longer prompts and multi-turn loss masks: holes (environment tokens) in the
+    completions; the prompt is the episode's initial prompt."""
+    gs = groups(seed, n_groups=n_groups, group_size=group_size)
+    rng = np.random.default_rng(seed)
+    for g in gs:
+        g.prompt_tokens = np.concatenate([g.prompt_tokens, rng.integers(3, 40, 6).astype(np.int32)])
+        g.loss_masks = [(rng.random(len(c)) > 0.3).astype(np.int8) for c in g.completions]
+        for m in g.loss_masks:
+            m[0] = 1
+    return gs
+
+
+def spied_step(rank: LearnerDriver, gs) -> dict:
+    """One train_on_shard with spies: the training forward's log-probs and entropies per sample (in
+    shard order), the gradients before the optimizer step, the proximal log-probs and hidden states
+    of the scoring pass, and the step's metrics."""
+    out: dict = {"logp": [], "entropy": [], "micro_batches": 0}
+    backend = rank.backend
+    real_fb, real_step = backend.forward_backward, backend.optimizer_step
+
+    def forward_backward(mbs, temperature, loss_fn):
+        out["micro_batches"] = len(mbs)
+        out["mbs"] = mbs
+
+        def spy(i, scores):
+            out["logp"].extend(mbs[i].per_sequence(scores.logp))
+            out["entropy"].extend(mbs[i].per_sequence(scores.entropy))
+            return loss_fn(i, scores)
+
+        real_fb(mbs, temperature, spy)
+
+    def optimizer_step(lr, max_grad_norm):
+        out["grads"] = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+        return real_step(lr, max_grad_norm)
+
+    backend.forward_backward, backend.optimizer_step = forward_backward, optimizer_step
+    shard = PaddedShard(gs)
+    out["scored"] = rank._score_padded(gs, shard, True)
+    out["metrics"] = rank.train_on_shard(0, gs)
+    out["mask"] = shard.loss_mask
+    return out
+
+
+def assert_equal_steps(a: dict, b: dict) -> None:
+    assert len(a["logp"]) == len(b["logp"])
+    for x, y in zip(a["logp"], b["logp"], strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+    for x, y in zip(a["entropy"], b["entropy"], strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+    (lp_a, h_a), (lp_b, h_b) = a["scored"], b["scored"]
+    mask = a["mask"]
+    torch.testing.assert_close(lp_b * mask, lp_a * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h_b * mask[..., None], h_a * mask[..., None], atol=1e-5, rtol=0)
+    assert a["grads"].keys() == b["grads"].keys()
+    total = sum(float(g.norm() ** 2) for g in a["grads"].values()) ** 0.5
+    assert total > 0
+    for name, ga in a["grads"].items():
+        diff = float((b["grads"][name] - ga).norm())
+        # relative to the parameter's gradient (floored at a millionth of the whole gradient's norm)
+        assert diff <= 1e-4 * max(float(ga.norm()), 1e-6 * total), name
+    ma, mb = a["metrics"], b["metrics"]
+    for field in ("loss", "kl_behav", "logprob_abs_diff", "entropy", "value_loss", "grad_norm", "cov_frac"):
+        assert getattr(mb, field) == pytest.approx(getattr(ma, field), rel=1e-4, abs=1e-6), field

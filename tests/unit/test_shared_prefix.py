@@ -11,24 +11,10 @@ import pytest
 import torch
 
 from async_rl.config import AlgorithmConfig
-from async_rl.learner.driver import LearnerDriver, shard_samples
-from async_rl.learner.padded import PaddedShard
+from async_rl.learner.attention import dense_mask
+from async_rl.learner.driver import shard_samples
 from async_rl.learner.shared_prefix import block_tokens, prompt_runs, shared, split_shared
-from tests.unit._learner_fixtures import groups, make_rank
-
-
-def episode_groups(seed: int, n_groups: int = 3, group_size: int = 4) -> list:
-    """groups() with longer prompts and multi-turn loss masks: holes (environment tokens) in the
-    completions; the prompt is the episode's initial prompt."""
-    gs = groups(seed, n_groups=n_groups, group_size=group_size)
-    rng = np.random.default_rng(seed)
-    for g in gs:
-        g.prompt_tokens = np.concatenate([g.prompt_tokens, rng.integers(3, 40, 6).astype(np.int32)])
-        g.loss_masks = [(rng.random(len(c)) > 0.3).astype(np.int8) for c in g.completions]
-        for m in g.loss_masks:
-            m[0] = 1
-    return gs
-
+from tests.unit._learner_fixtures import assert_equal_steps, episode_groups, groups, make_rank, spied_step
 
 # ---------------------------------------------------------------- the layout
 
@@ -43,7 +29,8 @@ def test_each_prompt_once_per_block_and_spans_in_sample_order():
         expected = sum(s.start - 1 for s in samples[::4]) + sum(len(s.tokens) - s.start + 1 for s in samples)
         assert int((mb.input_ids != 0).sum()) == expected
         assert expected < sum(len(s.tokens) for s in samples)
-        assert mb.attention_mask.shape == (mb.input_ids.shape[0], 1, mb.input_ids.shape[1], mb.input_ids.shape[1])
+        assert mb.attention_mask is None  # the block mask is built on the device from the segments
+        assert dense_mask(mb.segments).shape == (mb.input_ids.shape[0], 1, mb.input_ids.shape[1], mb.input_ids.shape[1])
         # the spans hold each sample's completion tokens as targets, in the samples' order
         for s, (row, col, n) in zip(samples, mb.spans, strict=True):
             assert n == len(s.tokens) - s.start
@@ -59,7 +46,7 @@ def test_each_prompt_once_per_block_and_spans_in_sample_order():
 def test_the_mask_lets_a_suffix_see_its_prefix_and_itself_only():
     samples = shard_samples(groups(2, n_groups=2, group_size=2))
     mb = shared(samples, 0, pack=True)
-    m = mb.attention_mask[:, 0]
+    m = dense_mask(mb.segments)[:, 0]
     for row, col, n in mb.spans:
         # a suffix position sees exactly the prompt (positions 0..start-2 of its prefix) and itself causally
         q = col + n - 1
@@ -88,59 +75,6 @@ def test_a_group_larger_than_a_micro_batch_is_cut_with_its_prompt_in_each_piece(
 # ---------------------------------------------------------------- a learner step, shared vs unshared
 
 
-def _step(rank: LearnerDriver, gs) -> dict:
-    """One train_on_shard with spies: the training forward's log-probs and entropies per sample (in
-    shard order), the gradients before the optimizer step, the proximal log-probs and hidden states
-    of the scoring pass, and the step's metrics."""
-    out: dict = {"logp": [], "entropy": [], "micro_batches": 0}
-    backend = rank.backend
-    real_fb, real_step = backend.forward_backward, backend.optimizer_step
-
-    def forward_backward(mbs, temperature, loss_fn):
-        out["micro_batches"] = len(mbs)
-        out["mbs"] = mbs
-
-        def spy(i, scores):
-            out["logp"].extend(mbs[i].per_sequence(scores.logp))
-            out["entropy"].extend(mbs[i].per_sequence(scores.entropy))
-            return loss_fn(i, scores)
-
-        real_fb(mbs, temperature, spy)
-
-    def optimizer_step(lr, max_grad_norm):
-        out["grads"] = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
-        return real_step(lr, max_grad_norm)
-
-    backend.forward_backward, backend.optimizer_step = forward_backward, optimizer_step
-    shard = PaddedShard(gs)
-    out["scored"] = rank._score_padded(gs, shard, True)
-    out["metrics"] = rank.train_on_shard(0, gs)
-    out["mask"] = shard.loss_mask
-    return out
-
-
-def _assert_equal_steps(a: dict, b: dict) -> None:
-    assert len(a["logp"]) == len(b["logp"])
-    for x, y in zip(a["logp"], b["logp"], strict=True):
-        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
-    for x, y in zip(a["entropy"], b["entropy"], strict=True):
-        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
-    (lp_a, h_a), (lp_b, h_b) = a["scored"], b["scored"]
-    mask = a["mask"]
-    torch.testing.assert_close(lp_b * mask, lp_a * mask, atol=1e-5, rtol=0)
-    torch.testing.assert_close(h_b * mask[..., None], h_a * mask[..., None], atol=1e-5, rtol=0)
-    assert a["grads"].keys() == b["grads"].keys()
-    total = sum(float(g.norm() ** 2) for g in a["grads"].values()) ** 0.5
-    assert total > 0
-    for name, ga in a["grads"].items():
-        diff = float((b["grads"][name] - ga).norm())
-        # relative to the parameter's gradient (floored at a millionth of the whole gradient's norm)
-        assert diff <= 1e-4 * max(float(ga.norm()), 1e-6 * total), name
-    ma, mb = a["metrics"], b["metrics"]
-    for field in ("loss", "kl_behav", "logprob_abs_diff", "entropy", "value_loss", "grad_norm", "cov_frac"):
-        assert getattr(mb, field) == pytest.approx(getattr(ma, field), rel=1e-4, abs=1e-6), field
-
-
 ALGORITHMS = {
     "grpo": AlgorithmConfig(name="grpo"),
     "ppo": AlgorithmConfig(name="ppo"),  # GAE on a critic reading the hidden states of the scoring pass
@@ -156,17 +90,17 @@ def test_shared_step_equals_unshared(model_dir, algo, packing):
     """Multi-turn holes, temperature 0.7, and micro-batches small enough that a group is cut."""
     gs = episode_groups(10)
     common = {"algorithm": ALGORITHMS[algo], "packing": packing, "micro_batch_tokens": 20, "temperature": 0.7}
-    off = _step(make_rank(model_dir, share_prompt=False, **common), gs)
+    off = spied_step(make_rank(model_dir, share_prompt=False, **common), gs)
     on_rank = make_rank(model_dir, share_prompt=True, **common)
-    on = _step(on_rank, gs)
-    _assert_equal_steps(off, on)
+    on = spied_step(on_rank, gs)
+    assert_equal_steps(off, on)
     if ALGORITHMS[algo].cov_control != "none":  # the selected tokens reached the loss in both layouts
         assert all(mb.cov_select is not None and mb.cov_select.sum() > 0 for mb in on["mbs"][:1])
         assert on["metrics"].cov_frac > 0
     chunks = split_shared(shard_samples(gs), 0, 20)
     runs = [len(prompt_runs(c)) for c in chunks]
     assert len(chunks) > 1 and sum(runs) > len(gs)  # some group was split across micro-batches
-    assert all(mb.attention_mask.dim() == 4 for mb in on["mbs"])
+    assert all(mb.segments.shares_prefixes for mb in on["mbs"])
     # fewer positions computed with one prompt per group (token ids >= 3; padding is 0)
     assert sum(int((m.input_ids != 0).sum()) for m in on["mbs"]) < sum(int((m.input_ids != 0).sum()) for m in off["mbs"])
 
@@ -175,9 +109,9 @@ def test_shared_step_equals_unshared_kl_and_rows(model_dir):
     """The KL reference in the loss and packed rows narrower than a group (blocks cut by row width)."""
     gs = episode_groups(11, group_size=3)
     common = {"algorithm": AlgorithmConfig(name="grpo", kl_coef=0.05), "pack_row_tokens": 20, "temperature": 1.0}
-    off = _step(make_rank(model_dir, share_prompt=False, **common), gs)
-    on = _step(make_rank(model_dir, share_prompt=True, **common), gs)
-    _assert_equal_steps(off, on)
+    off = spied_step(make_rank(model_dir, share_prompt=False, **common), gs)
+    on = spied_step(make_rank(model_dir, share_prompt=True, **common), gs)
+    assert_equal_steps(off, on)
 
 
 def test_compute_logprobs_shared_equals_unshared(model_dir):
@@ -221,9 +155,9 @@ def test_split_agent_episodes_step_the_same_shared_and_count_as_episodes(model_d
         g.rewards[1] = g.rewards[0]
         g.episode_of = [0, 0, 1, 2]  # 3 episodes, the first in two segments
     common = {"algorithm": AlgorithmConfig(name="grpo"), "micro_batch_tokens": 20}
-    off = _step(make_rank(model_dir, share_prompt=False, **common), gs)
-    on = _step(make_rank(model_dir, share_prompt=True, **common), gs)
-    _assert_equal_steps(off, on)
+    off = spied_step(make_rank(model_dir, share_prompt=False, **common), gs)
+    on = spied_step(make_rank(model_dir, share_prompt=True, **common), gs)
+    assert_equal_steps(off, on)
     m = on["metrics"]
     assert m.samples == 6 and len(m.completion_lens) == 8
     assert m.reward_mean == pytest.approx(np.mean([r for g in gs for r in g.rewards[1:]]))
