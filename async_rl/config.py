@@ -484,9 +484,12 @@ class LearnerConfig(_Section):
     ] = "constant"
     lr_min_ratio: Annotated[float, _f("final learning rate as a fraction of learner.lr", ge=0, le=1)] = 0.0
     mixed_precision: Annotated[
-        Literal["auto", "none", "bf16"],
-        _f("compute dtype of the learner: bf16 autocast (FSDP2: param_dtype) with weights and optimizer in "
-           "model.dtype; auto = bf16 on CUDA, none on CPU"),
+        Literal["auto", "none", "bf16", "bf16_params"],
+        _f("compute dtype of the learner, weights and optimizer staying in model.dtype: bf16 = autocast (every "
+           "weight re-cast per micro-batch; FSDP2: its param_dtype policy); bf16_params = the forward and "
+           "backward run on a bf16 working copy of the parameters, cast once per optimizer step, with a bf16 "
+           "residual stream and gradients accumulated and reduced in fp32 (FSDP2: its policy, the same thing "
+           "sharded; not with lora); auto = bf16_params on CUDA (bf16 with lora), none on CPU"),
     ] = "auto"
     compile: Annotated[
         bool,

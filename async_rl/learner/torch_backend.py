@@ -21,6 +21,7 @@ from async_rl.learner.head import model_scores, unsupported
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.packing import MicroBatch
+from async_rl.learner.precision import WorkingCopy, all_reduce_grads
 
 OPTIMIZER_STATE = "optimizer.pt"
 
@@ -80,6 +81,7 @@ class TorchBackend(ModelBackend):
         self.master = master
         self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
         self.peft = None  # learner.lora: the PeftModel around self.model (see learner/lora.py)
+        self.working: WorkingCopy | None = None  # mixed_precision=bf16_params: what the forward runs on
 
     @property
     def sharded(self) -> bool:
@@ -129,13 +131,18 @@ class TorchBackend(ModelBackend):
         self.model.to(self.device).train()
         if self.cfg.logprob_chunk_tokens and (why := unsupported(self.model)):
             raise RunError(f"learner.logprob_chunk_tokens: the chunked head cannot score this model ({why}); set it to 0")
-        if self.cfg.compile:
-            compile_layers(self.model)
-        self.scorer = ScoringModel(self.model, self.cfg.logprob_chunk_tokens)
         self._param_names = [name for name, _ in self.model.named_parameters()]
         compute = self._compute_dtype()
         self._autocast = None
-        if self.sharded:
+        if self._working_copy():
+            self.working = WorkingCopy(self.model, compute)
+        compute_model = self.working.module if self.working else self.model
+        if self.cfg.compile:
+            compile_layers(compute_model)
+        self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens)
+        if self.working:
+            self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced in optimizer_step
+        elif self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -165,14 +172,28 @@ class TorchBackend(ModelBackend):
     def _compute_dtype(self) -> torch.dtype | None:
         """bf16 compute on CUDA (parameters and optimizer stay in `model.dtype`); none on CPU."""
         mode = self.cfg.mixed_precision
-        if mode == "bf16" or (mode == "auto" and self.device.type == "cuda"):
+        if mode in ("bf16", "bf16_params") or (mode == "auto" and self.device.type == "cuda"):
             return torch.bfloat16
         return None
+
+    def _working_copy(self) -> bool:
+        """Whether the forward runs on a bf16 working copy (`precision.py`): bf16_params, and auto on
+        CUDA, for one rank and DDP over full-parameter training. FSDP2's mixed-precision policy is the
+        sharded form of the same thing; LoRA keeps autocast (its frozen base would be a second copy for
+        a few trainable weights)."""
+        mode = self.cfg.mixed_precision
+        if mode == "bf16_params" and self.peft is not None:
+            raise RunError("learner.mixed_precision=bf16_params: not with learner.lora (use bf16 or auto)")
+        if self.sharded or self.peft is not None or self.model.dtype != torch.float32:
+            return False
+        return mode == "bf16_params" or (mode == "auto" and self.device.type == "cuda")
 
     # ---- forward and backward ---------------------------------------------------------------------
 
     def _forward(self, mb: MicroBatch, temperature: float, positions: torch.Tensor, hidden: bool,
                  head: bool = True) -> TokenScores:
+        if self.working:
+            self.working.refresh_if_stale()  # once per optimizer step, not per micro-batch
         autocast = (
             torch.autocast(self.device.type, dtype=self._autocast) if self._autocast else contextlib.nullcontext()
         )
@@ -194,7 +215,9 @@ class TorchBackend(ModelBackend):
             with self._grad_sync(i == len(mbs) - 1):
                 loss = loss_fn(i, self._forward(mb, temperature, mb.loss_mask != 0, hidden=False))
                 # DDP and FSDP2 average gradients over ranks; the contract is their sum.
-                (loss * self.world_size).backward()
+                (loss * (1 if self.working else self.world_size)).backward()
+        if self.working and self.world_size > 1:
+            all_reduce_grads(list(self.model.parameters()))  # fp32 sums, once per step
 
     def _grad_sync(self, sync: bool):
         """Accumulate gradients locally except on the last micro-batch, which reduces them once."""
@@ -217,6 +240,8 @@ class TorchBackend(ModelBackend):
             return value if not math.isfinite(value) else math.nan
         self.optimizer.step()
         self._full = None
+        if self.working:
+            self.working.mark_stale()
         return value
 
     def drop_gradients(self) -> None:
@@ -326,6 +351,8 @@ class TorchBackend(ModelBackend):
                     p.copy_(weights[name])
             self.optimizer.load_state_dict(state["optimizer"])
         self._full = None
+        if self.working:
+            self.working.mark_stale()
 
     def _read_adapter(self, d: Path) -> dict[str, torch.Tensor]:
         """The checkpoint's adapter under the HF model's parameter names, with the base weights as they
