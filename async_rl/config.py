@@ -497,6 +497,13 @@ class LearnerConfig(_Section):
            "the first steps pay the compile (tens of seconds on CPU). Off by default: measured by "
            "benchmarks/bench_learner.py, see docs/learner.md"),
     ] = False
+    kernels: Annotated[
+        Literal["auto", "liger", "compile", "none"],
+        _f("torch backend: the decoder layers' kernels: liger (Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU; "
+           "Llama and Qwen2 on CUDA; the liger-kernel package), compile (torch.compile of each decoder layer, "
+           "as learner.compile), none (the model's eager modules); auto = none on CPU, liger on CUDA where it "
+           "imports and fits the model, else none (chosen before any GPU measurement: see docs/learner.md)"),
+    ] = "auto"
     activation_checkpointing: Annotated[
         bool,
         _f("keep only each decoder layer's input through the forward and recompute the layer in backward "

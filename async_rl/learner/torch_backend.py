@@ -19,17 +19,12 @@ from async_rl.errors import RunError
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import model_scores, unsupported
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
+from async_rl.learner.kernels import apply_kernels, compile_layers, decoder_layers
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.packing import MicroBatch
 from async_rl.learner.precision import WorkingCopy, all_reduce_grads
 
 OPTIMIZER_STATE = "optimizer.pt"
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks FSDP2 shards one by one (HF names their class in `_no_split_modules`)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 class ScoringModel(torch.nn.Module):
@@ -43,20 +38,9 @@ class ScoringModel(torch.nn.Module):
         self.chunk = chunk
 
     def forward(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, temperature: float,
-                hidden: bool, head: bool):
-        return model_scores(self.model, inputs, targets, positions, temperature, self.chunk, hidden=hidden, head=head)
-
-
-def compile_layers(model: torch.nn.Module) -> None:
-    """`learner.compile`: torch.compile every decoder layer in place. The layers are one class, so
-    they share one compiled graph (compiled once, not 30 times); the head and the loss stay eager
-    (the chunked head is a Python loop over chunks). Dynamic shapes: micro-batches differ in length,
-    and a graph per length would recompile every step. Before DDP/FSDP2 wrap the model, as they expect."""
-    layers = decoder_layers(model)
-    if not layers:
-        raise RunError("learner.compile: the model names no decoder layer class (_no_split_modules) to compile")
-    for layer in layers:
-        layer.compile(dynamic=True)
+                hidden: bool, head: bool, entropy: bool = True):
+        return model_scores(self.model, inputs, targets, positions, temperature, self.chunk, hidden=hidden,
+                            head=head, entropy=entropy)
 
 
 def rank_device(device: str) -> torch.device:
@@ -137,7 +121,8 @@ class TorchBackend(ModelBackend):
         if self._working_copy():
             self.working = WorkingCopy(self.model, compute)
         compute_model = self.working.module if self.working else self.model
-        if self.cfg.compile:
+        self.kernels = apply_kernels(self.cfg.kernels, compute_model, self.device)
+        if self.cfg.compile and self.kernels != "compile":
             compile_layers(compute_model)
         self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens)
         if self.working:
@@ -191,7 +176,7 @@ class TorchBackend(ModelBackend):
     # ---- forward and backward ---------------------------------------------------------------------
 
     def _forward(self, mb: MicroBatch, temperature: float, positions: torch.Tensor, hidden: bool,
-                 head: bool = True) -> TokenScores:
+                 head: bool = True, entropy: bool = True) -> TokenScores:
         if self.working:
             self.working.refresh_if_stale()  # once per optimizer step, not per micro-batch
         autocast = (
@@ -200,13 +185,14 @@ class TorchBackend(ModelBackend):
         with autocast:
             logp, entropy, last = self.wrapped(
                 mb.model_inputs(self.device), mb.targets.to(self.device), positions.to(self.device),
-                temperature, hidden, head,
+                temperature, hidden, head, entropy,
             )
         return TokenScores(logp=logp, entropy=entropy, hidden=last.detach() if hidden else None)
 
     def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True) -> TokenScores:
         with torch.no_grad():  # the completion positions of its sequences (`spans`)
-            return self._forward(mb, temperature, mb.span_positions(), hidden, head)
+            # No entropy: the scoring passes read log-probs (and hidden states) only.
+            return self._forward(mb, temperature, mb.span_positions(), hidden, head, entropy=False)
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         self.optimizer.zero_grad(set_to_none=True)
