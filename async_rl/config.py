@@ -451,10 +451,13 @@ class LearnerConfig(_Section):
         int, _f("sequences per micro-batch; gradients accumulate over a rank's shard (0 = one micro-batch)", ge=0)
     ] = 0
     micro_batch_tokens: Annotated[
-        int,
-        _f("tokens (prompt + completion) per micro-batch, packed greedily, for the gradient passes and the "
-           "no-grad scoring passes (proximal log-probs, the KL reference, ppo's hidden states); 0 = the whole "
-           "shard in one pass (memory then grows with the shard: the trunk's activations per token)", ge=0),
+        Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"],
+        _f("tokens (prompt + completion) per micro-batch, for the gradient passes and the no-grad scoring "
+           "passes (proximal log-probs, the KL reference, ppo's hidden states); the shard is cut in order into "
+           "the fewest micro-batches within it, balanced by tokens (learner/token_budget.py, packing.py); 0 = "
+           "the whole shard in one pass (memory then grows with the shard: the trunk's activations per token); "
+           "auto = on CUDA from the GPU's free memory at start-up and the model's activation bytes per token "
+           "(stated in one line at start-up), 8192 on CPU"),
     ] = 8192
     logprob_chunk_tokens: Annotated[
         int,

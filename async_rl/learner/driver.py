@@ -45,6 +45,7 @@ from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, m
 from async_rl.learner.padded import PaddedShard
 from async_rl.learner.schedule import lr_factor
 from async_rl.learner.shared_prefix import shared_micro_batches
+from async_rl.learner.token_budget import resolve_budget
 from async_rl.learner.weight_source import WeightSource
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -207,11 +208,18 @@ class LearnerDriver(LearnerRank):
             print(f"[learner] learner.share_prompt: learner.backend={s.learner.backend} takes no block attention "
                   "mask; every sample carries its prompt", file=sys.stderr, flush=True)
         self.weights = WeightSource(s.weight_sync, self._named_tensors, adopt=self.backend.weights_are_live)
-        hidden_size = 0
-        if s.algorithm.name == "ppo":
-            from transformers import AutoConfig
+        from transformers import AutoConfig
 
-            hidden_size = int(AutoConfig.from_pretrained(s.model_dir).hidden_size)
+        model_config = AutoConfig.from_pretrained(s.model_dir)
+        hidden_size = int(model_config.hidden_size) if s.algorithm.name == "ppo" else 0
+        budget = resolve_budget(
+            s.learner.micro_batch_tokens, device=self.device, config=model_config, trainable_params=params,
+            compute_bytes=self._compute_bytes(), checkpointing=s.learner.activation_checkpointing,
+            chunk=s.learner.logprob_chunk_tokens,
+        )
+        self.micro_batch_tokens = budget.tokens
+        if s.learner.micro_batch_tokens == "auto" and self.rank == 0:
+            print(f"[learner] {budget.line}", file=sys.stderr, flush=True)
         self.algo = Algorithm(
             s.algorithm,
             max_tokens=s.generators.max_tokens,
@@ -222,11 +230,19 @@ class LearnerDriver(LearnerRank):
             seed=s.train.seed,
             max_grad_norm=s.learner.max_grad_norm,
             device=self.device,  # the reference model and the critic live where the policy does
-            micro_batch_tokens=s.learner.micro_batch_tokens,
+            micro_batch_tokens=self.micro_batch_tokens,
             logprob_chunk_tokens=s.learner.logprob_chunk_tokens,
-            base_reference=self.backend.base_reference(s.learner.micro_batch_tokens, s.learner.logprob_chunk_tokens),
+            base_reference=self.backend.base_reference(self.micro_batch_tokens, s.learner.logprob_chunk_tokens),
         )
         return params
+
+    def _compute_bytes(self) -> int:
+        """Bytes per activation element: 2 where the learner computes in bf16 (mixed_precision on CUDA,
+        or set), else the model dtype's."""
+        c = self.spec.learner
+        if c.mixed_precision in ("bf16", "bf16_params") or (c.mixed_precision == "auto" and self.device.type == "cuda"):
+            return 2
+        return getattr(torch, self.spec.model.dtype).itemsize
 
     def _batch_client(self) -> BatchClient | None:
         """The buffer connection of a fetching rank, opened at its first fetch (a rank driven only
@@ -288,7 +304,7 @@ class LearnerDriver(LearnerRank):
         every rank runs as many forward/backward passes, so the collectives inside them line up."""
         c = self.spec.learner
         build = shared_micro_batches if self.share_prompt else micro_batches
-        mbs = build(samples, c.packing, c.micro_batch_size, c.micro_batch_tokens, c.pack_row_tokens)
+        mbs = build(samples, c.packing, c.micro_batch_size, self.micro_batch_tokens, c.pack_row_tokens)
         count = max(1, int(self.backend.all_reduce(torch.tensor([len(mbs)], device=self.device), "max").item()))
         return [mb.to(self.device) for mb in mbs] + [dummy_micro_batch().to(self.device)] * (count - len(mbs))
 
