@@ -24,7 +24,7 @@ import torch
 from async_rl.cluster.placement import pin_current_process
 from async_rl.cluster.resources import free_port
 from async_rl.errors import RunError
-from async_rl.learner.algorithms import Algorithm, Prepared
+from async_rl.learner.algorithms import LOSS_STATS, Algorithm, Prepared
 from async_rl.learner.backend import ModelBackend, TokenScores
 from async_rl.learner.base import (
     LearnerRank,
@@ -54,6 +54,7 @@ from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 
 TRAINER_STATE = "trainer_state.pt"
 # Loss statistics accumulated over micro-batches (token-weighted), in this order on the wire.
+_ENTROPY = 7  # _STATS' index of the entropy (the one statistic the loss does not compute)
 _STATS = ("loss", "clip_frac", "tis_frac", "kl_behav", "logprob_abs_diff", "masked_frac", "kl_ref", "entropy",
           "cov_frac")
 
@@ -359,21 +360,27 @@ class LearnerDriver(LearnerRank):
         gradient norm is not finite on some rank (every rank agrees: the flags are all-reduced)."""
         s = self.spec
         mbs = self._micro_batches(samples)
-        local_tokens = max(1, sum(mb.loss_tokens for mb in mbs))
-        acc = torch.zeros(len(_STATS), dtype=torch.float64)
+        # The statistics stay on the device until the step's end: one host read per step, not several
+        # per micro-batch (each a sync on a GPU). The token counts are read once, here.
+        tokens = torch.stack([mb.loss_mask.sum() for mb in mbs]).tolist()
+        local_tokens = max(1.0, sum(tokens))
+        acc = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
+        at = {name: i for i, name in enumerate(LOSS_STATS)}
+        picks = torch.tensor([at[name] for name in _STATS if name != "entropy"], device=self.device)
 
         def loss_fn(i: int, scores: TokenScores) -> torch.Tensor:
             mb = mbs[i]
-            loss, st = self.algo.loss(prepared.for_micro_batch(mb), scores.logp, scores.entropy)
-            share = mb.loss_tokens / local_tokens  # statistics: token-weighted over this rank's part
-            entropy = float((scores.entropy.detach() * mb.loss_mask).sum()) / max(1, mb.loss_tokens)
-            values = [st.loss] + [share * v for v in (st.clip_frac, st.tis_frac, st.kl_behav, st.logprob_abs_diff,
-                                                      st.masked_frac, st.kl_ref, entropy, st.cov_frac)]
-            acc.add_(torch.tensor(values, dtype=torch.float64))
+            loss, st = self.algo.loss_terms(prepared.for_micro_batch(mb), scores.logp, scores.entropy)
+            share = tokens[i] / local_tokens  # statistics: token-weighted over this rank's part
+            entropy = (scores.entropy.detach() * mb.loss_mask).sum() / max(1.0, tokens[i])
+            values = st.index_select(0, picks).to(torch.float64)
+            values = torch.cat([values[:_ENTROPY], entropy.reshape(1).to(torch.float64), values[_ENTROPY:]])
+            values[1:] *= share  # the loss is its share of the global mean already; the rest are means here
+            acc.add_(values)
             return loss
 
         self.backend.forward_backward(mbs, s.generators.temperature, loss_fn)
-        stats = dict(zip(_STATS, self.backend.share_outputs(acc).tolist(), strict=True))
+        stats = dict(zip(_STATS, self.backend.share_outputs(acc.cpu()).tolist(), strict=True))
         # This rank's loss is its share of the global token mean; the controller averages over ranks.
         stats["loss"] *= self.backend.info.dp_size
         grad_norm, nonfinite = 0.0, False
