@@ -93,3 +93,39 @@ def test_weights_are_cast_once_per_optimizer_step_not_per_micro_batch(model_dir)
     per_step = casts_per_step(auto, 1)[0]
     matmul_weights = sum(1 for p in auto.backend.model.parameters() if p.dim() == 2)
     assert per_step >= 6 * (matmul_weights - 1)  # autocast: every matmul weight again per micro-batch
+
+
+def _reduce_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from async_rl.learner import precision
+    from async_rl.learner.precision import WorkingCopy, all_reduce_grads
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    precision.REDUCE_BUCKET = 100  # several buckets, one parameter larger than a bucket
+    torch.manual_seed(0)
+    master = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Linear(16, 4, bias=False))
+    work = WorkingCopy(master)
+    for _ in range(2):  # two micro-batches: fp32 accumulation in the masters
+        x = torch.randn(5, 12, generator=torch.Generator().manual_seed(10 * rank + _)).to(torch.bfloat16)
+        work.module(x).float().square().sum().backward()
+    local = [p.grad.clone() for p in master.parameters()]
+    all_reduce_grads(list(master.parameters()))
+    torch.save({"local": local, "reduced": [p.grad for p in master.parameters()]}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fp32_gradients_are_summed_over_ranks_in_buckets(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_reduce_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    for a, b, g0, g1 in zip(r0["local"], r1["local"], r0["reduced"], r1["reduced"], strict=True):
+        assert g0.dtype == torch.float32 and not torch.equal(a, b)
+        torch.testing.assert_close(g0, a + b, rtol=0, atol=0)
+        torch.testing.assert_close(g1, a + b, rtol=0, atol=0)
