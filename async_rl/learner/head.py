@@ -29,16 +29,29 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: to
     return z / temperature if temperature != 1.0 else z
 
 
+# Whether torch's fp32-output GEMM for bf16/fp16 operands (`addmm(..., out_dtype=)`, CUDA only) works
+# here: None until first tried, False once it raised (a torch build or GPU without it).
+_fp32_out_gemm: bool | None = None
+
+
 def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b inside the matmul (the GEMM's beta = 1): no [V x H] product tensor per
-    chunk and no cast of it. bf16/fp16 operands on CUDA use the fp32-output GEMM (`out_dtype`), which
-    torch has on CUDA only; elsewhere a bf16 product is added (CPU autocast, tests)."""
+    chunk and no cast of it. bf16/fp16 operands on CUDA use the fp32-output GEMM (`out_dtype`);
+    elsewhere, or where it is missing, the low-precision product is added (CPU autocast, tests)."""
+    global _fp32_out_gemm
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.add_(a @ b)
+        return
+    if acc.is_cuda and _fp32_out_gemm is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _fp32_out_gemm = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if _fp32_out_gemm:  # it worked before: a real error
+                raise
+            _fp32_out_gemm = False
+    acc.add_(a @ b)
 
 
 class ChunkedHead(torch.autograd.Function):
