@@ -456,8 +456,8 @@ class LearnerConfig(_Section):
            "passes (proximal log-probs, the KL reference, ppo's hidden states); the shard is cut in order into "
            "the fewest micro-batches within it, balanced by tokens (learner/token_budget.py, packing.py); 0 = "
            "the whole shard in one pass (memory then grows with the shard: the trunk's activations per token); "
-           "auto = on CUDA from the GPU's free memory at start-up and the model's activation bytes per token "
-           "(stated in one line at start-up), 8192 on CPU"),
+           "auto = on CUDA from the GPU's memory (its total less a tenth less what the rank holds, gradients and "
+           "AdamW state) over the model's activation bytes per token, stated in one line at start-up; 8192 on CPU"),
     ] = 8192
     logprob_chunk_tokens: Annotated[
         int,
