@@ -451,10 +451,13 @@ class LearnerConfig(_Section):
         int, _f("sequences per micro-batch; gradients accumulate over a rank's shard (0 = one micro-batch)", ge=0)
     ] = 0
     micro_batch_tokens: Annotated[
-        int,
-        _f("tokens (prompt + completion) per micro-batch, packed greedily, for the gradient passes and the "
-           "no-grad scoring passes (proximal log-probs, the KL reference, ppo's hidden states); 0 = the whole "
-           "shard in one pass (memory then grows with the shard: the trunk's activations per token)", ge=0),
+        Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"],
+        _f("tokens (prompt + completion) per micro-batch, for the gradient passes and the no-grad scoring "
+           "passes (proximal log-probs, the KL reference, ppo's hidden states); the shard is cut in order into "
+           "the fewest micro-batches within it, balanced by tokens (learner/token_budget.py, packing.py); 0 = "
+           "the whole shard in one pass (memory then grows with the shard: the trunk's activations per token); "
+           "auto = on CUDA from the GPU's memory (its total less a tenth less what the rank holds, gradients and "
+           "AdamW state) over the model's activation bytes per token, stated in one line at start-up; 8192 on CPU"),
     ] = 8192
     logprob_chunk_tokens: Annotated[
         int,
@@ -493,9 +496,12 @@ class LearnerConfig(_Section):
     ] = "constant"
     lr_min_ratio: Annotated[float, _f("final learning rate as a fraction of learner.lr", ge=0, le=1)] = 0.0
     mixed_precision: Annotated[
-        Literal["auto", "none", "bf16"],
-        _f("compute dtype of the learner: bf16 autocast (FSDP2: param_dtype) with weights and optimizer in "
-           "model.dtype; auto = bf16 on CUDA, none on CPU"),
+        Literal["auto", "none", "bf16", "bf16_params"],
+        _f("compute dtype of the learner, weights and optimizer staying in model.dtype: bf16 = autocast (every "
+           "weight re-cast per micro-batch; FSDP2: its param_dtype policy); bf16_params = the forward and "
+           "backward run on a bf16 working copy of the parameters, cast once per optimizer step, with a bf16 "
+           "residual stream and gradients accumulated and reduced in fp32 (FSDP2: its policy, the same thing "
+           "sharded; not with lora); auto = bf16_params on CUDA (bf16 with lora), none on CPU"),
     ] = "auto"
     compile: Annotated[
         bool,
@@ -503,6 +509,13 @@ class LearnerConfig(_Section):
            "the first steps pay the compile (tens of seconds on CPU). Off by default: measured by "
            "benchmarks/bench_learner.py, see docs/learner.md"),
     ] = False
+    kernels: Annotated[
+        Literal["auto", "liger", "compile", "none"],
+        _f("torch backend: the decoder layers' kernels: liger (Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU; "
+           "Llama and Qwen2 on CUDA; the liger-kernel package), compile (torch.compile of each decoder layer, "
+           "as learner.compile), none (the model's eager modules); auto = none on CPU, liger on CUDA where it "
+           "imports and fits the model, else none (chosen before any GPU measurement: see docs/learner.md)"),
+    ] = "auto"
     activation_checkpointing: Annotated[
         bool,
         _f("keep only each decoder layer's input through the forward and recompute the layer in backward "

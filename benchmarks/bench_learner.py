@@ -47,6 +47,8 @@ torch.profiler, self CPU time per op) and splits its step into regions: each dec
 and MLP (forward and backward, timed by module and tensor hooks), the chunked head (its autograd
 function's forward and backward), the optimizer step (clipping and AdamW) and the rest.
 
+On a GPU: `--device cuda` runs benchmarks/learner_gpu.py instead (its own options; see its docstring).
+
 CPU-heavy: run it under /work/bin/heavy on the shared machine.
     python benchmarks/bench_learner.py [--repeats 2] [--threads 2] [--batches arith,tools]
         [--variants baseline,chunked,share_prompt,bf16,compile] [--memory-tokens 4096] [--profile]
@@ -525,7 +527,15 @@ def write_markdown(result: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def cuda_requested(argv: list[str]) -> bool:
+    return "--device=cuda" in argv or any(a == "--device" and b == "cuda" for a, b in zip(argv, argv[1:], strict=False))
+
+
 def main() -> None:
+    if cuda_requested(sys.argv[1:]):  # the GPU benchmark: its own options (learner_gpu.py)
+        from learner_gpu import main as gpu_main
+
+        sys.exit(gpu_main(sys.argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds")
     ap.add_argument("--tools-repeats", type=int, default=0, help="rounds of the tools batch (0 = --repeats)")

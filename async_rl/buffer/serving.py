@@ -17,6 +17,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from async_rl.buffer.balance import balanced_shards
 from async_rl.buffer.ledger import Ledger
 from async_rl.protocol import FrameError, TrajectoryGroup, decode_request, encode_groups
 
@@ -110,8 +111,7 @@ class BatchServer:
         self.last_batch = (step, max(lags), sum(lags) / len(lags))
         filtered = self._filtered_groups()
         self._filtered_at_batch = (filtered, filtered - self._filtered_at_batch[0])
-        per_rank = need // world_size
-        shards = self._batches[step] = [batch[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
+        shards = self._batches[step] = balanced_shards(batch, world_size)
         return shards
 
     async def run(self, router: zmq.asyncio.Socket, on_built: Callable[[], None]) -> None:

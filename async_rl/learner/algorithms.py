@@ -29,8 +29,8 @@ from async_rl.learner.head import DEFAULT_CHUNK
 from async_rl.learner.losses import (
     covariance_selection,
     kl_estimate,
-    kl_penalty,
-    policy_loss,
+    kl_penalty_term,
+    policy_loss_terms,
     token_covariance,
 )
 from async_rl.learner.reference import ReferencePolicy
@@ -67,6 +67,12 @@ class AlgoStats(msgspec.Struct, kw_only=True):
     kl_ref: float  # mean per-token KL estimate to the reference (0 without one)
     value_loss: float  # ppo: the critic's loss before its step (0 otherwise)
     cov_frac: float = 0.0  # fraction of kept tokens the covariance control acted on (clip_cov / kl_cov)
+
+
+# The order of `Algorithm.loss_terms`' statistics vector: AlgoStats' fields but value_loss (the
+# policy-loss statistics in losses.POLICY_STATS' order after the total, then kl_ref and cov_frac).
+LOSS_STATS = ("loss", "policy_loss", "clip_frac", "tis_frac", "masked_frac", "kl_behav", "logprob_abs_diff",
+              "kl_ref", "cov_frac")
 
 
 @dataclass
@@ -325,9 +331,18 @@ class Algorithm:
         self, p: Prepared, logp: torch.Tensor, entropy: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, AlgoStats]:
         """The loss of a micro-batch from its trained log-probs [B, T] and, for the entropy bonus, the
-        policy's entropies [B, T] with their gradient (`entropy_coef` > 0 needs them)."""
+        policy's entropies [B, T] with their gradient (`entropy_coef` > 0 needs them). The statistics
+        are read to the host here: `loss_terms` leaves them on the device."""
+        total, stats = self.loss_terms(p, logp, entropy)
+        return total, AlgoStats(**dict(zip(LOSS_STATS, stats.tolist(), strict=True)), value_loss=p.value_loss)
+
+    def loss_terms(
+        self, p: Prepared, logp: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`loss` with its statistics as a float tensor [len(LOSS_STATS)] on the loss's device (no host
+        read: a step reads its micro-batches' statistics once)."""
         c = self.cfg
-        total, kept, st = policy_loss(
+        total, kept, st = policy_loss_terms(
             logp,
             p.behav_logp,
             p.advantages,
@@ -348,22 +363,14 @@ class Algorithm:
                 raise ValueError("algorithm.entropy_coef > 0 needs the policy's entropies in the loss")
             # Aggregated like the policy loss (sum over kept tokens / the same denominator).
             total = total - c.entropy_coef * (entropy * kept).sum() / torch.as_tensor(p.denominator).clamp(min=1.0)
-        kl_ref = p.kl_ref
+        kl_ref = torch.as_tensor(p.kl_ref, dtype=st.dtype, device=st.device)
         if p.ref_logp is not None:
-            term, kl_ref = kl_penalty(logp, p.ref_logp, kept, c.kl_estimator, p.denominator)
+            term = kl_penalty_term(logp, p.ref_logp, kept, c.kl_estimator, p.denominator)
             total = total + c.kl_coef * term
-        return total, AlgoStats(
-            loss=float(total.detach()),
-            policy_loss=st.loss,
-            clip_frac=st.clip_frac,
-            tis_frac=st.tis_frac,
-            masked_frac=st.masked_frac,
-            kl_behav=st.kl_behav,
-            logprob_abs_diff=st.logprob_abs_diff,
-            kl_ref=kl_ref,
-            value_loss=p.value_loss,
-            cov_frac=st.cov_frac,
-        )
+            kl_ref = term.detach().to(st.dtype)
+        # st: POLICY_STATS = the policy loss, clip_frac ... logprob_abs_diff (LOSS_STATS[1:7]), cov_frac.
+        stats = torch.cat([total.detach().to(st.dtype).reshape(1), st[:6], kl_ref.reshape(1), st[6:]])
+        return total, stats
 
     def state_dict(self) -> dict:
         """What a checkpoint must keep besides the policy and its optimizer: the critic (ppo)."""

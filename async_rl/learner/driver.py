@@ -24,7 +24,7 @@ import torch
 from async_rl.cluster.net import free_port, node_ip
 from async_rl.cluster.placement import pin_current_process
 from async_rl.errors import RunError
-from async_rl.learner.algorithms import Algorithm, Prepared
+from async_rl.learner.algorithms import LOSS_STATS, Algorithm, Prepared
 from async_rl.learner.backend import ModelBackend, TokenScores
 from async_rl.learner.base import (
     LearnerRank,
@@ -45,6 +45,7 @@ from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, m
 from async_rl.learner.padded import PaddedShard
 from async_rl.learner.schedule import lr_factor
 from async_rl.learner.shared_prefix import shared_micro_batches
+from async_rl.learner.token_budget import resolve_budget
 from async_rl.learner.weight_source import WeightSource
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -53,6 +54,7 @@ from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 
 TRAINER_STATE = "trainer_state.pt"
 # Loss statistics accumulated over micro-batches (token-weighted), in this order on the wire.
+_ENTROPY = 7  # _STATS' index of the entropy (the one statistic the loss does not compute)
 _STATS = ("loss", "clip_frac", "tis_frac", "kl_behav", "logprob_abs_diff", "masked_frac", "kl_ref", "entropy",
           "cov_frac")
 
@@ -207,11 +209,18 @@ class LearnerDriver(LearnerRank):
             print(f"[learner] learner.share_prompt: learner.backend={s.learner.backend} takes no block attention "
                   "mask; every sample carries its prompt", file=sys.stderr, flush=True)
         self.weights = WeightSource(s.weight_sync, self._named_tensors, adopt=self.backend.weights_are_live)
-        hidden_size = 0
-        if s.algorithm.name == "ppo":
-            from transformers import AutoConfig
+        from transformers import AutoConfig
 
-            hidden_size = int(AutoConfig.from_pretrained(s.model_dir).hidden_size)
+        model_config = AutoConfig.from_pretrained(s.model_dir)
+        hidden_size = int(model_config.hidden_size) if s.algorithm.name == "ppo" else 0
+        budget = resolve_budget(
+            s.learner.micro_batch_tokens, device=self.device, config=model_config, trainable_params=params,
+            compute_bytes=self._compute_bytes(), checkpointing=s.learner.activation_checkpointing,
+            chunk=s.learner.logprob_chunk_tokens,
+        )
+        self.micro_batch_tokens = budget.tokens
+        if s.learner.micro_batch_tokens == "auto" and self.rank == 0:
+            print(f"[learner] {budget.line}", file=sys.stderr, flush=True)
         self.algo = Algorithm(
             s.algorithm,
             max_tokens=s.generators.max_tokens,
@@ -222,11 +231,19 @@ class LearnerDriver(LearnerRank):
             seed=s.train.seed,
             max_grad_norm=s.learner.max_grad_norm,
             device=self.device,  # the reference model and the critic live where the policy does
-            micro_batch_tokens=s.learner.micro_batch_tokens,
+            micro_batch_tokens=self.micro_batch_tokens,
             logprob_chunk_tokens=s.learner.logprob_chunk_tokens,
-            base_reference=self.backend.base_reference(s.learner.micro_batch_tokens, s.learner.logprob_chunk_tokens),
+            base_reference=self.backend.base_reference(self.micro_batch_tokens, s.learner.logprob_chunk_tokens),
         )
         return params
+
+    def _compute_bytes(self) -> int:
+        """Bytes per activation element: 2 where the learner computes in bf16 (mixed_precision on CUDA,
+        or set), else the model dtype's."""
+        c = self.spec.learner
+        if c.mixed_precision in ("bf16", "bf16_params") or (c.mixed_precision == "auto" and self.device.type == "cuda"):
+            return 2
+        return getattr(torch, self.spec.model.dtype).itemsize
 
     def _batch_client(self) -> BatchClient | None:
         """The buffer connection of a fetching rank, opened at its first fetch (a rank driven only
@@ -288,7 +305,7 @@ class LearnerDriver(LearnerRank):
         every rank runs as many forward/backward passes, so the collectives inside them line up."""
         c = self.spec.learner
         build = shared_micro_batches if self.share_prompt else micro_batches
-        mbs = build(samples, c.packing, c.micro_batch_size, c.micro_batch_tokens, c.pack_row_tokens)
+        mbs = build(samples, c.packing, c.micro_batch_size, self.micro_batch_tokens, c.pack_row_tokens)
         count = max(1, int(self.backend.all_reduce(torch.tensor([len(mbs)], device=self.device), "max").item()))
         return [mb.to(self.device) for mb in mbs] + [dummy_micro_batch().to(self.device)] * (count - len(mbs))
 
@@ -343,21 +360,27 @@ class LearnerDriver(LearnerRank):
         gradient norm is not finite on some rank (every rank agrees: the flags are all-reduced)."""
         s = self.spec
         mbs = self._micro_batches(samples)
-        local_tokens = max(1, sum(mb.loss_tokens for mb in mbs))
-        acc = torch.zeros(len(_STATS), dtype=torch.float64)
+        # The statistics stay on the device until the step's end: one host read per step, not several
+        # per micro-batch (each a sync on a GPU). The token counts are read once, here.
+        tokens = torch.stack([mb.loss_mask.sum() for mb in mbs]).tolist()
+        local_tokens = max(1.0, sum(tokens))
+        acc = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
+        at = {name: i for i, name in enumerate(LOSS_STATS)}
+        picks = torch.tensor([at[name] for name in _STATS if name != "entropy"], device=self.device)
 
         def loss_fn(i: int, scores: TokenScores) -> torch.Tensor:
             mb = mbs[i]
-            loss, st = self.algo.loss(prepared.for_micro_batch(mb), scores.logp, scores.entropy)
-            share = mb.loss_tokens / local_tokens  # statistics: token-weighted over this rank's part
-            entropy = float((scores.entropy.detach() * mb.loss_mask).sum()) / max(1, mb.loss_tokens)
-            values = [st.loss] + [share * v for v in (st.clip_frac, st.tis_frac, st.kl_behav, st.logprob_abs_diff,
-                                                      st.masked_frac, st.kl_ref, entropy, st.cov_frac)]
-            acc.add_(torch.tensor(values, dtype=torch.float64))
+            loss, st = self.algo.loss_terms(prepared.for_micro_batch(mb), scores.logp, scores.entropy)
+            share = tokens[i] / local_tokens  # statistics: token-weighted over this rank's part
+            entropy = (scores.entropy.detach() * mb.loss_mask).sum() / max(1.0, tokens[i])
+            values = st.index_select(0, picks).to(torch.float64)
+            values = torch.cat([values[:_ENTROPY], entropy.reshape(1).to(torch.float64), values[_ENTROPY:]])
+            values[1:] *= share  # the loss is its share of the global mean already; the rest are means here
+            acc.add_(values)
             return loss
 
         self.backend.forward_backward(mbs, s.generators.temperature, loss_fn)
-        stats = dict(zip(_STATS, self.backend.share_outputs(acc).tolist(), strict=True))
+        stats = dict(zip(_STATS, self.backend.share_outputs(acc.cpu()).tolist(), strict=True))
         # This rank's loss is its share of the global token mean; the controller averages over ranks.
         stats["loss"] *= self.backend.info.dp_size
         grad_norm, nonfinite = 0.0, False

@@ -24,31 +24,69 @@ DEFAULT_CHUNK = 1024
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
     """fp32 logits/temperature of one chunk, the matmul in the compute dtype (as the HF head under
-    autocast would run it)."""
-    z = (h.to(dtype) @ weight.to(dtype).t()).float()
+    autocast would run it). `weight` is already in `dtype` (cast once per call, not per chunk)."""
+    z = (h.to(dtype) @ weight.t()).float()
     return z / temperature if temperature != 1.0 else z
 
 
+# Whether torch's fp32-output GEMM for bf16/fp16 operands (`addmm(..., out_dtype=)`, CUDA only) works
+# here: None until first tried, False once it raised (a torch build or GPU without it).
+_fp32_out_gemm: bool | None = None
+
+
+def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b inside the matmul (the GEMM's beta = 1): no [V x H] product tensor per
+    chunk and no cast of it. bf16/fp16 operands on CUDA use the fp32-output GEMM (`out_dtype`);
+    elsewhere, or where it is missing, the low-precision product is added (CPU autocast, tests)."""
+    global _fp32_out_gemm
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _fp32_out_gemm is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _fp32_out_gemm = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if _fp32_out_gemm:  # it worked before: a real error
+                raise
+            _fp32_out_gemm = False
+    acc.add_(a @ b)
+
+
 class ChunkedHead(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H], targets [N]) -> (log p(targets) [N], entropy [N]), fp32, at
-    `temperature`. Both differentiable w.r.t. hidden and weight; an output the loss does not use
-    costs nothing in backward (its gradient arrives as None)."""
+    """(hidden [N, H], weight [V, H], targets [N]) -> (log p(targets) [N], entropy [N] or None), fp32,
+    at `temperature`. Both differentiable w.r.t. hidden and weight; an output the loss does not use
+    costs nothing in backward (its gradient arrives as None). `with_entropy` False (the no-grad scoring
+    passes: nothing reads it) skips the entropy altogether.
+
+    Per chunk the forward makes one pass of exponentials over the [chunk x V] logits (log-sum-exp and
+    entropy from the same exp(z - max)); the backward one more (softmax from the saved log-sum-exp).
+    The weight is cast to the compute dtype once per call, and its fp32 gradient is accumulated
+    inside the matmul (`_accumulate_matmul`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool = True):
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        w = weight.to(dtype)
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else None
         lse = torch.empty_like(logp)
         for s in range(0, n, chunk):
-            z = _logits(hidden[s : s + chunk], weight, temperature, dtype)
-            m = torch.logsumexp(z, dim=-1)
+            z = _logits(hidden[s : s + chunk], w, temperature, dtype)
+            if with_entropy:
+                top = z.amax(dim=-1, keepdim=True)
+                e = torch.exp(z - top)  # the chunk's one exponent pass
+                total = e.sum(-1)
+                m = top.squeeze(-1) + torch.log(total)
+                # H = lse - E_p[z], E_p[z] = sum(e * z) / sum(e)
+                entropy[s : s + chunk] = m - (e.mul_(z)).sum(-1) / total
+            else:
+                m = torch.logsumexp(z, dim=-1)
             lse[s : s + chunk] = m
             logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - m
-            p = torch.exp(z - m[:, None])
-            entropy[s : s + chunk] = m - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         ctx.set_materialize_grads(False)
@@ -60,7 +98,7 @@ class ChunkedHead(torch.autograd.Function):
         t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight.to(dtype)
@@ -90,8 +128,8 @@ class ChunkedHead(torch.autograd.Function):
             if need_h:
                 grad_h[s : s + chunk] = (dz @ w).to(hidden.dtype)
             if need_w:
-                grad_w.add_((dz.t() @ h).float())
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+                _accumulate_matmul(grad_w, dz.t(), h)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
 def head_scores(
@@ -101,16 +139,18 @@ def head_scores(
     positions: torch.Tensor,
     temperature: float,
     chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(targets) and entropy [B, T] (fp32) from hidden states [B, T, H] and the output weight
-    [V, H], computed at `positions` (bool [B, T]) only: 0 elsewhere."""
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets) and entropy [B, T] (fp32; the entropy None unless `entropy`) from hidden states
+    [B, T, H] and the output weight [V, H], computed at `positions` (bool [B, T]) only: 0 elsewhere."""
     b, t, h = hidden.shape
     idx = positions.reshape(-1).nonzero().squeeze(-1)
     flat_h = hidden.reshape(b * t, h).index_select(0, idx)
     flat_t = targets.reshape(-1).index_select(0, idx)
-    logp, entropy = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)))
+    logp, ent = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)), entropy)
     zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
-    return zeros.index_copy(0, idx, logp).reshape(b, t), zeros.index_copy(0, idx, entropy).reshape(b, t)
+    ent = zeros.index_copy(0, idx, ent).reshape(b, t) if ent is not None else None
+    return zeros.index_copy(0, idx, logp).reshape(b, t), ent
 
 
 def full_token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,11 +191,13 @@ def model_scores(
     *,
     hidden: bool = False,
     head: bool = True,
+    entropy: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(logp, entropy, last hidden states) of an HF causal LM on `inputs` (its forward's keyword
     arguments). `chunk` > 0: the trunk, then the chunked head at `positions` only (0 elsewhere);
-    `head=False` skips the output layer (logp and entropy None). `chunk` 0: the full head at every
-    position (the former path, kept for comparison)."""
+    `head=False` skips the output layer (logp and entropy None); `entropy=False` skips the entropy
+    (None) where the chunked head runs. `chunk` 0: the full head at every position (the former path,
+    kept for comparison)."""
     if chunk <= 0:
         out = model(**inputs, output_hidden_states=hidden)
         logp, entropy = full_token_scores(out.logits, targets, temperature)
@@ -164,5 +206,5 @@ def model_scores(
     if not head:
         return None, None, last
     weight = model.get_output_embeddings().weight
-    logp, entropy = head_scores(last, weight, targets, positions, temperature, chunk)
-    return logp, entropy, last if hidden else None
+    logp, ent = head_scores(last, weight, targets, positions, temperature, chunk, entropy)
+    return logp, ent, last if hidden else None

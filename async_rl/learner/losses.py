@@ -45,6 +45,10 @@ def extreme_ratio_mask(log_ratio: torch.Tensor, low: float, high: float) -> torc
     return out
 
 
+# The order of `policy_loss_terms`' statistics vector (PolicyLossStats' fields).
+POLICY_STATS = ("loss", "clip_frac", "tis_frac", "masked_frac", "kl_behav", "logprob_abs_diff", "cov_frac")
+
+
 def policy_loss(
     logp: torch.Tensor,
     behav_logp: torch.Tensor,
@@ -62,7 +66,34 @@ def policy_loss(
     kl_cov: torch.Tensor | None = None,
     kl_cov_coef: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, PolicyLossStats]:
-    """The off-policy policy-gradient loss. Returns (loss, kept-token mask, stats).
+    """`policy_loss_terms` with its statistics read to the host (one read: a sync on a GPU)."""
+    loss, kept, stats = policy_loss_terms(
+        logp, behav_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, tis_cap=tis_cap,
+        prox_logp=prox_logp, ratio_mask_low=ratio_mask_low, ratio_mask_high=ratio_mask_high,
+        denominator=denominator, clip_cov=clip_cov, kl_cov=kl_cov, kl_cov_coef=kl_cov_coef,
+    )
+    return loss, kept, PolicyLossStats(**dict(zip(POLICY_STATS, stats.tolist(), strict=True)))
+
+
+def policy_loss_terms(
+    logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    tis_cap: float,
+    prox_logp: torch.Tensor | None = None,
+    ratio_mask_low: float = 0.0,
+    ratio_mask_high: float = 0.0,
+    denominator: float | None = None,
+    clip_cov: torch.Tensor | None = None,
+    kl_cov: torch.Tensor | None = None,
+    kl_cov_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The off-policy policy-gradient loss. Returns (loss, kept-token mask, statistics: float [7] on the
+    loss's device in the order of POLICY_STATS, left there so that a step reads them once).
 
     behaviour objective (prox_logp None), with r = pi / mu:
         loss_t = -min(min(r, C) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
@@ -113,15 +144,16 @@ def policy_loss(
         n_kept = kept.sum().clamp(min=1.0)
         n_all = mask.sum().clamp(min=1.0)
         lr = (logp - behav_logp).detach()
-        stats = PolicyLossStats(
-            loss=float(loss.detach()),
-            clip_frac=float(((clipped < unclipped).to(logp.dtype) * kept).sum() / n_kept),
-            tis_frac=float(((exp_log_ratio(is_log_ratio) > tis_cap).to(logp.dtype) * kept).sum() / n_kept),
-            masked_frac=float(extreme.sum() / n_all),
-            kl_behav=float(((exp_log_ratio(lr) - 1 - lr) * mask).sum() / n_all),
-            logprob_abs_diff=float((lr.abs() * mask).sum() / n_all),
-            cov_frac=0.0 if selected is None else float((selected.to(logp.dtype) * kept).sum() / n_kept),
-        )
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        stats = torch.stack([
+            loss.detach(),
+            ((clipped < unclipped).to(logp.dtype) * kept).sum() / n_kept,
+            ((exp_log_ratio(is_log_ratio) > tis_cap).to(logp.dtype) * kept).sum() / n_kept,
+            extreme.sum() / n_all,
+            ((exp_log_ratio(lr) - 1 - lr) * mask).sum() / n_all,
+            (lr.abs() * mask).sum() / n_all,
+            zero if selected is None else (selected.to(logp.dtype) * kept).sum() / n_kept,
+        ])
     return loss, kept, stats
 
 
@@ -207,13 +239,24 @@ def kl_penalty(
     denominator: float | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The KL loss term (before its coefficient): sum over mask / denominator (default: token mean).
-    Returns (term, its value as a float)."""
+    Returns (term, its value as a float: a host read)."""
+    term = kl_penalty_term(logp, ref_logp, mask, estimator, denominator)
+    return term, float(term.detach())
+
+
+def kl_penalty_term(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str,
+    denominator: float | None = None,
+) -> torch.Tensor:
+    """`kl_penalty`'s term alone (no host read)."""
     mask = mask.to(logp.dtype)
     denom = torch.as_tensor(denominator if denominator is not None else mask.sum(), dtype=logp.dtype).clamp(
         min=1.0
     )
-    term = (kl_estimate(logp, ref_logp, estimator) * mask).sum() / denom
-    return term, float(term.detach())
+    return (kl_estimate(logp, ref_logp, estimator) * mask).sum() / denom
 
 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ Per-token tensors (targets, loss mask, behaviour log-probs, advantages) are alig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,6 +150,31 @@ def split(samples: list[SeqSample], max_seqs: int, max_tokens: int) -> list[list
     return chunks
 
 
+def balanced(
+    splitter: Callable[[list[SeqSample], int, int], list[list[SeqSample]]],
+    samples: list[SeqSample],
+    max_seqs: int,
+    max_tokens: int,
+) -> list[list[SeqSample]]:
+    """`splitter`'s order-preserving micro-batches, balanced: as few as under `max_tokens`, cut under the
+    smallest token cap that still gives that few (a binary search over the cap, each try one greedy
+    pass), so the largest micro-batch is as small as it can be. Bound: for the plain split no
+    micro-batch holds more than total / count + the longest sequence (a cut at every count-th of the
+    total is off by at most one sequence), and none more than `max_tokens` unless a single sequence
+    does. Without a token limit (0) the splitter's cut is kept."""
+    chunks = splitter(samples, max_seqs, max_tokens)
+    if not max_tokens or len(chunks) < 2:
+        return chunks
+    lo, hi = 1, max_tokens  # hi: a cap known to give len(chunks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(splitter(samples, max_seqs, mid)) <= len(chunks):
+            hi = mid
+        else:
+            lo = mid + 1
+    return splitter(samples, max_seqs, hi) if hi < max_tokens else chunks
+
+
 def _optional(samples: list[SeqSample], field: str, shape: tuple[int, int]) -> torch.Tensor | None:
     return torch.zeros(shape) if getattr(samples[0], field) is not None else None
 
@@ -269,7 +295,7 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
 def micro_batches(
     samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0, row_tokens: int = 0
 ) -> list[MicroBatch]:
-    chunks = split(samples, max_seqs, max_tokens)
+    chunks = balanced(split, samples, max_seqs, max_tokens)
     return [packed(chunk, row_tokens) if pack else padded(chunk) for chunk in chunks]
 
 

@@ -87,7 +87,9 @@ class ReferencePolicy:
             inputs = {"input_ids": ids, "attention_mask": b.attention_mask[idx, :width].to(self.device),
                       "use_cache": False}
             with torch.no_grad(), self._as_reference():
-                logp, _, _ = model_scores(self.model, inputs, targets, positions, temperature, self.chunk)
+                logp, _, _ = model_scores(
+                    self.model, inputs, targets, positions, temperature, self.chunk, entropy=False
+                )
             logp = logp * positions  # the full head (chunk 0) scores every position
             out[idx, : width - 1] = logp[:, : width - 1].to(out.device)
         return out

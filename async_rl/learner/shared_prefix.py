@@ -37,6 +37,7 @@ from async_rl.learner.packing import (
     _fill,
     _fill_optional,
     _optional,
+    balanced,
     row_layout,
     row_tensors,
 )
@@ -203,4 +204,4 @@ def shared_micro_batches(
     samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0, row_tokens: int = 0
 ) -> list[MicroBatch]:
     """`packing.micro_batches` with one prefix per prompt run (`learner.share_prompt`)."""
-    return [shared(chunk, row_tokens, pack) for chunk in split_shared(samples, max_seqs, max_tokens)]
+    return [shared(chunk, row_tokens, pack) for chunk in balanced(split_shared, samples, max_seqs, max_tokens)]

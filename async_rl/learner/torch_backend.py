@@ -21,16 +21,12 @@ from async_rl.learner.attention import resolve as resolve_attention
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import model_scores, unsupported
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
+from async_rl.learner.kernels import apply_kernels, compile_layers, decoder_layers
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.packing import MicroBatch
+from async_rl.learner.precision import WorkingCopy, all_reduce_grads
 
 OPTIMIZER_STATE = "optimizer.pt"
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks FSDP2 shards one by one (HF names their class in `_no_split_modules`)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 class ScoringModel(torch.nn.Module):
@@ -44,20 +40,9 @@ class ScoringModel(torch.nn.Module):
         self.chunk = chunk
 
     def forward(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, temperature: float,
-                hidden: bool, head: bool):
-        return model_scores(self.model, inputs, targets, positions, temperature, self.chunk, hidden=hidden, head=head)
-
-
-def compile_layers(model: torch.nn.Module) -> None:
-    """`learner.compile`: torch.compile every decoder layer in place. The layers are one class, so
-    they share one compiled graph (compiled once, not 30 times); the head and the loss stay eager
-    (the chunked head is a Python loop over chunks). Dynamic shapes: micro-batches differ in length,
-    and a graph per length would recompile every step. Before DDP/FSDP2 wrap the model, as they expect."""
-    layers = decoder_layers(model)
-    if not layers:
-        raise RunError("learner.compile: the model names no decoder layer class (_no_split_modules) to compile")
-    for layer in layers:
-        layer.compile(dynamic=True)
+                hidden: bool, head: bool, entropy: bool = True):
+        return model_scores(self.model, inputs, targets, positions, temperature, self.chunk, hidden=hidden,
+                            head=head, entropy=entropy)
 
 
 def rank_device(device: str) -> torch.device:
@@ -82,6 +67,7 @@ class TorchBackend(ModelBackend):
         self.master = master
         self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
         self.peft = None  # learner.lora: the PeftModel around self.model (see learner/lora.py)
+        self.working: WorkingCopy | None = None  # mixed_precision=bf16_params: what the forward runs on
 
     @property
     def sharded(self) -> bool:
@@ -133,18 +119,25 @@ class TorchBackend(ModelBackend):
             raise RunError(f"learner.logprob_chunk_tokens: the chunked head cannot score this model ({why}); set it to 0")
         half = self._compute_dtype() is not None or self.dtype in (torch.bfloat16, torch.float16)
         try:
-            self.kernels = resolve_attention(self.cfg.attention, self.device.type, half)
+            self.attention_kernels = resolve_attention(self.cfg.attention, self.device.type, half)
         except ValueError as e:
             raise RunError(f"learner.attention={self.cfg.attention}: {e}") from None
-        if self.kernels.uses_registry:
-            self.model.set_attn_implementation(register())  # varlen/flex (attention.py); SDPA otherwise
-        if self.cfg.compile:
-            compile_layers(self.model)
-        self.scorer = ScoringModel(self.model, self.cfg.logprob_chunk_tokens)
+        if self.attention_kernels.uses_registry:
+            # varlen/flex (attention.py); SDPA otherwise. Set before the bf16 working copy is made: it copies the config.
+            self.model.set_attn_implementation(register())
         self._param_names = [name for name, _ in self.model.named_parameters()]
         compute = self._compute_dtype()
         self._autocast = None
-        if self.sharded:
+        if self._working_copy():
+            self.working = WorkingCopy(self.model, compute)
+        compute_model = self.working.module if self.working else self.model
+        self.kernels = apply_kernels(self.cfg.kernels, compute_model, self.device)
+        if self.cfg.compile and self.kernels != "compile":
+            compile_layers(compute_model)
+        self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens)
+        if self.working:
+            self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced in optimizer_step
+        elif self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -174,27 +167,42 @@ class TorchBackend(ModelBackend):
     def _compute_dtype(self) -> torch.dtype | None:
         """bf16 compute on CUDA (parameters and optimizer stay in `model.dtype`); none on CPU."""
         mode = self.cfg.mixed_precision
-        if mode == "bf16" or (mode == "auto" and self.device.type == "cuda"):
+        if mode in ("bf16", "bf16_params") or (mode == "auto" and self.device.type == "cuda"):
             return torch.bfloat16
         return None
+
+    def _working_copy(self) -> bool:
+        """Whether the forward runs on a bf16 working copy (`precision.py`): bf16_params, and auto on
+        CUDA, for one rank and DDP over full-parameter training. FSDP2's mixed-precision policy is the
+        sharded form of the same thing; LoRA keeps autocast (its frozen base would be a second copy for
+        a few trainable weights)."""
+        mode = self.cfg.mixed_precision
+        if mode == "bf16_params" and self.peft is not None:
+            raise RunError("learner.mixed_precision=bf16_params: not with learner.lora (use bf16 or auto)")
+        if self.sharded or self.peft is not None or self.model.dtype != torch.float32:
+            return False
+        return mode == "bf16_params" or (mode == "auto" and self.device.type == "cuda")
 
     # ---- forward and backward ---------------------------------------------------------------------
 
     def _forward(self, mb: MicroBatch, temperature: float, positions: torch.Tensor, hidden: bool,
-                 head: bool = True) -> TokenScores:
+                 head: bool = True, entropy: bool = True) -> TokenScores:
+        if self.working:
+            self.working.refresh_if_stale()  # once per optimizer step, not per micro-batch
         autocast = (
             torch.autocast(self.device.type, dtype=self._autocast) if self._autocast else contextlib.nullcontext()
         )
         with autocast:
             logp, entropy, last = self.wrapped(
-                mb.model_inputs(self.device, self.kernels), mb.targets.to(self.device), positions.to(self.device),
-                temperature, hidden, head,
+                mb.model_inputs(self.device, self.attention_kernels), mb.targets.to(self.device),
+                positions.to(self.device), temperature, hidden, head, entropy,
             )
         return TokenScores(logp=logp, entropy=entropy, hidden=last.detach() if hidden else None)
 
     def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True) -> TokenScores:
         with torch.no_grad():  # the completion positions of its sequences (`spans`)
-            return self._forward(mb, temperature, mb.span_positions(), hidden, head)
+            # No entropy: the scoring passes read log-probs (and hidden states) only.
+            return self._forward(mb, temperature, mb.span_positions(), hidden, head, entropy=False)
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -203,7 +211,9 @@ class TorchBackend(ModelBackend):
             with self._grad_sync(i == len(mbs) - 1):
                 loss = loss_fn(i, self._forward(mb, temperature, mb.loss_mask != 0, hidden=False))
                 # DDP and FSDP2 average gradients over ranks; the contract is their sum.
-                (loss * self.world_size).backward()
+                (loss * (1 if self.working else self.world_size)).backward()
+        if self.working and self.world_size > 1:
+            all_reduce_grads(list(self.model.parameters()))  # fp32 sums, once per step
 
     def _grad_sync(self, sync: bool):
         """Accumulate gradients locally except on the last micro-batch, which reduces them once."""
@@ -226,6 +236,8 @@ class TorchBackend(ModelBackend):
             return value if not math.isfinite(value) else math.nan
         self.optimizer.step()
         self._full = None
+        if self.working:
+            self.working.mark_stale()
         return value
 
     def drop_gradients(self) -> None:
@@ -335,6 +347,8 @@ class TorchBackend(ModelBackend):
                     p.copy_(weights[name])
             self.optimizer.load_state_dict(state["optimizer"])
         self._full = None
+        if self.working:
+            self.working.mark_stale()
 
     def _read_adapter(self, d: Path) -> dict[str, torch.Tensor]:
         """The checkpoint's adapter under the HF model's parameter names, with the base weights as they

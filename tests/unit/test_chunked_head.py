@@ -54,6 +54,24 @@ def test_chunked_head_equals_full_head(temperature, chunk):
     torch.testing.assert_close(grads[1], weight.grad, atol=1e-5, rtol=0)
 
 
+def test_head_without_entropy_gives_the_same_log_probs_and_gradients():
+    """entropy=False (the scoring passes): no entropy computed, log-probs and their gradients as with it."""
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 7, 16, requires_grad=True)
+    weight = (0.3 * torch.randn(50, 16)).requires_grad_()
+    targets = torch.randint(0, 50, (2, 7))
+    positions = torch.rand(2, 7) > 0.3
+    out = {}
+    for with_entropy in (True, False):
+        logp, entropy = head_scores(hidden, weight, targets, positions, 0.7, 3, entropy=with_entropy)
+        assert (entropy is None) == (not with_entropy)
+        logp.sum().backward()
+        out[with_entropy] = logp.detach(), hidden.grad.clone(), weight.grad.clone()
+        hidden.grad = weight.grad = None
+    for a, b in zip(out[True], out[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
 def test_row_chunks_bound_rows_times_width():
     assert row_chunks([3, 5, 2, 8, 1], 10) == [[0, 1], [2], [3], [4]]
     assert row_chunks([4, 4, 4], 8) == [[0, 1], [2]]

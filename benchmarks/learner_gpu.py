@@ -1,0 +1,552 @@
+"""`bench_learner.py --device cuda`: one learner step on a GPU, each switch of issue 31 on and off, beside
+a plain Hugging Face step written the way TRL computes GRPO.
+
+    python benchmarks/bench_learner.py --device cuda --out gpu/<DATE>-learner [--dry-run]
+        [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--batch 64x8] [--variants ...] [--repeats 1]
+        [--variant-timeout 75] [--budget-s 230]
+
+writes benchmarks/results/<out>.json and .md and exits 0 when it ran; without CUDA it prints one last
+line `SKIP: <reason>` and exits 3. `--dry-run`: a tiny model and batch, every default variant, seconds.
+
+Models: random-init Qwen2.5-0.5B and -1.5B shapes (no download), saved once per run in bf16 (the learner
+loads them into fp32 master weights). Batch: the 1-GPU recipe's shape, `--batch PROMPTSxSAMPLES`
+(default 64x8), prompts 90-200 tokens, completions long-tailed (log-normal, median 220, capped at 512:
+mean ~264), random tokens. Each (shape, variant) runs in its own process with a timeout, rounds
+interleaved (A B C A B C): one warm-up step on two groups, then `--steps` timed steps of the whole
+batch; the best counts. Before any step each child scores `--score-samples` samples (no grad, the
+initial weights) and the parent compares the log-probs with the `fp32` child's (fp32 weights and
+compute, eager kernels, SDPA): each switch's log-prob difference. MFU = 6 x parameters x tokens (each
+sample's prompt counted) / step seconds / the bf16 matmul rate measured in this run (8192^3). Peak
+memory: torch.cuda.max_memory_allocated over the timed step.
+
+Variants (learner.* overrides; `today` is the learner before issue 31: autocast, eager kernels):
+  today          mixed_precision=bf16 (autocast), kernels=none, attention=sdpa where the field exists
+  bf16_params    today + the bf16 working copy (learner/precision.py)
+  liger          today + kernels=liger (needs the liger-kernel package; the row says so if it is absent)
+  compile        today + kernels=compile (regional torch.compile of the decoder layers)
+  varlen, flex   today + learner.attention=varlen / flex (skipped with a note where the field is absent)
+  auto_budget    today + micro_batch_tokens=auto
+  combined       every switch at its default (mixed_precision, kernels, attention: auto), at --tokens
+  combined_auto  combined with micro_batch_tokens=auto
+  trl            the plain HF step: padded rows, left-padded prompts, logits_to_keep, log-softmax +
+                 gather per row, bf16 autocast, fused AdamW (as TRL's GRPO trainer computes its loss)
+  fp32           scoring only: the log-prob reference
+The chunked head's savings (weight cast hoisted, one exponent pass, weight gradient in the GEMM, no
+entropy in scoring passes) are in every row of ours: they have no switch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+SKIP_RC = 3
+
+SHAPES = {
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+TODAY = {"mixed_precision": "bf16", "kernels": "none", "attention": "sdpa"}
+VARIANTS: dict[str, dict] = {
+    "today": TODAY,
+    "bf16_params": {**TODAY, "mixed_precision": "bf16_params"},
+    "liger": {**TODAY, "kernels": "liger"},
+    "compile": {**TODAY, "kernels": "compile"},
+    "varlen": {**TODAY, "attention": "varlen"},
+    "flex": {**TODAY, "attention": "flex"},
+    "auto_budget": {**TODAY, "micro_batch_tokens": "auto"},
+    "combined": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto"},
+    "combined_auto": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "micro_batch_tokens": "auto"},
+    "trl": {},
+    "fp32": {"mixed_precision": "none", "kernels": "none", "attention": "sdpa"},
+}
+# What `make gpu-check` runs (about 4 minutes on an H100): the targets' rows on both shapes.
+DEFAULT_VARIANTS = {"qwen2.5-0.5b": "fp32,today,combined,trl", "qwen2.5-1.5b": "fp32,combined,trl"}
+# The issue's targets (one H100, same batch and token budget, same run).
+MFU_TARGET = {"qwen2.5-0.5b": 0.40, "qwen2.5-1.5b": 0.45}
+SPEEDUP_TARGET = 2.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the batch and the model ---------------------------------------------------------------------------
+
+
+def make_groups(vocab: int, prompts: int, group_size: int, max_completion: int, seed: int = 0) -> list:
+    import numpy as np
+
+    from async_rl.protocol import TrajectoryGroup
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for pid in range(prompts):
+        prompt = rng.integers(10, vocab, size=int(rng.integers(90, 201))).astype(np.int32)
+        lengths = np.clip(rng.lognormal(np.log(220), 0.6, size=group_size), 16, max_completion).astype(int)
+        comps = [rng.integers(10, vocab, size=int(n)).astype(np.int32) for n in lengths]
+        out.append(TrajectoryGroup(
+            prompt_id=pid, engine_id=0, prompt_tokens=prompt, completions=comps,
+            logprobs=[(-2.0 + 0.1 * rng.standard_normal(len(c))).astype(np.float32) for c in comps],
+            rewards=[float(r) for r in rng.permutation([i % 2 for i in range(group_size)])],
+            version_first=[0] * group_size, version_last=[0] * group_size, reward_status=[0] * group_size,
+        ))
+    return out
+
+
+def batch_counts(groups: list) -> dict:
+    completion = sum(len(c) for g in groups for c in g.completions)
+    tokens = sum(len(g.prompt_tokens) * len(g.completions) for g in groups) + completion
+    return {"samples": sum(len(g.completions) for g in groups), "tokens": tokens, "completion_tokens": completion}
+
+
+def score_groups(groups: list, samples: int) -> list:
+    """The first groups holding `samples` samples: what every child scores for the log-prob comparison."""
+    out, n = [], 0
+    for g in groups:
+        if n >= samples:
+            break
+        out.append(g)
+        n += len(g.completions)
+    return out
+
+
+def make_model(dest: Path, shape: str) -> int:
+    """A random-init model of `shape` saved in bf16 at `dest` (once); returns its parameter count."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from async_rl.models.tiny import build_tokenizer
+
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    if not (dest / "config.json").exists():
+        model.save_pretrained(dest, safe_serialization=True)
+        build_tokenizer().save_pretrained(dest)
+    del model
+    return params
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of an 8192^3 matmul on this GPU (the MFU denominator)."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+# ---- a child: one (shape, variant) -----------------------------------------------------------------------
+
+
+def learner_overrides(variant: str, tokens: int) -> tuple[dict, list[str]]:
+    """The variant's LearnerConfig fields that this tree has, and notes on those it lacks."""
+    from async_rl.config import LearnerConfig
+
+    fields = {"micro_batch_tokens": tokens, **VARIANTS[variant]}
+    known = set(LearnerConfig.__struct_fields__)
+    notes = [f"learner.{k} is not in this tree's LearnerConfig: left out" for k in fields if k not in known]
+    return {k: v for k, v in fields.items() if k in known}, notes
+
+
+def learner_child(a: argparse.Namespace, device: str) -> dict:
+    import msgspec
+    import numpy as np
+    import torch
+
+    from async_rl.config import (
+        AlgorithmConfig,
+        GeneratorConfig,
+        LearnerConfig,
+        ModelConfig,
+        TrainConfig,
+        WeightSyncConfig,
+    )
+    from async_rl.learner.base import LearnerSpec
+    from async_rl.learner.driver import LearnerDriver
+
+    groups = make_groups(SHAPES[a.shape]["vocab_size"], a.prompts, a.group_size, a.max_completion)
+    fields, notes = learner_overrides(a.variant, a.tokens)
+    if a.variant in ("varlen", "flex") and "attention" not in fields:
+        return {"skipped": notes[0]}
+    spec = LearnerSpec(
+        model=ModelConfig(path=a.model_dir, dtype="float32"),
+        learner=LearnerConfig(device=device, lr=1e-6, **fields),
+        algorithm=AlgorithmConfig(), generators=GeneratorConfig(max_tokens=a.max_completion),
+        train=TrainConfig(total_steps=10),
+        weight_sync=WeightSyncConfig(backend="gloo", bucket_mb=1, host="127.0.0.1", timeout_s=10.0),
+        run_id="bench_learner_gpu", model_dir=a.model_dir, reference_model_dir=a.model_dir,
+        buffer_address="tcp://127.0.0.1:1", batch_timeout_s=1.0,
+    )
+    rank = LearnerDriver(spec, 0, 1, f"127.0.0.1:{free_port()}", [])
+    rank.setup()
+    backend = rank.backend
+    ran = {"kernels": getattr(backend, "kernels", "none"), "micro_batch_tokens": rank.micro_batch_tokens,
+           "working_copy": getattr(backend, "working", None) is not None,
+           "learner": msgspec.to_builtins(spec.learner)}
+    logp = np.concatenate(rank.compute_logprobs(score_groups(groups, a.score_samples), 1.0))
+    np.save(a.score_file, logp)
+    if a.variant == "fp32":
+        return {**ran, "notes": notes}
+    rank.train_on_shard(0, groups[:2])  # warm-up: allocator, compile, optimizer state
+    steps = []
+    for k in range(a.steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        m = rank.train_on_shard(k + 1, groups)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t)
+        if m.loss != m.loss:
+            raise RuntimeError("NaN loss")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    rank.shutdown()
+    return {**ran, "notes": notes, "steps_s": steps, "peak_gib": peak, "micro_batches": m.micro_batches}
+
+
+def trl_rows(groups: list) -> list[tuple]:
+    import numpy as np
+
+    rows = []
+    for g in groups:
+        r = np.asarray(g.rewards, np.float32)
+        adv = (r - r.mean()) / (r.std() + 1e-4)
+        for c, lp, a in zip(g.completions, g.logprobs, adv, strict=True):
+            rows.append((g.prompt_tokens, c, lp, float(a)))
+    return rows
+
+
+def trl_micro_batches(rows: list[tuple], tokens: int) -> list[list[tuple]]:
+    """Rows sorted by length, cut so that rows x the widest row stay within `tokens` (padded)."""
+    rows = sorted(rows, key=lambda r: len(r[0]) + len(r[1]))
+    out, cur = [], []
+    for r in rows:
+        width = max(len(x[0]) + len(x[1]) for x in [*cur, r])
+        if cur and width * (len(cur) + 1) > tokens:
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    return [*out, cur] if cur else out
+
+
+def trl_logp(model, mb: list[tuple], device: str):
+    """TRL's per-token log-probs of a padded micro-batch (left-padded prompts, right-padded completions,
+    logits_to_keep, log-softmax + gather per row in fp32) and its tensors."""
+    import torch
+
+    p_w, c_w = max(len(r[0]) for r in mb), max(len(r[1]) for r in mb)
+    ids = torch.zeros(len(mb), p_w + c_w, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    comp = torch.zeros(len(mb), c_w, dtype=torch.long)
+    cmask, old, adv = torch.zeros(len(mb), c_w), torch.zeros(len(mb), c_w), torch.zeros(len(mb), 1)
+    for i, (p, c, lp, a) in enumerate(mb):
+        ids[i, p_w - len(p) : p_w] = torch.as_tensor(p)
+        ids[i, p_w : p_w + len(c)] = torch.as_tensor(c)
+        att[i, p_w - len(p) : p_w + len(c)] = 1
+        comp[i, : len(c)] = torch.as_tensor(c)
+        cmask[i, : len(c)] = 1
+        old[i, : len(c)] = torch.as_tensor(lp)
+        adv[i] = a
+    ids, att, comp, cmask, old, adv = (t.to(device) for t in (ids, att, comp, cmask, old, adv))
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        logits = model(input_ids=ids, attention_mask=att, logits_to_keep=c_w + 1).logits[:, :-1]
+    logp = torch.stack([torch.gather(torch.log_softmax(row.float(), -1), -1, t[:, None])[:, 0]
+                        for row, t in zip(logits, comp, strict=True)])
+    return logp, cmask, old, adv
+
+
+def trl_step(model, opt, groups: list, tokens: int, device: str) -> float:
+    import torch
+
+    rows = trl_rows(groups)
+    n_tok = sum(len(r[1]) for r in rows)
+    loss = torch.zeros(())
+    for mb in trl_micro_batches(rows, tokens):
+        logp, cmask, old, adv = trl_logp(model, mb, device)
+        ratio = torch.exp(logp - old)
+        per_token = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+        loss = (per_token * cmask).sum() / n_tok
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def trl_child(a: argparse.Namespace, device: str) -> dict:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    groups = make_groups(SHAPES[a.shape]["vocab_size"], a.prompts, a.group_size, a.max_completion)
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
+    with torch.no_grad():  # the scored samples, in the batch's order (one micro-batch per sample)
+        logp = [trl_logp(model, [r], device)[0][0, : len(r[1])].float().cpu().numpy()
+                for r in trl_rows(score_groups(groups, a.score_samples))]
+    np.save(a.score_file, np.concatenate(logp))
+    trl_step(model, opt, groups[:2], a.tokens, device)
+    steps = []
+    for _ in range(a.steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        trl_step(model, opt, groups, a.tokens, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    return {"steps_s": steps, "peak_gib": peak, "notes": []}
+
+
+def run_child(a: argparse.Namespace) -> None:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = trl_child(a, device) if a.variant == "trl" else learner_child(a, device)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ---- the parent ------------------------------------------------------------------------------------------
+
+
+def child_command(a: argparse.Namespace, shape: str, variant: str, model_dir: Path, score: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve().parent / "bench_learner.py"), "--device", "cuda", "--child",
+            "--shape", shape, "--variant", variant, "--model-dir", str(model_dir), "--score-file", str(score),
+            "--prompts", str(a.prompts), "--group-size", str(a.group_size), "--max-completion", str(a.max_completion),
+            "--tokens", str(a.tokens), "--steps", str(a.steps), "--score-samples", str(a.score_samples),
+            *(["--force-cpu"] if a.force_cpu else [])]
+
+
+def run_one(cmd: list[str], timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
+        return {"error": f"timeout after {timeout:.0f} s", "stderr_tail": tail[-1500:], "wall_s": timeout}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}", "stderr_tail": (proc.stderr or proc.stdout)[-1500:],
+                "wall_s": time.perf_counter() - t}
+    return {**json.loads(lines[-1][7:]), "wall_s": time.perf_counter() - t}
+
+
+def summarize(row: dict, params: int, counts: dict, rate: float) -> dict:
+    if "steps_s" not in row:
+        return row
+    best = min(row["steps_s"])
+    return {**row, "step_s": best, "completion_tokens_s": counts["completion_tokens"] / best,
+            "tokens_s": counts["tokens"] / best, "mfu": 6 * params * counts["tokens"] / best / rate}
+
+
+def logp_difference(scores: dict[str, Path]) -> dict[str, dict]:
+    import numpy as np
+
+    ref_path = scores.get("fp32")
+    if ref_path is None or not ref_path.exists():
+        return {}
+    ref = np.load(ref_path)
+    out = {}
+    for v, path in scores.items():
+        if v == "fp32" or not path.exists():
+            continue
+        got = np.load(path)
+        if got.shape != ref.shape:
+            out[v] = {"error": f"{got.size} log-probs against the reference's {ref.size}"}
+            continue
+        d = np.abs(got.astype(np.float64) - ref)
+        out[v] = {"mean_abs": float(d.mean()), "max_abs": float(d.max())}
+    return out
+
+
+def targets(shape: str, rows: dict[str, dict], diff: dict[str, dict]) -> list[str]:
+    """The issue's targets, checked on this shape's rows (those that ran)."""
+    out = []
+    ours, trl, today = rows.get("combined", {}), rows.get("trl", {}), rows.get("today", {})
+    if "step_s" in ours and "step_s" in trl:
+        x = trl["step_s"] / ours["step_s"]
+        out.append(f"ours (combined) {x:.2f}x the plain HF step: {'met' if x >= SPEEDUP_TARGET else 'NOT met'} "
+                   f"(target >= {SPEEDUP_TARGET}x)")
+    if "mfu" in ours and shape in MFU_TARGET:
+        out.append(f"MFU {ours['mfu']:.1%}: {'met' if ours['mfu'] >= MFU_TARGET[shape] else 'NOT met'} "
+                   f"(target >= {MFU_TARGET[shape]:.0%})")
+    if "peak_gib" in ours and "peak_gib" in today:
+        ok = ours["peak_gib"] <= today["peak_gib"]
+        out.append(f"peak {ours['peak_gib']:.1f} GiB vs today's {today['peak_gib']:.1f} GiB at the same budget: "
+                   f"{'met' if ok else 'NOT met'}")
+    if "combined" in diff and "today" in diff and "mean_abs" in diff["combined"] and "mean_abs" in diff["today"]:
+        ok = diff["combined"]["max_abs"] <= 1.5 * diff["today"]["max_abs"]
+        out.append(f"log-probs vs fp32: max {diff['combined']['max_abs']:.3f} vs today's {diff['today']['max_abs']:.3f} "
+                   f"(tolerance: today's x1.5): {'met' if ok else 'NOT met'}")
+    return out
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    lines = [f"# Learner on {result['device']} ({result['date_utc']})", "",
+             f"`{result['command']}`; torch {result['torch']}; bf16 matmul {result['bf16_matmul_flops'] / 1e12:.0f} "
+             f"TFLOP/s (8192^3, this run); batch {result['batch']}; token budget {result['tokens']}.", ""]
+    for shape, s in result["shapes"].items():
+        lines += [f"## {shape}: {s['params'] / 1e6:.0f}M parameters, {s['counts']['samples']} samples, "
+                  f"{s['counts']['tokens']:,} tokens ({s['counts']['completion_tokens']:,} completion)", "",
+                  "| variant | step | completion tokens/s | MFU | peak GPU memory | log-prob vs fp32 (mean / max) | ran as |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for v, row in s["rows"].items():
+            d = s["logp_diff"].get(v, {})
+            dtext = f"{d['mean_abs']:.4f} / {d['max_abs']:.3f}" if "mean_abs" in d else d.get("error", "")
+            if "step_s" in row:
+                ran = (f"kernels {row.get('kernels', '-')}, budget {row.get('micro_batch_tokens', result['tokens'])}, "
+                       f"working copy {row.get('working_copy', '-')}") if v != "trl" else "HF + autocast"
+                lines.append(f"| {v} | {row['step_s']:.2f} s | {row['completion_tokens_s']:,.0f} | {row['mfu']:.1%} | "
+                             f"{row['peak_gib']:.1f} GiB | {dtext} | {ran} |")
+            else:
+                why = row.get("error") or row.get("skipped") or ("reference" if v == "fp32" else "")
+                lines.append(f"| {v} | - | - | - | - | {dtext} | {why} |")
+        lines += ["", *[f"- {t}" for t in s["targets"]], *[f"- {n}" for n in s["notes"]], ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="learner step on CUDA (bench_learner.py --device cuda)")
+    ap.add_argument("--device", choices=["cuda"], required=True)
+    ap.add_argument("--out", default=f"gpu/{datetime.date.today().isoformat()}-learner",
+                    help="results path under benchmarks/results, without the suffix")
+    ap.add_argument("--dry-run", action="store_true", help="a tiny model and batch: seconds")
+    ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    ap.add_argument("--variants", default="", help=f"per shape ('' = {DEFAULT_VARIANTS}); known: {list(VARIANTS)}")
+    ap.add_argument("--batch", default="64x8", help="PROMPTSxSAMPLES (the 1-GPU recipe: 64x8)")
+    ap.add_argument("--max-completion", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=16384, help="micro_batch_tokens of every row but the *auto ones")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per child (the best counts)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds")
+    ap.add_argument("--score-samples", type=int, default=32)
+    ap.add_argument("--variant-timeout", type=float, default=75.0, help="seconds per child")
+    ap.add_argument("--budget-s", type=float, default=230.0,
+                    help="start no child expected to end past this many seconds (the longest child so far)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--force-cpu", action="store_true", help=argparse.SUPPRESS)  # the harness's own CPU check
+    for name in ("--shape", "--variant", "--model-dir", "--score-file"):
+        ap.add_argument(name, help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if not a.child:
+        try:
+            a.prompts, a.group_size = (int(x) for x in a.batch.lower().split("x"))
+        except ValueError:
+            ap.error(f"--batch '{a.batch}': expected PROMPTSxSAMPLES, e.g. 64x8")
+    return a
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    if a.child:
+        run_child(a)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available() and not a.force_cpu:
+        print("SKIP: no CUDA device (torch.cuda.is_available() is False)", flush=True)
+        return SKIP_RC
+    t_start = time.perf_counter()
+    if a.dry_run:
+        a.shapes, a.prompts, a.group_size, a.max_completion = "tiny", 4, 4, 64
+        a.tokens, a.score_samples, a.variant_timeout = 2048, 8, 120.0
+    cuda = torch.cuda.is_available()
+    rate = matmul_rate() if cuda else float("nan")
+    torch.cuda.empty_cache() if cuda else None
+    tmp = Path(tempfile.mkdtemp(prefix="bench_learner_gpu_"))
+    result = {"date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "command": "python benchmarks/bench_learner.py " + " ".join(argv),
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu (harness check)", "torch": torch.__version__,
+              "bf16_matmul_flops": rate, "batch": f"{a.prompts}x{a.group_size}", "tokens": a.tokens, "shapes": {}}
+    for shape in a.shapes.split(","):
+        if shape not in SHAPES:
+            print(f"--shapes: unknown '{shape}'; known: {list(SHAPES)}", file=sys.stderr)
+            return 2
+        variants = (a.variants or DEFAULT_VARIANTS.get(shape, "fp32,today,combined,trl")).split(",")
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            print(f"--variants: unknown {unknown}; known: {list(VARIANTS)}", file=sys.stderr)
+            return 2
+        t = time.perf_counter()
+        model_dir = tmp / shape
+        params = make_model(model_dir, shape)
+        torch.cuda.empty_cache() if cuda else None
+        groups = make_groups(SHAPES[shape]["vocab_size"], a.prompts, a.group_size, a.max_completion)
+        counts = batch_counts(groups)
+        print(f"{shape}: {params / 1e6:.0f}M parameters (made in {time.perf_counter() - t:.0f} s), {counts}", flush=True)
+        runs: dict[str, list[dict]] = {}
+        scores: dict[str, Path] = {}
+        notes: list[str] = []
+        for rnd in range(a.repeats):
+            for v in variants:
+                if v == "fp32" and rnd > 0:
+                    continue
+                # A child's expected time: the longest so far on this shape (its timeout before any ran).
+                expect = max((r.get("wall_s", 0.0) for rs in runs.values() for r in rs), default=a.variant_timeout)
+                if time.perf_counter() - t_start + expect > a.budget_s and not a.dry_run:
+                    runs.setdefault(v, []).append({"skipped": f"time budget ({a.budget_s:.0f} s) spent"})
+                    continue
+                score = tmp / f"{shape}-{v}-{rnd}.npy"
+                row = run_one(child_command(a, shape, v, model_dir, score), a.variant_timeout)
+                if rnd == 0 and score.exists():
+                    scores[v] = score
+                runs.setdefault(v, []).append(row)
+                notes += [n for n in row.get("notes", []) if n not in notes]
+                brief = (f"step {min(row['steps_s']):.2f} s, peak {row['peak_gib']:.1f} GiB" if "steps_s" in row
+                         else row.get("error") or row.get("skipped") or "scored")
+                print(f"  round {rnd} {v}: {brief} [{row.get('wall_s', 0):.0f} s]", flush=True)
+                if "error" in row:
+                    print(row.get("stderr_tail", ""), file=sys.stderr, flush=True)
+        rows = {}
+        for v, rs in runs.items():
+            timed = [r for r in rs if "steps_s" in r]
+            if timed:
+                merged = {**timed[0], "steps_s": [s for r in timed for s in r["steps_s"]],
+                          "peak_gib": max(r["peak_gib"] for r in timed)}
+                rows[v] = summarize(merged, params, counts, rate)
+            else:
+                rows[v] = rs[0]
+        diff = logp_difference(scores)
+        result["shapes"][shape] = {"params": params, "counts": counts, "rows": rows, "logp_diff": diff,
+                                   "targets": targets(shape, rows, diff), "notes": notes}
+    out = RESULTS / a.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_markdown(result, out.with_suffix(".md"))
+    print(out.with_suffix(".md").read_text())
+    print(f"wrote {out.with_suffix('.json')} and .md in {time.perf_counter() - t_start:.0f} s", flush=True)
+    return 0
