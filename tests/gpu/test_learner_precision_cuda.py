@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.cluster.resources import free_port
+from async_rl.cluster.net import free_port
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.head import head_scores
 from async_rl.models.tiny import resolve_model_path
