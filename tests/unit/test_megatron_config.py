@@ -72,12 +72,12 @@ def test_megatron_rendezvous_is_on_the_node_ip(monkeypatch):
     """Other ranks may run on other nodes: the master address is this node's IP, not loopback."""
     from pathlib import Path
 
-    import ray
-
+    from async_rl.learner import driver
     from async_rl.learner.driver import LearnerDriver
 
     cfg = load_config(None, CPU)
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.2")  # bindable, not 127.0.0.1
+    # cluster.net.node_ip: Ray's node address inside an actor, the default route's source elsewhere
+    monkeypatch.setattr(driver, "node_ip", lambda: "127.0.0.2")  # bindable, not 127.0.0.1
     rank = LearnerDriver(settings.learner_spec(cfg, "r", Path("/m"), Path("/m"), "tcp://127.0.0.1:2", None), 0, 2, "", [])
     host, port = rank.rendezvous_address().rsplit(":", 1)
     assert host == "127.0.0.2" and int(port) > 0
