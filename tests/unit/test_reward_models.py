@@ -20,6 +20,7 @@ from async_rl.config import (
     JUDGE_REQUIRED,
     ClassifierConfig,
     TaskConfig,
+    check_judge_template,
     load_config,
 )
 from async_rl.errors import ConfigError
@@ -33,7 +34,7 @@ from async_rl.reward_models.classifier import (
     ClassifierSettings,
     ClassifyInput,
 )
-from async_rl.reward_models.verdicts import check_judge_template, parse_verdict, render_judge_prompt
+from async_rl.reward_models.verdicts import parse_verdict, render_judge_prompt
 from tests.unit._classifier import build_tiny_classifier
 from tests.unit.test_agents import SMOLLM2, ScriptedModel
 
