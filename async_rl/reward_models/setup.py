@@ -7,11 +7,11 @@ import secrets
 from async_rl.cluster.devices import device_of, use_eager, use_prefix_caching
 from async_rl.cluster.placement import replica_bundle
 from async_rl.config import CLASSIFIER_PREFIX, JUDGE_PREFIX, Config
-from async_rl.generator import vllm_compat as vc
 from async_rl.models.tiny import resolve_model_path
 from async_rl.reward_models.classifier import ClassifierServer, ClassifierSettings
 from async_rl.reward_models.judge_engine import JudgeEngine, JudgeSettings
 from async_rl.reward_models.pool import RewardModelPool
+from async_rl.serving import vllm_compat as vc
 
 
 def _dtype(value: str, device: str) -> str:
