@@ -146,3 +146,15 @@ def test_vllm_and_the_learner_agree_on_the_model_tokens(run):
 def test_a_weight_update_lands_inside_an_agent_episode(run):
     records = run[0]
     assert sum(r["samples_across_updates"] for r in records) > 0, [r["samples_across_updates"] for r in records]
+
+
+def test_the_agents_counters_reach_metrics_jsonl(run):
+    """What the agent rollout counts reaches the step record (each step: so far, engines alive): its
+    calls, prefix breaks and segments, and no failed agent."""
+    records, _, _, stats, _ = run
+    last = records[-1]
+    agents = [s.agents for s in stats if s.agents is not None]
+    assert 0 < last["agent_calls"] <= sum(a.calls for a in agents)
+    assert 0 < last["agent_prefix_breaks"] <= sum(a.prefix_breaks for a in agents)
+    assert last["agent_segments"] >= last["rollout_episodes"] > 0
+    assert last["agent_errors"] + last["agent_timeouts"] + last["agent_crashes"] == 0
