@@ -7,6 +7,7 @@ them, and `--dry-run` prints the resolved values. Errors are one line that names
 from __future__ import annotations
 
 import re
+import string
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -45,6 +46,15 @@ DEVICE_AUTO = "auto: cuda when the Ray cluster offers GPUs (a local Ray: this ma
 JUDGE_PREFIX = "judge:"
 CLASSIFIER_PREFIX = "classifier:"
 # What a judge template may name: the prompt as the policy saw it, the completion, the reference answer.
+# Every model name model.path and judge:<model> accept besides a folder (async_rl/models builds them;
+# tests/unit/test_config.py checks that it builds exactly these). Named here so that validating a
+# config imports no model code.
+MODEL_PRESETS = ("tiny-qwen2", "tiny-qwen2-wide", "smollm2-135m")
+
+# verifiers 0.4 resolves an environment id as one top-level module: 'name', 'owner/name' or
+# `owner/name@version` (a hub id: verifiers keeps `name`). A dot would fail in its loader.
+VERIFIERS_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9_.-]+/)?[A-Za-z_][A-Za-z0-9_-]*(?:@[A-Za-z0-9_.+-]+)?$")
+
 JUDGE_PLACEHOLDERS = ("question", "completion", "answer")
 JUDGE_REQUIRED = ("question", "completion")
 DEFAULT_JUDGE_TEMPLATE = (
@@ -942,8 +952,6 @@ def validate(cfg: Config) -> None:
 def validate_reward_model(task: TaskConfig) -> None:
     """task.reward=judge:<model> / classifier:<folder>: the model exists and is the right kind, the judge's
     template names what it must, and a reward-model call times out before its reward worker is killed."""
-    from async_rl.reward_models.verdicts import check_judge_template
-
     if task.reward.startswith(JUDGE_PREFIX):
         model = task.reward.removeprefix(JUDGE_PREFIX)
         if not model:
@@ -978,14 +986,42 @@ def reward_model_serving(task: TaskConfig) -> RewardModelServing | None:
     return None
 
 
-def _check_judge_model(model: str) -> None:
-    from async_rl.models.tiny import ALL_PRESETS
+def template_fields(template: str) -> list[str]:
+    """The placeholder names of a format string, in order (ValueError if it is not one)."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
 
-    if model in ALL_PRESETS:
+
+def check_judge_template(template: str, allowed: tuple[str, ...], required: tuple[str, ...]) -> str:
+    """'' when `template` is a usable judge template, else why not (one line, for the config error)."""
+    try:
+        fields = template_fields(template)
+    except ValueError as exc:
+        return f"is not a format string ({exc}; write literal braces as {{{{ and }}}})"
+    unknown = sorted({f for f in fields if f not in allowed})
+    if unknown:
+        return f"names {', '.join('{' + f + '}' for f in unknown)}: only {', '.join('{' + a + '}' for a in allowed)} exist"
+    missing = [f for f in required if f not in fields]
+    if missing:
+        return f"lacks {', '.join('{' + f + '}' for f in missing)}: the judge must see the question and the completion"
+    return ""
+
+
+def verifiers_id_error(env_id: str) -> str | None:
+    """Why `env_id` cannot name a verifiers 0.4 taskset (None: it can)."""
+    if not env_id:
+        return "names no environment: give verifiers:<id>"
+    if not VERIFIERS_ID_PATTERN.match(env_id):
+        return ("is not an ID verifiers 0.4 resolves: a package name such as 'vf-arith' or 'owner/name' "
+                "(verifiers/v1/utils/loaders.py _import_plugin imports it as one top-level module; no dots)")
+    return None
+
+
+def _check_judge_model(model: str) -> None:
+    if model in MODEL_PRESETS:
         return
     folder = Path(model).expanduser()
     if not folder.is_dir():
-        raise ConfigError(f"task.reward 'judge:{model}': '{model}' is not a folder nor a preset {ALL_PRESETS}")
+        raise ConfigError(f"task.reward 'judge:{model}': '{model}' is not a folder nor a preset {MODEL_PRESETS}")
     if not (folder / "config.json").is_file():
         raise ConfigError(f"task.reward 'judge:{model}': '{model}' has no config.json: not a Hugging Face model folder")
 
@@ -1044,9 +1080,7 @@ def validate_env(cfg: Config) -> None:
             "'agent:pkg.module:fn' nor 'pkg.module:factory'"
         )
     if e.name.startswith("verifiers:"):
-        from async_rl.envs.verifiers_env import id_error
-
-        if why := id_error(e.name.removeprefix("verifiers:")):
+        if why := verifiers_id_error(e.name.removeprefix("verifiers:")):
             raise ConfigError(f"env.name '{e.name}' {why}")
     if e.name.startswith("agent:") and (e.name.count(":") != 2 or not all(e.name.split(":")[1:])):
         raise ConfigError(f"env.name '{e.name}' is not 'agent:pkg.module:fn'")

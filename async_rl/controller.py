@@ -125,8 +125,11 @@ class Controller:
             elapsed = time.perf_counter() - t0
             record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
             record.num_engines = len(rt.generators.engines)
-            if rt.reward_models is not None:
-                add_reward_model_counts(record, rt.generators.stats(), rt.reward_models.restarts)
+            if rt.reward_models is not None or self.cfg.env.name:
+                engines = rt.generators.stats()
+                add_rollout_counts(record, engines)
+                if rt.reward_models is not None:
+                    add_reward_model_counts(record, engines, rt.reward_models.restarts)
             metrics.log(record)
             sup.check_failures(buffer)  # a run whose rewards all fail stops here
             rewards.append(record.reward_mean)
@@ -282,6 +285,24 @@ def engine_checksums(parts: dict[int, list[ShardChecksum]]) -> dict[int, ParamCh
         except ValueError as exc:
             raise RunError(f"engine {engine_id}: {exc}") from None
     return out
+
+
+def add_rollout_counts(record: StepRecord, engines: list[EngineStats]) -> None:
+    """What the engines' rollouts counted so far (each kind through the rollout interface), summed
+    over the engines that answer."""
+    for e in engines:
+        if e.rollout is None:
+            continue
+        record.rollout_episodes += e.rollout.episodes
+        a = e.rollout.agents
+        if a is not None:
+            record.agent_calls += a.calls
+            record.agent_prefix_breaks += a.prefix_breaks
+            record.agent_segments += a.segments
+            record.agent_errors += a.errors
+            record.agent_timeouts += a.timeouts
+            record.agent_crashes += a.crashes
+            record.agent_refused += a.refused
 
 
 def add_reward_model_counts(record: StepRecord, engines: list[EngineStats], restarts: int) -> None:

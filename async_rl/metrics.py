@@ -108,6 +108,17 @@ class StepRecord(msgspec.Struct, kw_only=True):
     reward_model_failures: int = 0  # error answers or no connection (reward errors)
     reward_model_timeouts: int = 0  # past the model's timeout_s (reward errors)
     reward_model_restarts: int = 0
+    # env: what the engines' rollouts counted so far (engines alive): episodes run (environment or
+    # agent, training and evaluation); agents: their model calls, prefix breaks (a call whose prompt
+    # did not extend its episode's tokens), trained segments, and failed agents by kind
+    rollout_episodes: int = 0
+    agent_calls: int = 0
+    agent_prefix_breaks: int = 0
+    agent_segments: int = 0
+    agent_errors: int = 0
+    agent_timeouts: int = 0
+    agent_crashes: int = 0
+    agent_refused: int = 0  # endpoint requests without the engine's key
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:
@@ -125,6 +136,12 @@ def console_line(r: StepRecord, total_steps: int) -> str:
             f" | turns {r.turns_mean:.1f} max {r.turns_max} tools {r.tool_calls_per_episode:.2f} "
             f"err {r.tool_errors_per_episode:.2f} ok {r.tool_success:.0%} env {r.env_token_share:.0%}"
             if r.turns_max
+            else ""
+        )
+        + (
+            f" | agent calls {r.agent_calls} prefix breaks {r.agent_prefix_breaks} failed "
+            f"{r.agent_errors}/{r.agent_timeouts}/{r.agent_crashes} (error/timeout/crash)"
+            if r.agent_calls or r.agent_errors or r.agent_timeouts or r.agent_crashes
             else ""
         )
     )

@@ -12,11 +12,11 @@ from async_rl.cluster.devices import device_of, serving_dtype, use_eager, use_pr
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config, DataConfig
 from async_rl.envs.factory import AGENT_PREFIX
-from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
+from async_rl.serving import vllm_compat as vc
 
 BATCH_TIMEOUT_S = 600.0
 

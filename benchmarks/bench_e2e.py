@@ -207,11 +207,12 @@ def probe_generation(w: dict, cores: list[int], reps: int) -> tuple[list[float],
     import asyncio
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from async_rl.generator import vllm_compat as vc
     from async_rl.models.tiny import resolve_model_path
+    from async_rl.serving import cpu_threads
+    from async_rl.serving import vllm_compat as vc
     from async_rl.tasks.registry import load_task
 
-    vc.bind_engine_to(cores, 1)  # as the system's engines are bound
+    cpu_threads.bind_engine_to(cores, 1)  # as the system's engines are bound
     model_dir = resolve_model_path(w["model"], "~/.cache/async_rl/models")
     spec = vc.EngineSpec(str(model_dir), "float32", 1, w["max_tokens"] + w["prompt_tokens"] + 8, 0.5, 0,
                          w["prompts_per_step"] * w["group_size"])

@@ -83,10 +83,11 @@ def part_vllm(a: dict) -> dict:
     import asyncio
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from async_rl.generator import vllm_compat as vc
+    from async_rl.serving import cpu_threads
+    from async_rl.serving import vllm_compat as vc
 
     cores = sorted(os.sched_getaffinity(0))
-    vc.bind_engine_to(cores, 1)
+    cpu_threads.bind_engine_to(cores, 1)
     n, g = a["prompts"], a["group"]
     prompts = real_task.rendered_prompts(2 * n)
     spec = vc.EngineSpec(str(model_dir()), "float32", 1, a["max_tokens"] + real_task.MAX_PROMPT_TOKENS, 0.5, 0, n * g)

@@ -25,7 +25,9 @@ from async_rl.agents.episode_log import CallRecord, Choice, EpisodeLog, Reply
 from async_rl.agents.openai_types import ChatRequest, CompletionRequest
 from async_rl.agents.rendering import ChatRenderer, parse_reply
 from async_rl.agents.streaming import StreamFlags, chat_completion_chunks, sse_body
-from async_rl.generator.sampling import SamplingSpec
+from async_rl.serving import vllm_compat as vc
+from async_rl.serving.model import ServedModel
+from async_rl.serving.sampling import SamplingSpec
 
 EPISODE_HEADER = "X-Episode-Id"
 
@@ -52,6 +54,30 @@ class ModelBackend(abc.ABC):
     ) -> list[Choice]:
         """Sample `call.n` completions of `prompt_ids` with `base` as changed by `call` (log-probs and
         policy versions recorded)."""
+
+
+class ServedModelBackend(ModelBackend):
+    """The endpoint's backend over a served model (the generator engine's, or a judge replica's).
+    A call starts only while the model runs (not in the middle of a weight update) and records the
+    versions it started and ended on."""
+
+    def __init__(self, model: ServedModel, model_name: str, max_model_len: int) -> None:
+        self.model = model
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+
+    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str) -> list[Choice]:
+        spec = msgspec.structs.replace(
+            base,
+            n=call.n,
+            max_tokens=call.max_tokens,
+            temperature=base.temperature if call.temperature is None else call.temperature,
+            top_p=base.top_p if call.top_p is None else call.top_p,
+            stop=list(base.stop) + [s for s in call.stop if s not in base.stop],
+        )
+        out = await self.model.generate(prompt_ids, vc.params_for(spec), request_id)
+        return [Choice(token_ids=c.token_ids, logprobs=c.logprobs, text=c.text, finish_reason=c.finish_reason,
+                       version_first=out.version_first, version_last=out.version_last) for c in out.completions]
 
 
 class RequestError(Exception):

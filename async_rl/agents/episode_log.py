@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from async_rl.agents.openai_types import Message, ToolCallOut, ToolSpec
-from async_rl.generator.sampling import SamplingSpec
+from async_rl.serving.sampling import SamplingSpec
 
 
 class Choice(msgspec.Struct, kw_only=True):

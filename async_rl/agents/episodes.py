@@ -21,13 +21,11 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import numpy as np
 
-from async_rl.agents.endpoint import AgentEndpoint, CallSampling, ModelBackend
-from async_rl.agents.episode_log import Choice, Segment, build_segments
+from async_rl.agents.endpoint import AgentEndpoint
+from async_rl.agents.episode_log import Segment, build_segments
 from async_rl.agents.runner import AgentJob, AgentOutcome, job_prompt, run_agent
 from async_rl.config import EnvConfig
 from async_rl.envs.factory import AGENT_PREFIX, VERIFIERS_PREFIX
-from async_rl.generator import vllm_compat as vc
-from async_rl.generator.sampling import SamplingSpec
 from async_rl.protocol import (
     FINISH_REASONS,
     REWARD_CRASH,
@@ -41,6 +39,7 @@ from async_rl.protocol import (
     Sample,
     TrajectoryGroup,
 )
+from async_rl.serving.sampling import SamplingSpec
 
 # env.name 'verifiers:ID' runs this agent (under env.python, a venv with verifiers 0.4) with env_id=ID.
 VERIFIERS_BRIDGE = "async_rl.agents.verifiers_bridge:run_episode"
@@ -62,36 +61,6 @@ class AgentCounters(msgspec.Struct):
     crashes: int = 0  # agent processes that died without a result
     refused: int = 0  # endpoint requests without the key
     last_error: str = ""
-
-
-class EngineModel(ModelBackend):
-    """The endpoint's backend: the engine's vLLM. A call starts only while the engine runs (not in
-    the middle of a weight update) and records the versions it started and ended on."""
-
-    def __init__(
-        self, llm, running: asyncio.Event, version: Callable[[], int], model_name: str, max_model_len: int
-    ) -> None:
-        self._llm = llm
-        self._running = running
-        self._version = version
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-
-    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str) -> list[Choice]:
-        await self._running.wait()
-        first = self._version()
-        spec = msgspec.structs.replace(
-            base,
-            n=call.n,
-            max_tokens=call.max_tokens,
-            temperature=base.temperature if call.temperature is None else call.temperature,
-            top_p=base.top_p if call.top_p is None else call.top_p,
-            stop=list(base.stop) + [s for s in call.stop if s not in base.stop],
-        )
-        _, completions = await vc.generate(self._llm, vc.generation_input(prompt_ids, ""), vc.params_for(spec), request_id)
-        last = self._version()
-        return [Choice(token_ids=c.token_ids, logprobs=c.logprobs, text=c.text, finish_reason=c.finish_reason,
-                       version_first=first, version_last=last) for c in completions]
 
 
 def common_prefix(seqs: list[list[int]]) -> list[int]:

@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from async_rl.agents.openai_types import FunctionCall, Message, ToolCallOut, ToolSpec
-from async_rl.envs.episode import ChatDelta
+from async_rl.envs.episode import ChatDelta, first_that_renders
 from async_rl.envs.tool_calls import parse_turn, without_hermes_calls
 from async_rl.protocol import ChatMessage
 
@@ -87,6 +87,13 @@ class ChatRenderer:
         self.native_tools = "tools" in template
         self.delta = ChatDelta(tokenizer, end_of_turn_id)
         self.end_of_turn_id = end_of_turn_id
+
+    @classmethod
+    def for_model(cls, tokenizer, stop_ids: list[int], who: str) -> ChatRenderer:
+        """A renderer whose end-of-turn token is the first of the model's stop tokens that its chat
+        template ends an assistant turn with (as the built-in environments pick it). `who` names the
+        user in the error ('env=agent', 'the judge')."""
+        return first_that_renders(lambda token: cls(tokenizer, token), stop_ids, who)
 
     def _as_template_messages(self, messages: list[Message], tools: list[ToolSpec] | None) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

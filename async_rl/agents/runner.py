@@ -17,6 +17,7 @@ from typing import Literal
 
 import msgspec
 
+from async_rl.envs.interpreter import child_env
 from async_rl.protocol import ChatMessage
 
 AGENT_MAIN = Path(__file__).with_name("agent_main.py")
@@ -46,16 +47,6 @@ class _Result(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     error: str | None = None
     traceback: str = ""
-
-
-def child_env(python: str) -> dict[str, str]:
-    """Our interpreter sees our import path (the user's module may live in this checkout); another
-    interpreter keeps its own packages and gets only the working directory and PYTHONPATH."""
-    env = dict(os.environ)
-    paths = [os.getcwd()] + ([p for p in sys.path if p and os.path.isdir(p)] if python == sys.executable else [])
-    old = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = os.pathsep.join(paths + ([old] if old else []))
-    return env
 
 
 async def run_agent(job: AgentJob, python: str = "") -> AgentOutcome:

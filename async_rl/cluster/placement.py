@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 from async_rl.cluster.devices import ClusterView, device_of, local_view
-from async_rl.config import Config, reward_model_serving
+from async_rl.config import Config, RewardModelServing, reward_model_serving
 from async_rl.errors import ConfigError
 
 # Ray's GPU fraction for each process of a colocated pair (an engine and a learner rank in one
@@ -184,13 +184,18 @@ def _demands(cfg: Config) -> list[_Demand]:
         _Demand("generators", g.num_engines, "engine", [eb] * g.num_engines, ewhy),
     ]
     if serving := reward_model_serving(cfg.task):  # the reward model's replicas, beside the pool
-        from async_rl.reward_models.setup import replica_bundle
-
         gpus = cfg.task.judge.tensor_parallel_size if serving is cfg.task.judge else 1
         bundle = replica_bundle(serving, gpus)
         why = {"GPU": f"{gpus} per replica", "CPU": f"cpus_per_replica {serving.cpus_per_replica}"}
         demands.append(_Demand("reward model", serving.replicas, "replica", [bundle] * serving.replicas, why))
     return demands
+
+
+def replica_bundle(serving: RewardModelServing, gpus: int) -> dict[str, float]:
+    """One reward-model replica's Ray resources, from its config alone: its CPUs, its GPUs (cuda),
+    the custom resources that pick its nodes."""
+    device = device_of(serving.device)
+    return {"CPU": serving.cpus_per_replica, **({"GPU": float(gpus)} if device == "cuda" else {}), **serving.ray_resources}
 
 
 def _check_totals(demands: list[_Demand], view: ClusterView) -> None:

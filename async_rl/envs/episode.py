@@ -9,6 +9,7 @@ template (`ChatDelta`: loss mask 0, no log-probs). So the learner trains on exac
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -46,6 +47,21 @@ class EpisodeResult(msgspec.Struct, kw_only=True):
     transcript: list[ChatMessage]
 
 
+R = TypeVar("R")
+
+
+def first_that_renders(make: Callable[[int], R], stop_ids: list[int], who: str) -> R:
+    """`make(token)` for the first of the model's stop tokens it accepts as the end of an assistant
+    turn (it raises ValueError for the others); one line naming every refusal otherwise."""
+    errors = []
+    for token in stop_ids:
+        try:
+            return make(token)
+        except ValueError as exc:
+            errors.append(str(exc))
+    raise RuntimeError(f"{who}: cannot render chat turns: {'; '.join(errors) or 'the model has no stop token'}")
+
+
 class ChatDelta:
     """Tokens that the chat template puts after a finished assistant turn for `messages`, plus the
     generation prompt of the next assistant turn. Rendered against a fixed two-message context, so
@@ -60,6 +76,12 @@ class ChatDelta:
         if not ends:
             raise ValueError(f"the chat template does not end an assistant turn with token {end_of_turn_id}")
         self._prefix = base[: ends[-1] + 1]  # up to and including the assistant's end-of-turn token
+
+    @classmethod
+    def for_model(cls, tokenizer, stop_ids: list[int], who: str) -> ChatDelta:
+        """The delta whose end-of-turn token is the first of the model's stop tokens that its chat
+        template ends an assistant turn with. `who` names the user in the error ('env=guess')."""
+        return first_that_renders(lambda token: cls(tokenizer, token), stop_ids, who)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)

@@ -38,11 +38,12 @@ line naming what failed), and returns no Environment: the engine runs `verifiers
 from __future__ import annotations
 
 import functools
-import re
 import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from async_rl.config import verifiers_id_error as id_error  # the id check config loading makes
+from async_rl.envs.interpreter import child_env
 from async_rl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -51,10 +52,6 @@ if TYPE_CHECKING:
     from async_rl.envs.tool_env import RewardFn
 
 SUPPORTED = "0.4."  # the verifiers releases the bridge is written against
-# An ID as verifiers 0.4 resolves it: a module name (dashes become underscores), optionally
-# `owner/name@version` (a hub id: verifiers keeps `name`). A dot would fail in its loader.
-ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9_.-]+/)?[A-Za-z_][A-Za-z0-9_-]*(?:@[A-Za-z0-9_.+-]+)?$")
-
 # Run by the agent's interpreter: the verifiers version, then the taskset class ID resolves to.
 _CHECK = """
 import sys
@@ -65,22 +62,10 @@ print(taskset_class(sys.argv[1]).__name__)
 """
 
 
-def id_error(env_id: str) -> str | None:
-    """Why `env_id` cannot name a verifiers 0.4 taskset (None: it can)."""
-    if not env_id:
-        return "names no environment: give verifiers:<id>"
-    if not ID_PATTERN.match(env_id):
-        return ("is not an ID verifiers 0.4 resolves: a package name such as 'vf-arith' or 'owner/name' "
-                "(verifiers/v1/utils/loaders.py _import_plugin imports it as one top-level module; no dots)")
-    return None
-
-
 @functools.cache
 def check_interpreter(python: str, env_id: str, timeout_s: float = 120.0) -> str:
     """The verifiers version of `python` after it resolved `env_id` to a taskset; a one-line
     ConfigError naming the failure otherwise."""
-    from async_rl.agents.runner import child_env
-
     where = f"env.python '{python}'" if python != sys.executable else "this interpreter (env.python is '')"
     try:
         done = subprocess.run([python, "-c", _CHECK, env_id], capture_output=True, text=True, timeout=timeout_s,

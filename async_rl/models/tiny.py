@@ -35,7 +35,7 @@ SHAPES: dict[str, PresetShape] = {
     "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
 }
 PRESETS = tuple(SHAPES)  # created offline from code
-ALL_PRESETS = (*PRESETS, smollm2.NAME)  # every name model.path accepts besides a folder
+ALL_PRESETS = (*PRESETS, smollm2.NAME)  # every name model.path accepts besides a folder (config.MODEL_PRESETS)
 
 # Characters the built-in tasks use; every one is its own token.
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?,. ")

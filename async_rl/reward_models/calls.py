@@ -17,7 +17,7 @@ import msgspec
 
 from async_rl.config import ClassifierConfig, JudgeConfig
 from async_rl.protocol import Prompt, Sample
-from async_rl.reward_models.server import RewardEndpoint
+from async_rl.reward_models.server import ClassifyInput, ClassifyReply, ClassifyRequest, RewardEndpoint
 from async_rl.reward_models.verdicts import parse_verdict, render_judge_prompt
 
 OK = "ok"
@@ -141,8 +141,6 @@ class ClassifierCall(RewardModelCall):
 
     async def _call(self, endpoint: RewardEndpoint, sample: Sample) -> tuple[float, str]:
         import httpx
-
-        from async_rl.reward_models.classifier import ClassifyInput, ClassifyReply, ClassifyRequest
 
         body = msgspec.json.encode(ClassifyRequest([ClassifyInput(question_text(sample.prompt), sample.completion)]))
         try:

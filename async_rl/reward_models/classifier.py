@@ -21,25 +21,15 @@ import msgspec
 
 from async_rl.reward_models.server import (
     CLASSIFIER,
+    ClassifyInput,
+    ClassifyReply,
+    ClassifyRequest,
     ReplicaPids,
     ReplicaStats,
     RewardEndpoint,
     RewardModelServer,
     bind_address,
 )
-
-
-class ClassifyInput(msgspec.Struct, frozen=True):
-    question: str
-    completion: str
-
-
-class ClassifyRequest(msgspec.Struct, frozen=True):
-    inputs: list[ClassifyInput]
-
-
-class ClassifyReply(msgspec.Struct, frozen=True):
-    scores: list[float]
 
 
 class ClassifierModel:

@@ -1,8 +1,8 @@
-"""An LLM judge replica: a Ray actor that owns one vLLM AsyncLLM with the judge model and serves it
-through the same OpenAI-compatible endpoint kind the agents use (agents/endpoint.py:
-/v1/chat/completions, the run's key, bound to one address), each call on its own and recorded
-nowhere. The judge is never trained and never weight-synced: it holds the weights it was started
-with for the whole run."""
+"""An LLM judge replica: a Ray actor that owns one served model (serving/model.py) with the judge
+model and serves it through the same OpenAI-compatible endpoint kind the agents use
+(agents/endpoint.py: /v1/chat/completions, the run's key, bound to one address), each call on its
+own and recorded nowhere, rendered by a chat renderer of its own. The judge is never trained and
+never weight-synced: it holds the weights it was started with for the whole run."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import os
 
 import msgspec
 
-from async_rl.generator import vllm_compat as vc
-from async_rl.generator.sampling import SamplingSpec
 from async_rl.reward_models.server import (
     JUDGE,
     ReplicaPids,
@@ -21,6 +19,10 @@ from async_rl.reward_models.server import (
     RewardModelServer,
     bind_address,
 )
+from async_rl.serving import cpu_threads
+from async_rl.serving import vllm_compat as vc
+from async_rl.serving.model import ServedModel
+from async_rl.serving.sampling import SamplingSpec
 
 
 class JudgeSettings(msgspec.Struct, frozen=True):
@@ -43,37 +45,35 @@ class JudgeEngine(RewardModelServer):
         self.s = settings
         # vLLM reads these when its engine process starts: set them before it does.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(settings.kv_cache_gib))))
-        vc.leave_engine_unbound(settings.threads, settings.spec.tensor_parallel_size)
-        self._llm = None
+        cpu_threads.leave_engine_unbound(settings.threads, settings.spec.tensor_parallel_size)
+        self.model = ServedModel(settings.spec)
         self._endpoint = None
 
     async def start(self) -> RewardEndpoint:
         from transformers import AutoTokenizer
 
-        from async_rl.agents.endpoint import AgentEndpoint
-        from async_rl.agents.episodes import EngineModel
-        from async_rl.agents.setup import end_of_turn_renderer
-        from async_rl.generator.sampling import stop_token_ids
+        from async_rl.agents.endpoint import AgentEndpoint, ServedModelBackend
+        from async_rl.agents.rendering import ChatRenderer
+        from async_rl.serving.sampling import stop_token_ids
 
         s = self.s
-        self._llm = vc.make_engine(s.spec)
+        await self.model.start()
+        self.model.open()  # never paused: no weight update ever reaches the judge
         stops = stop_token_ids(s.spec.model_dir)
-        always = asyncio.Event()
-        always.set()  # never paused: no weight update ever reaches the judge
-        backend = EngineModel(self._llm, always, lambda: 0, s.model_name, s.spec.max_model_len)
-        tokenizer = AutoTokenizer.from_pretrained(s.spec.model_dir)
+        backend = ServedModelBackend(self.model, s.model_name, s.spec.max_model_len)
+        renderer = ChatRenderer.for_model(AutoTokenizer.from_pretrained(s.spec.model_dir), stops, "the judge")
         defaults = SamplingSpec(n=1, max_tokens=s.max_tokens, temperature=s.temperature, stop_token_ids=stops)
         host = bind_address(s.host)
-        self._endpoint = AgentEndpoint(backend, end_of_turn_renderer(tokenizer, stops), s.key, host, unrecorded=defaults)
+        self._endpoint = AgentEndpoint(backend, renderer, s.key, host, unrecorded=defaults)
         await self._endpoint.start()
         return RewardEndpoint(JUDGE, s.replica_id, f"http://{host}:{self._endpoint.port}/v1", s.key, s.model_name)
 
     def healthy(self) -> bool:
-        return self._llm is not None and not vc.is_dead(self._llm)
+        return self.model.started and not self.model.dead()
 
     async def watch(self) -> str:
         """Returns once vLLM's engine core died (the actor's own death fails the call instead)."""
-        while self._llm is None or self.healthy():
+        while not self.model.started or self.healthy():
             await asyncio.sleep(vc.DEATH_POLL_S)
         return "vLLM's engine core died"
 
@@ -82,11 +82,9 @@ class JudgeEngine(RewardModelServer):
         return ReplicaStats(self.s.replica_id, requests=e.calls if e else 0, refused=e.refused if e else 0)
 
     def pids(self) -> ReplicaPids:
-        return ReplicaPids(actor=os.getpid(), engine_core=vc.engine_core_pids(self._llm) if self._llm else [])
+        return ReplicaPids(actor=os.getpid(), engine_core=self.model.engine_core_pids())
 
     async def shutdown(self) -> None:
         if self._endpoint is not None:
             await self._endpoint.stop()
-        if self._llm is not None:
-            vc.shutdown(self._llm)
-            self._llm = None
+        self.model.shutdown()

@@ -26,6 +26,20 @@ class RewardEndpoint(msgspec.Struct, frozen=True):
         return f"RewardEndpoint({self.kind} {self.replica_id} at {self.base_url}, key <redacted>)"
 
 
+# The classifier's /v1/classify request and reply (the judge speaks OpenAI's chat completions).
+class ClassifyInput(msgspec.Struct, frozen=True):
+    question: str
+    completion: str
+
+
+class ClassifyRequest(msgspec.Struct, frozen=True):
+    inputs: list[ClassifyInput]
+
+
+class ClassifyReply(msgspec.Struct, frozen=True):
+    scores: list[float]
+
+
 class ReplicaStats(msgspec.Struct):
     """What one replica served (counted where it runs; the callers count outcomes: RewardModelCounts)."""
 

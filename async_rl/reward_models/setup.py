@@ -5,18 +5,13 @@ from __future__ import annotations
 import secrets
 
 from async_rl.cluster.devices import device_of, use_eager, use_prefix_caching
-from async_rl.config import CLASSIFIER_PREFIX, JUDGE_PREFIX, Config, RewardModelServing
-from async_rl.generator import vllm_compat as vc
+from async_rl.cluster.placement import replica_bundle
+from async_rl.config import CLASSIFIER_PREFIX, JUDGE_PREFIX, Config
 from async_rl.models.tiny import resolve_model_path
 from async_rl.reward_models.classifier import ClassifierServer, ClassifierSettings
 from async_rl.reward_models.judge_engine import JudgeEngine, JudgeSettings
 from async_rl.reward_models.pool import RewardModelPool
-
-
-def replica_bundle(serving: RewardModelServing, gpus: int) -> dict[str, float]:
-    """One replica's Ray resources: its CPUs, its GPUs (cuda), the custom resources that pick its nodes."""
-    device = device_of(serving.device)
-    return {"CPU": serving.cpus_per_replica, **({"GPU": float(gpus)} if device == "cuda" else {}), **serving.ray_resources}
+from async_rl.serving import vllm_compat as vc
 
 
 def _dtype(value: str, device: str) -> str:

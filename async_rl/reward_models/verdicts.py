@@ -1,37 +1,16 @@
 """The judge's prompt and its verdict, as pure functions: what a reward worker sends to the judge
-(`render_judge_prompt`), how a template is checked before a run starts (`check_judge_template`), and
-how the judge's reply becomes a reward (`parse_verdict`: None when it cannot be read, which the
-caller counts; never a silent 0)."""
+(`render_judge_prompt`) and how the judge's reply becomes a reward (`parse_verdict`: None when it
+cannot be read, which the caller counts; never a silent 0). A template is checked before a run
+starts, by config loading (`config.check_judge_template`)."""
 
 from __future__ import annotations
 
 import math
 import re
-import string
 
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 # A number as judges write it: '7', '7.5', '-1', '.5'; '8/10' reads as 8 (the denominator is score_max).
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+(?:\.\d*)?)?")
-
-
-def template_fields(template: str) -> list[str]:
-    """The placeholder names of a format string, in order (ValueError if it is not one)."""
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-
-
-def check_judge_template(template: str, allowed: tuple[str, ...], required: tuple[str, ...]) -> str:
-    """'' when `template` is a usable judge template, else why not (one line, for the config error)."""
-    try:
-        fields = template_fields(template)
-    except ValueError as exc:
-        return f"is not a format string ({exc}; write literal braces as {{{{ and }}}})"
-    unknown = sorted({f for f in fields if f not in allowed})
-    if unknown:
-        return f"names {', '.join('{' + f + '}' for f in unknown)}: only {', '.join('{' + a + '}' for a in allowed)} exist"
-    missing = [f for f in required if f not in fields]
-    if missing:
-        return f"lacks {', '.join('{' + f + '}' for f in missing)}: the judge must see the question and the completion"
-    return ""
 
 
 def render_judge_prompt(template: str, question: str, completion: str, answer: str) -> str:

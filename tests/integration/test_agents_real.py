@@ -17,12 +17,12 @@ import os
 import openai
 import pytest
 
-from async_rl.agents.endpoint import AgentEndpoint
-from async_rl.agents.episodes import EngineModel
-from async_rl.agents.setup import end_of_turn_renderer
-from async_rl.generator import vllm_compat as vc
-from async_rl.generator.sampling import SamplingSpec
+from async_rl.agents.endpoint import AgentEndpoint, ServedModelBackend
+from async_rl.agents.rendering import ChatRenderer
 from async_rl.learner.base import Probe
+from async_rl.serving import vllm_compat as vc
+from async_rl.serving.model import ServedModel
+from async_rl.serving.sampling import SamplingSpec
 from tests.integration._agent_three_calls import FOLLOW_UP, MARKER_ENV
 from tests.integration._real_run import read_jsonl, real_config, real_controller, smollm2_dir
 
@@ -39,11 +39,11 @@ async def _endpoint_and_direct(model_dir: str) -> tuple[dict, list[int], list[fl
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spec = vc.EngineSpec(model_dir=model_dir, dtype="float32", tensor_parallel_size=1, max_model_len=512,
                          gpu_memory_utilization=0.5, seed=0, max_num_seqs=8)
-    llm = vc.make_engine(spec)
+    model = ServedModel(spec)
+    await model.start()
+    model.open()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    running = asyncio.Event()
-    running.set()
-    endpoint = AgentEndpoint(EngineModel(llm, running, lambda: 0, "smollm2", 512), end_of_turn_renderer(tok, [2]), "k")
+    endpoint = AgentEndpoint(ServedModelBackend(model, "smollm2", 512), ChatRenderer.for_model(tok, [2], "test"), "k")
     await endpoint.start()
     try:
         endpoint.open_episode("ep", SamplingSpec(n=1, max_tokens=32, temperature=1.0, stop_token_ids=[2]), 4)
@@ -52,12 +52,13 @@ async def _endpoint_and_direct(model_dir: str) -> tuple[dict, list[int], list[fl
                                                      max_tokens=32, logprobs=True)).model_dump()
         ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         params = vc.sampling_params(1, 32, 0.0, stop_token_ids=[2])
-        prompt_ids, (direct,) = await vc.generate(llm, vc.generation_input(list(ids), ""), params, "direct")
+        out = await model.generate(list(ids), params, "direct")
+        prompt_ids, (direct,) = out.prompt_ids, out.completions
         assert over["prompt_token_ids"] == prompt_ids
         return over, direct.token_ids, direct.logprobs
     finally:
         await endpoint.stop()
-        vc.shutdown(llm)
+        model.shutdown()
 
 
 def test_a_chat_completion_over_the_endpoint_is_direct_generation_token_for_token():
@@ -145,3 +146,15 @@ def test_vllm_and_the_learner_agree_on_the_model_tokens(run):
 def test_a_weight_update_lands_inside_an_agent_episode(run):
     records = run[0]
     assert sum(r["samples_across_updates"] for r in records) > 0, [r["samples_across_updates"] for r in records]
+
+
+def test_the_agents_counters_reach_metrics_jsonl(run):
+    """What the agent rollout counts reaches the step record (each step: so far, engines alive): its
+    calls, prefix breaks and segments, and no failed agent."""
+    records, _, _, stats, _ = run
+    last = records[-1]
+    agents = [s.agents for s in stats if s.agents is not None]
+    assert 0 < last["agent_calls"] <= sum(a.calls for a in agents)
+    assert 0 < last["agent_prefix_breaks"] <= sum(a.prefix_breaks for a in agents)
+    assert last["agent_segments"] >= last["rollout_episodes"] > 0
+    assert last["agent_errors"] + last["agent_timeouts"] + last["agent_crashes"] == 0

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.generator import vllm_compat as vc
 from async_rl.models.tiny import resolve_model_path
+from async_rl.serving import vllm_compat as vc
 from async_rl.weight_sync.bucketing import build_manifest
 from async_rl.weight_sync.transport import join_sender, open_membership
 

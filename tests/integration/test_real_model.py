@@ -149,8 +149,8 @@ def test_samples_end_at_eos_with_varied_lengths_and_carry_finish_reasons(run):
 
 
 def test_sampling_params_for_vllm():
-    from async_rl.generator import vllm_compat as vc
-    from async_rl.generator.sampling import SamplingSpec
+    from async_rl.serving import vllm_compat as vc
+    from async_rl.serving.sampling import SamplingSpec
 
     p = vc.params_for(SamplingSpec(n=4, max_tokens=8, temperature=0.7, stop=["\n\n"], stop_token_ids=[2, 7]))
     assert (p.n, p.max_tokens, p.temperature, p.stop, p.stop_token_ids) == (4, 8, 0.7, ["\n\n"], [2, 7])

@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file
 
 from async_rl.controller import engine_checksums
-from async_rl.generator import vllm_compat as vc
 from async_rl.models.tiny import resolve_model_path
+from async_rl.serving import vllm_compat as vc
 from async_rl.weight_sync.checksum import checksum_of
 
 pytestmark = pytest.mark.integration

@@ -14,13 +14,14 @@ import asyncio
 import msgspec
 import pytest
 
-from async_rl.agents.endpoint import AgentEndpoint
-from async_rl.agents.episodes import AgentEpisodes, EngineModel
-from async_rl.agents.setup import end_of_turn_renderer
+from async_rl.agents.endpoint import AgentEndpoint, ServedModelBackend
+from async_rl.agents.episodes import AgentEpisodes
+from async_rl.agents.rendering import ChatRenderer
 from async_rl.config import EnvConfig
-from async_rl.generator import vllm_compat as vc
-from async_rl.generator.sampling import SamplingSpec
 from async_rl.protocol import REWARD_OK, ChatMessage, Prompt
+from async_rl.serving import vllm_compat as vc
+from async_rl.serving.model import ServedModel
+from async_rl.serving.sampling import SamplingSpec
 from tests.integration._real_run import smollm2_dir
 from tests.unit._verifiers_venv import VF_PYTHON, examples_pythonpath, unavailable
 
@@ -45,19 +46,19 @@ def engine_endpoint():
         model_dir = smollm2_dir()
         spec = vc.EngineSpec(model_dir=model_dir, dtype="float32", tensor_parallel_size=1, max_model_len=512,
                              gpu_memory_utilization=0.5, seed=0, max_num_seqs=8)
-        llm = vc.make_engine(spec)
+        model = ServedModel(spec)
         tok = AutoTokenizer.from_pretrained(model_dir)
         loop = asyncio.new_event_loop()
-        running = asyncio.Event()
-        running.set()
-        endpoint = AgentEndpoint(EngineModel(llm, running, lambda: 0, "smollm2", 512), end_of_turn_renderer(tok, [2]), "k")
+        loop.run_until_complete(model.start())
+        model.open()
+        endpoint = AgentEndpoint(ServedModelBackend(model, "smollm2", 512), ChatRenderer.for_model(tok, [2], "test"), "k")
         loop.run_until_complete(endpoint.start())
         try:
             yield loop, endpoint, tok
         finally:
             loop.run_until_complete(endpoint.stop())
             loop.close()
-            vc.shutdown(llm)
+            model.shutdown()
 
 
 async def _score(sample) -> tuple[float, int]:

@@ -16,7 +16,6 @@ from async_rl.agents.episode_log import CallRecord, Choice, build_segments
 from async_rl.agents.episodes import AgentEpisodes
 from async_rl.agents.rendering import ChatRenderer
 from async_rl.config import EnvConfig
-from async_rl.generator.sampling import SamplingSpec
 from async_rl.protocol import (
     REWARD_ERROR,
     REWARD_OK,
@@ -27,6 +26,7 @@ from async_rl.protocol import (
     decode_groups,
     encode_groups,
 )
+from async_rl.serving.sampling import SamplingSpec
 
 SMOLLM2 = Path("~/.cache/async_rl/models/smollm2-135m-v1").expanduser()
 pytestmark = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="no local SmolLM2 tokenizer")

@@ -354,3 +354,11 @@ def test_colocated_needs_synchronous_training():
     assert "placement=colocated" in msg and "train.max_lag" in msg
     assert load_config(None, ["placement=colocated", "train.max_lag=0"]).placement == "colocated"
     assert "placement" in config_error(None, ["placement=hybrid"])
+
+
+def test_the_model_presets_config_names_are_the_ones_the_models_package_builds():
+    """config.py names the presets so that validating a config imports no model code."""
+    from async_rl.config import MODEL_PRESETS
+    from async_rl.models.tiny import ALL_PRESETS
+
+    assert MODEL_PRESETS == ALL_PRESETS

@@ -10,9 +10,10 @@ import types
 
 import pytest
 
-from async_rl.generator import vllm_compat as vc
 from async_rl.generator.engine import GeneratorEngine
 from async_rl.learner.base import Probe
+from async_rl.serving import vllm_compat as vc
+from async_rl.serving.model import ServedModel
 
 
 @pytest.fixture
@@ -31,8 +32,10 @@ def engine(monkeypatch) -> GeneratorEngine:
     monkeypatch.setattr(vc, "watched", watched)
     e = GeneratorEngine.__new__(GeneratorEngine)
     e.s = types.SimpleNamespace(engine_id=3)
-    e._llm = object()
-    e.version = 7
+    spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=64,
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
+    e.model = ServedModel(spec, llm=object())
+    e.model.version = 7
     e.requests = requests
     return e
 

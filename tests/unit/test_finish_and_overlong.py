@@ -13,7 +13,6 @@ import torch
 from async_rl.config import AlgorithmConfig, load_config
 from async_rl.controller import length_stats
 from async_rl.errors import ConfigError
-from async_rl.generator.sampling import stop_token_ids
 from async_rl.learner.advantages import grpo_advantages, overlong_penalty
 from async_rl.learner.algorithms import Algorithm
 from async_rl.learner.base import StepMetrics, completion_lengths, truncated_count
@@ -31,6 +30,7 @@ from async_rl.protocol import (
     decode_groups,
     encode_groups,
 )
+from async_rl.serving.sampling import stop_token_ids
 
 RUN = "run-f"
 MAX_TOKENS = 4
@@ -59,7 +59,7 @@ def test_vllm_finish_strings_map_to_wire_codes():
 
 
 def test_engine_maps_finish_reasons_and_refuses_unknown_ones():
-    from async_rl.generator.engine import finish_code
+    from async_rl.generator.rollout import finish_code
 
     assert [finish_code(r, 0) for r in ("stop", "length", "abort")] == [FINISH_STOP, FINISH_LENGTH, FINISH_ABORT]
     with pytest.raises(RuntimeError, match="prompt 7.*'error'"):

@@ -14,8 +14,8 @@ from async_rl.cluster.devices import ClusterView, NodeView, resolve_devices, use
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import load_config
 from async_rl.errors import ConfigError, RunError
-from async_rl.generator import vllm_compat as vc
 from async_rl.generator.pool import GeneratorPool
+from async_rl.serving import vllm_compat as vc
 
 CUDA = ["generators.device=cuda", "learner.device=cuda"]
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from async_rl.generator import vllm_compat as vc
+from async_rl.serving import vllm_compat as vc
 
 
 class CoreClient:

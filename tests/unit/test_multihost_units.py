@@ -11,9 +11,9 @@ import torch
 from async_rl import settings
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import WeightSyncConfig, load_config
-from async_rl.generator import vllm_compat as vc
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.weight_source import WeightSource
+from async_rl.serving import cpu_threads
 from async_rl.weight_sync.gloo import local_address_towards
 
 
@@ -72,7 +72,7 @@ def test_on_a_ray_cluster_nothing_is_pinned():
 def test_unbound_engine_runs_its_share_of_threads_unpinned(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
-    vc.leave_engine_unbound(4, tensor_parallel_size=2)
+    cpu_threads.leave_engine_unbound(4, tensor_parallel_size=2)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert os.environ["OMP_NUM_THREADS"] == "2"
 

@@ -370,10 +370,10 @@ def episode_engine(tok, env: str, group_size: int, max_tokens: int, task=None, r
     vc.generate): the chat delta of `tok`, sampling to `max_tokens` and the engine running. The
     environment's reward is `reward`, or else the engine's reward workers (which the test closes)."""
     from async_rl.config import TaskConfig
-    from async_rl.generator import vllm_compat as vc
     from async_rl.generator.engine import EngineSettings, GeneratorEngine
     from async_rl.generator.rewards import RewardRunner
-    from async_rl.generator.sampling import SamplingSpec
+    from async_rl.serving import vllm_compat as vc
+    from async_rl.serving.sampling import SamplingSpec
 
     task = task or TaskConfig()
     spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=4096,
@@ -383,13 +383,15 @@ def episode_engine(tok, env: str, group_size: int, max_tokens: int, task=None, r
                        reward_timeout_s=reward_timeout_s, reward_workers=reward_workers, ingest_address="",
                        env=EnvConfig(name=env))
     # What GeneratorEngine.start sets up from the model folder and vLLM, here without them.
+    from async_rl.generator.env_rollout import EnvironmentEpisodes
+
     eng = GeneratorEngine(s, buffer=None)
     if reward is None:
         eng.rewards = RewardRunner(task, reward_timeout_s, reward_workers)
     eng.sampling = SamplingSpec(n=1, max_tokens=max_tokens, temperature=1.0, stop_token_ids=[tok.eos_token_id])
-    eng.env = build_environment(s.env, reward or eng._episode_reward)
-    eng._delta = ChatDelta(tok, tok.eos_token_id)
-    eng._running.set()
+    eng.rollout = EnvironmentEpisodes(eng.model, s.env, ChatDelta(tok, tok.eos_token_id), getattr(eng, "rewards", None),
+                                      0, eng.sampling, reward)
+    eng.model.open()
     return eng
 
 
@@ -397,8 +399,8 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
     """A weight update after the first turn: the second turn does not start while the engine is
     paused, and starts on the new version once it resumes. The group records the first turn's
     version as version_first and the later one as version_last; the mask marks the game's answers."""
-    from async_rl.generator import engine as engine_mod
-    from async_rl.generator import vllm_compat as vc
+    from async_rl.generator import rollout as engine_mod  # the wire codes an episode finishes with
+    from async_rl.serving import vllm_compat as vc
 
     tok = chat_tokenizer
     eos = tok.eos_token_id
@@ -416,7 +418,7 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
         async def generate(llm, source, params, request_id):
             started.append((request_id, eng.version, list(source["prompt_token_ids"])))
             if len(started) == 1:
-                eng._running.clear()  # the controller pauses the engine right after the first turn
+                eng.model.hold()  # the controller pauses the engine right after the first turn
             text = str(secret - 1) if len(started) == 1 else str(secret)
             ids = tok.encode(text, add_special_tokens=False) + [eos]
             return list(source["prompt_token_ids"]), [vc.Completion(ids, [-0.25] * len(ids), text, "stop")]
@@ -426,7 +428,7 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
 
         monkeypatch.setattr(vc, "generate", generate)
         monkeypatch.setattr(vc, "resume", no_op)
-        task = asyncio.create_task(eng._run_episodes(prompt, "r1", eng.sampling, 1))
+        task = asyncio.create_task(eng.rollout.group(prompt, "r1", eng.sampling, 1))
         for _ in range(50):  # every ready callback runs: the episode reaches its second turn's wait
             await asyncio.sleep(0)
         assert len(started) == 1 and not task.done()  # paused: the second turn has not started
@@ -450,8 +452,8 @@ def test_engine_tool_episodes_score_the_final_answer_in_the_reward_workers(chat_
     raises marks its own episode (REWARD_ERROR, reward 0) and not its sibling."""
     from async_rl.config import TaskConfig
     from async_rl.evaluation.scores import EvalParams
-    from async_rl.generator import vllm_compat as vc
     from async_rl.protocol import REWARD_ERROR, REWARD_OK
+    from async_rl.serving import vllm_compat as vc
 
     tok = chat_tokenizer
     eos = tok.eos_token_id
@@ -475,7 +477,7 @@ def test_engine_tool_episodes_score_the_final_answer_in_the_reward_workers(chat_
 
         monkeypatch.setattr(vc, "generate", generate)
         try:
-            group = await eng._run_episodes(prompt, "r1", eng.sampling, 2)
+            group = await eng.rollout.group(prompt, "r1", eng.sampling, 2)
             # evaluation runs whole episodes too, scored the same way (n=2: the same two scripts)
             evaluated = await eng.evaluate([prompt], EvalParams(n=2, temperature=0.7, max_tokens=16))
             return group, evaluated

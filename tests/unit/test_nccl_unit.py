@@ -168,7 +168,7 @@ def test_a_new_membership_closes_the_old_ones_channel(monkeypatch):
 def test_a_worker_rejoining_closes_its_old_receiver(monkeypatch):
     import msgspec
 
-    from async_rl.generator import worker_extension as ext
+    from async_rl.serving import worker_extension as ext
     from async_rl.weight_sync.base import WeightGroupInfo
     from async_rl.weight_sync.bucketing import Manifest
 

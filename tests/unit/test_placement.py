@@ -8,7 +8,7 @@ from pathlib import Path
 
 from async_rl.cluster.placement import PlacementPlan, ProcessPlacement, plan_placement
 from async_rl.config import load_config
-from async_rl.generator.vllm_compat import omp_bind
+from async_rl.serving.cpu_threads import omp_bind
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,8 +99,8 @@ def test_omp_bind_fewer_cores_than_workers_reuses_cores():
 def test_importing_vllm_compat_does_not_import_vllm():
     code = (
         "import sys\n"
-        "import async_rl.generator.vllm_compat as c\n"
-        "assert c.EXTENSION_CLS == 'async_rl.generator.worker_extension.WeightReceiverExtension', c.EXTENSION_CLS\n"
+        "import async_rl.serving.vllm_compat as c\n"
+        "assert c.EXTENSION_CLS == 'async_rl.serving.worker_extension.WeightReceiverExtension', c.EXTENSION_CLS\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'ray', 'cupy', 'megatron'))\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"

@@ -20,11 +20,11 @@ from async_rl.config import (
     JUDGE_REQUIRED,
     ClassifierConfig,
     TaskConfig,
+    check_judge_template,
     load_config,
 )
 from async_rl.errors import ConfigError
 from async_rl.generator.rewards import RewardRunner
-from async_rl.generator.sampling import SamplingSpec
 from async_rl.protocol import REWARD_ERROR, REWARD_OK, ChatMessage, Prompt, Sample
 from async_rl.reward_models.calls import JudgeCall, RewardModelCounts, question_text
 from async_rl.reward_models.classifier import (
@@ -33,7 +33,8 @@ from async_rl.reward_models.classifier import (
     ClassifierSettings,
     ClassifyInput,
 )
-from async_rl.reward_models.verdicts import check_judge_template, parse_verdict, render_judge_prompt
+from async_rl.reward_models.verdicts import parse_verdict, render_judge_prompt
+from async_rl.serving.sampling import SamplingSpec
 from tests.unit._classifier import build_tiny_classifier
 from tests.unit.test_agents import SMOLLM2, ScriptedModel
 

@@ -7,11 +7,12 @@ requests would generate on the old weights)."""
 from __future__ import annotations
 
 import asyncio
-import types
 
 import pytest
 
 from async_rl.generator.engine import GeneratorEngine
+from async_rl.serving import vllm_compat as vc
+from async_rl.serving.model import ServedModel
 
 TAGS = {"weights", "kv_cache"}
 
@@ -59,14 +60,10 @@ class StubLLM:
 def engine_with(llm: StubLLM) -> GeneratorEngine:
     """A GeneratorEngine with only what pause/sleep/resume touch (no vLLM, no buffer)."""
     e = GeneratorEngine.__new__(GeneratorEngine)
-    e.s = types.SimpleNamespace(pause_mode="keep")
-    e._llm = llm
-    e._running = asyncio.Event()
-    e._running.set()
-    e._asleep = e._kv_asleep = False
-    e._paused_since = None
-    e._paused_s = 0.0
-    e.version = 0
+    spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=64,
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
+    e.model = ServedModel(spec, pause_mode="keep", llm=llm)
+    e.model.open()
     return e
 
 

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from async_rl.controller import engine_checksums
 from async_rl.errors import RunError
-from async_rl.generator.worker_extension import loaded_weight_parts, shard_checksum
+from async_rl.serving.worker_extension import loaded_weight_parts, shard_checksum
 from async_rl.weight_sync.checksum import checksum_of
 
 HIDDEN, HEADS, KV_HEADS, HEAD, FFN, VOCAB = 8, 4, 1, 2, 12, 10
@@ -149,7 +149,7 @@ def test_weight_reload_runs_inside_vllms_config_context():
     from vllm.config import VllmConfig, get_current_vllm_config
     from vllm.v1.worker.gpu_worker import Worker
 
-    from async_rl.generator.worker_extension import WeightReceiverExtension
+    from async_rl.serving.worker_extension import WeightReceiverExtension
 
     seen = []
 

@@ -7,16 +7,14 @@ worker extension's named methods.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable
 from typing import TypeVar
 
 import msgspec
 
-from async_rl.cluster.placement import pin_current_process
-from async_rl.generator import lora_serving
-from async_rl.generator import worker_extension as ext
-from async_rl.generator.sampling import SamplingSpec
+from async_rl.serving import lora_serving
+from async_rl.serving import worker_extension as ext
+from async_rl.serving.sampling import SamplingSpec
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum
@@ -64,7 +62,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     device: str = "cpu"  # generators.device, resolved: 'cuda' or 'cpu'
     enforce_eager: bool = True  # generators.enforce_eager, resolved (settings.engine_settings)
     prefix_caching: bool = False  # generators.prefix_caching, resolved
-    lora: LoraServing | None = None  # learner.lora: serve the trained adapter (generator/lora_serving.py)
+    lora: LoraServing | None = None  # learner.lora: serve the trained adapter (serving/lora_serving.py)
 
 
 class LoraServing(msgspec.Struct, frozen=True):
@@ -87,33 +85,6 @@ def max_lora_rank(rank: int) -> int:
         if r >= rank:
             return r
     raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {_VLLM_LORA_RANKS[-1]}")
-
-
-def omp_bind(cores: list[int], tensor_parallel_size: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND value: the engine's cores split among its TP workers ('0,1|2,3')."""
-    per = max(1, len(cores) // tensor_parallel_size)
-    lists = []
-    for r in range(tensor_parallel_size):
-        last = r == tensor_parallel_size - 1
-        chunk = cores[r * per : None if last else (r + 1) * per] or [cores[r % len(cores)]]
-        lists.append(",".join(map(str, chunk)))
-    return "|".join(lists)
-
-
-def bind_engine_to(cores: list[int], tensor_parallel_size: int) -> None:
-    """Keep the engine this process starts on `cores`; call before `make_engine`. vLLM's OMP binding
-    covers only its worker threads; its engine-core (scheduler) process and this process
-    (detokenising, rewards, ZMQ) inherit the process affinity. Unpinned, they took ~65% of a core
-    from a disaggregated learner."""
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(cores, tensor_parallel_size)
-    pin_current_process(cores)
-
-
-def leave_engine_unbound(threads: int, tensor_parallel_size: int) -> None:
-    """No cores to pin to (a Ray cluster, or an engine beyond the launch plan): vLLM binds no thread
-    ('auto' would take a whole NUMA node per worker) and each worker runs its share of `threads`."""
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    os.environ["OMP_NUM_THREADS"] = str(max(1, threads // tensor_parallel_size))
 
 
 def executor_backend(tensor_parallel_size: int) -> str:
@@ -177,7 +148,7 @@ def make_engine(spec: EngineSpec):
         disable_log_stats=True,
         worker_extension_cls=EXTENSION_CLS,
         enable_sleep_mode=spec.sleep_mode and cuda,  # a no-op on CPU
-        # learner.lora: one adapter slot, updated in place while paused (see generator/lora_serving.py).
+        # learner.lora: one adapter slot, updated in place while paused (see serving/lora_serving.py).
         **(
             {
                 "enable_lora": True,
