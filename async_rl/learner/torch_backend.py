@@ -136,7 +136,7 @@ class TorchBackend(ModelBackend):
             compile_layers(compute_model)
         self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens)
         if self.working:
-            self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced in optimizer_step
+            self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced after the last micro-batch
         elif self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -186,7 +186,7 @@ class TorchBackend(ModelBackend):
     # ---- forward and backward ---------------------------------------------------------------------
 
     def _forward(self, mb: MicroBatch, temperature: float, positions: torch.Tensor, hidden: bool,
-                 head: bool = True, entropy: bool = True) -> TokenScores:
+                 head: bool = True, with_entropy: bool = True) -> TokenScores:
         if self.working:
             self.working.refresh_if_stale()  # once per optimizer step, not per micro-batch
         autocast = (
@@ -195,14 +195,14 @@ class TorchBackend(ModelBackend):
         with autocast:
             logp, entropy, last = self.wrapped(
                 mb.model_inputs(self.device, self.attention_kernels), mb.targets.to(self.device),
-                positions.to(self.device), temperature, hidden, head, entropy,
+                positions.to(self.device), temperature, hidden, head, with_entropy,
             )
         return TokenScores(logp=logp, entropy=entropy, hidden=last.detach() if hidden else None)
 
     def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True) -> TokenScores:
         with torch.no_grad():  # the completion positions of its sequences (`spans`)
             # No entropy: the scoring passes read log-probs (and hidden states) only.
-            return self._forward(mb, temperature, mb.span_positions(), hidden, head, entropy=False)
+            return self._forward(mb, temperature, mb.span_positions(), hidden, head, with_entropy=False)
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         self.optimizer.zero_grad(set_to_none=True)
