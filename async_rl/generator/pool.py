@@ -159,6 +159,14 @@ class GeneratorPool:
         self._gather([sender.join_weight_group.remote(), *joins], self.weight_timeout_s, "joining the weight group")
         self.membership_stale = False
 
+    def abort_sync(self, reason: str) -> None:
+        """A member died (seen by the run's watcher, on its thread): a weight sync in flight stops
+        waiting for it at once, and the next sync builds a new group (an aborted one stays aborted)."""
+        group = self._group
+        if group is not None:
+            abort_membership(group, reason)
+        self.membership_stale = True
+
     def sleep(self) -> None:
         """Colocated placement: stop generating while the learner trains (woken by the next sync)."""
         ray.get([a.sleep.remote() for a in self.actors], timeout=TIMEOUT_S)

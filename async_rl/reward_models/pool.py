@@ -71,6 +71,10 @@ class RewardModelPool:
         for h, endpoint in zip(new, endpoints, strict=True):
             h.endpoint = endpoint
 
+    def actors(self) -> dict[int, ActorHandle]:
+        """Every replica's actor by replica id (a snapshot)."""
+        return {rid: h.actor for rid, h in list(self.handles.items())}
+
     def endpoints(self) -> list[RewardEndpoint]:
         return [h.endpoint for h in self.handles.values() if h.endpoint is not None]
 

@@ -1,17 +1,21 @@
-"""The supervisor acts on a death when Ray reports it, not at its next health check: it waits on the
-ranks' step calls and on one pending `watch` call per buffer and engine together. Ray's wait and get
-are stood in for by a script of what finishes when; the supervisor's bookkeeping is tested here."""
+"""A death is acted on when it is known, wherever the loop is: the watcher (death_watch.py) keeps one
+`watch` call pending on every process of the run and reports each death once, at once; the
+supervisor logs it, aborts a weight sync in flight, and recovers at its next look (every WAKE_S in a
+step, after each phase between steps). Ray's wait and get are stood in for by scripts here."""
 
 from __future__ import annotations
 
 import io
 import itertools
+import json
 from types import SimpleNamespace
 
 import pytest
 
+from async_rl import death_watch as dw_module
 from async_rl import supervisor as sup_module
 from async_rl.config import load_config
+from async_rl.death_watch import DeathNotice, DeathWatch, Watched, actor_key
 from async_rl.errors import RunError
 from async_rl.supervisor import Supervisor
 
@@ -23,11 +27,19 @@ class Ref:
         self.what, self.answer, self.error = what, answer, error
 
 
+class ActorId:
+    def __init__(self) -> None:
+        self.n = next(_ids)
+
+    def hex(self) -> str:
+        return f"{self.n:08x}"
+
+
 class Actor:
     """An actor handle: a distinct `_actor_id`, and `watch.remote()` handing out a Ref per call."""
 
     def __init__(self, name: str) -> None:
-        self.name, self._actor_id, self.watch_calls = name, next(_ids), []
+        self.name, self._actor_id, self.watch_calls = name, ActorId(), []
         self.watch = self
 
     def remote(self) -> Ref:
@@ -36,38 +48,15 @@ class Actor:
         return ref
 
 
-class Runtime:
-    def __init__(self) -> None:
-        self.buffer = Actor("buffer0")
-        self.generators = SimpleNamespace(engines={0: SimpleNamespace(actor=Actor("engine0"))}, stats=lambda: [])
-        self.log: list[str] = []
-        self.events: list = []  # the supervisor's
-        self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
-
-    def start_train_step(self, step: int) -> list[Ref]:
-        return self.step_refs
-
-    def restart_buffer(self) -> None:
-        self.log.append(f"restart buffer, events logged: {len(self.events)}")
-        self.buffer = Actor("buffer1")
-
-    def ack_batch(self, step: int) -> int:
-        self.log.append(f"ack {step}")
-        return 0
-
-
-def scripted(monkeypatch, script):
-    """ray.wait returns, call after call, the ref `script` names among those it is given (the
-    names of everything it waited on are recorded); ray.get answers or raises."""
+def fake_ray(monkeypatch, module, finished: set[str]):
+    """ray.wait returns the refs whose name is in `finished` (at most one, as with num_returns=1);
+    ray.get answers or raises."""
     waited: list[list[str]] = []
-    script = iter(script)
 
-    def wait(refs, num_returns, timeout):
+    def wait(refs, num_returns=1, timeout=None, fetch_local=True):
         waited.append(sorted(r.what for r in refs))
-        name = next(script)
-        done = [r for r in refs if r.what == name]
-        assert len(done) == 1, (name, waited[-1])
-        return done, [r for r in refs if r is not done[0]]
+        done = [r for r in refs if r.what in finished][:num_returns]
+        return done, [r for r in refs if r not in done]
 
     def get(ref, timeout=None):
         if isinstance(ref, list):
@@ -76,9 +65,93 @@ def scripted(monkeypatch, script):
             raise ref.error
         return ref.answer
 
-    monkeypatch.setattr(sup_module.ray, "wait", wait)
-    monkeypatch.setattr(sup_module.ray, "get", get)
+    monkeypatch.setattr(module.ray, "wait", wait)
+    monkeypatch.setattr(module.ray, "get", get)
     return waited
+
+
+# ---- the watcher ---------------------------------------------------------------------------------
+
+
+def test_the_watcher_reports_each_death_once_and_never_a_process_taken_out_on_purpose(monkeypatch):
+    buffer, e0, e1 = Actor("buffer"), Actor("e0"), Actor("e1")
+    targets = {Watched("buffer", -1, actor_key(buffer)): buffer, Watched("engine", 0, actor_key(e0)): e0}
+    seen: list[DeathNotice] = []
+    watch = DeathWatch(lambda: dict(targets), seen.append)
+    finished: set[str] = set()
+    waited = fake_ray(monkeypatch, dw_module, finished)
+
+    assert watch.poll(0) == []
+    assert waited[-1] == ["watch buffer", "watch e0"]
+    targets[Watched("engine", 1, actor_key(e1))] = e1  # an engine joined: armed once, at the next look
+    watch.poll(0)
+    watch.poll(0)
+    assert (len(buffer.watch_calls), len(e0.watch_calls), len(e1.watch_calls)) == (1, 1, 1)
+
+    # engine 0's actor dies: Ray fails its watch call; reported once, with why, and not watched again
+    e0.watch_calls[0].error = dw_module.ray.exceptions.ActorDiedError()
+    finished.add("watch e0")
+    [notice] = watch.poll(0)
+    assert (notice.kind, notice.ident, notice.actor_id) == ("engine", 0, actor_key(e0))
+    assert notice.why.startswith("its actor died")
+    assert seen == [notice] and watch.take() == [notice] and watch.take() == []
+    assert watch.poll(0) == [] and len(e0.watch_calls) == 1
+
+    # engine 1 is drained: taken out of the run, then stopped; its watch ends, and that is no death
+    del targets[Watched("engine", 1, actor_key(e1))]
+    e1.watch_calls[0].error = dw_module.ray.exceptions.ActorDiedError()
+    finished.add("watch e1")
+    assert watch.poll(0) == [] and watch.take() == []
+
+    # an engine whose vLLM core exited: its watch returns why
+    e2 = Actor("e2")
+    targets[Watched("engine", 2, actor_key(e2))] = e2
+    watch.poll(0)
+    e2.watch_calls[0].answer = "vLLM's engine core died"
+    finished.add("watch e2")
+    [notice] = watch.poll(0)
+    assert (notice.ident, notice.why) == (2, "vLLM's engine core died")
+
+
+def test_a_handle_map_changed_while_read_is_read_again(monkeypatch):
+    calls = itertools.count()
+    actor = Actor("buffer")
+
+    def targets():
+        if next(calls) == 0:
+            raise RuntimeError("dictionary changed size during iteration")
+        return {Watched("buffer", -1, actor_key(actor)): actor}
+
+    fake_ray(monkeypatch, dw_module, set())
+    DeathWatch(targets, lambda n: None).poll(0)
+    assert len(actor.watch_calls) == 1
+
+
+# ---- the supervisor acting on notices ----------------------------------------------------------
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.buffer = Actor("buffer0")
+        self.aborted: list[str] = []
+        self.generators = SimpleNamespace(
+            engines={0: SimpleNamespace(actor=Actor("engine0"))}, stats=lambda: [], abort_sync=self.aborted.append
+        )
+        self.learner = SimpleNamespace(actors=[Actor("rank0"), Actor("rank1")])
+        self.reward_models = None
+        self.log: list[str] = []
+        self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
+
+    def start_train_step(self, step: int) -> list[Ref]:
+        return self.step_refs
+
+    def restart_buffer(self) -> None:
+        self.log.append("restart buffer")
+        self.buffer = Actor("buffer1")
+
+    def ack_batch(self, step: int) -> int:
+        self.log.append(f"ack {step}")
+        return 0
 
 
 @pytest.fixture
@@ -87,10 +160,9 @@ def setup(tmp_path):
     # no periodic check during these tests: only the notices act
     cfg = load_config(None, ["generators.health_check_s=100000"])
     sup = Supervisor(rt, cfg, tmp_path, "run", io.StringIO())
-    rt.events = sup.events
 
     def replace(step, dead):
-        rt.log.append(f"replace {dead}")
+        rt.log.append(f"replace {dead} at step {step}")
         rt.generators.engines = {1: SimpleNamespace(actor=Actor("engine1"))}
 
     sup.replace = replace
@@ -99,33 +171,74 @@ def setup(tmp_path):
     sup.close()
 
 
-def test_buffer_and_engine_deaths_are_acted_on_when_noticed(monkeypatch, setup):
+def notice(kind: str, ident: int, actor: Actor, why: str = "its actor died") -> DeathNotice:
+    return DeathNotice(kind, ident, actor_key(actor), why, 0.0)
+
+
+def deliver(sup: Supervisor, n: DeathNotice) -> None:
+    """What the watcher thread does with a death it found."""
+    sup.deaths.report(n)
+
+
+def test_a_death_is_logged_at_once_and_a_sync_in_flight_aborted(setup, tmp_path):
     rt, sup = setup
-    waited = scripted(monkeypatch, ["watch buffer0", "rank0", "watch engine0", "rank1"])
+    deliver(sup, notice("engine", 0, rt.generators.engines[0].actor, "vLLM's engine core died"))
+    deliver(sup, notice("buffer", -1, rt.buffer))
+    logged = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()]
+    assert [(e["source"], e["reason"]) for e in logged] == [
+        ("watch", "engine 0 found dead: vLLM's engine core died"),
+        ("watch", "buffer found dead: its actor died"),
+    ]
+    assert rt.aborted == ["engine 0 died"]  # only a member of the weight group aborts a sync
+    assert rt.log == []  # acting is the loop's job, at its next look
+
+
+def test_notices_are_acted_on_between_steps_and_stale_ones_dropped(setup):
+    rt, sup = setup
+    old_engine = rt.generators.engines[0].actor
+    deliver(sup, notice("buffer", -1, rt.buffer))
+    deliver(sup, notice("engine", 0, old_engine))
+    sup.act_on_deaths(4, 5)
+    assert rt.log == ["restart buffer", "replace [0] at step 4", "sync 5 False"]
+    # the same process reported again (a second path) or one replaced meanwhile: nothing to do
+    deliver(sup, notice("engine", 0, old_engine))
+    deliver(sup, notice("buffer", -1, Actor("an old buffer")))
+    sup.act_on_deaths(5, 6)
+    assert rt.log == ["restart buffer", "replace [0] at step 4", "sync 5 False"]
+
+
+def test_a_dead_learner_rank_between_steps_stops_the_run_with_one_line(setup):
+    rt, sup = setup
+    deliver(sup, notice("learner", 1, rt.learner.actors[1]))
+    assert rt.aborted == ["learner 1 died"]
+    with pytest.raises(RunError, match=r"learner rank 1 died \(its actor died\); no checkpoint was written"):
+        sup.act_on_deaths(2, 3)
+
+
+def test_a_death_during_a_step_is_acted_on_before_the_step_returns(monkeypatch, setup):
+    rt, sup = setup
+    finished: set[str] = set()
+    looks = itertools.count()
+
+    def wait(refs, num_returns=1, timeout=None):
+        # the first look: nothing finished, and meanwhile the watcher reports the engine's death
+        if next(looks) == 0:
+            deliver(sup, notice("engine", 0, rt.generators.engines[0].actor))
+            finished.update({"rank0", "rank1"})
+            return [], list(refs)
+        done = [r for r in refs if r.what in finished][:1]
+        return done, [r for r in refs if r not in done]
+
+    monkeypatch.setattr(sup_module.ray, "wait", wait)
+    monkeypatch.setattr(sup_module.ray, "get", lambda ref, timeout=None: [r.answer for r in ref] if isinstance(ref, list) else ref.answer)
     assert sup.train_step(4) == ["metrics0", "metrics1"]
-    # The buffer's death: logged (detection time) before the restart; the new buffer is watched,
-    # the old one no longer. The engine's: replaced and synced at once, mid-step.
-    assert rt.log == ["restart buffer, events logged: 1", "replace [0]", "sync 4 True", "ack 4"]
-    assert [e.reason.split(";")[0] for e in sup.events] == ["buffer died"]
-    assert waited[0] == ["rank0", "rank1", "watch buffer0", "watch engine0"]
-    assert waited[1] == ["rank0", "rank1", "watch buffer1", "watch engine0"]
-    assert waited[3] == ["rank1", "watch buffer1", "watch engine1"]  # its successor is watched
-    assert len(rt.buffer.watch_calls) == 1  # armed once, not once per wait
-
-
-def test_a_watch_of_a_process_already_replaced_is_ignored(monkeypatch, setup):
-    rt, sup = setup
-    old = rt.generators.engines[0].actor
-    scripted(monkeypatch, ["rank0", "rank1"])
-    sup._watchers()
-    rt.generators.engines[0] = SimpleNamespace(actor=Actor("engine0-successor"))  # replaced elsewhere
-    sup._watch_fired(4, old.watch_calls[0])
-    assert rt.log == []
+    # replaced and synced mid-step (the learner serves the sync while it waits), then the ack
+    assert rt.log == ["replace [0] at step 4", "sync 4 True", "ack 4"]
 
 
 def test_a_dead_rank_stops_the_step_at_once(monkeypatch, setup):
     rt, sup = setup
     rt.step_refs[1].error = sup_module.ray.exceptions.ActorDiedError()
-    scripted(monkeypatch, ["rank1"])
+    fake_ray(monkeypatch, sup_module, {"rank1"})
     with pytest.raises(RunError, match="learner rank 1 died"):
         sup.train_step(4)
