@@ -6,6 +6,11 @@ whatever the training loop is doing (a step, a weight sync, an evaluation, a che
 between them), and reports each death once, at once, through `on_death`, which runs on this thread.
 The loop acts on the notices (`take`) at its next safe point; what must not wait for that point
 (a weight sync blocked on a dead member) is interrupted from `on_death`.
+
+A process that hangs without dying (SIGSTOP, an event loop blocked) keeps its watch pending forever,
+so each process also gets a liveness probe (Ray's built-in `__ray_ready__`, which an async actor runs
+on its event loop) about every PROBE_EVERY_S; one left unanswered for `unresponsive_s` is reported
+as dead too.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import ray
 from ray.actor import ActorHandle
 
 WAIT_S = 0.5  # how long one wait lasts before the set of processes is read again (new, replaced, gone)
+PROBE_EVERY_S = 1.0  # a liveness probe per process about this often
 
 
 class Watched(NamedTuple):
@@ -55,10 +61,19 @@ class DeathWatch:
     """`targets()` names every process to watch now (read on this thread, so it must be cheap and
     safe beside the loop: a snapshot of the handles); each gets one pending `watch.remote()`."""
 
-    def __init__(self, targets: Callable[[], dict[Watched, ActorHandle]], on_death: Callable[[DeathNotice], None]) -> None:
+    def __init__(
+        self,
+        targets: Callable[[], dict[Watched, ActorHandle]],
+        on_death: Callable[[DeathNotice], None],
+        unresponsive_s: float = 0.0,
+    ) -> None:
+        """`unresponsive_s`: a probe unanswered this long is a death (0: no probes)."""
         self._targets = targets
         self._on_death = on_death
+        self._unresponsive_s = unresponsive_s
         self._pending: dict[ray.ObjectRef, Watched] = {}
+        self._probes: dict[Watched, tuple[ray.ObjectRef, float]] = {}  # the probe in flight, sent when
+        self._answered: dict[Watched, float] = {}  # when its last probe was answered
         self._reported: set[Watched] = set()
         self._notices: queue.SimpleQueue[DeathNotice] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -108,12 +123,13 @@ class DeathWatch:
         for w, actor in current.items():
             if w not in armed and w not in self._reported:
                 self._pending[actor.watch.remote()] = w
+        hung = self._probe(current)
         if not self._pending:
             self._stop.wait(timeout_s)
-            return []
+            return self._report_hung(hung)
         done, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout_s, fetch_local=False)
         if not done:
-            return []
+            return self._report_hung(hung)
         # A process the loop removed on purpose (drained, replaced, restarted) was taken out of the
         # run before it was stopped: its watch ends, but it is no death.
         still = self._read_targets()
@@ -125,6 +141,43 @@ class DeathWatch:
             if w not in still:
                 continue
             notice = DeathNotice(w.kind, w.ident, w.actor_id, _why(ref), time.time())
+            self.report(notice)
+            out.append(notice)
+        return out + self._report_hung([(w, why) for w, why in hung if w not in self._reported])
+
+    def _probe(self, current: dict[Watched, ActorHandle]) -> list[tuple[Watched, str]]:
+        """Send a probe to every process without one in flight (at most every PROBE_EVERY_S); return
+        those whose probe went unanswered for `unresponsive_s`, with why."""
+        if self._unresponsive_s <= 0:
+            return []
+        now = time.monotonic()
+        self._probes = {w: p for w, p in self._probes.items() if w in current}
+        self._answered = {w: t for w, t in self._answered.items() if w in current}
+        if self._probes:
+            done, _ = ray.wait([ref for ref, _ in self._probes.values()], num_returns=len(self._probes), timeout=0)
+            answered = set(done)
+            for w, (ref, _) in list(self._probes.items()):
+                if ref in answered:
+                    del self._probes[w]
+                    self._answered[w] = now
+        hung = []
+        for w, actor in current.items():
+            if w in self._reported:
+                continue
+            if w in self._probes:
+                silent = now - self._probes[w][1]
+                if silent >= self._unresponsive_s:
+                    hung.append((w, f"no answer to a liveness probe for {silent:.0f}s (stopped, or hung)"))
+            elif now - self._answered.get(w, 0.0) >= PROBE_EVERY_S:
+                self._probes[w] = (actor.__ray_ready__.remote(), now)
+        return hung
+
+    def _report_hung(self, hung: list[tuple[Watched, str]]) -> list[DeathNotice]:
+        out = []
+        for w, why in hung:
+            if self._stop.is_set():
+                break
+            notice = DeathNotice(w.kind, w.ident, w.actor_id, why, time.time())
             self.report(notice)
             out.append(notice)
         return out

@@ -56,6 +56,20 @@ SYNC_ATTEMPTS = 3
 T = TypeVar("T")
 START_TIMEOUT_S = 600.0
 WAKE_S = 0.25  # while the learner trains, how often the supervisor looks for death notices
+# A learner step's time limit: STEP_FACTOR x the slowest of the last STEP_WINDOW steps, at least
+# STEP_FLOOR_S (a step may wait for a replaced engine's start-up), at most train.step_timeout_s.
+STEP_FACTOR = 5.0
+STEP_FLOOR_S = 120.0
+STEP_WINDOW = 20
+
+
+def step_limit(recent_s: list[float], ceiling_s: float) -> float | None:
+    """How long a learner step may run before it counts as a hang; None: no limit (ceiling 0)."""
+    if ceiling_s <= 0:
+        return None
+    if not recent_s:
+        return ceiling_s
+    return min(ceiling_s, max(STEP_FLOOR_S, STEP_FACTOR * max(recent_s)))
 
 
 class PromptsExhausted(Exception):
@@ -78,6 +92,15 @@ def latest_checkpoint(run_dir: Path) -> str | None:
     """The newest complete checkpoint (what `--resume` would pick), or None."""
     found = checkpoint.completed(run_dir)
     return str(found[-1]) if found else None
+
+
+def learner_hung(run_dir: Path, ranks: list[int], step: int, limit_s: float) -> RunError:
+    ckpt = latest_checkpoint(run_dir)
+    where = f"resume from checkpoint {ckpt}" if ckpt else "no checkpoint was written, the run cannot resume"
+    return RunError(
+        f"learner rank(s) {', '.join(map(str, ranks))} hung: step {step + 1} still running after {limit_s:.0f}s "
+        f"(5x the slowest recent step, at least {STEP_FLOOR_S:.0f}s, at most train.step_timeout_s); {where}"
+    )
 
 
 def learner_died(run_dir: Path, rank: int, exc: BaseException) -> RunError:
@@ -106,7 +129,8 @@ class Supervisor:
         # controller syncs after the step even when train.sync_every would not.
         self.sync_owed = False
         self.step = 0  # the step the loop is at (what the watcher thread's events name)
-        self.deaths = DeathWatch(self._targets, self._noticed)
+        self.deaths = DeathWatch(self._targets, self._noticed, cfg.generators.unresponsive_s)
+        self._step_times: list[float] = []  # the last STEP_WINDOW steps' seconds (the step time limit)
         self.failures = FailureWatch(cfg.task.failure_window, reward_name(cfg.task.name, cfg.task.reward), cfg.env.name)
 
     def start(self) -> None:
@@ -136,11 +160,15 @@ class Supervisor:
         process, failing rewards, the prompt stream). The batch counts as trained once every rank
         returned."""
         self.step = step
+        t0 = time.monotonic()
+        limit = step_limit(self._step_times, self.cfg.train.step_timeout_s)
         refs = self.rt.start_train_step(step)
         running = {ref: rank for rank, ref in enumerate(refs)}
         every = self.cfg.generators.health_check_s
         next_check = time.monotonic() + every
         while running:
+            if limit is not None and time.monotonic() - t0 > limit:
+                raise learner_hung(self.run_dir, sorted(running.values()), step, limit)
             self.act_on_deaths(step, step, during_step=True)
             timeout = min(WAKE_S, max(0.0, next_check - time.monotonic()))
             done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
@@ -157,6 +185,7 @@ class Supervisor:
                 self.check_prompts(step, stats)
                 next_check = time.monotonic() + every
         metrics = ray.get(refs)
+        self._step_times = [*self._step_times[-(STEP_WINDOW - 1) :], time.monotonic() - t0]
         self.on_buffer(step, lambda: self.rt.ack_batch(step))
         return metrics
 
@@ -184,7 +213,9 @@ class Supervisor:
         n = len(self.rt.generators.engines)
         self._event(self.step, "watch", n, n, f"{name} found dead: {notice.why}")
         if notice.kind in ("engine", "learner"):
-            self.rt.generators.abort_sync(f"{name} died")
+            # on a thread of its own: reaching the group's store can take seconds (it is gone with a
+            # dead rank 0), and the watcher must go on watching meanwhile
+            threading.Thread(target=self.rt.generators.abort_sync, args=(f"{name} died",), daemon=True).start()
 
     def _is_current(self, w: Watched) -> bool:
         """The process a notice is about is still in the run (not replaced or removed meanwhile)."""

@@ -4,7 +4,8 @@ between steps, an engine's Ray actor at a random moment, an engine core mid-weig
 between steps and at a random moment. Random moments are drawn from a seeded generator and printed, so
 a failure can be replayed. And engines and the buffer killed during an evaluation. Each death must be
 found (logged by the run's watcher) within DETECT_S and acted on (its recovery logged) within ACT_S.
-(A learner rank's death stops the run with one line: test_elastic.py.)"""
+And hangs: an engine's actor and a learner rank stopped with SIGSTOP, found by their unanswered
+liveness probes. (A learner rank's death stops the run with one line: test_elastic.py.)"""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from _load import start_burners, stop_burners
 from test_elastic import SHORT, _kill_after_first_bucket, events
 from test_training_run import check_common, run_short
 
+from async_rl.errors import RunError
 from async_rl.evaluation.phase import Evaluation
 from async_rl.generator.pool import GeneratorPool
 
@@ -255,3 +257,48 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
         requeued=final.accounts.requeued, late_groups=True,
     )
     assert final.accounts.lost == 0
+
+
+HANG_S = 8.0  # generators.unresponsive_s in the hang test: a probe unanswered this long is a death
+
+
+def test_sigstop_of_an_engine_actor_then_of_a_learner_rank_are_found_as_hangs(tmp_path, model_cache):
+    """A stopped process keeps every call to it pending and never dies: its unanswered liveness
+    probe names it. An engine's actor stopped between steps is replaced and the run goes on; a
+    learner rank stopped later stops the run with one line (its recovery is not built)."""
+    stopped: list[tuple[str, int, float]] = []  # (kind, pid, wall time)
+
+    def between(controller, step):
+        if step == 0:
+            pid = controller.generators.pids()[0].actor
+            stopped.append(("engine", pid, time.time()))
+            os.kill(pid, signal.SIGSTOP)
+        if step == 2:
+            pid = ray.get(controller.learner.actors[1].__ray_call__.remote(lambda rank: os.getpid()), timeout=60)
+            stopped.append(("learner", pid, time.time()))
+            os.kill(pid, signal.SIGSTOP)
+
+    overrides = [*SHORT, "train.total_steps=5", "learner.world_size=2", f"generators.unresponsive_s={HANG_S}"]
+    try:
+        with pytest.raises(RunError) as err:
+            run_short(tmp_path, model_cache, overrides, between=between)
+    finally:
+        for _, pid, _ in stopped:  # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert [kind for kind, _, _ in stopped] == ["engine", "learner"]
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("learner rank 1 died (no answer to a liveness probe for"), line
+    log = events(tmp_path)
+    found = {
+        kind: next(e["at"] for e in log if e["source"] == "watch" and e["at"] >= t and e["reason"].startswith(kind)) - t
+        for kind, _, t in stopped
+    }
+    print("hangs found after, s:", {k: round(v, 2) for k, v in found.items()})
+    assert all(HANG_S <= v < HANG_S + DETECT_S for v in found.values()), found
+    recovered = [e["reason"] for e in log if e["source"] == "recovery"]
+    assert recovered[0].startswith("engine 0 died") and recovered[1].startswith("started engine(s) [1]"), recovered
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics] == [0, 1, 2]  # step 4 never finished: the run stopped there

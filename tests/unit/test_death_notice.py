@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -134,13 +135,18 @@ class Runtime:
     def __init__(self) -> None:
         self.buffer = Actor("buffer0")
         self.aborted: list[str] = []
+        self.abort_done = threading.Event()
         self.generators = SimpleNamespace(
-            engines={0: SimpleNamespace(actor=Actor("engine0"))}, stats=lambda: [], abort_sync=self.aborted.append
+            engines={0: SimpleNamespace(actor=Actor("engine0"))}, stats=lambda: [], abort_sync=self._abort
         )
         self.learner = SimpleNamespace(actors=[Actor("rank0"), Actor("rank1")])
         self.reward_models = None
         self.log: list[str] = []
         self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
+
+    def _abort(self, reason: str) -> None:
+        self.aborted.append(reason)
+        self.abort_done.set()
 
     def start_train_step(self, step: int) -> list[Ref]:
         return self.step_refs
@@ -189,6 +195,7 @@ def test_a_death_is_logged_at_once_and_a_sync_in_flight_aborted(setup, tmp_path)
         ("watch", "engine 0 found dead: vLLM's engine core died"),
         ("watch", "buffer found dead: its actor died"),
     ]
+    assert rt.abort_done.wait(10)  # the abort runs on a thread of its own
     assert rt.aborted == ["engine 0 died"]  # only a member of the weight group aborts a sync
     assert rt.log == []  # acting is the loop's job, at its next look
 
@@ -210,7 +217,6 @@ def test_notices_are_acted_on_between_steps_and_stale_ones_dropped(setup):
 def test_a_dead_learner_rank_between_steps_stops_the_run_with_one_line(setup):
     rt, sup = setup
     deliver(sup, notice("learner", 1, rt.learner.actors[1]))
-    assert rt.aborted == ["learner 1 died"]
     with pytest.raises(RunError, match=r"learner rank 1 died \(its actor died\); no checkpoint was written"):
         sup.act_on_deaths(2, 3)
 
@@ -242,3 +248,75 @@ def test_a_dead_rank_stops_the_step_at_once(monkeypatch, setup):
     fake_ray(monkeypatch, sup_module, {"rank1"})
     with pytest.raises(RunError, match="learner rank 1 died"):
         sup.train_step(4)
+
+
+# ---- hangs ---------------------------------------------------------------------------------------
+
+
+class Probed(Actor):
+    """An actor whose liveness probes (`__ray_ready__`) are Refs named 'probe NAME'."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.probes: list[Ref] = []
+        self.__ray_ready__ = SimpleNamespace(remote=self._probe)
+
+    def _probe(self) -> Ref:
+        ref = Ref(f"probe {self.name}", answer=True)
+        self.probes.append(ref)
+        return ref
+
+
+def test_a_process_that_answers_no_probe_for_unresponsive_s_is_reported_dead_once(monkeypatch):
+    """A stopped process keeps its watch pending forever: its unanswered liveness probe reports it."""
+    clock = [1000.0]
+    monkeypatch.setattr(dw_module.time, "monotonic", lambda: clock[0])
+    busy, stopped = Probed("busy"), Probed("stopped")
+    targets = {Watched("engine", 0, actor_key(busy)): busy, Watched("learner", 1, actor_key(stopped)): stopped}
+    watch = DeathWatch(lambda: dict(targets), lambda n: None, unresponsive_s=10.0)
+    answered: set[str] = set()
+
+    def wait(refs, num_returns=1, timeout=None, fetch_local=True):
+        done = [r for r in refs if r.what in answered][: max(num_returns, 0) or len(refs)]
+        return done, [r for r in refs if r not in done]
+
+    monkeypatch.setattr(dw_module.ray, "wait", wait)
+    answered.add("probe busy")  # 'busy' answers every probe; 'stopped' none
+    for _ in range(9):  # 9 s of looks, one a second: a probe each to both, none reported yet
+        assert watch.poll(0) == []
+        clock[0] += 1.0
+    assert len(stopped.probes) == 1 and len(busy.probes) >= 4  # one probe in flight at a time
+    clock[0] += 1.5
+    [notice] = watch.poll(0)
+    assert (notice.kind, notice.ident) == ("learner", 1)
+    assert notice.why.startswith("no answer to a liveness probe for 10s")
+    clock[0] += 30.0
+    assert watch.poll(0) == []  # reported once; the busy one never
+
+
+def test_the_step_time_limit_follows_the_slowest_recent_step_within_floor_and_ceiling():
+    assert sup_module.step_limit([], 1800.0) == 1800.0  # nothing measured yet: the ceiling
+    assert sup_module.step_limit([2.0, 3.0], 1800.0) == sup_module.STEP_FLOOR_S
+    assert sup_module.step_limit([2.0, 100.0], 1800.0) == 500.0
+    assert sup_module.step_limit([2.0, 1000.0], 1800.0) == 1800.0
+    assert sup_module.step_limit([2.0], 0.0) is None  # 0: no limit
+
+
+def test_a_step_past_its_limit_is_a_hang_named_in_one_line(monkeypatch, setup):
+    rt, sup = setup
+    clock = [0.0]
+    monkeypatch.setattr(sup_module.time, "monotonic", lambda: clock[0])
+
+    def wait(refs, num_returns=1, timeout=None):  # rank 0 finishes, rank 1 never does
+        clock[0] += 1.0
+        done = [r for r in refs if r.what == "rank0"]
+        return done, [r for r in refs if r not in done]
+
+    monkeypatch.setattr(sup_module.ray, "wait", wait)
+    monkeypatch.setattr(sup_module.ray, "get", lambda ref, timeout=None: ref.answer)
+    sup.cfg = load_config(None, ["generators.health_check_s=100000", "train.step_timeout_s=30"])
+    with pytest.raises(RunError) as info:
+        sup.train_step(4)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("learner rank(s) 1 hung: step 5 still running after 30s")
+    assert clock[0] <= 32.0  # found at the first look past the limit
