@@ -49,6 +49,7 @@ from async_rl.death_watch import DeathNotice, DeathWatch, Watched, actor_key
 from async_rl.errors import RunError
 from async_rl.evaluation.scores import EvalRecord
 from async_rl.failure_watch import Failing, FailureWatch, reward_name
+from async_rl.generator.pool import LEARNER
 from async_rl.learner.base import StepMetrics
 from async_rl.runtime import Runtime
 
@@ -130,6 +131,7 @@ class Supervisor:
         self.sync_owed = False
         self.step = 0  # the step the loop is at (what the watcher thread's events name)
         self.deaths = DeathWatch(self._targets, self._noticed, cfg.generators.unresponsive_s)
+        self._found: list[DeathNotice] = []  # notices taken by a failed sync, for act_on_deaths
         self._step_times: list[float] = []  # the last STEP_WINDOW steps' seconds (the step time limit)
         self.failures = FailureWatch(cfg.task.failure_window, reward_name(cfg.task.name, cfg.task.reward), cfg.env.name)
 
@@ -213,9 +215,11 @@ class Supervisor:
         n = len(self.rt.generators.engines)
         self._event(self.step, "watch", n, n, f"{name} found dead: {notice.why}")
         if notice.kind in ("engine", "learner"):
+            member = notice.ident if notice.kind == "engine" else LEARNER
             # on a thread of its own: reaching the group's store can take seconds (it is gone with a
             # dead rank 0), and the watcher must go on watching meanwhile
-            threading.Thread(target=self.rt.generators.abort_sync, args=(f"{name} died",), daemon=True).start()
+            args = (member, f"{name} found dead")
+            threading.Thread(target=self.rt.generators.abort_sync, args=args, daemon=True).start()
 
     def _is_current(self, w: Watched) -> bool:
         """The process a notice is about is still in the run (not replaced or removed meanwhile)."""
@@ -231,13 +235,20 @@ class Supervisor:
         actor = rt.reward_models.actors().get(w.ident) if rt.reward_models is not None else None
         return actor is not None and actor_key(actor) == w.actor_id
 
+    def _engines_found_dead(self) -> list[int]:
+        """Engines the watcher found dead or hung (a hung one answers no health check either), still
+        in the pool; their notices are kept for act_on_deaths, which drops them once replaced."""
+        self._found.extend(self.deaths.take())
+        return [n.ident for n in self._found if n.kind == "engine" and self._is_current(n.watched())]
+
     def act_on_deaths(self, step: int, version: int, during_step: bool = False) -> None:
         """Recover every process the watcher found dead since the last look: a dead buffer is
         restarted, dead engines replaced (given the learner's `version`), dead reward-model replicas
         started anew; a dead learner rank stops the run. A notice about a process already replaced
         (by a failed call's path, an evaluation) is dropped."""
         dead_engines: list[int] = []
-        for notice in self.deaths.take():
+        found, self._found = [*self._found, *self.deaths.take()], []
+        for notice in found:
             w = notice.watched()
             if not self._is_current(w):
                 continue
@@ -360,10 +371,14 @@ class Supervisor:
                 self.sync_owed = False
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
+                self._found.extend(self.deaths.take())
+                for n in self._found:  # a rank found dead or hung by the watcher (a hung one answers nothing)
+                    if n.kind == "learner" and self._is_current(n.watched()):
+                        raise learner_died(self.run_dir, n.ident, RuntimeError(n.why)) from None
                 dead_rank = self.rt.dead_learner_rank()
                 if dead_rank is not None:
                     raise learner_died(self.run_dir, dead_rank, exc) from None
-                dead = self.rt.generators.find_dead()
+                dead = sorted(set(self.rt.generators.find_dead()) | set(self._engines_found_dead()))
                 if not dead or attempt == SYNC_ATTEMPTS:
                     if isinstance(exc, RunError):
                         raise

@@ -144,8 +144,8 @@ class Runtime:
         self.log: list[str] = []
         self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
 
-    def _abort(self, reason: str) -> None:
-        self.aborted.append(reason)
+    def _abort(self, member: int, reason: str) -> None:
+        self.aborted.append(f"{member}: {reason}")
         self.abort_done.set()
 
     def start_train_step(self, step: int) -> list[Ref]:
@@ -196,7 +196,7 @@ def test_a_death_is_logged_at_once_and_a_sync_in_flight_aborted(setup, tmp_path)
         ("watch", "buffer found dead: its actor died"),
     ]
     assert rt.abort_done.wait(10)  # the abort runs on a thread of its own
-    assert rt.aborted == ["engine 0 died"]  # only a member of the weight group aborts a sync
+    assert rt.aborted == ["0: engine 0 found dead"]  # only a member of the weight group aborts a sync
     assert rt.log == []  # acting is the loop's job, at its next look
 
 
@@ -320,3 +320,29 @@ def test_a_step_past_its_limit_is_a_hang_named_in_one_line(monkeypatch, setup):
     line = str(info.value)
     assert "\n" not in line and line.startswith("learner rank(s) 1 hung: step 5 still running after 30s")
     assert clock[0] <= 32.0  # found at the first look past the limit
+
+
+def test_a_sync_waiting_on_a_member_found_dead_gives_up_at_once(monkeypatch):
+    """A stopped engine never answers its pause: the sync's wait gives up once the watcher marked it,
+    and waits again normally once that engine left the pool."""
+    from async_rl.generator import pool as pool_module
+
+    pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)  # only the wait's state
+    pool._group, pool._abandoned, pool.membership_stale = None, {}, False
+    pool.engines = {0: SimpleNamespace(actor=Actor("engine0"), pool=None)}
+    looks = itertools.count()
+
+    def wait(refs, num_returns=1, timeout=None):
+        assert timeout <= pool_module.GATHER_LOOK_S
+        if next(looks) == 2:  # the watcher's thread, meanwhile
+            pool.abort_sync(0, "engine 0 found dead: no answer to a liveness probe for 8s")
+        return [], list(refs)
+
+    monkeypatch.setattr(pool_module.ray, "wait", wait)
+    with pytest.raises(RunError, match="pausing: abandoned: engine 0 found dead: no answer"):
+        pool._gather([Ref("pause engine0")], 600.0, "pausing")
+    assert pool.membership_stale
+    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
+    monkeypatch.setattr(pool_module.ray, "get", lambda ref, timeout=None: 3)
+    pool.buffer = SimpleNamespace(requeue=SimpleNamespace(remote=lambda eid: Ref("requeue")))
+    assert pool.drop_dead(0) == 3 and pool._abandoned == {}
