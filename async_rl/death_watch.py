@@ -40,6 +40,14 @@ class Watched(NamedTuple):
         return "buffer" if self.kind == "buffer" else f"{self.kind.replace('_', ' ')} {self.ident}"
 
 
+class Target(NamedTuple):
+    """A process to watch: its handle, and whether to probe it (not while it starts: vLLM's start
+    can hold an engine's event loop for minutes on a GPU)."""
+
+    actor: ActorHandle
+    probe: bool = True
+
+
 class DeathNotice(msgspec.Struct, frozen=True):
     """A process found dead, and why, at wall-clock time `at`."""
 
@@ -59,11 +67,12 @@ def actor_key(actor: ActorHandle) -> str:
 
 class DeathWatch:
     """`targets()` names every process to watch now (read on this thread, so it must be cheap and
-    safe beside the loop: a snapshot of the handles); each gets one pending `watch.remote()`."""
+    safe beside the loop: a snapshot of the handles); each gets one pending `watch.remote()`, and
+    those to probe a liveness probe."""
 
     def __init__(
         self,
-        targets: Callable[[], dict[Watched, ActorHandle]],
+        targets: Callable[[], dict[Watched, Target]],
         on_death: Callable[[DeathNotice], None],
         unresponsive_s: float = 0.0,
     ) -> None:
@@ -106,7 +115,7 @@ class DeathWatch:
                 print(f"[watch] error while watching: {type(exc).__name__}: {exc}", flush=True)
                 time.sleep(WAIT_S)
 
-    def _read_targets(self) -> dict[Watched, ActorHandle]:
+    def _read_targets(self) -> dict[Watched, Target]:
         for _ in range(100):
             try:
                 return self._targets()
@@ -120,9 +129,9 @@ class DeathWatch:
         current = self._read_targets()
         self._pending = {ref: w for ref, w in self._pending.items() if w in current}
         armed = set(self._pending.values())
-        for w, actor in current.items():
+        for w, target in current.items():
             if w not in armed and w not in self._reported:
-                self._pending[actor.watch.remote()] = w
+                self._pending[target.actor.watch.remote()] = w
         hung = self._probe(current)
         if not self._pending:
             self._stop.wait(timeout_s)
@@ -145,13 +154,13 @@ class DeathWatch:
             out.append(notice)
         return out + self._report_hung([(w, why) for w, why in hung if w not in self._reported])
 
-    def _probe(self, current: dict[Watched, ActorHandle]) -> list[tuple[Watched, str]]:
+    def _probe(self, current: dict[Watched, Target]) -> list[tuple[Watched, str]]:
         """Send a probe to every process without one in flight (at most every PROBE_EVERY_S); return
         those whose probe went unanswered for `unresponsive_s`, with why."""
         if self._unresponsive_s <= 0:
             return []
         now = time.monotonic()
-        self._probes = {w: p for w, p in self._probes.items() if w in current}
+        self._probes = {w: p for w, p in self._probes.items() if w in current and current[w].probe}
         self._answered = {w: t for w, t in self._answered.items() if w in current}
         if self._probes:
             done, _ = ray.wait([ref for ref, _ in self._probes.values()], num_returns=len(self._probes), timeout=0)
@@ -161,15 +170,15 @@ class DeathWatch:
                     del self._probes[w]
                     self._answered[w] = now
         hung = []
-        for w, actor in current.items():
-            if w in self._reported:
+        for w, target in current.items():
+            if w in self._reported or not target.probe:
                 continue
             if w in self._probes:
                 silent = now - self._probes[w][1]
                 if silent >= self._unresponsive_s:
                     hung.append((w, f"no answer to a liveness probe for {silent:.0f}s (stopped, or hung)"))
             elif now - self._answered.get(w, 0.0) >= PROBE_EVERY_S:
-                self._probes[w] = (actor.__ray_ready__.remote(), now)
+                self._probes[w] = (target.actor.__ray_ready__.remote(), now)
         return hung
 
     def _report_hung(self, hung: list[tuple[Watched, str]]) -> list[DeathNotice]:

@@ -45,7 +45,7 @@ from async_rl.buffer.actor import BufferStats
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.config import Config
 from async_rl.control import ControlInbox, ScaleReply, ScaleRequest
-from async_rl.death_watch import DeathNotice, DeathWatch, Watched, actor_key
+from async_rl.death_watch import DeathNotice, DeathWatch, Target, Watched, actor_key
 from async_rl.errors import RunError
 from async_rl.evaluation.scores import EvalRecord
 from async_rl.failure_watch import Failing, FailureWatch, reward_name
@@ -193,18 +193,20 @@ class Supervisor:
 
     # ---- death notices ----------------------------------------------------------------------------
 
-    def _targets(self) -> dict[Watched, ActorHandle]:
+    def _targets(self) -> dict[Watched, Target]:
         """Every process of the run now, by actor instance (read by the watcher thread: snapshots of
-        the handle maps; a map changed while read raises RuntimeError and is read again)."""
+        the handle maps; a map changed while read raises RuntimeError and is read again). Engines and
+        replicas still starting are watched but not probed."""
         rt = self.rt
-        out = {Watched("buffer", -1, actor_key(rt.buffer)): rt.buffer}
+        out = {Watched("buffer", -1, actor_key(rt.buffer)): Target(rt.buffer)}
         for eid, handle in list(rt.generators.engines.items()):
-            out[Watched("engine", eid, actor_key(handle.actor))] = handle.actor
+            out[Watched("engine", eid, actor_key(handle.actor))] = Target(handle.actor, handle.started)
         for rank, actor in enumerate(list(rt.learner.actors)):
-            out[Watched("learner", rank, actor_key(actor))] = actor
+            out[Watched("learner", rank, actor_key(actor))] = Target(actor)
         if rt.reward_models is not None:
+            serving = rt.reward_models.serving()
             for rid, actor in rt.reward_models.actors().items():
-                out[Watched("reward_model", rid, actor_key(actor))] = actor
+                out[Watched("reward_model", rid, actor_key(actor))] = Target(actor, rid in serving)
         return out
 
     def _noticed(self, notice: DeathNotice) -> None:

@@ -34,6 +34,7 @@ class EngineHandle:
     actor: ActorHandle
     pool: ResourcePool | None  # its own pool; None: a slot of the shared (colocated) pool
     slot: int = -1  # the shared pool's bundle it runs in
+    started: bool = False  # its start returned (before, its event loop may be busy starting vLLM)
 
 
 class GeneratorPool:
@@ -96,6 +97,8 @@ class GeneratorPool:
             if while_starting is not None:
                 while_starting()
             ray.get(starts, timeout=TIMEOUT_S)
+            for h in new:
+                h.started = True
         except Exception:
             # No room for another engine (or one failed to start): the pool stays as it was.
             for h in new:

@@ -16,7 +16,7 @@ import pytest
 from async_rl import death_watch as dw_module
 from async_rl import supervisor as sup_module
 from async_rl.config import load_config
-from async_rl.death_watch import DeathNotice, DeathWatch, Watched, actor_key
+from async_rl.death_watch import DeathNotice, DeathWatch, Target, Watched, actor_key
 from async_rl.errors import RunError
 from async_rl.supervisor import Supervisor
 
@@ -76,7 +76,7 @@ def fake_ray(monkeypatch, module, finished: set[str]):
 
 def test_the_watcher_reports_each_death_once_and_never_a_process_taken_out_on_purpose(monkeypatch):
     buffer, e0, e1 = Actor("buffer"), Actor("e0"), Actor("e1")
-    targets = {Watched("buffer", -1, actor_key(buffer)): buffer, Watched("engine", 0, actor_key(e0)): e0}
+    targets = {Watched("buffer", -1, actor_key(buffer)): Target(buffer), Watched("engine", 0, actor_key(e0)): Target(e0)}
     seen: list[DeathNotice] = []
     watch = DeathWatch(lambda: dict(targets), seen.append)
     finished: set[str] = set()
@@ -84,7 +84,7 @@ def test_the_watcher_reports_each_death_once_and_never_a_process_taken_out_on_pu
 
     assert watch.poll(0) == []
     assert waited[-1] == ["watch buffer", "watch e0"]
-    targets[Watched("engine", 1, actor_key(e1))] = e1  # an engine joined: armed once, at the next look
+    targets[Watched("engine", 1, actor_key(e1))] = Target(e1)  # an engine joined: armed once, at the next look
     watch.poll(0)
     watch.poll(0)
     assert (len(buffer.watch_calls), len(e0.watch_calls), len(e1.watch_calls)) == (1, 1, 1)
@@ -106,7 +106,7 @@ def test_the_watcher_reports_each_death_once_and_never_a_process_taken_out_on_pu
 
     # an engine whose vLLM core exited: its watch returns why
     e2 = Actor("e2")
-    targets[Watched("engine", 2, actor_key(e2))] = e2
+    targets[Watched("engine", 2, actor_key(e2))] = Target(e2)
     watch.poll(0)
     e2.watch_calls[0].answer = "vLLM's engine core died"
     finished.add("watch e2")
@@ -121,7 +121,7 @@ def test_a_handle_map_changed_while_read_is_read_again(monkeypatch):
     def targets():
         if next(calls) == 0:
             raise RuntimeError("dictionary changed size during iteration")
-        return {Watched("buffer", -1, actor_key(actor)): actor}
+        return {Watched("buffer", -1, actor_key(actor)): Target(actor)}
 
     fake_ray(monkeypatch, dw_module, set())
     DeathWatch(targets, lambda n: None).poll(0)
@@ -137,7 +137,7 @@ class Runtime:
         self.aborted: list[str] = []
         self.abort_done = threading.Event()
         self.generators = SimpleNamespace(
-            engines={0: SimpleNamespace(actor=Actor("engine0"))}, stats=lambda: [], abort_sync=self._abort
+            engines={0: SimpleNamespace(actor=Actor("engine0"), started=True)}, stats=lambda: [], abort_sync=self._abort
         )
         self.learner = SimpleNamespace(actors=[Actor("rank0"), Actor("rank1")])
         self.reward_models = None
@@ -271,8 +271,12 @@ def test_a_process_that_answers_no_probe_for_unresponsive_s_is_reported_dead_onc
     """A stopped process keeps its watch pending forever: its unanswered liveness probe reports it."""
     clock = [1000.0]
     monkeypatch.setattr(dw_module.time, "monotonic", lambda: clock[0])
-    busy, stopped = Probed("busy"), Probed("stopped")
-    targets = {Watched("engine", 0, actor_key(busy)): busy, Watched("learner", 1, actor_key(stopped)): stopped}
+    busy, stopped, starting = Probed("busy"), Probed("stopped"), Probed("starting")
+    targets = {
+        Watched("engine", 0, actor_key(busy)): Target(busy),
+        Watched("learner", 1, actor_key(stopped)): Target(stopped),
+        Watched("engine", 2, actor_key(starting)): Target(starting, probe=False),  # vLLM still starting
+    }
     watch = DeathWatch(lambda: dict(targets), lambda n: None, unresponsive_s=10.0)
     answered: set[str] = set()
 
@@ -292,6 +296,7 @@ def test_a_process_that_answers_no_probe_for_unresponsive_s_is_reported_dead_onc
     assert notice.why.startswith("no answer to a liveness probe for 10s")
     clock[0] += 30.0
     assert watch.poll(0) == []  # reported once; the busy one never
+    assert starting.probes == []  # an engine still starting is not probed (its start may hold its loop)
 
 
 def test_the_step_time_limit_follows_the_slowest_recent_step_within_floor_and_ceiling():
@@ -346,3 +351,12 @@ def test_a_sync_waiting_on_a_member_found_dead_gives_up_at_once(monkeypatch):
     monkeypatch.setattr(pool_module.ray, "get", lambda ref, timeout=None: 3)
     pool.buffer = SimpleNamespace(requeue=SimpleNamespace(remote=lambda eid: Ref("requeue")))
     assert pool.drop_dead(0) == 3 and pool._abandoned == {}
+
+
+def test_every_process_of_the_run_is_a_target_and_a_starting_engine_is_not_probed(setup):
+    rt, sup = setup
+    rt.generators.engines[1] = SimpleNamespace(actor=Actor("engine1"), started=False)
+    targets = sup._targets()
+    assert sorted((w.kind, w.ident, t.probe) for w, t in targets.items()) == [
+        ("buffer", -1, True), ("engine", 0, True), ("engine", 1, False), ("learner", 0, True), ("learner", 1, True),
+    ]
