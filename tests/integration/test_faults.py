@@ -38,9 +38,11 @@ MARGIN_S = 30.0  # a step may take the replacement's start-up plus this
 
 
 def found_since(run_dir, since: float) -> bool:
-    """The run's watcher logged a death at or after `since` (wall time)."""
+    """The run logged a death found at or after `since` (wall time): the watcher's, or a recovery."""
     try:
-        return any(e["source"] == "watch" and e["at"] >= since for e in events(run_dir))
+        return any(
+            (e["source"] == "watch" or "died" in e["reason"]) and e["at"] >= since for e in events(run_dir)
+        )
     except (FileNotFoundError, ValueError):  # no event yet, or the line being written
         return False
 
@@ -86,17 +88,19 @@ class Killer:
 
 
 def delays(log: list[dict], kills: list[tuple[str, str, float]]) -> dict[str, tuple[float, float]]:
-    """For every kill: seconds to the first 'watch' event naming its kind after it (found) and to the
-    first 'recovery' event for its kind after it (acted on)."""
+    """For every kill: seconds to its death being found and to its recovery (the first 'recovery'
+    event for its kind after it). Found: the watcher's 'watch' event, or the recovery itself when
+    another path (a failed call, the health check) got there first; the watcher then stays silent
+    about a process already taken out of the run."""
     out = {}
     for label, kind, at in kills:
         name = "buffer" if kind == "buffer" else "engine "
-        found = next(e["at"] for e in log if e["source"] == "watch" and e["at"] >= at and e["reason"].startswith(name))
         acted = next(
             e["at"] for e in log
             if e["source"] == "recovery" and e["at"] >= at and e["reason"].startswith(name) and "died" in e["reason"]
         )
-        out[label] = (found - at, acted - at)
+        watched = [e["at"] for e in log if e["source"] == "watch" and at <= e["at"] <= acted and e["reason"].startswith(name)]
+        out[label] = (min([acted, *watched]) - at, acted - at)
     return out
 
 
