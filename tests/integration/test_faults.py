@@ -176,7 +176,10 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
         requeued=final.accounts.requeued, late_groups=True,
     )
     assert len(engine_cks) == 2 and summary.steps == cfg.train.total_steps
-    assert final.accounts.lost == 0
+    # Nothing lost while the run went on (the dead engines' and buffers' leases were requeued); what
+    # the shutdown loses is the requests then in flight, in whole groups (check_common), which a
+    # buffer restarted in the last step (its snapshot older than the last leases) makes likely.
+    assert records[-1]["lost"] == 0
     # Nothing trained twice: exactly one batch per step was acknowledged.
     batch = cfg.train.prompts_per_step * cfg.generators.group_size
     assert final.accounts.trained == batch * cfg.train.total_steps
