@@ -356,6 +356,11 @@ class GeneratorConfig(_Section):
         float, _f("while the learner waits, engines and buffer get a full check this often (a process that died is "
                   "noticed at once, from Ray's notice of a pending watch call)", gt=0)
     ] = 2.0
+    unresponsive_s: Annotated[
+        float, _f("a process of the run (engine, buffer, learner rank, reward-model replica) that answers no liveness "
+                  "probe for this long is treated as dead (stopped, or its event loop blocked): named in one line "
+                  "and recovered like a death (0 = never)", ge=0)
+    ] = 60.0
     autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
 
 
@@ -372,6 +377,11 @@ class TrainConfig(_Section):
         int, _f("write RUN_DIR/checkpoints/step_N every this many steps (0 = only at the end, if checkpoint_at_end)", ge=0)
     ] = 0
     checkpoint_at_end: Annotated[bool, _f("write a checkpoint after the last step")] = True
+    step_timeout_s: Annotated[
+        float, _f("ceiling of a learner step's time limit: a step still running after min(this, max(120 s, 5 x the "
+                  "slowest of the last 20 steps)) is a hang (a rank stuck in a collective) and stops the run with one "
+                  "line naming the ranks that did not finish (0 = no limit)", ge=0)
+    ] = 1800.0
     checkpoint_keep: Annotated[int, _f("checkpoints kept in RUN_DIR/checkpoints (the oldest are removed)", ge=1)] = 2
     minibatches: Annotated[
         int,

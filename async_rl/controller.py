@@ -98,6 +98,7 @@ class Controller:
         self.start()
         rt = self.runtime
         sup = self.supervisor = Supervisor(rt, self.cfg, self.run_dir, self.run_id, metrics.stream)
+        sup.start()  # every process watched from here on, whatever the loop does (death_watch.py)
         print(
             f"ready in {time.perf_counter() - t_ready:.0f}s: {len(rt.generators.engines)} engine(s), "
             f"{rt.learner.world_size} learner rank(s); training",
@@ -117,6 +118,9 @@ class Controller:
                 print(f"data: {exc}", file=metrics.stream, flush=True)
                 break
             self.version = step + 1
+            # deaths found since the step's last look (the watcher reports them at once, the loop
+            # acts here and after each phase below: sync, checkpoint, evaluation)
+            sup.act_on_deaths(step, self.version)
             sync_s, mismatch = 0.0, None
             if self.version % self.cfg.train.sync_every == 0 or sup.sync_owed:
                 sync_s = sup.sync(self.version)
@@ -135,7 +139,9 @@ class Controller:
             rewards.append(record.reward_mean)
             if self.checkpoint_due(step):
                 self.save_checkpoint()
+                sup.act_on_deaths(step, self.version)
             self.evaluate(metrics, t_start)
+            sup.act_on_deaths(step, self.version)
             signal = ScaleSignal(elapsed, record.learner_wait_s, buffer.waiting_groups, self.cfg.train.prompts_per_step)
             sup.between_steps(step, signal)  # operator requests, autoscaling
             if between_steps is not None:
@@ -213,7 +219,7 @@ class Controller:
             step=self.version,  # one optimizer step per version
             version=self.version,
             initial_model_dir=str(self.initial_model_dir),
-            buffer=ray.get(self.buffer.checkpoint_state.remote()),
+            buffer=self.supervisor.on_buffer(self.version - 1, self.runtime.buffer_checkpoint_state),
             saved_at=time.time(),
         )
         return checkpoint.commit(tmp, state, self.cfg.train.checkpoint_keep)

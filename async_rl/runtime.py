@@ -149,8 +149,9 @@ class Runtime:
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
-            # Two calls at once: a weight sync or buffer redirect while train_step waits for a batch.
-            options = {**options, "max_concurrency": 2}
+            # Calls at once: a weight sync or buffer redirect while train_step waits for a batch, the
+            # controller's pending `watch` (death_watch.py), and a liveness probe beside them.
+            options = {**options, "max_concurrency": 4}
             return ray.remote(LearnerDriver).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
 
         return WorkerGroup(pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
@@ -207,6 +208,9 @@ class Runtime:
 
     def buffer_stats(self) -> BufferStats:
         return ray.get(self.buffer.stats.remote(), timeout=START_TIMEOUT_S)
+
+    def buffer_checkpoint_state(self) -> BufferState:
+        return ray.get(self.buffer.checkpoint_state.remote(), timeout=START_TIMEOUT_S)
 
     def buffer_alive(self) -> bool:
         try:

@@ -2,10 +2,14 @@
 autoscaler). It acts only through the Runtime (runtime.py), which owns every process handle, and never
 touches the controller; the controller's loop calls it. What happens when:
 
-- the learner waits for a batch: the buffer and every engine have a `watch` call pending that Ray
-  fails the moment the actor dies (an engine's also returns when its vLLM engine core dies), and the
-  controller waits on those beside the ranks' step calls, so a death is acted on within about a
-  second however busy the machine is; every `generators.health_check_s` a full check runs besides.
+- always (steps, weight syncs, evaluations, checkpoints and the gaps between them): a watcher
+  thread (death_watch.py) keeps one `watch` call pending on the buffer, every engine, every learner
+  rank and every reward-model replica. Ray fails it the moment the actor dies; an engine's also
+  returns when its vLLM engine core's process exited (core_watch.py) or its reward pool is stuck.
+  The death is logged at once (`scaling.jsonl`, source 'watch'), a weight sync in flight is aborted
+  (it would wait for the dead member), and the loop acts on it at its next safe point: at once
+  while the learner trains (the step's wait looks every WAKE_S), else right after the phase it is in.
+  Every `generators.health_check_s` a full check runs besides while the learner trains.
   A dead engine (its Ray actor, or its vLLM engine core) is removed, its leases go back to
   the prompt pool (`requeued`; a late frame from it is rejected), and a replacement starts and gets
   the current weights at once (the learner rank serves a sync while it waits). A dead buffer is
@@ -25,14 +29,14 @@ touches the controller; the controller's loop calls it. What happens when:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, TextIO, TypeVar
+from typing import TextIO, TypeVar
 
 import msgspec
 import ray
-from ray import ActorID
 from ray.actor import ActorHandle
 
 from async_rl import checkpoint
@@ -41,15 +45,32 @@ from async_rl.buffer.actor import BufferStats
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.config import Config
 from async_rl.control import ControlInbox, ScaleReply, ScaleRequest
+from async_rl.death_watch import DeathNotice, DeathWatch, Target, Watched, actor_key
 from async_rl.errors import RunError
 from async_rl.evaluation.scores import EvalRecord
 from async_rl.failure_watch import Failing, FailureWatch, reward_name
+from async_rl.generator.pool import LEARNER
 from async_rl.learner.base import StepMetrics
 from async_rl.runtime import Runtime
 
 SYNC_ATTEMPTS = 3
 T = TypeVar("T")
 START_TIMEOUT_S = 600.0
+WAKE_S = 0.25  # while the learner trains, how often the supervisor looks for death notices
+# A learner step's time limit: STEP_FACTOR x the slowest of the last STEP_WINDOW steps, at least
+# STEP_FLOOR_S (a step may wait for a replaced engine's start-up), at most train.step_timeout_s.
+STEP_FACTOR = 5.0
+STEP_FLOOR_S = 120.0
+STEP_WINDOW = 20
+
+
+def step_limit(recent_s: list[float], ceiling_s: float) -> float | None:
+    """How long a learner step may run before it counts as a hang; None: no limit (ceiling 0)."""
+    if ceiling_s <= 0:
+        return None
+    if not recent_s:
+        return ceiling_s
+    return min(ceiling_s, max(STEP_FLOOR_S, STEP_FACTOR * max(recent_s)))
 
 
 class PromptsExhausted(Exception):
@@ -74,19 +95,20 @@ def latest_checkpoint(run_dir: Path) -> str | None:
     return str(found[-1]) if found else None
 
 
+def learner_hung(run_dir: Path, ranks: list[int], step: int, limit_s: float) -> RunError:
+    ckpt = latest_checkpoint(run_dir)
+    where = f"resume from checkpoint {ckpt}" if ckpt else "no checkpoint was written, the run cannot resume"
+    return RunError(
+        f"learner rank(s) {', '.join(map(str, ranks))} hung: step {step + 1} still running after {limit_s:.0f}s "
+        f"(5x the slowest recent step, at least {STEP_FLOOR_S:.0f}s, at most train.step_timeout_s); {where}"
+    )
+
+
 def learner_died(run_dir: Path, rank: int, exc: BaseException) -> RunError:
     ckpt = latest_checkpoint(run_dir)
     where = f"resume from checkpoint {ckpt}" if ckpt else "no checkpoint was written, the run cannot resume"
     cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return RunError(f"learner rank {rank} died ({cause}); {where}")
-
-
-class Watch(NamedTuple):
-    """What a pending `watch` call watches: the buffer (engine_id -1) or an engine, by actor instance."""
-
-    kind: str  # 'buffer' | 'engine'
-    engine_id: int
-    actor_id: ActorID
 
 
 class Supervisor:
@@ -102,44 +124,57 @@ class Supervisor:
         self.signals: list[ScaleSignal] = []
         self.steps_since_change = 0
         self._log = open(run_dir / "scaling.jsonl", "ab")
+        self._log_lock = threading.Lock()  # the watcher thread logs deaths too
         self.events: list[ScaleEvent] = []
         # A sync was skipped (during a step), so a replaced engine may hold no weights yet: the
         # controller syncs after the step even when train.sync_every would not.
         self.sync_owed = False
-        self._watching: dict[ray.ObjectRef, Watch] = {}  # see _watchers
+        self.step = 0  # the step the loop is at (what the watcher thread's events name)
+        self.deaths = DeathWatch(self._targets, self._noticed, cfg.generators.unresponsive_s)
+        self._found: list[DeathNotice] = []  # notices taken by a failed sync, for act_on_deaths
+        self._step_times: list[float] = []  # the last STEP_WINDOW steps' seconds (the step time limit)
         self.failures = FailureWatch(cfg.task.failure_window, reward_name(cfg.task.name, cfg.task.reward), cfg.env.name)
 
+    def start(self) -> None:
+        """Start watching every process (see death_watch.py)."""
+        self.deaths.start()
+
     def close(self) -> None:
-        self._watching.clear()
+        self.deaths.stop()
         self.inbox.close()
         self._log.close()
 
     def _event(self, step: int, source: str, before: int, after: int, reason: str) -> None:
         event = ScaleEvent(step, source, before, after, reason, at=time.time())
-        self.events.append(event)
-        self._log.write(msgspec.json.encode(event) + b"\n")
-        self._log.flush()
-        print(f"[{source}] step {step + 1}: {reason}", file=self.stream, flush=True)
+        with self._log_lock:
+            self.events.append(event)
+            if not self._log.closed:
+                self._log.write(msgspec.json.encode(event) + b"\n")
+                self._log.flush()
+            print(f"[{source}] step {step + 1}: {reason}", file=self.stream, flush=True)
 
     # ---- the learner's step, watched ------------------------------------------------------------
 
     def train_step(self, step: int) -> list[StepMetrics]:
-        """Run step `step` on every rank. While it runs, a death is acted on as soon as Ray reports
-        it: a rank's step call fails, or a watch call (`_watchers`) of the buffer or an engine
-        returns. Every `generators.health_check_s` the full check runs besides (a hung process,
-        failing rewards, the prompt stream). The batch counts as trained once every rank returned."""
+        """Run step `step` on every rank. While it runs, a death is acted on as soon as it is known:
+        a rank's step call fails, or the watcher (death_watch.py) reported a death, which is looked
+        for every WAKE_S. Every `generators.health_check_s` the full check runs besides (a hung
+        process, failing rewards, the prompt stream). The batch counts as trained once every rank
+        returned."""
+        self.step = step
+        t0 = time.monotonic()
+        limit = step_limit(self._step_times, self.cfg.train.step_timeout_s)
         refs = self.rt.start_train_step(step)
         running = {ref: rank for rank, ref in enumerate(refs)}
         every = self.cfg.generators.health_check_s
         next_check = time.monotonic() + every
         while running:
-            watchers = self._watchers()
-            timeout = max(0.0, next_check - time.monotonic())
-            done, _ = ray.wait([*running, *watchers], num_returns=1, timeout=timeout)
+            if limit is not None and time.monotonic() - t0 > limit:
+                raise learner_hung(self.run_dir, sorted(running.values()), step, limit)
+            self.act_on_deaths(step, step, during_step=True)
+            timeout = min(WAKE_S, max(0.0, next_check - time.monotonic()))
+            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
             for ref in done:
-                if ref in watchers:
-                    self._watch_fired(step, ref)
-                    continue
                 rank = running.pop(ref)
                 try:
                     ray.get(ref, timeout=0)
@@ -152,38 +187,84 @@ class Supervisor:
                 self.check_prompts(step, stats)
                 next_check = time.monotonic() + every
         metrics = ray.get(refs)
+        self._step_times = [*self._step_times[-(STEP_WINDOW - 1) :], time.monotonic() - t0]
         self.on_buffer(step, lambda: self.rt.ack_batch(step))
         return metrics
 
     # ---- death notices ----------------------------------------------------------------------------
 
-    def _watchers(self) -> dict[ray.ObjectRef, Watch]:
-        """One `watch` call kept pending on the buffer and on every engine. Ray fails it the moment
-        its actor dies; an engine's also returns once its vLLM engine core died (or its reward pool is
-        stuck). Waiting on them beside the step's calls makes detection independent of the health
-        check's cadence and of how busy this process is. Armed anew for a restarted buffer and new
-        engines; a process that left the run is no longer watched."""
-        current = {Watch("buffer", -1, self.rt.buffer._actor_id): self.rt.buffer}
-        for eid, handle in self.rt.generators.engines.items():
-            current[Watch("engine", eid, handle.actor._actor_id)] = handle.actor
-        self._watching = {ref: w for ref, w in self._watching.items() if w in current}
-        armed = set(self._watching.values())
-        for w, actor in current.items():
-            if w not in armed:
-                self._watching[actor.watch.remote()] = w
-        return self._watching
+    def _targets(self) -> dict[Watched, Target]:
+        """Every process of the run now, by actor instance (read by the watcher thread: snapshots of
+        the handle maps; a map changed while read raises RuntimeError and is read again). Engines and
+        replicas still starting are watched but not probed."""
+        rt = self.rt
+        out = {Watched("buffer", -1, actor_key(rt.buffer)): Target(rt.buffer)}
+        for eid, handle in list(rt.generators.engines.items()):
+            out[Watched("engine", eid, actor_key(handle.actor))] = Target(handle.actor, handle.started)
+        for rank, actor in enumerate(list(rt.learner.actors)):
+            out[Watched("learner", rank, actor_key(actor))] = Target(actor)
+        if rt.reward_models is not None:
+            serving = rt.reward_models.serving()
+            for rid, actor in rt.reward_models.actors().items():
+                out[Watched("reward_model", rid, actor_key(actor))] = Target(actor, rid in serving)
+        return out
 
-    def _watch_fired(self, step: int, ref: ray.ObjectRef) -> None:
-        w = self._watching.pop(ref)
+    def _noticed(self, notice: DeathNotice) -> None:
+        """On the watcher thread, the moment a death is known: log it (detection times are measured
+        from this event), and abort a weight sync the dead process may be a member of, so no member
+        waits for it. The loop acts on the notice itself (act_on_deaths)."""
+        name = notice.watched().name()
+        n = len(self.rt.generators.engines)
+        self._event(self.step, "watch", n, n, f"{name} found dead: {notice.why}")
+        if notice.kind in ("engine", "learner"):
+            member = notice.ident if notice.kind == "engine" else LEARNER
+            # on a thread of its own: reaching the group's store can take seconds (it is gone with a
+            # dead rank 0), and the watcher must go on watching meanwhile
+            args = (member, f"{name} found dead")
+            threading.Thread(target=self.rt.generators.abort_sync, args=args, daemon=True).start()
+
+    def _is_current(self, w: Watched) -> bool:
+        """The process a notice is about is still in the run (not replaced or removed meanwhile)."""
+        rt = self.rt
         if w.kind == "buffer":
-            if self.rt.buffer._actor_id == w.actor_id:  # not restarted meanwhile
+            return actor_key(rt.buffer) == w.actor_id
+        if w.kind == "engine":
+            handle = rt.generators.engines.get(w.ident)
+            return handle is not None and actor_key(handle.actor) == w.actor_id
+        if w.kind == "learner":
+            actors = rt.learner.actors
+            return w.ident < len(actors) and actor_key(actors[w.ident]) == w.actor_id
+        actor = rt.reward_models.actors().get(w.ident) if rt.reward_models is not None else None
+        return actor is not None and actor_key(actor) == w.actor_id
+
+    def _engines_found_dead(self) -> list[int]:
+        """Engines the watcher found dead or hung (a hung one answers no health check either), still
+        in the pool; their notices are kept for act_on_deaths, which drops them once replaced."""
+        self._found.extend(self.deaths.take())
+        return [n.ident for n in self._found if n.kind == "engine" and self._is_current(n.watched())]
+
+    def act_on_deaths(self, step: int, version: int, during_step: bool = False) -> None:
+        """Recover every process the watcher found dead since the last look: a dead buffer is
+        restarted, dead engines replaced (given the learner's `version`), dead reward-model replicas
+        started anew; a dead learner rank stops the run. A notice about a process already replaced
+        (by a failed call's path, an evaluation) is dropped."""
+        dead_engines: list[int] = []
+        found, self._found = [*self._found, *self.deaths.take()], []
+        for notice in found:
+            w = notice.watched()
+            if not self._is_current(w):
+                continue
+            if w.kind == "buffer":
                 self.restart_buffer(step)
-            return
-        handle = self.rt.generators.engines.get(w.engine_id)
-        if handle is None or handle.actor._actor_id != w.actor_id:
-            return  # removed or replaced meanwhile
-        self.replace(step, [w.engine_id])
-        self.sync(step, during_step=True)
+            elif w.kind == "engine":
+                dead_engines.append(w.ident)
+            elif w.kind == "learner":
+                raise learner_died(self.run_dir, w.ident, RuntimeError(notice.why))
+            else:
+                self.recover_reward_models(step)
+        if dead_engines:
+            self.replace(step, dead_engines)
+            self.sync(version, during_step=during_step)
 
     # ---- checks ------------------------------------------------------------------------------------
 
@@ -292,10 +373,14 @@ class Supervisor:
                 self.sync_owed = False
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
+                self._found.extend(self.deaths.take())
+                for n in self._found:  # a rank found dead or hung by the watcher (a hung one answers nothing)
+                    if n.kind == "learner" and self._is_current(n.watched()):
+                        raise learner_died(self.run_dir, n.ident, RuntimeError(n.why)) from None
                 dead_rank = self.rt.dead_learner_rank()
                 if dead_rank is not None:
                     raise learner_died(self.run_dir, dead_rank, exc) from None
-                dead = self.rt.generators.find_dead()
+                dead = sorted(set(self.rt.generators.find_dead()) | set(self._engines_found_dead()))
                 if not dead or attempt == SYNC_ATTEMPTS:
                     if isinstance(exc, RunError):
                         raise

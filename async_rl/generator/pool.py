@@ -24,6 +24,8 @@ from async_rl.weight_sync.checksum import ParamChecksum, ShardChecksum
 from async_rl.weight_sync.gloo import abort_membership
 
 TIMEOUT_S = 600.0
+LEARNER = -1  # the learner's rank 0 (the sender), as a member in abort_sync
+GATHER_LOOK_S = 0.5  # how often a sync's wait looks whether a member was found dead meanwhile
 
 
 @dataclass
@@ -32,6 +34,7 @@ class EngineHandle:
     actor: ActorHandle
     pool: ResourcePool | None  # its own pool; None: a slot of the shared (colocated) pool
     slot: int = -1  # the shared pool's bundle it runs in
+    started: bool = False  # its start returned (before, its event loop may be busy starting vLLM)
 
 
 class GeneratorPool:
@@ -65,6 +68,9 @@ class GeneratorPool:
         self._next_id = 0
         self.membership_stale = True
         self._group: WeightGroupInfo | None = None  # the current broadcast membership
+        # Members found dead or hung by the run's watcher (engine id; LEARNER for the sender), set on
+        # its thread: every wait of a sync gives up while one of them is still in the pool.
+        self._abandoned: dict[int, str] = {}
 
     @property
     def actors(self) -> list[ActorHandle]:
@@ -91,6 +97,8 @@ class GeneratorPool:
             if while_starting is not None:
                 while_starting()
             ray.get(starts, timeout=TIMEOUT_S)
+            for h in new:
+                h.started = True
         except Exception:
             # No room for another engine (or one failed to start): the pool stays as it was.
             for h in new:
@@ -118,6 +126,7 @@ class GeneratorPool:
         `drain_timeout_s`), and what is still leased goes back to the prompt pool. Returns how many
         prompts went back."""
         handle = self.engines.pop(engine_id)
+        self._abandoned.pop(engine_id, None)
         self.membership_stale = True
         ray.get(self.buffer.close_engine.remote(engine_id), timeout=TIMEOUT_S)
         try:
@@ -131,6 +140,7 @@ class GeneratorPool:
         """An engine that died: kill what is left of it, hand its leases back. Returns how many, or
         None when the buffer is dead too (its restart from the snapshot requeues every lease)."""
         handle = self.engines.pop(engine_id)
+        self._abandoned.pop(engine_id, None)
         self.membership_stale = True
         ray.kill(handle.actor, no_restart=True)
         if handle.pool is not None:
@@ -158,6 +168,17 @@ class GeneratorPool:
         joins = [h.actor.join_weight_group.remote(info, 1 + i * tp, manifest) for i, h in enumerate(self.engines.values())]
         self._gather([sender.join_weight_group.remote(), *joins], self.weight_timeout_s, "joining the weight group")
         self.membership_stale = False
+
+    def abort_sync(self, member: int, reason: str) -> None:
+        """A member (engine id, or LEARNER) died or hangs, seen by the run's watcher on its thread: a
+        weight sync in flight stops waiting for it at once (every call of it, the pause and resume
+        too: a stopped engine never answers them), and so does every sync until the engine left the
+        pool; the next sync builds a new group (an aborted one stays aborted)."""
+        self._abandoned[member] = reason
+        group = self._group
+        if group is not None:
+            abort_membership(group, reason)
+        self.membership_stale = True
 
     def sleep(self) -> None:
         """Colocated placement: stop generating while the learner trains (woken by the next sync)."""
@@ -195,10 +216,16 @@ class GeneratorPool:
         pending, deadline = list(refs), time.monotonic() + timeout_s
         try:
             while pending:
-                done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not done:
+                left = deadline - time.monotonic()
+                done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(left, GATHER_LOOK_S)))
+                if done:
+                    ray.get(done[0])
+                    continue
+                abandoned = dict(self._abandoned)  # written by the watcher's thread
+                if abandoned:
+                    raise RunError(f"{what}: abandoned: {'; '.join(abandoned.values())}")
+                if left <= GATHER_LOOK_S:
                     raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s")
-                ray.get(done[0])
         except Exception as exc:
             if self._group is not None:
                 abort_membership(self._group, f"{what}: {type(exc).__name__}")

@@ -188,6 +188,7 @@ class LearnerDriver(LearnerRank):
         # The actor runs two calls at once (a weight sync or a buffer redirect while train_step waits
         # for its batch); the weights change only under this lock, so a sync never sends a mix.
         self._weights_lock = threading.Lock()
+        self._shut_down = threading.Event()  # ends a pending `watch`
 
     def rendezvous_address(self) -> str:
         host = node_ip()  # other ranks may run on other nodes (in a Ray actor: Ray's address of this node)
@@ -541,7 +542,14 @@ class LearnerDriver(LearnerRank):
         if client is not None:
             client.redirect(address)
 
+    def watch(self) -> str:
+        """Held pending by the controller (death_watch.py) on a thread of its own: Ray fails it the
+        moment this rank's process dies, wherever the run's loop is. Returns only at shutdown."""
+        self._shut_down.wait()
+        return "shut down"
+
     def shutdown(self) -> None:
+        self._shut_down.set()
         if self.weights is not None:
             self.weights.close()
         if self.batches is not None:

@@ -71,6 +71,14 @@ class RewardModelPool:
         for h, endpoint in zip(new, endpoints, strict=True):
             h.endpoint = endpoint
 
+    def actors(self) -> dict[int, ActorHandle]:
+        """Every replica's actor by replica id (a snapshot)."""
+        return {rid: h.actor for rid, h in list(self.handles.items())}
+
+    def serving(self) -> set[int]:
+        """The replicas whose start returned (a starting one may not answer a probe for a while)."""
+        return {rid for rid, h in list(self.handles.items()) if h.endpoint is not None}
+
     def endpoints(self) -> list[RewardEndpoint]:
         return [h.endpoint for h in self.handles.values() if h.endpoint is not None]
 

@@ -5,11 +5,13 @@ and the rest of the run: its endpoint, its stats, and the one abstract class bot
 from __future__ import annotations
 
 import abc
+import asyncio
 
 import msgspec
 
 JUDGE = "judge"
 CLASSIFIER = "classifier"
+WATCH_POLL_S = 0.2  # how often a replica's pending watch call looks whether it still serves
 
 
 class RewardEndpoint(msgspec.Struct, frozen=True):
@@ -67,6 +69,17 @@ class RewardModelServer(abc.ABC):
     @abc.abstractmethod
     def healthy(self) -> bool:
         """False once the replica cannot serve any more (its vLLM engine core died)."""
+
+    async def watch(self) -> str:
+        """Returns (why) once the replica, having served, cannot any more; the controller keeps one
+        call pending (death_watch.py), which Ray fails instead when the actor itself dies."""
+        served = False
+        while True:
+            if self.healthy():
+                served = True
+            elif served:
+                return "it stopped serving"
+            await asyncio.sleep(WATCH_POLL_S)
 
     @abc.abstractmethod
     def stats(self) -> ReplicaStats: ...

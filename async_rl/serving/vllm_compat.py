@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import msgspec
 
-from async_rl.serving import lora_serving
+from async_rl.serving import core_watch, lora_serving
 from async_rl.serving import worker_extension as ext
 from async_rl.serving.sampling import SamplingSpec
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -359,8 +359,9 @@ async def param_checksums(llm) -> list[ShardChecksum]:
 
 
 def is_dead(llm) -> bool:
-    """vLLM's engine core process died (AsyncLLM.errored): no request can succeed any more."""
-    return llm is not None and bool(llm.errored)
+    """vLLM's engine core process died: no request can succeed any more. Its process is looked at
+    directly (core_watch.py); vLLM's own `errored` flag can come many seconds later on a busy machine."""
+    return llm is not None and (bool(llm.errored) or core_watch.exited_core(llm) is not None)
 
 
 def engine_core_pids(llm) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,19 +16,15 @@ from async_rl.cluster.placement import plan_placement
 from async_rl.config import Config, WandbConfig, load_config
 from async_rl.controller import Controller
 from async_rl.metrics import MetricsSink
-from async_rl.models.tiny import resolve_model_path
+from tests import _presets
+from tests._presets import model_cache
 from tests.integration._engine_env import FAST_ENGINE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def model_cache() -> str:
-    """The shared model cache: the preset is converted once per machine, not once per test run."""
-    return os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")
-
-
 def smollm2_dir() -> str:
-    return str(resolve_model_path("smollm2-135m", model_cache()))
+    return str(_presets.smollm2_dir())
 
 
 def real_config(overrides: list[str]) -> Config:

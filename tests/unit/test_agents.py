@@ -28,8 +28,6 @@ from async_rl.protocol import (
 )
 from async_rl.serving.sampling import SamplingSpec
 
-SMOLLM2 = Path("~/.cache/async_rl/models/smollm2-135m-v1").expanduser()
-pytestmark = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="no local SmolLM2 tokenizer")
 KEY = "test-key"
 SAMPLING = SamplingSpec(n=1, max_tokens=32, temperature=1.0, stop_token_ids=[2])
 
@@ -62,10 +60,10 @@ class ScriptedModel(ModelBackend):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(smollm2):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(SMOLLM2))
+    return AutoTokenizer.from_pretrained(str(smollm2))
 
 
 def serve(tokenizer, script: list[str] | None = None) -> tuple[AgentEndpoint, ScriptedModel]:
@@ -422,12 +420,12 @@ def test_the_computed_frame_limit_allows_a_sequence_per_call_of_an_agent_episode
     assert limit > buffer_settings(plain, "r", None, Path("m")).max_frame_bytes
 
 
-def test_a_template_that_knows_tools_gets_them_and_the_calls_natively():
+def test_a_template_that_knows_tools_gets_them_and_the_calls_natively(smollm2):
     from transformers import AutoTokenizer
 
     from async_rl.agents.openai_types import FunctionCall, FunctionSpec, Message, ToolCallOut, ToolSpec
 
-    tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
     tok.chat_template = (
         "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>\n"
         "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"

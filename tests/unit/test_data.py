@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import msgspec
@@ -20,11 +19,6 @@ from async_rl.errors import ConfigError
 from async_rl.models.tiny import resolve_model_path
 from async_rl.protocol import ChatMessage, Prompt
 
-# The smollm2-135m preset in the shared model cache (the real-model integration test, which runs
-# first in `make test`, converts it there once per machine).
-SMOLLM2 = Path(os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")).expanduser() / "smollm2-135m-v1"
-needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="the smollm2-135m preset is not in the model cache yet")
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
@@ -33,14 +27,12 @@ def tiny(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
+def chat_model(tmp_path_factory, smollm2) -> Path:
     """A model folder with a chat template: SmolLM2's tokenizer files (no weights needed to render)."""
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip("no local SmolLM2 folder")
     d = tmp_path_factory.mktemp("smol-tok")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
-        if (SMOLLM2 / name).is_file():
-            (d / name).write_bytes((SMOLLM2 / name).read_bytes())
+        if (smollm2 / name).is_file():
+            (d / name).write_bytes((smollm2 / name).read_bytes())
     return d
 
 

@@ -1,17 +1,22 @@
-"""The supervisor acts on a death when Ray reports it, not at its next health check: it waits on the
-ranks' step calls and on one pending `watch` call per buffer and engine together. Ray's wait and get
-are stood in for by a script of what finishes when; the supervisor's bookkeeping is tested here."""
+"""A death is acted on when it is known, wherever the loop is: the watcher (death_watch.py) keeps one
+`watch` call pending on every process of the run and reports each death once, at once; the
+supervisor logs it, aborts a weight sync in flight, and recovers at its next look (every WAKE_S in a
+step, after each phase between steps). Ray's wait and get are stood in for by scripts here."""
 
 from __future__ import annotations
 
 import io
 import itertools
+import json
+import threading
 from types import SimpleNamespace
 
 import pytest
 
+from async_rl import death_watch as dw_module
 from async_rl import supervisor as sup_module
 from async_rl.config import load_config
+from async_rl.death_watch import DeathNotice, DeathWatch, Target, Watched, actor_key
 from async_rl.errors import RunError
 from async_rl.supervisor import Supervisor
 
@@ -23,11 +28,19 @@ class Ref:
         self.what, self.answer, self.error = what, answer, error
 
 
+class ActorId:
+    def __init__(self) -> None:
+        self.n = next(_ids)
+
+    def hex(self) -> str:
+        return f"{self.n:08x}"
+
+
 class Actor:
     """An actor handle: a distinct `_actor_id`, and `watch.remote()` handing out a Ref per call."""
 
     def __init__(self, name: str) -> None:
-        self.name, self._actor_id, self.watch_calls = name, next(_ids), []
+        self.name, self._actor_id, self.watch_calls = name, ActorId(), []
         self.watch = self
 
     def remote(self) -> Ref:
@@ -36,38 +49,15 @@ class Actor:
         return ref
 
 
-class Runtime:
-    def __init__(self) -> None:
-        self.buffer = Actor("buffer0")
-        self.generators = SimpleNamespace(engines={0: SimpleNamespace(actor=Actor("engine0"))}, stats=lambda: [])
-        self.log: list[str] = []
-        self.events: list = []  # the supervisor's
-        self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
-
-    def start_train_step(self, step: int) -> list[Ref]:
-        return self.step_refs
-
-    def restart_buffer(self) -> None:
-        self.log.append(f"restart buffer, events logged: {len(self.events)}")
-        self.buffer = Actor("buffer1")
-
-    def ack_batch(self, step: int) -> int:
-        self.log.append(f"ack {step}")
-        return 0
-
-
-def scripted(monkeypatch, script):
-    """ray.wait returns, call after call, the ref `script` names among those it is given (the
-    names of everything it waited on are recorded); ray.get answers or raises."""
+def fake_ray(monkeypatch, module, finished: set[str]):
+    """ray.wait returns the refs whose name is in `finished` (at most one, as with num_returns=1);
+    ray.get answers or raises."""
     waited: list[list[str]] = []
-    script = iter(script)
 
-    def wait(refs, num_returns, timeout):
+    def wait(refs, num_returns=1, timeout=None, fetch_local=True):
         waited.append(sorted(r.what for r in refs))
-        name = next(script)
-        done = [r for r in refs if r.what == name]
-        assert len(done) == 1, (name, waited[-1])
-        return done, [r for r in refs if r is not done[0]]
+        done = [r for r in refs if r.what in finished][:num_returns]
+        return done, [r for r in refs if r not in done]
 
     def get(ref, timeout=None):
         if isinstance(ref, list):
@@ -76,9 +66,98 @@ def scripted(monkeypatch, script):
             raise ref.error
         return ref.answer
 
-    monkeypatch.setattr(sup_module.ray, "wait", wait)
-    monkeypatch.setattr(sup_module.ray, "get", get)
+    monkeypatch.setattr(module.ray, "wait", wait)
+    monkeypatch.setattr(module.ray, "get", get)
     return waited
+
+
+# ---- the watcher ---------------------------------------------------------------------------------
+
+
+def test_the_watcher_reports_each_death_once_and_never_a_process_taken_out_on_purpose(monkeypatch):
+    buffer, e0, e1 = Actor("buffer"), Actor("e0"), Actor("e1")
+    targets = {Watched("buffer", -1, actor_key(buffer)): Target(buffer), Watched("engine", 0, actor_key(e0)): Target(e0)}
+    seen: list[DeathNotice] = []
+    watch = DeathWatch(lambda: dict(targets), seen.append)
+    finished: set[str] = set()
+    waited = fake_ray(monkeypatch, dw_module, finished)
+
+    assert watch.poll(0) == []
+    assert waited[-1] == ["watch buffer", "watch e0"]
+    targets[Watched("engine", 1, actor_key(e1))] = Target(e1)  # an engine joined: armed once, at the next look
+    watch.poll(0)
+    watch.poll(0)
+    assert (len(buffer.watch_calls), len(e0.watch_calls), len(e1.watch_calls)) == (1, 1, 1)
+
+    # engine 0's actor dies: Ray fails its watch call; reported once, with why, and not watched again
+    e0.watch_calls[0].error = dw_module.ray.exceptions.ActorDiedError()
+    finished.add("watch e0")
+    [notice] = watch.poll(0)
+    assert (notice.kind, notice.ident, notice.actor_id) == ("engine", 0, actor_key(e0))
+    assert notice.why.startswith("its actor died")
+    assert seen == [notice] and watch.take() == [notice] and watch.take() == []
+    assert watch.poll(0) == [] and len(e0.watch_calls) == 1
+
+    # engine 1 is drained: taken out of the run, then stopped; its watch ends, and that is no death
+    del targets[Watched("engine", 1, actor_key(e1))]
+    e1.watch_calls[0].error = dw_module.ray.exceptions.ActorDiedError()
+    finished.add("watch e1")
+    assert watch.poll(0) == [] and watch.take() == []
+
+    # an engine whose vLLM core exited: its watch returns why
+    e2 = Actor("e2")
+    targets[Watched("engine", 2, actor_key(e2))] = Target(e2)
+    watch.poll(0)
+    e2.watch_calls[0].answer = "vLLM's engine core died"
+    finished.add("watch e2")
+    [notice] = watch.poll(0)
+    assert (notice.ident, notice.why) == (2, "vLLM's engine core died")
+
+
+def test_a_handle_map_changed_while_read_is_read_again(monkeypatch):
+    calls = itertools.count()
+    actor = Actor("buffer")
+
+    def targets():
+        if next(calls) == 0:
+            raise RuntimeError("dictionary changed size during iteration")
+        return {Watched("buffer", -1, actor_key(actor)): Target(actor)}
+
+    fake_ray(monkeypatch, dw_module, set())
+    DeathWatch(targets, lambda n: None).poll(0)
+    assert len(actor.watch_calls) == 1
+
+
+# ---- the supervisor acting on notices ----------------------------------------------------------
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.buffer = Actor("buffer0")
+        self.aborted: list[str] = []
+        self.abort_done = threading.Event()
+        self.generators = SimpleNamespace(
+            engines={0: SimpleNamespace(actor=Actor("engine0"), started=True)}, stats=lambda: [], abort_sync=self._abort
+        )
+        self.learner = SimpleNamespace(actors=[Actor("rank0"), Actor("rank1")])
+        self.reward_models = None
+        self.log: list[str] = []
+        self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
+
+    def _abort(self, member: int, reason: str) -> None:
+        self.aborted.append(f"{member}: {reason}")
+        self.abort_done.set()
+
+    def start_train_step(self, step: int) -> list[Ref]:
+        return self.step_refs
+
+    def restart_buffer(self) -> None:
+        self.log.append("restart buffer")
+        self.buffer = Actor("buffer1")
+
+    def ack_batch(self, step: int) -> int:
+        self.log.append(f"ack {step}")
+        return 0
 
 
 @pytest.fixture
@@ -87,10 +166,9 @@ def setup(tmp_path):
     # no periodic check during these tests: only the notices act
     cfg = load_config(None, ["generators.health_check_s=100000"])
     sup = Supervisor(rt, cfg, tmp_path, "run", io.StringIO())
-    rt.events = sup.events
 
     def replace(step, dead):
-        rt.log.append(f"replace {dead}")
+        rt.log.append(f"replace {dead} at step {step}")
         rt.generators.engines = {1: SimpleNamespace(actor=Actor("engine1"))}
 
     sup.replace = replace
@@ -99,33 +177,186 @@ def setup(tmp_path):
     sup.close()
 
 
-def test_buffer_and_engine_deaths_are_acted_on_when_noticed(monkeypatch, setup):
+def notice(kind: str, ident: int, actor: Actor, why: str = "its actor died") -> DeathNotice:
+    return DeathNotice(kind, ident, actor_key(actor), why, 0.0)
+
+
+def deliver(sup: Supervisor, n: DeathNotice) -> None:
+    """What the watcher thread does with a death it found."""
+    sup.deaths.report(n)
+
+
+def test_a_death_is_logged_at_once_and_a_sync_in_flight_aborted(setup, tmp_path):
     rt, sup = setup
-    waited = scripted(monkeypatch, ["watch buffer0", "rank0", "watch engine0", "rank1"])
+    deliver(sup, notice("engine", 0, rt.generators.engines[0].actor, "vLLM's engine core died"))
+    deliver(sup, notice("buffer", -1, rt.buffer))
+    logged = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()]
+    assert [(e["source"], e["reason"]) for e in logged] == [
+        ("watch", "engine 0 found dead: vLLM's engine core died"),
+        ("watch", "buffer found dead: its actor died"),
+    ]
+    assert rt.abort_done.wait(10)  # the abort runs on a thread of its own
+    assert rt.aborted == ["0: engine 0 found dead"]  # only a member of the weight group aborts a sync
+    assert rt.log == []  # acting is the loop's job, at its next look
+
+
+def test_notices_are_acted_on_between_steps_and_stale_ones_dropped(setup):
+    rt, sup = setup
+    old_engine = rt.generators.engines[0].actor
+    deliver(sup, notice("buffer", -1, rt.buffer))
+    deliver(sup, notice("engine", 0, old_engine))
+    sup.act_on_deaths(4, 5)
+    assert rt.log == ["restart buffer", "replace [0] at step 4", "sync 5 False"]
+    # the same process reported again (a second path) or one replaced meanwhile: nothing to do
+    deliver(sup, notice("engine", 0, old_engine))
+    deliver(sup, notice("buffer", -1, Actor("an old buffer")))
+    sup.act_on_deaths(5, 6)
+    assert rt.log == ["restart buffer", "replace [0] at step 4", "sync 5 False"]
+
+
+def test_a_dead_learner_rank_between_steps_stops_the_run_with_one_line(setup):
+    rt, sup = setup
+    deliver(sup, notice("learner", 1, rt.learner.actors[1]))
+    with pytest.raises(RunError, match=r"learner rank 1 died \(its actor died\); no checkpoint was written"):
+        sup.act_on_deaths(2, 3)
+
+
+def test_a_death_during_a_step_is_acted_on_before_the_step_returns(monkeypatch, setup):
+    rt, sup = setup
+    finished: set[str] = set()
+    looks = itertools.count()
+
+    def wait(refs, num_returns=1, timeout=None):
+        # the first look: nothing finished, and meanwhile the watcher reports the engine's death
+        if next(looks) == 0:
+            deliver(sup, notice("engine", 0, rt.generators.engines[0].actor))
+            finished.update({"rank0", "rank1"})
+            return [], list(refs)
+        done = [r for r in refs if r.what in finished][:1]
+        return done, [r for r in refs if r not in done]
+
+    monkeypatch.setattr(sup_module.ray, "wait", wait)
+    monkeypatch.setattr(sup_module.ray, "get", lambda ref, timeout=None: [r.answer for r in ref] if isinstance(ref, list) else ref.answer)
     assert sup.train_step(4) == ["metrics0", "metrics1"]
-    # The buffer's death: logged (detection time) before the restart; the new buffer is watched,
-    # the old one no longer. The engine's: replaced and synced at once, mid-step.
-    assert rt.log == ["restart buffer, events logged: 1", "replace [0]", "sync 4 True", "ack 4"]
-    assert [e.reason.split(";")[0] for e in sup.events] == ["buffer died"]
-    assert waited[0] == ["rank0", "rank1", "watch buffer0", "watch engine0"]
-    assert waited[1] == ["rank0", "rank1", "watch buffer1", "watch engine0"]
-    assert waited[3] == ["rank1", "watch buffer1", "watch engine1"]  # its successor is watched
-    assert len(rt.buffer.watch_calls) == 1  # armed once, not once per wait
-
-
-def test_a_watch_of_a_process_already_replaced_is_ignored(monkeypatch, setup):
-    rt, sup = setup
-    old = rt.generators.engines[0].actor
-    scripted(monkeypatch, ["rank0", "rank1"])
-    sup._watchers()
-    rt.generators.engines[0] = SimpleNamespace(actor=Actor("engine0-successor"))  # replaced elsewhere
-    sup._watch_fired(4, old.watch_calls[0])
-    assert rt.log == []
+    # replaced and synced mid-step (the learner serves the sync while it waits), then the ack
+    assert rt.log == ["replace [0] at step 4", "sync 4 True", "ack 4"]
 
 
 def test_a_dead_rank_stops_the_step_at_once(monkeypatch, setup):
     rt, sup = setup
     rt.step_refs[1].error = sup_module.ray.exceptions.ActorDiedError()
-    scripted(monkeypatch, ["rank1"])
+    fake_ray(monkeypatch, sup_module, {"rank1"})
     with pytest.raises(RunError, match="learner rank 1 died"):
         sup.train_step(4)
+
+
+# ---- hangs ---------------------------------------------------------------------------------------
+
+
+class Probed(Actor):
+    """An actor whose liveness probes (`__ray_ready__`) are Refs named 'probe NAME'."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.probes: list[Ref] = []
+        self.__ray_ready__ = SimpleNamespace(remote=self._probe)
+
+    def _probe(self) -> Ref:
+        ref = Ref(f"probe {self.name}", answer=True)
+        self.probes.append(ref)
+        return ref
+
+
+def test_a_process_that_answers_no_probe_for_unresponsive_s_is_reported_dead_once(monkeypatch):
+    """A stopped process keeps its watch pending forever: its unanswered liveness probe reports it."""
+    clock = [1000.0]
+    monkeypatch.setattr(dw_module.time, "monotonic", lambda: clock[0])
+    busy, stopped, starting = Probed("busy"), Probed("stopped"), Probed("starting")
+    targets = {
+        Watched("engine", 0, actor_key(busy)): Target(busy),
+        Watched("learner", 1, actor_key(stopped)): Target(stopped),
+        Watched("engine", 2, actor_key(starting)): Target(starting, probe=False),  # vLLM still starting
+    }
+    watch = DeathWatch(lambda: dict(targets), lambda n: None, unresponsive_s=10.0)
+    answered: set[str] = set()
+
+    def wait(refs, num_returns=1, timeout=None, fetch_local=True):
+        done = [r for r in refs if r.what in answered][: max(num_returns, 0) or len(refs)]
+        return done, [r for r in refs if r not in done]
+
+    monkeypatch.setattr(dw_module.ray, "wait", wait)
+    answered.add("probe busy")  # 'busy' answers every probe; 'stopped' none
+    for _ in range(9):  # 9 s of looks, one a second: a probe each to both, none reported yet
+        assert watch.poll(0) == []
+        clock[0] += 1.0
+    assert len(stopped.probes) == 1 and len(busy.probes) >= 4  # one probe in flight at a time
+    clock[0] += 1.5
+    [notice] = watch.poll(0)
+    assert (notice.kind, notice.ident) == ("learner", 1)
+    assert notice.why.startswith("no answer to a liveness probe for 10s")
+    clock[0] += 30.0
+    assert watch.poll(0) == []  # reported once; the busy one never
+    assert starting.probes == []  # an engine still starting is not probed (its start may hold its loop)
+
+
+def test_the_step_time_limit_follows_the_slowest_recent_step_within_floor_and_ceiling():
+    assert sup_module.step_limit([], 1800.0) == 1800.0  # nothing measured yet: the ceiling
+    assert sup_module.step_limit([2.0, 3.0], 1800.0) == sup_module.STEP_FLOOR_S
+    assert sup_module.step_limit([2.0, 100.0], 1800.0) == 500.0
+    assert sup_module.step_limit([2.0, 1000.0], 1800.0) == 1800.0
+    assert sup_module.step_limit([2.0], 0.0) is None  # 0: no limit
+
+
+def test_a_step_past_its_limit_is_a_hang_named_in_one_line(monkeypatch, setup):
+    rt, sup = setup
+    clock = [0.0]
+    monkeypatch.setattr(sup_module.time, "monotonic", lambda: clock[0])
+
+    def wait(refs, num_returns=1, timeout=None):  # rank 0 finishes, rank 1 never does
+        clock[0] += 1.0
+        done = [r for r in refs if r.what == "rank0"]
+        return done, [r for r in refs if r not in done]
+
+    monkeypatch.setattr(sup_module.ray, "wait", wait)
+    monkeypatch.setattr(sup_module.ray, "get", lambda ref, timeout=None: ref.answer)
+    sup.cfg = load_config(None, ["generators.health_check_s=100000", "train.step_timeout_s=30"])
+    with pytest.raises(RunError) as info:
+        sup.train_step(4)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("learner rank(s) 1 hung: step 5 still running after 30s")
+    assert clock[0] <= 32.0  # found at the first look past the limit
+
+
+def test_a_sync_waiting_on_a_member_found_dead_gives_up_at_once(monkeypatch):
+    """A stopped engine never answers its pause: the sync's wait gives up once the watcher marked it,
+    and waits again normally once that engine left the pool."""
+    from async_rl.generator import pool as pool_module
+
+    pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)  # only the wait's state
+    pool._group, pool._abandoned, pool.membership_stale = None, {}, False
+    pool.engines = {0: SimpleNamespace(actor=Actor("engine0"), pool=None)}
+    looks = itertools.count()
+
+    def wait(refs, num_returns=1, timeout=None):
+        assert timeout <= pool_module.GATHER_LOOK_S
+        if next(looks) == 2:  # the watcher's thread, meanwhile
+            pool.abort_sync(0, "engine 0 found dead: no answer to a liveness probe for 8s")
+        return [], list(refs)
+
+    monkeypatch.setattr(pool_module.ray, "wait", wait)
+    with pytest.raises(RunError, match="pausing: abandoned: engine 0 found dead: no answer"):
+        pool._gather([Ref("pause engine0")], 600.0, "pausing")
+    assert pool.membership_stale
+    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
+    monkeypatch.setattr(pool_module.ray, "get", lambda ref, timeout=None: 3)
+    pool.buffer = SimpleNamespace(requeue=SimpleNamespace(remote=lambda eid: Ref("requeue")))
+    assert pool.drop_dead(0) == 3 and pool._abandoned == {}
+
+
+def test_every_process_of_the_run_is_a_target_and_a_starting_engine_is_not_probed(setup):
+    rt, sup = setup
+    rt.generators.engines[1] = SimpleNamespace(actor=Actor("engine1"), started=False)
+    targets = sup._targets()
+    assert sorted((w.kind, w.ident, t.probe) for w, t in targets.items()) == [
+        ("buffer", -1, True), ("engine", 0, True), ("engine", 1, False), ("learner", 0, True), ("learner", 1, True),
+    ]

@@ -36,3 +36,35 @@ def test_watched_call_returns_its_answer_while_the_core_lives():
         return await vc.watched(CoreClient(), asyncio.sleep(0.3, result="done"), "pause")
 
     assert asyncio.run(scenario()) == "done"
+
+
+def test_an_engine_core_that_exited_is_seen_at_once_without_vllms_flag():
+    """core_watch looks at the core's process itself: a SIGKILLed core (a zombie until reaped) is dead
+    at the next look, while vLLM's `errored` flag still says nothing."""
+    import signal
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from async_rl.serving import core_watch
+
+    core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    manager = SimpleNamespace(processes=[SimpleNamespace(pid=core.pid)])
+    llm = CoreClient()
+    llm.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=manager))
+    try:
+        assert core_watch.core_pids(llm) == [core.pid]
+        assert core_watch.exited_core(llm) is None and not vc.is_dead(llm)
+        core.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while core_watch.exited_core(llm) is None:  # the kernel delivers the signal asynchronously
+            assert time.monotonic() < deadline, "a killed core still looks alive"
+            time.sleep(0.01)
+        assert core_watch.exited_core(llm) == core.pid and vc.is_dead(llm) and not llm.errored
+        core.wait()  # reaped: gone, still dead
+        assert vc.is_dead(llm)
+    finally:
+        core.kill()
+        core.wait()
+    # a vLLM that keeps its processes elsewhere: only its flag tells
+    assert core_watch.core_pids(CoreClient()) == [] and not vc.is_dead(CoreClient())

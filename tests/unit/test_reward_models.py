@@ -36,10 +36,9 @@ from async_rl.reward_models.classifier import (
 from async_rl.reward_models.verdicts import parse_verdict, render_judge_prompt
 from async_rl.serving.sampling import SamplingSpec
 from tests.unit._classifier import build_tiny_classifier
-from tests.unit.test_agents import SMOLLM2, ScriptedModel
+from tests.unit.test_agents import ScriptedModel
 
 KEY = "rm-key"
-needs_tokenizer = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="no local SmolLM2 tokenizer")
 
 
 # ---------------------------------------------------------------- verdicts and templates
@@ -136,10 +135,8 @@ def test_classifier_config_errors(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory):
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip("no local SmolLM2 tokenizer")
-    return build_tiny_classifier(tmp_path_factory.mktemp("rm") / "classifier", SMOLLM2, num_labels=1)
+def classifier_dir(tmp_path_factory, smollm2):
+    return build_tiny_classifier(tmp_path_factory.mktemp("rm") / "classifier", smollm2, num_labels=1)
 
 
 def _samples(n: int) -> list[Sample]:
@@ -153,7 +150,6 @@ def _settings(folder, **changes) -> ClassifierSettings:
     return ClassifierSettings(**{**base, **changes})
 
 
-@needs_tokenizer
 def test_a_batch_scores_as_its_inputs_alone(classifier_dir):
     """Padding inside a batch (with an id no input holds) leaves every input's score as it is alone."""
     model = ClassifierModel(str(classifier_dir), "float32", "cpu", "chat", 0, "logit", 256)
@@ -167,7 +163,6 @@ def test_a_batch_scores_as_its_inputs_alone(classifier_dir):
     assert sig == pytest.approx(1 / (1 + math.exp(-alone[0])), abs=1e-6)
 
 
-@needs_tokenizer
 def test_concurrent_requests_share_batches_and_the_key_is_required(classifier_dir):
     async def run():
         server = ClassifierServer(_settings(classifier_dir))
@@ -195,7 +190,6 @@ def test_concurrent_requests_share_batches_and_the_key_is_required(classifier_di
 # ---------------------------------------------------------------- counters, from real reward workers
 
 
-@needs_tokenizer
 def test_classifier_calls_are_counted_by_outcome(classifier_dir):
     task = TaskConfig(reward=f"classifier:{classifier_dir}", classifier=ClassifierConfig(timeout_s=2.0))
 
@@ -227,11 +221,10 @@ def test_classifier_calls_are_counted_by_outcome(classifier_dir):
     assert reward_counts.error == 2 and "RewardModelTimeout" in last_error
 
 
-@needs_tokenizer
-def test_judge_verdicts_are_counted_and_see_the_sample():
+def test_judge_verdicts_are_counted_and_see_the_sample(smollm2):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
     model = ScriptedModel(tok, ["YES", "I would rather not say.", "NO"])
     task = TaskConfig(reward="judge:smollm2-135m")
 

@@ -21,25 +21,23 @@ from async_rl.envs.verifiers_env import check_interpreter, id_error
 from async_rl.errors import ConfigError
 from async_rl.protocol import REWARD_ERROR, REWARD_OK, ChatMessage, Prompt
 from tests.unit._verifiers_venv import VF_PYTHON, examples_pythonpath, unavailable
-from tests.unit.test_agents import KEY, SAMPLING, SMOLLM2, serve
+from tests.unit.test_agents import KEY, SAMPLING, serve
 
-needs_tokenizer = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="no local SmolLM2 tokenizer")
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
                                            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(smollm2):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(SMOLLM2))
+    return AutoTokenizer.from_pretrained(str(smollm2))
 
 
 # ---- stream: true ----------------------------------------------------------------------------------
 
 
-@needs_tokenizer
 def test_a_streamed_chat_completion_is_the_whole_reply_as_events_and_is_recorded_once(tokenizer):
     async def go():
         endpoint, model = serve(tokenizer, [CALL, "It is \\boxed{5}.", "It is \\boxed{5}."])
@@ -83,7 +81,6 @@ def test_the_agent_job_hands_the_id_to_an_agent_that_names_env_id():
     assert outcome.status == "ok" and outcome.reward == 1.0
 
 
-@needs_tokenizer
 def test_verifiers_id_runs_the_bridge_and_a_missing_verifiers_costs_only_the_episode(tokenizer):
     async def go():
         endpoint, model = serve(tokenizer)
@@ -146,7 +143,6 @@ def verifiers_venv():
         yield VF_PYTHON
 
 
-@needs_tokenizer
 def test_verifiers_episodes_score_our_prompt_or_the_tasksets_row_and_multi_turn_is_one_segment(tokenizer, verifiers_venv):
     async def episode(env_id: str, script: list[str], prompt: Prompt):
         endpoint, model = serve(tokenizer, script)
