@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import numpy as np
 
-from async_rl.agents.endpoint import AgentEndpoint
-from async_rl.agents.episode_log import Segment, build_segments
 from async_rl.agents.runner import AgentJob, AgentOutcome, job_prompt, run_agent
 from async_rl.config import EnvConfig
+from async_rl.endpoint.endpoint import ChatEndpoint
+from async_rl.endpoint.episode_log import Segment, build_segments
 from async_rl.envs.factory import AGENT_PREFIX, VERIFIERS_PREFIX
 from async_rl.protocol import (
     FINISH_REASONS,
@@ -83,7 +83,7 @@ class EpisodeOutcome(msgspec.Struct, kw_only=True):
 class AgentEpisodes:
     """Runs a group's episodes through the agent and the endpoint, and assembles the group."""
 
-    def __init__(self, cfg: EnvConfig, endpoint: AgentEndpoint, score: ScoreFn, engine_id: int) -> None:
+    def __init__(self, cfg: EnvConfig, endpoint: ChatEndpoint, score: ScoreFn, engine_id: int) -> None:
         if cfg.name.startswith(VERIFIERS_PREFIX):  # a verifiers environment, run by the bridge agent
             self.target, self.env_id = VERIFIERS_BRIDGE, cfg.name.removeprefix(VERIFIERS_PREFIX)
         elif cfg.name.startswith(AGENT_PREFIX) and ":" in cfg.name.removeprefix(AGENT_PREFIX):

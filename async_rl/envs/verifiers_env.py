@@ -19,7 +19,7 @@ Measured on verifiers 0.4.0 (the current release on the package index):
   machine with a warm pip cache).
 - Its harness programs always stream (`harnesses/utils/core.py` calls `chat.completions.create(
   stream=True)` and `clients/eval.py` relays a streamed request as a stream), so the endpoint answers
-  `stream: true` with the whole completion as server-sent events (`async_rl/agents/streaming.py`).
+  `stream: true` with the whole completion as server-sent events (`async_rl/endpoint/streaming.py`).
 - Runtimes: every seat runs in verifiers' `subprocess` runtime (`runtimes/subprocess.py`), on the
   engine's node, no container; its default (`PrimeConfig`, a remote sandbox) and Docker/Podman/
   Apptainer/Modal/E2B are not used. `Runtime.prepare_uv_script` (`runtimes/base.py`) needs `uv`

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import secrets
 
-from async_rl.agents.endpoint import AgentEndpoint, ServedModelBackend
 from async_rl.agents.episodes import AgentEpisodes
-from async_rl.agents.rendering import ChatRenderer
 from async_rl.config import EnvConfig
+from async_rl.endpoint.endpoint import ChatEndpoint, ServedModelBackend
+from async_rl.endpoint.rendering import ChatRenderer
 from async_rl.evaluation.scores import EvalParams, EvalResult
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.rollout import AGENT, Rollout, RolloutCounters, episodes_result, eval_sampling
@@ -46,7 +46,7 @@ class AgentRollout(Rollout):
         max_len = min(spec.max_model_len, self.cfg.max_total_tokens or spec.max_model_len)
         renderer = ChatRenderer.for_model(tokenizer, self.sampling.stop_token_ids, "env=agent")
         backend = ServedModelBackend(self.model, spec.model_dir, max_len)
-        endpoint = AgentEndpoint(backend, renderer, secrets.token_urlsafe(32), self.host)
+        endpoint = ChatEndpoint(backend, renderer, secrets.token_urlsafe(32), self.host)
         await endpoint.start()
         self.episodes = AgentEpisodes(self.cfg, endpoint, self.rewards.score, self.engine_id)
 

@@ -1,8 +1,8 @@
 """An LLM judge replica: a Ray actor that owns one served model (serving/model.py) with the judge
-model and serves it through the same OpenAI-compatible endpoint kind the agents use
-(agents/endpoint.py: /v1/chat/completions, the run's key, bound to one address), each call on its
-own and recorded nowhere, rendered by a chat renderer of its own. The judge is never trained and
-never weight-synced: it holds the weights it was started with for the whole run."""
+model and serves it through the OpenAI-compatible endpoint layer (async_rl/endpoint/:
+/v1/chat/completions, the run's key, bound to one address), each call on its own and recorded
+nowhere, rendered by a chat renderer of its own. The judge is never trained and never
+weight-synced: it holds the weights it was started with for the whole run."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ class JudgeEngine(RewardModelServer):
     async def start(self) -> RewardEndpoint:
         from transformers import AutoTokenizer
 
-        from async_rl.agents.endpoint import AgentEndpoint, ServedModelBackend
-        from async_rl.agents.rendering import ChatRenderer
+        from async_rl.endpoint.endpoint import ChatEndpoint, ServedModelBackend
+        from async_rl.endpoint.rendering import ChatRenderer
         from async_rl.serving.sampling import stop_token_ids
 
         s = self.s
@@ -64,7 +64,7 @@ class JudgeEngine(RewardModelServer):
         renderer = ChatRenderer.for_model(AutoTokenizer.from_pretrained(s.spec.model_dir), stops, "the judge")
         defaults = SamplingSpec(n=1, max_tokens=s.max_tokens, temperature=s.temperature, stop_token_ids=stops)
         host = bind_address(s.host)
-        self._endpoint = AgentEndpoint(backend, renderer, s.key, host, unrecorded=defaults)
+        self._endpoint = ChatEndpoint(backend, renderer, s.key, host, unrecorded=defaults)
         await self._endpoint.start()
         return RewardEndpoint(JUDGE, s.replica_id, f"http://{host}:{self._endpoint.port}/v1", s.key, s.model_name)
 

@@ -17,8 +17,8 @@ import os
 import openai
 import pytest
 
-from async_rl.agents.endpoint import AgentEndpoint, ServedModelBackend
-from async_rl.agents.rendering import ChatRenderer
+from async_rl.endpoint.endpoint import ChatEndpoint, ServedModelBackend
+from async_rl.endpoint.rendering import ChatRenderer
 from async_rl.learner.base import Probe
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
@@ -43,7 +43,7 @@ async def _endpoint_and_direct(model_dir: str) -> tuple[dict, list[int], list[fl
     await model.start()
     model.open()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    endpoint = AgentEndpoint(ServedModelBackend(model, "smollm2", 512), ChatRenderer.for_model(tok, [2], "test"), "k")
+    endpoint = ChatEndpoint(ServedModelBackend(model, "smollm2", 512), ChatRenderer.for_model(tok, [2], "test"), "k")
     await endpoint.start()
     try:
         endpoint.open_episode("ep", SamplingSpec(n=1, max_tokens=32, temperature=1.0, stop_token_ids=[2]), 4)

@@ -14,10 +14,10 @@ import asyncio
 import msgspec
 import pytest
 
-from async_rl.agents.endpoint import AgentEndpoint, ServedModelBackend
 from async_rl.agents.episodes import AgentEpisodes
-from async_rl.agents.rendering import ChatRenderer
 from async_rl.config import EnvConfig
+from async_rl.endpoint.endpoint import ChatEndpoint, ServedModelBackend
+from async_rl.endpoint.rendering import ChatRenderer
 from async_rl.protocol import REWARD_OK, ChatMessage, Prompt
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
@@ -51,7 +51,7 @@ def engine_endpoint():
         loop = asyncio.new_event_loop()
         loop.run_until_complete(model.start())
         model.open()
-        endpoint = AgentEndpoint(ServedModelBackend(model, "smollm2", 512), ChatRenderer.for_model(tok, [2], "test"), "k")
+        endpoint = ChatEndpoint(ServedModelBackend(model, "smollm2", 512), ChatRenderer.for_model(tok, [2], "test"), "k")
         loop.run_until_complete(endpoint.start())
         try:
             yield loop, endpoint, tok

@@ -11,11 +11,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from async_rl.agents.endpoint import AgentEndpoint, CallSampling, ModelBackend
-from async_rl.agents.episode_log import CallRecord, Choice, build_segments
 from async_rl.agents.episodes import AgentEpisodes
-from async_rl.agents.rendering import ChatRenderer
 from async_rl.config import EnvConfig
+from async_rl.endpoint.endpoint import CallSampling, ChatEndpoint, ModelBackend
+from async_rl.endpoint.episode_log import CallRecord, Choice, build_segments
+from async_rl.endpoint.rendering import ChatRenderer
 from async_rl.protocol import (
     REWARD_ERROR,
     REWARD_OK,
@@ -66,9 +66,9 @@ def tokenizer(smollm2):
     return AutoTokenizer.from_pretrained(str(smollm2))
 
 
-def serve(tokenizer, script: list[str] | None = None) -> tuple[AgentEndpoint, ScriptedModel]:
+def serve(tokenizer, script: list[str] | None = None) -> tuple[ChatEndpoint, ScriptedModel]:
     model = ScriptedModel(tokenizer, script)
-    return AgentEndpoint(model, ChatRenderer(tokenizer, 2), KEY), model
+    return ChatEndpoint(model, ChatRenderer(tokenizer, 2), KEY), model
 
 
 # ---- segments ------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ async def _score(sample: Sample) -> tuple[float, int]:
 
 def run_group_on(model: ScriptedModel, tokenizer, target: str, n: int, timeout_s: float = 60.0, max_concurrent: int = 16):
     async def go():
-        endpoint = AgentEndpoint(model, ChatRenderer(tokenizer, 2), KEY)
+        endpoint = ChatEndpoint(model, ChatRenderer(tokenizer, 2), KEY)
         await endpoint.start()
         cfg = EnvConfig(name=f"agent:tests.unit._agents:{target}", agent_timeout_s=timeout_s,
                         max_concurrent_agents=max_concurrent)
@@ -423,7 +423,7 @@ def test_the_computed_frame_limit_allows_a_sequence_per_call_of_an_agent_episode
 def test_a_template_that_knows_tools_gets_them_and_the_calls_natively(smollm2):
     from transformers import AutoTokenizer
 
-    from async_rl.agents.openai_types import FunctionCall, FunctionSpec, Message, ToolCallOut, ToolSpec
+    from async_rl.endpoint.openai_types import FunctionCall, FunctionSpec, Message, ToolCallOut, ToolSpec
 
     tok = AutoTokenizer.from_pretrained(str(smollm2))
     tok.chat_template = (

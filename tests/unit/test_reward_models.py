@@ -12,8 +12,6 @@ import math
 import httpx
 import pytest
 
-from async_rl.agents.endpoint import AgentEndpoint
-from async_rl.agents.rendering import ChatRenderer
 from async_rl.config import (
     DEFAULT_JUDGE_TEMPLATE,
     JUDGE_PLACEHOLDERS,
@@ -23,6 +21,8 @@ from async_rl.config import (
     check_judge_template,
     load_config,
 )
+from async_rl.endpoint.endpoint import ChatEndpoint
+from async_rl.endpoint.rendering import ChatRenderer
 from async_rl.errors import ConfigError
 from async_rl.generator.rewards import RewardRunner
 from async_rl.protocol import REWARD_ERROR, REWARD_OK, ChatMessage, Prompt, Sample
@@ -230,7 +230,7 @@ def test_judge_verdicts_are_counted_and_see_the_sample(smollm2):
 
     async def run():
         defaults = SamplingSpec(n=1, max_tokens=8, temperature=0.0, stop_token_ids=[2])
-        endpoint = AgentEndpoint(model, ChatRenderer(tok, 2), KEY, unrecorded=defaults)
+        endpoint = ChatEndpoint(model, ChatRenderer(tok, 2), KEY, unrecorded=defaults)
         await endpoint.start()
         runner = RewardRunner(task, timeout_s=5.0, workers=1)
         from async_rl.reward_models.server import JUDGE, RewardEndpoint

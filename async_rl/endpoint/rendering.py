@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from async_rl.agents.openai_types import FunctionCall, Message, ToolCallOut, ToolSpec
+from async_rl.endpoint.openai_types import FunctionCall, Message, ToolCallOut, ToolSpec
 from async_rl.envs.episode import ChatDelta, first_that_renders
 from async_rl.envs.tool_calls import parse_turn, without_hermes_calls
 from async_rl.protocol import ChatMessage

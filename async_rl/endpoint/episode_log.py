@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from async_rl.agents.openai_types import Message, ToolCallOut, ToolSpec
+from async_rl.endpoint.openai_types import Message, ToolCallOut, ToolSpec
 from async_rl.serving.sampling import SamplingSpec
 
 

@@ -1,6 +1,7 @@
-"""The OpenAI-compatible endpoint of one generator engine: /v1/chat/completions, /v1/completions,
-/v1/models, served on the engine actor's event loop (aiohttp), bound to one host address and
-guarded by a key (`Authorization: Bearer KEY`; anything else is a 401).
+"""The OpenAI-compatible endpoint of one served model (a generator engine's, or an LLM judge
+replica's): /v1/chat/completions, /v1/completions, /v1/models, served on the owning actor's event
+loop (aiohttp), bound to one host address and guarded by a key (`Authorization: Bearer KEY`;
+anything else is a 401).
 
 A request belongs to an episode by its route (`/episodes/{episode}/v1/...`) or by the
 `X-Episode-Id` header; the engine opens an episode before its agent starts and closes it after.
@@ -21,10 +22,10 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from async_rl.agents.episode_log import CallRecord, Choice, EpisodeLog, Reply
-from async_rl.agents.openai_types import ChatRequest, CompletionRequest
-from async_rl.agents.rendering import ChatRenderer, parse_reply
-from async_rl.agents.streaming import StreamFlags, chat_completion_chunks, sse_body
+from async_rl.endpoint.episode_log import CallRecord, Choice, EpisodeLog, Reply
+from async_rl.endpoint.openai_types import ChatRequest, CompletionRequest
+from async_rl.endpoint.rendering import ChatRenderer, parse_reply
+from async_rl.endpoint.streaming import StreamFlags, chat_completion_chunks, sse_body
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
 from async_rl.serving.sampling import SamplingSpec
@@ -93,7 +94,7 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-class AgentEndpoint:
+class ChatEndpoint:
     def __init__(
         self,
         backend: ModelBackend,
