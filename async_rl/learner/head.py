@@ -136,21 +136,29 @@ def head_scores(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    positions: torch.Tensor,
+    index: torch.Tensor,
     temperature: float,
     chunk: int,
     entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and entropy [B, T] (fp32; the entropy None unless `entropy`) from hidden states
-    [B, T, H] and the output weight [V, H], computed at `positions` (bool [B, T]) only: 0 elsewhere."""
+    [B, T, H] and the output weight [V, H], computed at the flat positions `index` (long [N], row * T +
+    column; `flat_index` of a bool mask) only: 0 elsewhere. The caller builds the index on the host
+    (`MicroBatch.loss_index`), so the gather has no data-dependent shape and no host sync."""
     b, t, h = hidden.shape
-    idx = positions.reshape(-1).nonzero().squeeze(-1)
+    idx = index
     flat_h = hidden.reshape(b * t, h).index_select(0, idx)
     flat_t = targets.reshape(-1).index_select(0, idx)
     logp, ent = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)), entropy)
     zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
     ent = zeros.index_copy(0, idx, ent).reshape(b, t) if ent is not None else None
     return zeros.index_copy(0, idx, logp).reshape(b, t), ent
+
+
+def flat_index(positions: torch.Tensor) -> torch.Tensor:
+    """long [N]: the flat indices of the True entries of a bool [B, T] mask (a `nonzero`: one host
+    sync where the mask lives on a GPU)."""
+    return positions.reshape(-1).nonzero().squeeze(-1)
 
 
 def full_token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +193,7 @@ def model_scores(
     model: torch.nn.Module,
     inputs: dict,
     targets: torch.Tensor,
-    positions: torch.Tensor,
+    index: torch.Tensor,
     temperature: float,
     chunk: int,
     *,
@@ -194,7 +202,8 @@ def model_scores(
     entropy: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(logp, entropy, last hidden states) of an HF causal LM on `inputs` (its forward's keyword
-    arguments). `chunk` > 0: the trunk, then the chunked head at `positions` only (0 elsewhere);
+    arguments). `chunk` > 0: the trunk, then the chunked head at the flat positions `index` only
+    (long [N], `head_scores`; 0 elsewhere);
     `head=False` skips the output layer (logp and entropy None); `entropy=False` skips the entropy
     (None) where the chunked head runs. `chunk` 0: the full head at every position (the former path,
     kept for comparison)."""
@@ -206,5 +215,5 @@ def model_scores(
     if not head:
         return None, None, last
     weight = model.get_output_embeddings().weight
-    logp, ent = head_scores(last, weight, targets, positions, temperature, chunk, entropy)
+    logp, ent = head_scores(last, weight, targets, index, temperature, chunk, entropy)
     return logp, ent, last if hidden else None

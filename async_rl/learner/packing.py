@@ -70,6 +70,10 @@ class MicroBatch:
     # how the rows cut into attention segments (`attention.py`): the torch learner builds its position
     # ids and masks (or varlen/flex layout) from it on the device
     segments: Segments | None = None
+    # long [N]: the flat (row * width + column) indices of the loss positions (loss_mask != 0), built on
+    # the host from the samples when the batch is packed, so the head gathers them on the device with
+    # no data-dependent sync (a `nonzero` per micro-batch); None: `head_index` derives it from the mask
+    loss_index: torch.Tensor | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -128,7 +132,42 @@ class MicroBatch:
             ref_logp=None if self.ref_logp is None else self.ref_logp.to(device),
             cov_select=None if self.cov_select is None else self.cov_select.to(device),
             segments=None if self.segments is None else self.segments.to(device),
+            loss_index=None if self.loss_index is None else self.loss_index.to(device),
         )
+
+    def head_index(self) -> torch.Tensor:
+        """long [N]: the flat indices of the loss positions (the prebuilt `loss_index`, else the mask's)."""
+        if self.loss_index is not None:
+            return self.loss_index
+        return (self.loss_mask.reshape(-1) != 0).nonzero().squeeze(-1)
+
+    def span_index(self) -> torch.Tensor:
+        """long [N]: the flat indices of its sequences' completion positions (what scoring reads),
+        from `spans` alone (no data-dependent op)."""
+        width = self.targets.shape[1]
+        return torch.from_numpy(span_flat_index([(row * width + col, n) for row, col, n in self.spans]))
+
+
+def span_flat_index(starts: list[tuple[int, int]]) -> np.ndarray:
+    """int64 [sum n]: start, start + 1, ..., start + n - 1 for each (start, n), in order."""
+    if not starts:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in starts])
+
+
+def loss_index(samples: list[SeqSample], spans: list[tuple[int, int, int]], width: int) -> torch.Tensor:
+    """long [N]: the flat indices (row * width + column) of the loss positions of `samples` placed at
+    `spans` (in the same order), ascending as `nonzero` of the loss mask gives them: a sample out of the
+    loss adds none, one with a `loss_mask` its nonzero tokens, any other its whole completion. Built from
+    the host-side samples, with numpy: no tensor value is read."""
+    parts = []
+    for s, (row, first, n) in zip(samples, spans, strict=True):
+        if not s.in_loss:
+            continue
+        at = np.arange(row * width + first, row * width + first + n, dtype=np.int64)
+        parts.append(at if s.loss_mask is None else at[np.asarray(s.loss_mask) != 0])
+    flat = np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(flat)
 
 
 def split(samples: list[SeqSample], max_seqs: int, max_tokens: int) -> list[list[SeqSample]]:
@@ -262,7 +301,8 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
         for n in (length for length, row in zip(lengths, rows, strict=True) if row == r):
             table.add(n)
         table.end_row("extend")
-    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build())
+    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
+                      loss_index(samples, spans, width))
 
 
 def padded(samples: list[SeqSample]) -> MicroBatch:
@@ -289,7 +329,8 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
     for s in samples:
         table.add(len(s.tokens))
         table.end_row("own")
-    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref, cov, table.build())
+    return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
+                      loss_index(samples, spans, width))
 
 
 def micro_batches(

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from async_rl.learner.head import DEFAULT_CHUNK, model_scores, unsupported
+from async_rl.learner.head import DEFAULT_CHUNK, flat_index, model_scores, unsupported
 
 
 def row_chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -82,13 +82,16 @@ class ReferencePolicy:
             ids = b.input_ids[idx, :width].to(self.device)
             targets = torch.zeros_like(ids)
             targets[:, :-1] = ids[:, 1:]
-            positions = torch.zeros(ids.shape, dtype=torch.bool, device=self.device)
-            positions[:, : width - 1] = b.loss_mask[idx, : width - 1].to(self.device) != 0
+            # the loss positions, found on the host (b is a host batch): no sync on the device
+            host = torch.zeros(ids.shape, dtype=torch.bool)
+            host[:, : width - 1] = b.loss_mask[idx, : width - 1] != 0
+            positions = host.to(self.device)
+            index = flat_index(host).to(self.device)
             inputs = {"input_ids": ids, "attention_mask": b.attention_mask[idx, :width].to(self.device),
                       "use_cache": False}
             with torch.no_grad(), self._as_reference():
                 logp, _, _ = model_scores(
-                    self.model, inputs, targets, positions, temperature, self.chunk, entropy=False
+                    self.model, inputs, targets, index, temperature, self.chunk, entropy=False
                 )
             logp = logp * positions  # the full head (chunk 0) scores every position
             out[idx, : width - 1] = logp[:, : width - 1].to(out.device)

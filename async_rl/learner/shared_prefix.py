@@ -38,6 +38,7 @@ from async_rl.learner.packing import (
     _fill_optional,
     _optional,
     balanced,
+    loss_index,
     row_layout,
     row_tensors,
 )
@@ -197,7 +198,8 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
         position_ids[row, offsets[row] :] = torch.arange(width - offsets[row])
         table.end_row("own")
     spans = [span_of[id(s)] for s in samples]
-    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build())
+    return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
+                      loss_index(samples, spans, width))
 
 
 def shared_micro_batches(

@@ -39,9 +39,9 @@ class ScoringModel(torch.nn.Module):
         self.model = model
         self.chunk = chunk
 
-    def forward(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, temperature: float,
+    def forward(self, inputs: dict, targets: torch.Tensor, index: torch.Tensor, temperature: float,
                 hidden: bool, head: bool, entropy: bool = True):
-        return model_scores(self.model, inputs, targets, positions, temperature, self.chunk, hidden=hidden,
+        return model_scores(self.model, inputs, targets, index, temperature, self.chunk, hidden=hidden,
                             head=head, entropy=entropy)
 
 
@@ -185,8 +185,10 @@ class TorchBackend(ModelBackend):
 
     # ---- forward and backward ---------------------------------------------------------------------
 
-    def _forward(self, mb: MicroBatch, temperature: float, positions: torch.Tensor, hidden: bool,
+    def _forward(self, mb: MicroBatch, temperature: float, index: torch.Tensor, hidden: bool,
                  head: bool = True, with_entropy: bool = True) -> TokenScores:
+        """`index`: the flat positions the head scores (long [N], a host tensor built from the packing
+        plan); it travels with the batch, so the head's gather waits on no host sync."""
         if self.working:
             self.working.refresh_if_stale()  # once per optimizer step, not per micro-batch
         autocast = (
@@ -195,21 +197,27 @@ class TorchBackend(ModelBackend):
         with autocast:
             logp, entropy, last = self.wrapped(
                 mb.model_inputs(self.device, self.attention_kernels), mb.targets.to(self.device),
-                positions.to(self.device), temperature, hidden, head, with_entropy,
+                self._to_device(index), temperature, hidden, head, with_entropy,
             )
         return TokenScores(logp=logp, entropy=entropy, hidden=last.detach() if hidden else None)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on this rank's device; on CUDA copied from pinned memory without blocking."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True) -> TokenScores:
         with torch.no_grad():  # the completion positions of its sequences (`spans`)
             # No entropy: the scoring passes read log-probs (and hidden states) only.
-            return self._forward(mb, temperature, mb.span_positions(), hidden, head, with_entropy=False)
+            return self._forward(mb, temperature, mb.span_index(), hidden, head, with_entropy=False)
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._full = None  # gathered weights go stale with this step
         for i, mb in enumerate(mbs):
             with self._grad_sync(i == len(mbs) - 1):
-                loss = loss_fn(i, self._forward(mb, temperature, mb.loss_mask != 0, hidden=False))
+                loss = loss_fn(i, self._forward(mb, temperature, mb.head_index(), hidden=False))
                 # DDP and FSDP2 average gradients over ranks; the contract is their sum.
                 (loss * (1 if self.working else self.world_size)).backward()
         if self.working and self.world_size > 1:

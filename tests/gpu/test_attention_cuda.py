@@ -18,7 +18,7 @@ import torch
 
 from async_rl.config import LearnerConfig
 from async_rl.learner.attention import KernelChoice, register
-from async_rl.learner.head import model_scores
+from async_rl.learner.head import flat_index, model_scores
 from async_rl.learner.packing import SeqSample, micro_batches
 from async_rl.learner.shared_prefix import shared_micro_batches
 from tests.gpu._gpu_util import model_dir_or_skip
@@ -66,7 +66,7 @@ def run(model, mb, kernel: str, bf16: bool):
     mb = mb.to(CUDA)
     at = mb.span_positions()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        logp, entropy, _ = model_scores(model, mb.model_inputs(CUDA, KernelChoice(kernel, kernel)), mb.targets, at,
+        logp, entropy, _ = model_scores(model, mb.model_inputs(CUDA, KernelChoice(kernel, kernel)), mb.targets, flat_index(at),
                                         0.7, 64)
     w = torch.linspace(0.5, 1.5, logp.numel(), device=CUDA).view_as(logp) * mb.loss_mask
     ((logp * w).sum() + 0.1 * (entropy * w).sum()).backward()

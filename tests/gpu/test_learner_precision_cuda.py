@@ -10,7 +10,7 @@ import torch
 
 from async_rl.cluster.net import free_port
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.head import head_scores
+from async_rl.learner.head import flat_index, head_scores
 from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, settings
 
@@ -51,7 +51,7 @@ def test_fp32_output_gemm_head_equals_the_cpu_head():
     for device in ("cpu", "cuda"):
         h = hidden.to(device, torch.bfloat16).requires_grad_()
         w = weight.to(device, torch.bfloat16).requires_grad_()
-        logp, _ = head_scores(h, w, targets.to(device), positions.to(device), 1.0, 16)
+        logp, _ = head_scores(h, w, targets.to(device), flat_index(positions.to(device)), 1.0, 16)
         logp.sum().backward()
         grads[device] = w.grad.float().cpu()
     torch.testing.assert_close(grads["cuda"], grads["cpu"], atol=2e-2, rtol=2e-2)

@@ -20,7 +20,7 @@ from async_rl.errors import RunError
 from async_rl.learner import attention
 from async_rl.learner.attention import KernelChoice, dense_mask, position_ids, register, resolve
 from async_rl.learner.driver import shard_samples
-from async_rl.learner.head import model_scores
+from async_rl.learner.head import flat_index, model_scores
 from async_rl.learner.packing import micro_batches
 from async_rl.learner.shared_prefix import shared_micro_batches
 from tests.unit._learner_fixtures import assert_equal_steps, episode_groups, make_rank, spied_step
@@ -104,7 +104,7 @@ def scores(model, mb, kernel: str, grad: bool = False):
     model.set_attn_implementation("sdpa" if kernel == "sdpa" else register())
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grad):
-        logp, entropy, _ = model_scores(model, mb.model_inputs(CPU, KernelChoice(kernel, kernel)), mb.targets, mb.span_positions(), 0.7, 16)
+        logp, entropy, _ = model_scores(model, mb.model_inputs(CPU, KernelChoice(kernel, kernel)), mb.targets, mb.span_index(), 0.7, 16)
     grads = None
     if grad:
         w = torch.linspace(0.5, 1.5, logp.numel()).view_as(logp) * mb.loss_mask
@@ -134,7 +134,7 @@ def test_the_device_built_sdpa_inputs_equal_the_former_host_ones(model):
             former["attention_mask"] = host_block_mask(mb)
         model.set_attn_implementation("sdpa")
         with torch.no_grad():
-            a, _, _ = model_scores(model, former, mb.targets, mb.span_positions(), 0.7, 16)
+            a, _, _ = model_scores(model, former, mb.targets, mb.span_index(), 0.7, 16)
         b, _, _ = scores(model, mb, "sdpa")
         assert torch.equal(a, b), name
 
@@ -155,10 +155,10 @@ def test_the_registered_implementation_without_a_layout_is_hf_sdpa(model):
     for impl in ("sdpa", register()):
         model.set_attn_implementation(impl)
         with torch.no_grad():
-            out[impl], _, _ = model_scores(model, inputs, targets, at, 0.7, 16)
+            out[impl], _, _ = model_scores(model, inputs, targets, flat_index(at), 0.7, 16)
     assert torch.equal(out["sdpa"], out[attention.IMPLEMENTATION])
     with torch.no_grad():  # and the mask matters here: without it the scores differ
-        unmasked, _, _ = model_scores(model, {**inputs, "attention_mask": None}, targets, at, 0.7, 16)
+        unmasked, _, _ = model_scores(model, {**inputs, "attention_mask": None}, targets, flat_index(at), 0.7, 16)
     assert not torch.allclose(unmasked[at], out["sdpa"][at], atol=1e-4)
 
 

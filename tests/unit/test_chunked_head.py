@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from async_rl.config import AlgorithmConfig
 from async_rl.learner import driver as driver_mod
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.head import ChunkedHead, full_token_scores, head_scores
+from async_rl.learner.head import ChunkedHead, flat_index, full_token_scores, head_scores
 from async_rl.learner.reference import row_chunks
 from tests.unit._learner_fixtures import groups, make_rank, settings
 
@@ -41,7 +41,7 @@ def test_chunked_head_equals_full_head(temperature, chunk):
     targets = torch.randint(0, v, (b, t))
     positions = torch.rand(b, t) > 0.4  # holes
     upstream = torch.randn(b, t)
-    logp, entropy = head_scores(hidden, weight, targets, positions, temperature, chunk)
+    logp, entropy = head_scores(hidden, weight, targets, flat_index(positions), temperature, chunk)
     (logp * upstream).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
@@ -63,7 +63,7 @@ def test_head_without_entropy_gives_the_same_log_probs_and_gradients():
     positions = torch.rand(2, 7) > 0.3
     out = {}
     for with_entropy in (True, False):
-        logp, entropy = head_scores(hidden, weight, targets, positions, 0.7, 3, entropy=with_entropy)
+        logp, entropy = head_scores(hidden, weight, targets, flat_index(positions), 0.7, 3, entropy=with_entropy)
         assert (entropy is None) == (not with_entropy)
         logp.sum().backward()
         out[with_entropy] = logp.detach(), hidden.grad.clone(), weight.grad.clone()

@@ -13,7 +13,7 @@ import torch
 from async_rl.config import AlgorithmConfig
 from async_rl.learner.algorithms import Algorithm, Prepared
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.head import full_token_scores, head_scores
+from async_rl.learner.head import flat_index, full_token_scores, head_scores
 from async_rl.learner.losses import covariance_selection, policy_loss, token_covariance
 from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, settings
@@ -117,7 +117,7 @@ def test_chunked_head_entropy_gradient_equals_the_full_heads(temperature, chunk)
     up_logp, up_entropy = torch.randn(b, t), torch.randn(b, t)
     for with_logp in (True, False):
         hidden.grad = weight.grad = None
-        logp, entropy = head_scores(hidden, weight, targets, positions, temperature, chunk)
+        logp, entropy = head_scores(hidden, weight, targets, flat_index(positions), temperature, chunk)
         ((logp * up_logp if with_logp else 0) + entropy * up_entropy).sum().backward()
         chunked = hidden.grad.clone(), weight.grad.clone()
         hidden.grad = weight.grad = None
