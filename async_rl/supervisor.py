@@ -380,7 +380,10 @@ class Supervisor:
                 dead_rank = self.rt.dead_learner_rank()
                 if dead_rank is not None:
                     raise learner_died(self.run_dir, dead_rank, exc) from None
-                dead = sorted(set(self.rt.generators.find_dead()) | set(self._engines_found_dead()))
+                # The watcher may abandon an engine before its notice is queued and before the engine
+                # fails a health check (a slow reply under load is not death): count it dead too.
+                found = set(self._engines_found_dead()) | set(self.rt.generators.abandoned_engines())
+                dead = sorted(set(self.rt.generators.find_dead()) | found)
                 if not dead or attempt == SYNC_ATTEMPTS:
                     if isinstance(exc, RunError):
                         raise

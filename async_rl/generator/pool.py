@@ -169,6 +169,11 @@ class GeneratorPool:
         self._gather([sender.join_weight_group.remote(), *joins], self.weight_timeout_s, "joining the weight group")
         self.membership_stale = False
 
+    def abandoned_engines(self) -> list[int]:
+        """Engines of the pool a sync stopped waiting for (the watcher found them dead or hung): the
+        caller replaces them even when its own health check has not seen the death yet."""
+        return sorted(m for m in dict(self._abandoned) if m in self.engines)
+
     def abort_sync(self, member: int, reason: str) -> None:
         """A member (engine id, or LEARNER) died or hangs, seen by the run's watcher on its thread: a
         weight sync in flight stops waiting for it at once (every call of it, the pause and resume
