@@ -146,13 +146,12 @@ def head_scores(
     column; `flat_index` of a bool mask) only: 0 elsewhere. The caller builds the index on the host
     (`MicroBatch.loss_index`), so the gather has no data-dependent shape and no host sync."""
     b, t, h = hidden.shape
-    idx = index
-    flat_h = hidden.reshape(b * t, h).index_select(0, idx)
-    flat_t = targets.reshape(-1).index_select(0, idx)
+    flat_h = hidden.reshape(b * t, h).index_select(0, index)
+    flat_t = targets.reshape(-1).index_select(0, index)
     logp, ent = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)), entropy)
     zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
-    ent = zeros.index_copy(0, idx, ent).reshape(b, t) if ent is not None else None
-    return zeros.index_copy(0, idx, logp).reshape(b, t), ent
+    ent = zeros.index_copy(0, index, ent).reshape(b, t) if ent is not None else None
+    return zeros.index_copy(0, index, logp).reshape(b, t), ent
 
 
 def flat_index(positions: torch.Tensor) -> torch.Tensor:

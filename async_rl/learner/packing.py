@@ -30,6 +30,7 @@ from async_rl.learner.attention import (
     layout_for,
 )
 from async_rl.learner.attention import position_ids as segment_positions
+from async_rl.learner.head import flat_index
 
 
 @dataclass
@@ -137,9 +138,7 @@ class MicroBatch:
 
     def head_index(self) -> torch.Tensor:
         """long [N]: the flat indices of the loss positions (the prebuilt `loss_index`, else the mask's)."""
-        if self.loss_index is not None:
-            return self.loss_index
-        return (self.loss_mask.reshape(-1) != 0).nonzero().squeeze(-1)
+        return self.loss_index if self.loss_index is not None else flat_index(self.loss_mask != 0)
 
     def span_index(self) -> torch.Tensor:
         """long [N]: the flat indices of its sequences' completion positions (what scoring reads),

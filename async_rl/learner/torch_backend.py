@@ -202,8 +202,9 @@ class TorchBackend(ModelBackend):
         return TokenScores(logp=logp, entropy=entropy, hidden=last.detach() if hidden else None)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on this rank's device; on CUDA copied from pinned memory without blocking."""
-        if self.device.type != "cuda":
+        """A tensor on this rank's device; a host tensor bound for CUDA is copied from pinned memory
+        without blocking (the driver may have moved the batch, and its index, there already)."""
+        if self.device.type != "cuda" or host.is_cuda:
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
