@@ -229,6 +229,8 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
         if m.loss != m.loss:
             raise RuntimeError("NaN loss")
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    if a.profile_file:
+        profile_step(a.profile_file, lambda: rank.train_on_shard(a.steps + 1, groups))
     rank.shutdown()
     return {**ran, "notes": notes, "steps_s": steps, "peak_gib": peak, "micro_batches": m.micro_batches}
 
@@ -327,6 +329,8 @@ def trl_child(a: argparse.Namespace, device: str) -> dict:
             torch.cuda.synchronize()
         steps.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    if a.profile_file:
+        profile_step(a.profile_file, lambda: trl_step(model, opt, groups, a.tokens, device))
     return {"steps_s": steps, "peak_gib": peak, "notes": []}
 
 
@@ -346,7 +350,8 @@ def child_command(a: argparse.Namespace, shape: str, variant: str, model_dir: Pa
             "--shape", shape, "--variant", variant, "--model-dir", str(model_dir), "--score-file", str(score),
             "--prompts", str(a.prompts), "--group-size", str(a.group_size), "--max-completion", str(a.max_completion),
             "--tokens", str(a.tokens), "--steps", str(a.steps), "--score-samples", str(a.score_samples),
-            *(["--force-cpu"] if a.force_cpu else [])]
+            *(["--force-cpu"] if a.force_cpu else []),
+            *(["--profile-file", str(RESULTS / f"{a.out}-profile-{shape}-{variant}.txt")] if variant == a.profile else [])]
 
 
 def run_one(cmd: list[str], timeout: float) -> dict:
@@ -438,6 +443,27 @@ def write_markdown(result: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def variants_for(option: str, shape: str) -> str:
+    """--variants for one shape: 'a,b' (every shape) or 'SHAPE=a,b;SHAPE2=c' (a shape not named: its default)."""
+    if "=" not in option:
+        return option or DEFAULT_VARIANTS.get(shape, "fp32,today,combined,trl")
+    per_shape = dict(item.split("=", 1) for item in option.split(";") if item.strip())
+    return per_shape.get(shape) or DEFAULT_VARIANTS.get(shape, "fp32,today,combined,trl")
+
+
+def profile_step(path: str, step) -> None:
+    """One more step under torch.profiler: the top kernels and ops by CUDA time, to `path`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70) + "\n")
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="learner step on CUDA (bench_learner.py --device cuda)")
     ap.add_argument("--device", choices=["cuda"], required=True)
@@ -445,7 +471,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     help="results path under benchmarks/results, without the suffix")
     ap.add_argument("--dry-run", action="store_true", help="a tiny model and batch: seconds")
     ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
-    ap.add_argument("--variants", default="", help=f"per shape ('' = {DEFAULT_VARIANTS}); known: {list(VARIANTS)}")
+    ap.add_argument("--variants", default="", help=f"'a,b' for every shape or 'SHAPE=a,b;SHAPE2=c' ('' = "
+                    f"{DEFAULT_VARIANTS}); known: {list(VARIANTS)}")
+    ap.add_argument("--profile", default="", help="a variant whose child profiles one extra step (torch.profiler: "
+                    "top kernels by CUDA time, to <out>-profile-<shape>-<variant>.txt)")
     ap.add_argument("--batch", default="64x8", help="PROMPTSxSAMPLES (the 1-GPU recipe: 64x8)")
     ap.add_argument("--max-completion", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=16384, help="micro_batch_tokens of every row but the *auto ones")
@@ -457,7 +486,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     help="start no child expected to end past this many seconds (the longest child so far)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--force-cpu", action="store_true", help=argparse.SUPPRESS)  # the harness's own CPU check
-    for name in ("--shape", "--variant", "--model-dir", "--score-file"):
+    for name in ("--shape", "--variant", "--model-dir", "--score-file", "--profile-file"):
         ap.add_argument(name, help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
@@ -496,7 +525,7 @@ def main(argv: list[str]) -> int:
         if shape not in SHAPES:
             print(f"--shapes: unknown '{shape}'; known: {list(SHAPES)}", file=sys.stderr)
             return 2
-        variants = (a.variants or DEFAULT_VARIANTS.get(shape, "fp32,today,combined,trl")).split(",")
+        variants = variants_for(a.variants, shape).split(",")
         unknown = [v for v in variants if v not in VARIANTS]
         if unknown:
             print(f"--variants: unknown {unknown}; known: {list(VARIANTS)}", file=sys.stderr)

@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -140,13 +141,17 @@ def install_wheels(python: str, wheels: list[Path], missing: list[str], dry_run:
     return Part("wheels", command, 90)
 
 
-def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[str, float]) -> list[Part]:
+def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[str, float],
+          learner_args: list[str]) -> list[Part]:
     junit = out_dir / f"{tag}-part-a.xml"
     part_a = [python, "-m", "pytest", "tests/gpu", "-m", "gpu and not gpu_e2e", "-rs", "-q", "-p", "no:cacheprovider"]
     part_a += ["--exit-3-without-cuda", f"--junitxml={junit}"]
     # The learner benchmark's contract (issue 31): --out is relative to benchmarks/results.
     learner_out = RESULTS / "gpu" / f"{tag}-learner"
-    learner = [python, "benchmarks/bench_learner.py", "--device", "cuda", "--out", f"gpu/{tag}-learner"]
+    # Its own budget ends before the part's timeout, so it writes what it measured instead of being killed.
+    learner_budget = f"{max(timeouts['learner'] - 30, 10):.0f}"
+    learner = [python, "benchmarks/bench_learner.py", "--device", "cuda", "--out", f"gpu/{tag}-learner",
+               "--budget-s", learner_budget, *learner_args]
     sync_out = out_dir / f"{tag}-weight-sync.json"
     sync = [python, "benchmarks/bench_weight_sync.py", "--device", "cuda", "--out", str(sync_out)]
     if dry_run:
@@ -216,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-a-timeout-s", type=float, default=150)
     ap.add_argument("--learner-timeout-s", type=float, default=200)
     ap.add_argument("--weight-sync-timeout-s", type=float, default=100)
+    ap.add_argument("--skip", action="append", default=[], choices=["part-a", "learner", "weight-sync"],
+                    help="leave this part out (repeatable), e.g. a part measured by an earlier call")
+    ap.add_argument("--learner-args", default="", help="more options for bench_learner.py --device cuda, one "
+                    "string, e.g. \"--variants 'qwen2.5-0.5b=trl,combined' --profile combined --steps 2\"")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     tag = args.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d") + ("-dry" if args.dry_run else "")
@@ -235,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     machine = environment(args.python, env)
     print(f"== machine: {machine}", flush=True)
     timeouts = {"part-a": args.part_a_timeout_s, "learner": args.learner_timeout_s, "weight-sync": args.weight_sync_timeout_s}
-    for part in parts(args.python, tag, args.dry_run, out_dir, timeouts):
+    for part in parts(args.python, tag, args.dry_run, out_dir, timeouts, shlex.split(args.learner_args)):
+        if part.name in args.skip:
+            outcomes.append(Outcome(part.name, "not run", 0.0, " ".join(part.argv), reason="--skip"))
+            continue
         outcomes.append(run_part(part, env, args.budget_s - (time.monotonic() - t0), out_dir, tag))
 
     seconds = time.monotonic() - t0

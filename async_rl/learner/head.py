@@ -16,6 +16,7 @@ from the head and from the embedding lookup add up in autograd as they do for th
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 # What the no-grad scoring passes and training use when `learner.logprob_chunk_tokens` is not set
 # (kept equal to the config default).
@@ -210,9 +211,11 @@ def model_scores(
         out = model(**inputs, output_hidden_states=hidden)
         logp, entropy = full_token_scores(out.logits, targets, temperature)
         return logp, entropy, out.hidden_states[-1] if hidden else None
-    last = model.base_model(**inputs).last_hidden_state  # after the final norm: what the head reads
+    with record_function("learner.trunk"):  # a profiler's region (benchmarks/learner_gpu.py --profile)
+        last = model.base_model(**inputs).last_hidden_state  # after the final norm: what the head reads
     if not head:
         return None, None, last
     weight = model.get_output_embeddings().weight
-    logp, ent = head_scores(last, weight, targets, index, temperature, chunk, entropy)
+    with record_function("learner.head"):
+        logp, ent = head_scores(last, weight, targets, index, temperature, chunk, entropy)
     return logp, ent, last if hidden else None

@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from async_rl.config import LearnerConfig
 from async_rl.errors import RunError
@@ -220,7 +221,8 @@ class TorchBackend(ModelBackend):
             with self._grad_sync(i == len(mbs) - 1):
                 loss = loss_fn(i, self._forward(mb, temperature, mb.head_index(), hidden=False))
                 # DDP and FSDP2 average gradients over ranks; the contract is their sum.
-                (loss * (1 if self.working else self.world_size)).backward()
+                with record_function("learner.backward"):  # a profiler's region, as the head's
+                    (loss * (1 if self.working else self.world_size)).backward()
         if self.working and self.world_size > 1:
             all_reduce_grads(list(self.model.parameters()))  # fp32 sums, once per step
 
@@ -243,7 +245,8 @@ class TorchBackend(ModelBackend):
         if float(self.all_reduce(bad, "max")[0]) > 0:
             self.drop_gradients()  # clipping by a NaN norm made them NaN: AdamW must not see them
             return value if not math.isfinite(value) else math.nan
-        self.optimizer.step()
+        with record_function("learner.optimizer"):
+            self.optimizer.step()
         self._full = None
         if self.working:
             self.working.mark_stale()
