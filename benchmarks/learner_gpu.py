@@ -572,10 +572,11 @@ def main(argv: list[str]) -> int:
         diff = logp_difference(scores)
         result["shapes"][shape] = {"params": params, "counts": counts, "rows": rows, "logp_diff": diff,
                                    "targets": targets(shape, rows, diff), "notes": notes}
-    out = RESULTS / a.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    write_markdown(result, out.with_suffix(".md"))
+        # Written after every shape: a run killed later (a part's timeout) keeps what it measured.
+        out = RESULTS / a.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        write_markdown(result, out.with_suffix(".md"))
     print(out.with_suffix(".md").read_text())
     print(f"wrote {out.with_suffix('.json')} and .md in {time.perf_counter() - t_start:.0f} s", flush=True)
     return 0

@@ -234,7 +234,9 @@ def resolve(setting: str, device_type: str, half: bool) -> KernelChoice:
     if setting == "auto":
         if device_type != "cuda":
             return SDPA
-        return KernelChoice("varlen" if half else "flex", "flex")
+        # varlen for shared-prompt blocks too: measured on an H200 (2026-11-26), flex's compiled block
+        # masks made the 0.5B step miss a 90 s limit while varlen took 2.59 s (docs/learner.md).
+        return KernelChoice("varlen", "varlen") if half else KernelChoice("flex", "flex")
     if setting == "flex" and device_type != "cuda":
         raise ValueError("FlexAttention has no backward on CPU in torch (its forward runs eagerly): use sdpa or auto there")
     if setting == "varlen" and device_type == "cuda" and not half:

@@ -119,7 +119,7 @@ def test_auto_trains_with_varlen_and_flex_under_bf16_autocast():
 
     backend = TorchBackend(LearnerConfig(attention="auto"), "float32", 0, 1, "127.0.0.1:0")
     backend.setup(model_dir_or_skip("tiny-qwen2"))
-    assert backend.attention_kernels == KernelChoice("varlen", "flex")
+    assert backend.attention_kernels == KernelChoice("varlen", "varlen")
     for mb in layouts().values():
         mb = mb.to(backend.device)
         backend.forward_backward([mb], 0.7, lambda i, sc, mask=mb.loss_mask: -(sc.logp * mask).sum())
