@@ -461,6 +461,7 @@ def profile_step(path: str, step) -> None:
         step()
         torch.cuda.synchronize() if torch.cuda.is_available() else None
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # the results folder may not exist yet
     Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70) + "\n")
 
 
@@ -521,6 +522,7 @@ def main(argv: list[str]) -> int:
               "command": "python benchmarks/bench_learner.py " + " ".join(argv),
               "device": torch.cuda.get_device_name(0) if cuda else "cpu (harness check)", "torch": torch.__version__,
               "bf16_matmul_flops": rate, "batch": f"{a.prompts}x{a.group_size}", "tokens": a.tokens, "shapes": {}}
+    longest: list[float] = []  # every child's wall time so far
     for shape in a.shapes.split(","):
         if shape not in SHAPES:
             print(f"--shapes: unknown '{shape}'; known: {list(SHAPES)}", file=sys.stderr)
@@ -544,8 +546,9 @@ def main(argv: list[str]) -> int:
             for v in variants:
                 if v == "fp32" and rnd > 0:
                     continue
-                # A child's expected time: the longest so far on this shape (its timeout before any ran).
-                expect = max((r.get("wall_s", 0.0) for rs in runs.values() for r in rs), default=a.variant_timeout)
+                # A child's expected time: the longest so far on any shape (its timeout before any ran): a
+                # larger shape's children take longer, so this shape's own longest would start one too many.
+                expect = max(longest, default=a.variant_timeout)
                 if time.perf_counter() - t_start + expect > a.budget_s and not a.dry_run:
                     runs.setdefault(v, []).append({"skipped": f"time budget ({a.budget_s:.0f} s) spent"})
                     continue
@@ -554,6 +557,7 @@ def main(argv: list[str]) -> int:
                 if rnd == 0 and score.exists():
                     scores[v] = score
                 runs.setdefault(v, []).append(row)
+                longest.append(row.get("wall_s", 0.0))
                 notes += [n for n in row.get("notes", []) if n not in notes]
                 brief = (f"step {min(row['steps_s']):.2f} s, peak {row['peak_gib']:.1f} GiB" if "steps_s" in row
                          else row.get("error") or row.get("skipped") or "scored")

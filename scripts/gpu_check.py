@@ -144,8 +144,9 @@ def install_wheels(python: str, wheels: list[Path], missing: list[str], dry_run:
 def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[str, float],
           learner_args: list[str]) -> list[Part]:
     junit = out_dir / f"{tag}-part-a.xml"
-    part_a = [python, "-m", "pytest", "tests/gpu", "-m", "gpu and not gpu_e2e", "-rs", "-q", "-p", "no:cacheprovider"]
-    part_a += ["--exit-3-without-cuda", f"--junitxml={junit}"]
+    part_a = [python, "-m", "pytest", "tests/gpu", "-m", "gpu and not gpu_e2e", "-rs", "-p", "no:cacheprovider"]
+    # -v: the log names each test as it starts, so a hang is named; faulthandler dumps its stack at 60 s.
+    part_a += ["-v", "-o", "faulthandler_timeout=60", "--exit-3-without-cuda", f"--junitxml={junit}"]
     # The learner benchmark's contract (issue 31): --out is relative to benchmarks/results.
     learner_out = RESULTS / "gpu" / f"{tag}-learner"
     # Its own budget ends before the part's timeout, so it writes what it measured instead of being killed.
