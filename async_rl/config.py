@@ -507,7 +507,7 @@ class LearnerConfig(_Section):
            "for shared prompts), varlen (varlen flash attention from cumulative sequence lengths, no mask; "
            "CUDA, on CPU a slow per-sequence reference), flex (FlexAttention with a block-sparse mask; CUDA "
            "only for training); auto = sdpa on CPU, varlen on CUDA "
-           "in bf16 (shared prompts too: the fastest measured, docs/learner.md), flex on CUDA in fp32. Masks and position ids are built on "
+           "in bf16 (shared prompts too: the fastest measured, docs/learner.md), sdpa in fp32. Masks and position ids are built on "
            "the device"),
     ] = "auto"
     lr_warmup_steps: Annotated[int, _f("linear learning-rate warmup over this many steps", ge=0)] = 0

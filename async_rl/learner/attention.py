@@ -235,8 +235,9 @@ def resolve(setting: str, device_type: str, half: bool) -> KernelChoice:
         if device_type != "cuda":
             return SDPA
         # varlen for shared-prompt blocks too: measured on an H200 (2026-11-26), flex's compiled block
-        # masks made the 0.5B step miss a 90 s limit while varlen took 2.59 s (docs/learner.md).
-        return KernelChoice("varlen", "varlen") if half else KernelChoice("flex", "flex")
+        # masks made the 0.5B step miss a 90 s limit while varlen took 2.59 s (docs/learner.md). Flash
+        # takes no fp32, and flex is not trusted yet: fp32 compute keeps sdpa.
+        return KernelChoice("varlen", "varlen") if half else SDPA
     if setting == "flex" and device_type != "cuda":
         raise ValueError("FlexAttention has no backward on CPU in torch (its forward runs eagerly): use sdpa or auto there")
     if setting == "varlen" and device_type == "cuda" and not half:

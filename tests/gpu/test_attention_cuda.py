@@ -7,7 +7,7 @@
   flash's causal alignment of a suffix's queries with its prefix + suffix keys, flex's backward.
 - flex in fp32 equals the fp32 dense path (values and gradients), and new packed lengths do not
   recompile it.
-- The backend's choice: `auto` runs varlen/flex on CUDA under bf16 autocast.
+- The backend's choice: `auto` runs varlen on CUDA under bf16 autocast (shared prompts too).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_flex_does_not_recompile_for_new_packed_lengths(model):
     assert counters["stats"]["unique_graphs"] - before <= 1  # at most the switch to a dynamic graph
 
 
-def test_auto_trains_with_varlen_and_flex_under_bf16_autocast():
+def test_auto_trains_with_varlen_under_bf16_autocast():
     from async_rl.learner.torch_backend import TorchBackend
 
     backend = TorchBackend(LearnerConfig(attention="auto"), "float32", 0, 1, "127.0.0.1:0")

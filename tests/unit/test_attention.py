@@ -203,10 +203,10 @@ def test_the_kernels_take_a_query_group_of_any_size():
 # ---------------------------------------------------------------- choice and guards
 
 
-def test_auto_is_sdpa_on_cpu_and_varlen_or_flex_on_cuda():
+def test_auto_is_varlen_on_cuda_in_bf16_and_sdpa_elsewhere():
     assert resolve("auto", "cpu", half=False) == resolve("auto", "cpu", half=True) == KernelChoice("sdpa", "sdpa")
     assert resolve("auto", "cuda", half=True) == KernelChoice("varlen", "varlen")
-    assert resolve("auto", "cuda", half=False) == KernelChoice("flex", "flex")  # flash takes no fp32
+    assert resolve("auto", "cuda", half=False) == KernelChoice("sdpa", "sdpa")  # flash takes no fp32
     assert resolve("varlen", "cuda", half=True) == KernelChoice("varlen", "varlen")
     assert not resolve("auto", "cpu", half=False).uses_registry and resolve("auto", "cuda", half=True).uses_registry
     with pytest.raises(ValueError, match="bf16/fp16 only"):
