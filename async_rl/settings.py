@@ -14,6 +14,7 @@ from async_rl.config import Config, DataConfig
 from async_rl.envs.factory import AGENT_PREFIX
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
+from async_rl.models.shape import ModelShape
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
 from async_rl.serving import vllm_compat as vc
@@ -84,6 +85,7 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
         model_dir=str(model_dir),
+        attention_weight=shape.attention_weight() if (shape := ModelShape.read(model_dir)) else 0.0,
         max_prompt_tokens=cfg.generators.max_model_len - cfg.generators.max_tokens,
         data=with_env_system_prompt(with_absolute_paths(cfg.data), cfg),
         curve=keys.server if keys is not None else None,

@@ -32,8 +32,10 @@ class BatchServer:
         rejected: collections.Counter[str],
         filtered_groups: Callable[[], int],
         changed: asyncio.Condition,
+        attention_weight: float = 0.0,
     ) -> None:
         self._run_id = run_id
+        self._attention_weight = attention_weight  # ranks are balanced by FLOPs (buffer/balance.py)
         self._prompts_per_step = prompts_per_step
         self._max_lag = max_lag
         self._ledger = ledger
@@ -111,7 +113,7 @@ class BatchServer:
         self.last_batch = (step, max(lags), sum(lags) / len(lags))
         filtered = self._filtered_groups()
         self._filtered_at_batch = (filtered, filtered - self._filtered_at_batch[0])
-        shards = self._batches[step] = balanced_shards(batch, world_size)
+        shards = self._batches[step] = balanced_shards(batch, world_size, self._attention_weight)
         return shards
 
     async def run(self, router: zmq.asyncio.Socket, on_built: Callable[[], None]) -> None:

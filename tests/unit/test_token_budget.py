@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from async_rl.buffer.balance import balanced_shards, group_tokens
+from async_rl.buffer.balance import balanced_shards, group_cost, group_tokens
 from async_rl.learner.packing import SeqSample, balanced, split
 from async_rl.learner.shared_prefix import block_tokens, split_shared
 from async_rl.learner.token_budget import CPU_BUDGET, resolve_budget
+from async_rl.models.shape import ModelShape, sequence_cost
 from tests.unit._learner_fixtures import groups
 
 
@@ -65,6 +66,41 @@ def test_rank_shards_are_balanced_by_tokens_within_one_group(world):
     contiguous = [sum(group_tokens(g) for g in batch[r * 24 // world : (r + 1) * 24 // world]) for r in range(world)]
     assert max(loads) - min(loads) <= max(contiguous) - min(contiguous)
     assert balanced_shards(batch, 1) == [batch]
+
+
+def one_group(prompt: int, completions: list[int]):
+    g = groups(0, n_groups=1, group_size=len(completions))[0]
+    g.prompt_tokens = np.zeros(prompt, np.int32)
+    g.completions = [np.zeros(n, np.int32) for n in completions]
+    return g
+
+
+def test_rank_shards_weigh_attention_s_quadratic_cost():
+    # Equal tokens, unequal attention: one 4000-token sample against four of 1000 (same for 3000/3x1000).
+    batch = [one_group(0, [4000]), one_group(0, [1000] * 4), one_group(0, [3000]), one_group(0, [1000] * 3)]
+    weight = 1e-2  # attention dominates: a 1000-token sequence costs 1000 + 5000
+
+    def worst(shards):
+        return max(sum(group_cost(g, weight) for g in sh) for sh in shards)
+
+    by_tokens, by_flops = balanced_shards(batch, 2), balanced_shards(batch, 2, weight)
+    assert sorted(len(sh) for sh in by_flops) == [2, 2]
+    assert {id(g) for sh in by_flops for g in sh} == {id(g) for g in batch}
+    # By tokens: {4000, 3000} beside the short samples (7000 tokens each), costs 132,000 against 42,000;
+    # by FLOPs the long ones go to different ranks: {4000, 3x1000} and {4x1000, 3000}.
+    assert [len(sh[0].completions) for sh in by_tokens] == [1, 4] and worst(by_flops) < 0.8 * worst(by_tokens)
+    assert [[len(g.completions) for g in sh] for sh in by_flops] == [[1, 3], [4, 1]]
+    assert group_cost(batch[0], 0.0) == group_tokens(batch[0]) == 4000
+
+
+def test_attention_weight_from_the_model_shape(tmp_path):
+    (tmp_path / "config.json").write_text(QWEN_05B.to_json_string())
+    shape = ModelShape.read(tmp_path)
+    assert shape is not None and shape.num_key_value_heads == 2
+    assert shape.attention_weight() == pytest.approx(8.7e-5, rel=0.03)
+    share = {n: 1 - n / sequence_cost(n, shape.attention_weight()) for n in (712, 8192)}
+    assert share[712] == pytest.approx(0.03, abs=0.005) and share[8192] == pytest.approx(0.26, abs=0.01)
+    assert ModelShape.read(tmp_path / "absent") is None
 
 
 QWEN_05B = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
