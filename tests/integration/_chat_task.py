@@ -68,17 +68,18 @@ class ChatCheckTask(Task):
     def reward(self, sample: Sample) -> float:
         ids = sample.completion_ids
         full = streamed_text(self.tokenizer, ids)
+        how = f"(finish reason {sample.finish_reason}, {len(ids)} tokens ending {ids[-4:]})"
         eos = ids[-1] == self.tokenizer.eos_token_id
         if sample.finish_reason == "stop" and not (eos or sample.completion.endswith(STOP)):
-            raise AssertionError(f"finish reason stop but neither EOS nor the stop string ends {ids[-3:]}: {full!r}")
+            raise AssertionError(f"neither EOS nor the stop string ends {full!r} {how}")
         if sample.finish_reason == "length" and len(ids) != int(os.environ[MAX_TOKENS_ENV]):
-            raise AssertionError(f"finish reason length at {len(ids)} tokens")
+            raise AssertionError(f"finish reason length before max_tokens {how}")
         if sample.completion.endswith(STOP) and not eos:
             # the stop string is in the text; the tokens hold it too (characters after it are cut)
             if not full.startswith(sample.completion):
-                raise AssertionError(f"text {sample.completion!r} is not what the tokens say {full!r}")
+                raise AssertionError(f"text {sample.completion!r} is not what the tokens say {full!r} {how}")
         elif sample.completion != full:
-            raise AssertionError(f"text {sample.completion!r} != decoded tokens {full!r}")
+            raise AssertionError(f"text {sample.completion!r} != decoded tokens {full!r} {how}")
         return float(sample.prompt.answer in sample.completion) + 0.01 * min(len(ids), 30)
 
 
