@@ -220,7 +220,7 @@ class Supervisor:
             member = notice.ident if notice.kind == "engine" else LEARNER
             # on a thread of its own: reaching the group's store can take seconds (it is gone with a
             # dead rank 0), and the watcher must go on watching meanwhile
-            args = (member, f"{name} found dead")
+            args = (member, f"{name} found dead", notice.actor_id if notice.kind == "engine" else None)
             threading.Thread(target=self.rt.generators.abort_sync, args=args, daemon=True).start()
 
     def _is_current(self, w: Watched) -> bool:
@@ -380,8 +380,8 @@ class Supervisor:
                 dead_rank = self.rt.dead_learner_rank()
                 if dead_rank is not None:
                     raise learner_died(self.run_dir, dead_rank, exc) from None
-                # The watcher may abandon an engine before its notice is queued and before the engine
-                # fails a health check (a slow reply under load is not death): count it dead too.
+                # An engine the watcher abandoned is dead or hung even when it has not failed a health
+                # check yet (a slow reply under load is not death): count it dead too.
                 found = set(self._engines_found_dead()) | set(self.rt.generators.abandoned_engines())
                 dead = sorted(set(self.rt.generators.find_dead()) | found)
                 if not dead or attempt == SYNC_ATTEMPTS:

@@ -9,6 +9,7 @@ only after it received the current weights.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import ray
 from ray.actor import ActorHandle
 
 from async_rl.cluster.resources import PoolShare, ResourcePool, unhealthy_actors
+from async_rl.death_watch import actor_key
 from async_rl.errors import RunError
 from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
 from async_rl.weight_sync.base import WeightGroupInfo
@@ -71,6 +73,10 @@ class GeneratorPool:
         # Members found dead or hung by the run's watcher (engine id; LEARNER for the sender), set on
         # its thread: every wait of a sync gives up while one of them is still in the pool.
         self._abandoned: dict[int, str] = {}
+        # Taking an engine out of the pool and the watcher's abandoning it are one step each under
+        # this lock: a late abandon (the loop replaced the engine first) must not outlive the engine,
+        # or every later sync gives up on a member that is gone and finds nothing to replace.
+        self._members = threading.Lock()
 
     @property
     def actors(self) -> list[ActorHandle]:
@@ -102,7 +108,8 @@ class GeneratorPool:
         except Exception:
             # No room for another engine (or one failed to start): the pool stays as it was.
             for h in new:
-                self.engines.pop(h.engine_id, None)
+                if h.engine_id in self.engines:
+                    self._take_out(h.engine_id)
                 self._stop(h)
             raise
         self.membership_stale = True
@@ -125,9 +132,7 @@ class GeneratorPool:
         """Drain one engine, then stop it: it takes no new lease, its requests in flight finish (up to
         `drain_timeout_s`), and what is still leased goes back to the prompt pool. Returns how many
         prompts went back."""
-        handle = self.engines.pop(engine_id)
-        self._abandoned.pop(engine_id, None)
-        self.membership_stale = True
+        handle = self._take_out(engine_id)
         ray.get(self.buffer.close_engine.remote(engine_id), timeout=TIMEOUT_S)
         try:
             ray.get(handle.actor.drain.remote(drain_timeout_s), timeout=drain_timeout_s + 30)
@@ -139,9 +144,7 @@ class GeneratorPool:
     def drop_dead(self, engine_id: int) -> int | None:
         """An engine that died: kill what is left of it, hand its leases back. Returns how many, or
         None when the buffer is dead too (its restart from the snapshot requeues every lease)."""
-        handle = self.engines.pop(engine_id)
-        self._abandoned.pop(engine_id, None)
-        self.membership_stale = True
+        handle = self._take_out(engine_id)
         ray.kill(handle.actor, no_restart=True)
         if handle.pool is not None:
             handle.pool.remove()
@@ -149,6 +152,13 @@ class GeneratorPool:
             return ray.get(self.buffer.requeue.remote(engine_id), timeout=TIMEOUT_S)
         except ray.exceptions.RayActorError:
             return None
+
+    def _take_out(self, engine_id: int) -> EngineHandle:
+        with self._members:
+            handle = self.engines.pop(engine_id)
+            self._abandoned.pop(engine_id, None)
+        self.membership_stale = True
+        return handle
 
     def find_dead(self, timeout_s: float = 10.0) -> list[int]:
         """Engines whose actor died or whose vLLM engine core died. A slow reply is not death."""
@@ -172,15 +182,23 @@ class GeneratorPool:
     def abandoned_engines(self) -> list[int]:
         """Engines of the pool a sync stopped waiting for (the watcher found them dead or hung): the
         caller replaces them even when its own health check has not seen the death yet."""
-        return sorted(m for m in dict(self._abandoned) if m in self.engines)
+        with self._members:
+            return sorted(m for m in self._abandoned if m in self.engines)
 
-    def abort_sync(self, member: int, reason: str) -> None:
+    def abort_sync(self, member: int, reason: str, actor_id: str | None = None) -> None:
         """A member (engine id, or LEARNER) died or hangs, seen by the run's watcher on its thread: a
         weight sync in flight stops waiting for it at once (every call of it, the pause and resume
         too: a stopped engine never answers them), and so does every sync until the engine left the
-        pool; the next sync builds a new group (an aborted one stays aborted)."""
-        self._abandoned[member] = reason
-        group = self._group
+        pool; the next sync builds a new group (an aborted one stays aborted). `actor_id`: the engine
+        instance found dead; one the loop already took out of the pool (it got there first, by its
+        own health check or this notice) is not abandoned, and the group of its successor not aborted."""
+        with self._members:
+            if member != LEARNER:
+                handle = self.engines.get(member)
+                if handle is None or (actor_id is not None and actor_key(handle.actor) != actor_id):
+                    return
+            self._abandoned[member] = reason
+            group = self._group
         if group is not None:
             abort_membership(group, reason)
         self.membership_stale = True
@@ -226,7 +244,8 @@ class GeneratorPool:
                 if done:
                     ray.get(done[0])
                     continue
-                abandoned = dict(self._abandoned)  # written by the watcher's thread
+                with self._members:  # written by the watcher's thread
+                    abandoned = dict(self._abandoned)
                 if abandoned:
                     raise RunError(f"{what}: abandoned: {'; '.join(abandoned.values())}")
                 if left <= GATHER_LOOK_S:

@@ -68,6 +68,10 @@ JOIN_TIMEOUT_S = 10.0
 # A healthy pool stops within pebble's SIGTERM grace (a worker that ignores SIGTERM is SIGKILLed after
 # it); one that takes longer is stuck and has its processes killed.
 STOP_TIMEOUT_S = CONSTS.term_timeout + 1.0
+# A reward that raised is logged with its sample (one line each) this many times per engine; later
+# ones are counted only (a reward function broken for every sample would flood the log).
+LOGGED_ERRORS = 20
+SHOWN_CHARS = 200  # of the prompt and the completion text in such a line
 
 
 class PoolWedged(Exception):
@@ -177,6 +181,8 @@ class RewardRunner:
             self.counts.crash += 1
         else:
             self.counts.error += 1
+            if self.counts.error <= LOGGED_ERRORS:
+                print(reward_error_line(sample, self.last_error, self.counts.error), flush=True)
         return value, status
 
     def _count_model(self, status: int, outcome: str) -> None:
@@ -376,3 +382,15 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def reward_error_line(sample: Sample, error: str, nth: int) -> str:
+    """One line naming a sample whose reward raised: its prompt, text, finish reason, last tokens and
+    the exception (the engine's log, so a rare failure can be read after the run)."""
+    prompt = sample.prompt.text or " | ".join(m.content for m in sample.prompt.messages)
+    more = "; later reward errors are counted, not logged" if nth == LOGGED_ERRORS else ""
+    return (
+        f"[reward] error {nth} on prompt {sample.prompt.prompt_id} ({prompt[:SHOWN_CHARS]!r}): {error}; "
+        f"finish reason {sample.finish_reason}, {len(sample.completion_ids)} tokens ending "
+        f"{sample.completion_ids[-4:]}, text {sample.completion[-SHOWN_CHARS:]!r}{more}"
+    )

@@ -34,7 +34,7 @@ SEED = int(os.environ.get("FAULTS_SEED", "13"))
 # busy, wherever the loop is; its recovery (the supervisor's 'recovery' event) starts within ACT_S.
 DETECT_S = 10.0
 ACT_S = 10.0
-MARGIN_S = 30.0  # a step may take the replacement's start-up plus this
+MARGIN_S = 30.0  # a step may take the start-ups of the replacements that ran in it plus this
 
 
 def found_since(run_dir, since: float) -> bool:
@@ -104,6 +104,32 @@ def delays(log: list[dict], kills: list[tuple[str, str, float]]) -> dict[str, tu
     return out
 
 
+def startups(log: list[dict]) -> list[tuple[float, float]]:
+    """(start, end) wall times of every replacement engine's start-up: from a dead engine's recovery
+    to the first 'started engine(s)' event after it (one replacement runs at a time, in the loop)."""
+    started = [e["at"] for e in log if e["reason"].startswith("started engine")]
+    replaced = [e["at"] for e in log if e["source"] == "recovery" and e["reason"].startswith("engine ")]
+    return [(d, min(t for t in started if t >= d)) for d in replaced]
+
+
+def held_up(bounds: dict[int, float], ups: list[tuple[float, float]], kills) -> list[str]:
+    """Every step (after the first) whose wall time, less the replacement start-ups that ran in it,
+    reached MARGIN_S: one line each naming the step, the kills that landed in it and the times. A
+    step can hold two start-ups (the engine actor killed at a random moment just before step 6, and
+    the engine core killed mid-way through step 6's sync: 67.8 s in CI on 2026-11-26)."""
+    out = []
+    for step in sorted(bounds)[1:]:
+        t0, t1 = bounds[step - 1], bounds[step]
+        spent = [b - a for a, b in ups if t0 <= b <= t1]
+        if t1 - t0 - sum(spent) >= MARGIN_S:
+            landed = [label for label, _, at in kills if t0 <= at <= t1] or ["none"]
+            out.append(
+                f"step {step + 1} took {t1 - t0:.1f}s, {t1 - t0 - sum(spent):.1f}s past its replacements' "
+                f"start-ups {[round(s, 1) for s in spent]} (bound {MARGIN_S:.0f}s); kills in it: {', '.join(landed)}"
+            )
+    return out
+
+
 def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tmp_path, model_cache, monkeypatch):
     rng = random.Random(SEED)
     timed = {3: "engine_actor", 7: "buffer"}  # a random moment after step k: mid-step, a sync, a lease
@@ -132,7 +158,10 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
         killer.kill(f"{kind} at a random moment", kind, killer.pids(controller, kind))
         fired[k].set()
 
+    ends: dict[int, float] = {}  # wall time each step's loop turn ended (its sync, evaluation and hook)
+
     def between(controller, step):
+        ends[step] = time.time()
         # A kill scheduled earlier must land while the run goes on: on a quiet machine a step takes
         # ~0.2 s, so without this wait a kill drawn 3 s out would come after the last step.
         for k in timed:
@@ -159,15 +188,17 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
     log = events(tmp_path)
     took = delays(log, killer.kills)
     print("found / acted on, s:", {label: (round(f, 2), round(a, 2)) for label, (f, a) in took.items()})
-    assert all(0 <= f < DETECT_S for f, _ in took.values()), took
-    assert all(0 <= a < ACT_S for _, a in took.values()), took
-    # No step held up longer than a replacement's start-up (measured here) plus a margin.
-    started = [e["at"] for e in log if e["reason"].startswith("started engine")]
-    replaced = [e["at"] for e in log if e["source"] == "recovery" and e["reason"].startswith("engine ")]
-    startup = max(min(t for t in started if t >= d) - d for d in replaced)
+    late = [
+        f"{label}: found {f:.2f}s, acted on {a:.2f}s after the kill (bounds {DETECT_S:.0f}s, {ACT_S:.0f}s)"
+        for label, (f, a) in took.items() if not (0 <= f < DETECT_S and 0 <= a < ACT_S)
+    ]
+    assert not late, "; ".join(late)
+    # No step held up longer than the replacements' start-ups that ran in it (measured here) plus a margin.
+    ups = startups(log)
     steps = [records[0]["elapsed_s"]] + [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(records)]
-    print(f"replacement start-up {startup:.1f}s; step times", [round(s, 1) for s in steps])
-    assert max(steps[1:]) < startup + MARGIN_S
+    print(f"replacement start-ups {[round(b - a, 1) for a, b in ups]}s; step times", [round(s, 1) for s in steps])
+    slow = held_up(ends, ups, killer.kills)
+    assert not slow, "; ".join(slow)
     # Every process is back: two engines hold the learner's weights, every step trained a full batch,
     # the accounting balances and nothing was lost (dead engines' and the dead buffer's leases requeued).
     # A step held up by a recovery lets groups leased before it go stale: dropped in whole groups.

@@ -144,8 +144,8 @@ class Runtime:
         self.log: list[str] = []
         self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
 
-    def _abort(self, member: int, reason: str) -> None:
-        self.aborted.append(f"{member}: {reason}")
+    def _abort(self, member: int, reason: str, actor_id: str | None) -> None:
+        self.aborted.append(f"{member}: {reason} ({actor_id})")
         self.abort_done.set()
 
     def start_train_step(self, step: int) -> list[Ref]:
@@ -196,7 +196,8 @@ def test_a_death_is_logged_at_once_and_a_sync_in_flight_aborted(setup, tmp_path)
         ("watch", "buffer found dead: its actor died"),
     ]
     assert rt.abort_done.wait(10)  # the abort runs on a thread of its own
-    assert rt.aborted == ["0: engine 0 found dead"]  # only a member of the weight group aborts a sync
+    # only a member of the weight group aborts a sync, and only the instance found dead
+    assert rt.aborted == [f"0: engine 0 found dead ({actor_key(rt.generators.engines[0].actor)})"]
     assert rt.log == []  # acting is the loop's job, at its next look
 
 
@@ -333,7 +334,7 @@ def test_a_sync_waiting_on_a_member_found_dead_gives_up_at_once(monkeypatch):
     from async_rl.generator import pool as pool_module
 
     pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)  # only the wait's state
-    pool._group, pool._abandoned, pool.membership_stale = None, {}, False
+    pool._group, pool._abandoned, pool.membership_stale, pool._members = None, {}, False, threading.Lock()
     pool.engines = {0: SimpleNamespace(actor=Actor("engine0"), pool=None)}
     looks = itertools.count()
 
@@ -351,6 +352,44 @@ def test_a_sync_waiting_on_a_member_found_dead_gives_up_at_once(monkeypatch):
     monkeypatch.setattr(pool_module.ray, "get", lambda ref, timeout=None: 3)
     pool.buffer = SimpleNamespace(requeue=SimpleNamespace(remote=lambda eid: Ref("requeue")))
     assert pool.drop_dead(0) == 3 and pool._abandoned == {}
+
+
+def test_a_death_notice_acted_on_before_its_abandon_lands_leaves_no_abandoned_member(monkeypatch):
+    """The watcher queues its notice, then abandons the engine on a thread of its own; the loop can
+    take the notice and replace the engine before that thread runs. The late abandon must not stick
+    to the gone engine: every later sync would give up on it (\"pausing: abandoned\") and find nothing
+    to replace, which stopped a run (test_faults, 2026-11-26 22:28). Nor may it abort the group its
+    successor joined."""
+    from async_rl.generator import pool as pool_module
+
+    aborted: list[str] = []
+    monkeypatch.setattr(pool_module, "abort_membership", lambda group, reason: aborted.append(reason))
+    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
+    monkeypatch.setattr(pool_module.ray, "get", lambda ref, timeout=None: 0)
+    pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)  # only the membership's state
+    pool._group, pool._abandoned, pool.membership_stale, pool._members = "group", {}, False, threading.Lock()
+    pool.buffer = SimpleNamespace(requeue=SimpleNamespace(remote=lambda eid: Ref("requeue")))
+    dead, successor = Actor("engine1"), Actor("engine2")
+    pool.engines = {1: SimpleNamespace(actor=dead, pool=None), 2: SimpleNamespace(actor=successor, pool=None)}
+    pool.drop_dead(1)  # the loop acted on the notice first
+    pool.abort_sync(1, "engine 1 found dead", actor_key(dead))  # the watcher's thread, late
+    assert pool._abandoned == {} and pool.abandoned_engines() == [] and aborted == []
+    # an engine of the pool: abandoned, and the group in flight aborted
+    pool.abort_sync(2, "engine 2 found dead", actor_key(successor))
+    assert pool.abandoned_engines() == [2] and aborted == ["engine 2 found dead"]
+    # a notice about another instance under the same id (already replaced) is stale too
+    pool._abandoned.clear()
+    pool.abort_sync(2, "engine 2 found dead", "0000dead")
+    assert pool.abandoned_engines() == []
+
+    def wait(refs, num_returns=1, timeout=None):  # the pause answers after a slow look
+        done = [r for r in refs if wait.looks > 0]
+        wait.looks += 1
+        return done, [r for r in refs if r not in done]
+
+    wait.looks = 0
+    monkeypatch.setattr(pool_module.ray, "wait", wait)
+    assert pool._gather([Ref("pause engine2")], 600.0, "pausing") == 0  # a slow answer is waited for
 
 
 def test_every_process_of_the_run_is_a_target_and_a_starting_engine_is_not_probed(setup):

@@ -213,13 +213,19 @@ def test_task_with_an_async_reward(repo_on_path):
         runner.close()
 
 
-def test_reward_that_raises_is_an_error():
+def test_reward_that_raises_is_an_error_logged_with_its_sample_in_one_line(capsys):
     runner = runner_for("boom")
+    s = Sample(prompt=P, completion="ends\nmid", completion_ids=[5, 6, 7], finish_reason="length")
     try:
-        assert asyncio.run(runner.score(sample())) == (0.0, REWARD_ERROR)
+        assert asyncio.run(runner.score(s)) == (0.0, REWARD_ERROR)
         assert runner.last_error == "RuntimeError: user bug"  # the user sees why
     finally:
         runner.close()
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[reward]")]
+    assert line == (
+        "[reward] error 1 on prompt 3 ('c:'): RuntimeError: user bug; finish reason length, 3 tokens ending "
+        "[5, 6, 7], text 'ends\\nmid'"
+    )
     # A TimeoutError raised by the reward itself is its error, not the runner's timeout.
     assert score("raises_timeout_error", sample()) == (0.0, REWARD_ERROR)
 
