@@ -383,6 +383,19 @@ class TrainConfig(_Section):
                   "line naming the ranks that did not finish (0 = no limit)", ge=0)
     ] = 1800.0
     checkpoint_keep: Annotated[int, _f("checkpoints kept in RUN_DIR/checkpoints (the oldest are removed)", ge=1)] = 2
+    recover: Annotated[
+        Literal["auto", "off"],
+        _f("what a learner rank's death or hang does: auto = the learner group restarts on fresh actors from the "
+           "last checkpoint (from the initial weights at step 0 if none was written yet) and the run goes on; "
+           "off = the run stops with one line naming the checkpoint to resume from"),
+    ] = "auto"
+    max_recoveries: Annotated[
+        int, _f("learner recoveries allowed within train.recovery_window_steps; one more stops the run with one "
+                "line, exit code 1", ge=0)
+    ] = 3
+    recovery_window_steps: Annotated[
+        int, _f("training steps over which train.max_recoveries is counted (0 = the whole run)", ge=0)
+    ] = 100
     minibatches: Annotated[
         int,
         _f("optimizer steps per batch: each learner rank's shard is cut into this many mini-batches of whole groups "
