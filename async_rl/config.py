@@ -379,8 +379,8 @@ class TrainConfig(_Section):
     checkpoint_at_end: Annotated[bool, _f("write a checkpoint after the last step")] = True
     step_timeout_s: Annotated[
         float, _f("ceiling of a learner step's time limit: a step still running after min(this, max(120 s, 5 x the "
-                  "slowest of the last 20 steps)) is a hang (a rank stuck in a collective) and stops the run with one "
-                  "line naming the ranks that did not finish (0 = no limit)", ge=0)
+                  "slowest of the last 20 steps)) is a hang (a rank stuck in a collective), named in one line and "
+                  "handled like a rank's death (train.recover) (0 = no limit)", ge=0)
     ] = 1800.0
     checkpoint_keep: Annotated[int, _f("checkpoints kept in RUN_DIR/checkpoints (the oldest are removed)", ge=1)] = 2
     recover: Annotated[

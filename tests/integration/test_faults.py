@@ -272,7 +272,8 @@ HANG_S = 8.0  # generators.unresponsive_s in the hang test: a probe unanswered t
 def test_sigstop_of_an_engine_actor_then_of_a_learner_rank_are_found_as_hangs(tmp_path, model_cache):
     """A stopped process keeps every call to it pending and never dies: its unanswered liveness
     probe names it. An engine's actor stopped between steps is replaced and the run goes on; a
-    learner rank stopped later stops the run with one line (its recovery is not built)."""
+    learner rank stopped later stops the run with one line here (train.recover=off; its recovery is
+    test_elastic.py's)."""
     stopped: list[tuple[str, int, float]] = []  # (kind, pid, wall time)
 
     def between(controller, step):
@@ -285,7 +286,9 @@ def test_sigstop_of_an_engine_actor_then_of_a_learner_rank_are_found_as_hangs(tm
             stopped.append(("learner", pid, time.time()))
             os.kill(pid, signal.SIGSTOP)
 
-    overrides = [*SHORT, "train.total_steps=5", "learner.world_size=2", f"generators.unresponsive_s={HANG_S}"]
+    overrides = [
+        *SHORT, "train.total_steps=5", "learner.world_size=2", f"generators.unresponsive_s={HANG_S}", "train.recover=off"
+    ]
     try:
         with pytest.raises(RunError) as err:
             run_short(tmp_path, model_cache, overrides, between=between)
@@ -298,6 +301,7 @@ def test_sigstop_of_an_engine_actor_then_of_a_learner_rank_are_found_as_hangs(tm
     assert [kind for kind, _, _ in stopped] == ["engine", "learner"]
     line = str(err.value)
     assert "\n" not in line and line.startswith("learner rank 1 died (no answer to a liveness probe for"), line
+    assert line.endswith("(train.recover is off)"), line
     log = events(tmp_path)
     found = {
         kind: next(e["at"] for e in log if e["source"] == "watch" and e["at"] >= t and e["reason"].startswith(kind)) - t
