@@ -107,9 +107,12 @@ class Controller:
             flush=True,
         )
         t_start = time.perf_counter()
-        self.evaluate(metrics, t_start, at_start=True)
-        rewards: list[float] = []  # one per step from start_step on
         step = self.start_step
+        try:
+            self.evaluate(metrics, t_start, at_start=True)
+        except LearnerRestarted as restart:  # a rank died before the first step
+            step = self.version = restart.step
+        rewards: list[float] = []  # one per step from start_step on
         while step < self.cfg.train.total_steps:
             try:
                 rewards.append(self.train_one(step, metrics, t_start, between_steps))
@@ -118,7 +121,7 @@ class Controller:
                 break
             except LearnerRestarted as restart:
                 # The learner went back to a checkpoint: the steps from there on are trained (and logged) again.
-                step, self.version = restart.step, restart.step
+                step = self.version = restart.step
                 del rewards[max(0, step - self.start_step) :]
                 continue
             step += 1
@@ -208,7 +211,8 @@ class Controller:
         n = self.cfg.train.mismatch_probe_samples
         if n == 0:
             return None
-        probe = self.learner.call(lambda a: a.probe_logprobs.remote(n))[0]  # collective; rank 0's probe
+        # collective; rank 0's probe
+        probe = self.supervisor.on_learner(self.version - 1, [a.probe_logprobs.remote(n) for a in self.learner.actors])[0]
         for engine in self.generators.actors:
             try:
                 return ray.get(engine.score.remote(probe), timeout=START_TIMEOUT_S)
@@ -233,7 +237,8 @@ class Controller:
         """RUN_DIR/checkpoints/step_N after N steps: learner state (every rank), buffer accounting and
         prompt position, policy version. Written aside and renamed into place."""
         tmp = checkpoint.begin(self.run_dir)
-        self.learner.call(lambda a: a.save_checkpoint.remote(str(tmp)), timeout_s=START_TIMEOUT_S)
+        # a rank dying in it is recovered (the written part stays in a .tmp- folder no resume reads)
+        self.supervisor.on_learner(self.version - 1, [a.save_checkpoint.remote(str(tmp)) for a in self.learner.actors])
         state = checkpoint.RunCheckpoint(
             step=self.version,  # one optimizer step per version
             version=self.version,

@@ -281,6 +281,25 @@ class Supervisor:
             self.replace(step, dead_engines)
             self.sync(version, during_step=during_step)
 
+    def on_learner(self, step: int, refs: list[ray.ObjectRef]) -> list:
+        """The results of a call made on every learner rank outside a step (a checkpoint's save, the
+        mismatch probe), in rank order. The ranks meet in collectives there, so the survivors of a
+        dead or hung rank would wait for ever: a rank whose call fails, or that the watcher found dead,
+        is recovered at once (recover_learner), looked for every WAKE_S."""
+        pending = list(refs)
+        while pending:
+            self._found.extend(self.deaths.take())
+            for n in self._found:
+                if n.kind == "learner" and self._is_current(n.watched()):
+                    self.recover_learner(step, learner_died(n.ident, RuntimeError(n.why)))
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=WAKE_S)
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as exc:
+                    self.recover_learner(step, learner_died(refs.index(ref), exc))
+        return ray.get(refs)
+
     def recover_learner(self, step: int, what: str) -> NoReturn:
         """A learner rank died or hung during step `step` (`what`: one line saying so). The recovery
         policy (recovery.py) decides: the run stops with one line (RunError), or every rank of the group

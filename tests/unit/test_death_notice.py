@@ -285,6 +285,26 @@ def test_a_dead_rank_restarts_the_group_at_once(monkeypatch, setup):
     assert rt.log == ["restart learner from None at step 0", "sync 0 False"]  # no ack of the step
 
 
+def test_a_rank_found_dead_during_a_checkpoint_restarts_the_group_instead_of_waiting(monkeypatch, setup):
+    """The survivor of a checkpoint's collective never answers: the watcher's notice ends the wait."""
+    rt, sup = setup
+    waited = fake_ray(monkeypatch, sup_module, set())  # neither rank's save finishes
+    deliver(sup, notice("learner", 0, rt.learner.actors[0]))
+    with pytest.raises(LearnerRestarted):
+        sup.on_learner(3, [Ref("save0"), Ref("save1")])
+    assert waited == [] and rt.log == ["restart learner from None at step 0", "sync 0 False"]
+
+
+def test_a_call_on_every_rank_returns_their_answers_in_rank_order(monkeypatch, setup):
+    rt, sup = setup
+    fake_ray(monkeypatch, sup_module, {"probe0", "probe1"})
+    assert sup.on_learner(3, [Ref("probe0", answer="p0"), Ref("probe1", answer="p1")]) == ["p0", "p1"]
+    rt.learner.actors = [Actor("rank0")]
+    fake_ray(monkeypatch, sup_module, {"save0"})
+    with pytest.raises(LearnerRestarted):  # its call failed: the rank died in it
+        sup.on_learner(3, [Ref("save0", error=sup_module.ray.exceptions.ActorDiedError())])
+
+
 # ---- hangs ---------------------------------------------------------------------------------------
 
 
