@@ -285,7 +285,9 @@ class Runtime:
         ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
         if checkpoint_dir is not None:
             self._learner.call(lambda a: a.load_checkpoint.remote(checkpoint_dir), timeout_s=START_TIMEOUT_S)
+        # Counted once: the learner is back at `from_step`, so a second restart before its next ack adds nothing.
         self._replayed_steps += max(0, self._acked_step + 1 - from_step)
+        self._acked_step = min(self._acked_step, from_step - 1)
         ray.get(self.buffer.set_replayed_steps.remote(self._replayed_steps), timeout=START_TIMEOUT_S)
         self.generators.learner_replaced(self._learner.actors[0])
 
