@@ -828,9 +828,17 @@ class Config(_Section):
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads '1e-3' (no dot) as a string; accept it as the float users mean."""
+    """YAML 1.1 reads '1e-3' (no dot) as a string; accept it as the float users mean. And it reads
+    on/off/yes/no as booleans, so `recover: off` or `enforce_eager: on` would fail as "got bool":
+    booleans are YAML 1.2's, true and false only."""
 
 
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(
