@@ -379,10 +379,23 @@ class TrainConfig(_Section):
     checkpoint_at_end: Annotated[bool, _f("write a checkpoint after the last step")] = True
     step_timeout_s: Annotated[
         float, _f("ceiling of a learner step's time limit: a step still running after min(this, max(120 s, 5 x the "
-                  "slowest of the last 20 steps)) is a hang (a rank stuck in a collective) and stops the run with one "
-                  "line naming the ranks that did not finish (0 = no limit)", ge=0)
+                  "slowest of the last 20 steps)) is a hang (a rank stuck in a collective), named in one line and "
+                  "handled like a rank's death (train.recover) (0 = no limit)", ge=0)
     ] = 1800.0
     checkpoint_keep: Annotated[int, _f("checkpoints kept in RUN_DIR/checkpoints (the oldest are removed)", ge=1)] = 2
+    recover: Annotated[
+        Literal["auto", "off"],
+        _f("what a learner rank's death or hang does: auto = the learner group restarts on fresh actors from the "
+           "last checkpoint (from the initial weights at step 0 if none was written yet) and the run goes on; "
+           "off = the run stops with one line naming the checkpoint to resume from"),
+    ] = "auto"
+    max_recoveries: Annotated[
+        int, _f("learner recoveries allowed within train.recovery_window_steps; one more stops the run with one "
+                "line, exit code 1", ge=0)
+    ] = 3
+    recovery_window_steps: Annotated[
+        int, _f("training steps over which train.max_recoveries is counted (0 = the whole run)", ge=0)
+    ] = 100
     minibatches: Annotated[
         int,
         _f("optimizer steps per batch: each learner rank's shard is cut into this many mini-batches of whole groups "
@@ -815,9 +828,17 @@ class Config(_Section):
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads '1e-3' (no dot) as a string; accept it as the float users mean."""
+    """YAML 1.1 reads '1e-3' (no dot) as a string; accept it as the float users mean. And it reads
+    on/off/yes/no as booleans, so `recover: off` or `enforce_eager: on` would fail as "got bool":
+    booleans are YAML 1.2's, true and false only."""
 
 
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(

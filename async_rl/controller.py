@@ -31,7 +31,7 @@ from async_rl.learner.base import LearnerSpec, StepMetrics, checkpoint_model_dir
 from async_rl.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
 from async_rl.reward_models.calls import RewardModelCounts
 from async_rl.runtime import START_TIMEOUT_S, Runtime
-from async_rl.supervisor import PromptsExhausted, Supervisor
+from async_rl.supervisor import LearnerRestarted, PromptsExhausted, Supervisor
 from async_rl.weight_sync.checksum import ParamChecksum, ShardChecksum, engine_checksum
 
 
@@ -71,6 +71,7 @@ class Controller:
         self.run_dir = run_dir
         self.run_id = uuid.uuid4().hex[:12]
         self.version = 0
+        self._last_logged_step = -1  # the highest step logged (a step logged again after a recovery is marked)
         self.runtime = Runtime(cfg, self.run_id, self.model_dir, run_dir, plan, self.initial_model_dir)
         self.supervisor: Supervisor | None = None
         eval_set = eval_prompts(cfg, self.model_dir) if cfg.eval.enabled else []  # rendered once, here
@@ -106,46 +107,24 @@ class Controller:
             flush=True,
         )
         t_start = time.perf_counter()
-        self.evaluate(metrics, t_start, at_start=True)
-        rewards: list[float] = []
-        for step in range(self.start_step, self.cfg.train.total_steps):
-            t0 = time.perf_counter()
-            if self.cfg.placement == "colocated":
-                self.take_turns()
+        step = self.start_step
+        try:
+            self.evaluate(metrics, t_start, at_start=True)
+        except LearnerRestarted as restart:  # a rank died before the first step
+            step = self.version = restart.step
+        rewards: list[float] = []  # one per step from start_step on
+        while step < self.cfg.train.total_steps:
             try:
-                per_rank: list[StepMetrics] = sup.train_step(step)  # watches for dead processes
+                rewards.append(self.train_one(step, metrics, t_start, between_steps))
             except PromptsExhausted as exc:
                 print(f"data: {exc}", file=metrics.stream, flush=True)
                 break
-            self.version = step + 1
-            # deaths found since the step's last look (the watcher reports them at once, the loop
-            # acts here and after each phase below: sync, checkpoint, evaluation)
-            sup.act_on_deaths(step, self.version)
-            sync_s, mismatch = 0.0, None
-            if self.version % self.cfg.train.sync_every == 0 or sup.sync_owed:
-                sync_s = sup.sync(self.version)
-                mismatch = self.logprob_mismatch()
-            buffer: BufferStats = sup.on_buffer(step, rt.buffer_stats)
-            elapsed = time.perf_counter() - t0
-            record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
-            record.num_engines = len(rt.generators.engines)
-            if rt.reward_models is not None or self.cfg.env.name:
-                engines = rt.generators.stats()
-                add_rollout_counts(record, engines)
-                if rt.reward_models is not None:
-                    add_reward_model_counts(record, engines, rt.reward_models.restarts)
-            metrics.log(record)
-            sup.check_failures(buffer)  # a run whose rewards all fail stops here
-            rewards.append(record.reward_mean)
-            if self.checkpoint_due(step):
-                self.save_checkpoint()
-                sup.act_on_deaths(step, self.version)
-            self.evaluate(metrics, t_start)
-            sup.act_on_deaths(step, self.version)
-            signal = ScaleSignal(elapsed, record.learner_wait_s, buffer.waiting_groups, self.cfg.train.prompts_per_step)
-            sup.between_steps(step, signal)  # operator requests, autoscaling
-            if between_steps is not None:
-                between_steps(step)
+            except LearnerRestarted as restart:
+                # The learner went back to a checkpoint: the steps from there on are trained (and logged) again.
+                step = self.version = restart.step
+                del rewards[max(0, step - self.start_step) :]
+                continue
+            step += 1
         if not rewards:
             raise RunError(
                 f"nothing to train: the checkpoint holds step {self.start_step}, train.total_steps is "
@@ -161,6 +140,49 @@ class Controller:
             buffer=rt.buffer_stats(),
             engines=rt.generators.stats(),
         )
+
+    def train_one(
+        self, step: int, metrics: MetricsSink, t_start: float, between_steps: Callable[[int], None] | None
+    ) -> float:
+        """One step: train, sync, log, checkpoint, evaluate, resize the pool. Returns its mean reward.
+        A learner recovery anywhere in it raises LearnerRestarted (supervisor.py)."""
+        rt, sup = self.runtime, self.supervisor
+        t0 = time.perf_counter()
+        if self.cfg.placement == "colocated":
+            self.take_turns()
+        per_rank: list[StepMetrics] = sup.train_step(step)  # watches for dead processes
+        self.version = step + 1
+        # deaths found since the step's last look (the watcher reports them at once, the loop
+        # acts here and after each phase below: sync, checkpoint, evaluation)
+        sup.act_on_deaths(step, self.version)
+        sync_s, mismatch = 0.0, None
+        if self.version % self.cfg.train.sync_every == 0 or sup.sync_owed:
+            sync_s = sup.sync(self.version)
+            mismatch = self.logprob_mismatch()
+        buffer: BufferStats = sup.on_buffer(step, rt.buffer_stats)
+        elapsed = time.perf_counter() - t0
+        record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
+        record.num_engines = len(rt.generators.engines)
+        record.recoveries = sup.recovery.recoveries
+        record.replayed = step <= self._last_logged_step
+        self._last_logged_step = max(self._last_logged_step, step)
+        if rt.reward_models is not None or self.cfg.env.name:
+            engines = rt.generators.stats()
+            add_rollout_counts(record, engines)
+            if rt.reward_models is not None:
+                add_reward_model_counts(record, engines, rt.reward_models.restarts)
+        metrics.log(record)
+        sup.check_failures(buffer)  # a run whose rewards all fail stops here
+        if self.checkpoint_due(step):
+            self.save_checkpoint()
+            sup.act_on_deaths(step, self.version)
+        self.evaluate(metrics, t_start)
+        sup.act_on_deaths(step, self.version)
+        signal = ScaleSignal(elapsed, record.learner_wait_s, buffer.waiting_groups, self.cfg.train.prompts_per_step)
+        sup.between_steps(step, signal)  # operator requests, autoscaling
+        if between_steps is not None:
+            between_steps(step)
+        return record.reward_mean
 
     def evaluate(self, metrics: MetricsSink, t_start: float, at_start: bool = False) -> None:
         """The evaluation phase (evaluation/phase.py), when due: the engines generate and score the
@@ -189,7 +211,8 @@ class Controller:
         n = self.cfg.train.mismatch_probe_samples
         if n == 0:
             return None
-        probe = self.learner.call(lambda a: a.probe_logprobs.remote(n))[0]  # collective; rank 0's probe
+        # collective; rank 0's probe
+        probe = self.supervisor.on_learner(self.version - 1, [a.probe_logprobs.remote(n) for a in self.learner.actors])[0]
         for engine in self.generators.actors:
             try:
                 return ray.get(engine.score.remote(probe), timeout=START_TIMEOUT_S)
@@ -214,7 +237,8 @@ class Controller:
         """RUN_DIR/checkpoints/step_N after N steps: learner state (every rank), buffer accounting and
         prompt position, policy version. Written aside and renamed into place."""
         tmp = checkpoint.begin(self.run_dir)
-        self.learner.call(lambda a: a.save_checkpoint.remote(str(tmp)), timeout_s=START_TIMEOUT_S)
+        # a rank dying in it is recovered (the written part stays in a .tmp- folder no resume reads)
+        self.supervisor.on_learner(self.version - 1, [a.save_checkpoint.remote(str(tmp)) for a in self.learner.actors])
         state = checkpoint.RunCheckpoint(
             step=self.version,  # one optimizer step per version
             version=self.version,

@@ -98,6 +98,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
     sandbox_timeouts: int = 0
     env_token_share: float = 0.0
     samples_across_updates: int = 0  # trained samples whose tokens came from more than one policy version
+    # Learner recoveries so far (train.recover); `replayed`: this step was logged before, and its training
+    # was lost when a recovery went back to an older checkpoint (the later record is the one that counts)
+    recoveries: int = 0
+    replayed: bool = False
     data_epoch: int = 0  # the prompt stream's position after the step: epoch ...
     data_index: int = 0  # ... and items of that epoch's order drawn (a task: prompts drawn)
     skipped_prompts: int = 0  # prompts or data rows that could not be used (bad rows, too long), so far

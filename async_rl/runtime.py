@@ -22,7 +22,7 @@ from async_rl.buffer.actor import BufferAddresses, BufferState, BufferStats, Rep
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.cluster.pools import RunPools
-from async_rl.cluster.resources import WorkerGroup
+from async_rl.cluster.resources import PoolShare, ResourcePool, WorkerGroup
 from async_rl.config import Config
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec
@@ -55,6 +55,7 @@ class Runtime:
         self._reward_models: RewardModelPool | None = None  # task.reward=judge:/classifier: its replicas
         self._generators_version = 0  # the version every engine holds (after the last sync)
         self._acked_step = -1  # the last batch acknowledged to the buffer (repeated to a restarted one)
+        self._replayed_steps = 0  # steps trained again after learner restarts (told to a restarted buffer)
 
     # ---- handles (read-only for everyone else) ----------------------------------------------------
 
@@ -141,10 +142,12 @@ class Runtime:
         """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
         return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
 
-    def _make_learner(self) -> WorkerGroup:
+    def _make_learner(self, pool: ResourcePool | PoolShare | None = None) -> WorkerGroup:
+        """The learner's ranks, in a new resource pool or in `pool` (a restarted group takes its
+        predecessor's)."""
         cfg = self.cfg
         assert self._pools is not None
-        pool = self._pools.learner()
+        pool = pool if pool is not None else self._pools.learner()
         spec = self.learner_spec(self.addresses.serve)
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
@@ -270,6 +273,24 @@ class Runtime:
         endpoints = self.reward_endpoints()
         ray.get([a.set_reward_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
 
+    def restart_learner(self, checkpoint_dir: str | None, from_step: int) -> None:
+        """Kill every rank of the learner group (a dead one, and the others, likely stuck in a
+        collective with it), start fresh ranks in the same resources, restore `checkpoint_dir` (None:
+        they keep the initial weights they start with), and form a new broadcast group with the engines.
+        The learner goes on from step `from_step`: the acknowledged steps from there on are trained
+        again, and the buffer's admission lets their batches in (see buffer/ledger.py)."""
+        old = self.learner
+        old.kill()  # by handle: no rank's process is left behind
+        self._learner = self._make_learner(old.pool)
+        ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
+        if checkpoint_dir is not None:
+            self._learner.call(lambda a: a.load_checkpoint.remote(checkpoint_dir), timeout_s=START_TIMEOUT_S)
+        # Counted once: the learner is back at `from_step`, so a second restart before its next ack adds nothing.
+        self._replayed_steps += max(0, self._acked_step + 1 - from_step)
+        self._acked_step = min(self._acked_step, from_step - 1)
+        ray.get(self.buffer.set_replayed_steps.remote(self._replayed_steps), timeout=START_TIMEOUT_S)
+        self.generators.learner_replaced(self._learner.actors[0])
+
     def restart_buffer(self) -> None:
         """A new buffer from the last snapshot; engines and learner ranks reconnect to it, and it
         learns the generators' version and the last acknowledged batch (an ack lost with the old one)."""
@@ -279,6 +300,8 @@ class Runtime:
             pass
         self._buffer, self._addresses = self._make_buffer(restore=True)
         ray.get(self._buffer.set_generator_version.remote(self._generators_version), timeout=START_TIMEOUT_S)
+        if self._replayed_steps:
+            ray.get(self._buffer.set_replayed_steps.remote(self._replayed_steps), timeout=START_TIMEOUT_S)
         if self._acked_step >= 0:
             ray.get(self._buffer.ack_batch.remote(self._acked_step), timeout=START_TIMEOUT_S)
         self.generators.reconnect(self._buffer, self._addresses.ingest)

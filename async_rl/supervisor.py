@@ -21,8 +21,11 @@ touches the controller; the controller's loop calls it. What happens when:
   group's abort key, see weight_sync/gloo.py; the pool aborts the group as soon as any call fails);
   dead members are found and replaced, the broadcast group is rebuilt, and the sync is retried for
   everyone left. A failure without a dead engine stops the run.
-- a learner rank dies: the run stops with exit code 1 and one line naming the checkpoint to resume
-  from.
+- a learner rank dies or hangs (train.recover=auto): every rank of the group is killed and started
+  afresh in the same resources from the newest checkpoint (the initial weights at step 0 without one),
+  the engines get its weights, and the loop goes on from that step (LearnerRestarted); the buffer keeps
+  its waiting groups and accounting. Past train.max_recoveries, or with train.recover=off, the run
+  stops with exit code 1 and one line naming the checkpoint to resume from (recovery.py).
 - between steps: operator requests (`python -m async_rl.scale`) and, if enabled, the autoscaler set
   the pool size; added engines get the current weights before they generate, removed ones drain.
 """
@@ -33,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO, TypeVar
+from typing import NoReturn, TextIO, TypeVar
 
 import msgspec
 import ray
@@ -51,6 +54,7 @@ from async_rl.evaluation.scores import EvalRecord
 from async_rl.failure_watch import Failing, FailureWatch, reward_name
 from async_rl.generator.pool import LEARNER
 from async_rl.learner.base import StepMetrics
+from async_rl.recovery import LearnerRecovery
 from async_rl.runtime import Runtime
 
 SYNC_ATTEMPTS = 3
@@ -95,20 +99,28 @@ def latest_checkpoint(run_dir: Path) -> str | None:
     return str(found[-1]) if found else None
 
 
-def learner_hung(run_dir: Path, ranks: list[int], step: int, limit_s: float) -> RunError:
-    ckpt = latest_checkpoint(run_dir)
-    where = f"resume from checkpoint {ckpt}" if ckpt else "no checkpoint was written, the run cannot resume"
-    return RunError(
+def learner_hung(ranks: list[int], step: int, limit_s: float) -> str:
+    """One line: which ranks did not finish step `step` in time (for LearnerRecovery.decide)."""
+    return (
         f"learner rank(s) {', '.join(map(str, ranks))} hung: step {step + 1} still running after {limit_s:.0f}s "
-        f"(5x the slowest recent step, at least {STEP_FLOOR_S:.0f}s, at most train.step_timeout_s); {where}"
+        f"(5x the slowest recent step, at least {STEP_FLOOR_S:.0f}s, at most train.step_timeout_s)"
     )
 
 
-def learner_died(run_dir: Path, rank: int, exc: BaseException) -> RunError:
-    ckpt = latest_checkpoint(run_dir)
-    where = f"resume from checkpoint {ckpt}" if ckpt else "no checkpoint was written, the run cannot resume"
+def learner_died(rank: int, exc: BaseException) -> str:
+    """One line: which rank died and the first line of why (for LearnerRecovery.decide)."""
     cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return RunError(f"learner rank {rank} died ({cause}); {where}")
+    return f"learner rank {rank} died ({cause})"
+
+
+class LearnerRestarted(Exception):
+    """The learner group was restarted from a checkpoint (or the initial weights): the training loop
+    goes on from `step`, the policy version the restored learner and every engine now hold."""
+
+    def __init__(self, step: int, recoveries: int) -> None:
+        super().__init__(f"learner restarted at step {step} (recovery {recoveries})")
+        self.step = step
+        self.recoveries = recoveries
 
 
 class Supervisor:
@@ -133,6 +145,8 @@ class Supervisor:
         self.deaths = DeathWatch(self._targets, self._noticed, cfg.generators.unresponsive_s)
         self._found: list[DeathNotice] = []  # notices taken by a failed sync, for act_on_deaths
         self._step_times: list[float] = []  # the last STEP_WINDOW steps' seconds (the step time limit)
+        t = cfg.train
+        self.recovery = LearnerRecovery(t.recover, t.max_recoveries, t.recovery_window_steps)
         self.failures = FailureWatch(cfg.task.failure_window, reward_name(cfg.task.name, cfg.task.reward), cfg.env.name)
 
     def start(self) -> None:
@@ -170,7 +184,7 @@ class Supervisor:
         next_check = time.monotonic() + every
         while running:
             if limit is not None and time.monotonic() - t0 > limit:
-                raise learner_hung(self.run_dir, sorted(running.values()), step, limit)
+                self.recover_learner(step, learner_hung(sorted(running.values()), step, limit))
             self.act_on_deaths(step, step, during_step=True)
             timeout = min(WAKE_S, max(0.0, next_check - time.monotonic()))
             done, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
@@ -179,7 +193,7 @@ class Supervisor:
                 try:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError as exc:
-                    raise learner_died(self.run_dir, rank, exc) from None
+                    self.recover_learner(step, learner_died(rank, exc))
             if running and time.monotonic() >= next_check:
                 self.recover(step)
                 stats = self.on_buffer(step, self.rt.buffer_stats)
@@ -216,7 +230,8 @@ class Supervisor:
         name = notice.watched().name()
         n = len(self.rt.generators.engines)
         self._event(self.step, "watch", n, n, f"{name} found dead: {notice.why}")
-        if notice.kind in ("engine", "learner"):
+        # A rank of a learner group already replaced (its restart killed it) is no member of today's group.
+        if notice.kind in ("engine", "learner") and self._is_current(notice.watched()):
             member = notice.ident if notice.kind == "engine" else LEARNER
             # on a thread of its own: reaching the group's store can take seconds (it is gone with a
             # dead rank 0), and the watcher must go on watching meanwhile
@@ -259,12 +274,53 @@ class Supervisor:
             elif w.kind == "engine":
                 dead_engines.append(w.ident)
             elif w.kind == "learner":
-                raise learner_died(self.run_dir, w.ident, RuntimeError(notice.why))
+                self.recover_learner(step, learner_died(w.ident, RuntimeError(notice.why)))
             else:
                 self.recover_reward_models(step)
         if dead_engines:
             self.replace(step, dead_engines)
             self.sync(version, during_step=during_step)
+
+    def on_learner(self, step: int, refs: list[ray.ObjectRef]) -> list:
+        """The results of a call made on every learner rank outside a step (a checkpoint's save, the
+        mismatch probe), in rank order. The ranks meet in collectives there, so the survivors of a
+        dead or hung rank would wait for ever: a rank whose call fails, or that the watcher found dead,
+        is recovered at once (recover_learner), looked for every WAKE_S."""
+        pending = list(refs)
+        while pending:
+            self._found.extend(self.deaths.take())
+            for n in self._found:
+                if n.kind == "learner" and self._is_current(n.watched()):
+                    self.recover_learner(step, learner_died(n.ident, RuntimeError(n.why)))
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=WAKE_S)
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as exc:
+                    self.recover_learner(step, learner_died(refs.index(ref), exc))
+        return ray.get(refs)
+
+    def recover_learner(self, step: int, what: str) -> NoReturn:
+        """A learner rank died or hung during step `step` (`what`: one line saying so). The recovery
+        policy (recovery.py) decides: the run stops with one line (RunError), or every rank of the group
+        is replaced by a fresh actor restored from the newest checkpoint (the initial weights without
+        one), the engines get those weights, and LearnerRestarted tells the loop where to go on."""
+        ckpt = latest_checkpoint(self.run_dir)
+        ckpt_step = checkpoint.load_state(Path(ckpt)).step if ckpt is not None else None
+        plan = self.recovery.decide(step, what, ckpt, ckpt_step)
+        if isinstance(plan, RunError):
+            raise plan
+        n = len(self.rt.generators.engines)
+        origin = ckpt if ckpt is not None else "the initial weights"
+        self._event(step, "recovery", n, n, f"{what}; restarting the learner group from {origin} "
+                    f"(step {plan.step}, recovery {plan.recoveries})")
+        t0 = time.perf_counter()
+        self.rt.restart_learner(plan.checkpoint, plan.step)
+        self._step_times = []  # the new group's steps set the hang limit afresh
+        self.sync(plan.step)  # the engines serve the restored weights, the buffer learns their version
+        print(f"[recovery] learner group back at step {plan.step} in {time.perf_counter() - t0:.1f}s",
+              file=self.stream, flush=True)
+        raise LearnerRestarted(plan.step, plan.recoveries)
 
     # ---- checks ------------------------------------------------------------------------------------
 
@@ -376,10 +432,10 @@ class Supervisor:
                 self._found.extend(self.deaths.take())
                 for n in self._found:  # a rank found dead or hung by the watcher (a hung one answers nothing)
                     if n.kind == "learner" and self._is_current(n.watched()):
-                        raise learner_died(self.run_dir, n.ident, RuntimeError(n.why)) from None
+                        self.recover_learner(version - 1, learner_died(n.ident, RuntimeError(n.why)))
                 dead_rank = self.rt.dead_learner_rank()
                 if dead_rank is not None:
-                    raise learner_died(self.run_dir, dead_rank, exc) from None
+                    self.recover_learner(version - 1, learner_died(dead_rank, exc))
                 # An engine the watcher abandoned is dead or hung even when it has not failed a health
                 # check yet (a slow reply under load is not death): count it dead too.
                 found = set(self._engines_found_dead()) | set(self.rt.generators.abandoned_engines())

@@ -196,6 +196,13 @@ class ReplayBuffer:
             self.ledger.generator_version = version
             self._changed.notify_all()
 
+    async def set_replayed_steps(self, steps: int) -> None:
+        """A restarted learner went back to a checkpoint: `steps` steps in all (this run) are trained
+        again, and admission lets their batches in (see ledger.py)."""
+        async with self._changed:
+            self.ledger.replayed_steps = steps
+            self._changed.notify_all()
+
     async def mark_lost(self, engine_id: int, prompt_ids: list[int] | None = None) -> int:
         """Leased prompts that will never come back (failed request, dead engine; None = all of the
         engine's) are counted lost. Returns how many prompts."""

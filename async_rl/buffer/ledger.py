@@ -9,10 +9,12 @@ Every leased sample ends in exactly one state, and the states always add up to w
 
 Admission follows AReaL's rule, counted in samples: a new lease is allowed only while
 
-    admitted + new <= (max_lag + generator_version + 1) * batch_samples
+    admitted + new <= (max_lag + generator_version + replayed_steps + 1) * batch_samples
 
 where admitted = leased - dropped_stale - filtered - lost - requeued (samples that will be, or were, trained).
 So a sample leased while the generators hold version v is trained at a step <= v + max_lag.
+`replayed_steps`: steps trained again after a learner recovery (supervisor.py) went back to a
+checkpoint; their batches are trained (admitted) too, although the version they lead to was reached before.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Ledger:
         self.batch_samples = batch_samples
         self.group_size = group_size
         self.generator_version = 0
+        self.replayed_steps = 0  # steps a restarted learner trains again (see the module doc)
         self.accounts = Accounts()
 
     @property
@@ -57,7 +60,7 @@ class Ledger:
 
     def capacity_groups(self) -> int:
         """How many more prompt groups may be leased now."""
-        limit = (self.max_lag + self.generator_version + 1) * self.batch_samples
+        limit = (self.max_lag + self.generator_version + self.replayed_steps + 1) * self.batch_samples
         return max(0, (limit - self.admitted) // self.group_size)
 
     def lease(self, groups: int) -> int:

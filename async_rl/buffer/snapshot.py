@@ -65,6 +65,7 @@ class BufferState(msgspec.Struct, kw_only=True):
     skipped_prompts: dict[str, int] = {}  # prompts or rows that could not be used, by reason
     reward_crashes: int = 0  # samples whose reward worker died mid-call
     reward_pool_restarts: int = 0  # engines' reward pools restarted
+    replayed_steps: int = 0  # steps trained again after learner recoveries (admission counts them)
 
 
 def _position(position: DataPosition | None, drawn: int) -> DataPosition:
@@ -176,6 +177,7 @@ class BufferParts:
             returned=[*self.source.returned(), *(lease.prompt for lease in self.leases.held())],
             position=self.source.position,
             skipped_prompts=self.source.skipped,
+            replayed_steps=self.ledger.replayed_steps,
         )
 
     def restore_state(self, state: BufferState) -> None:
@@ -192,6 +194,7 @@ class BufferParts:
         a.in_flight = a.waiting = 0
         self.ledger.accounts = a
         self.ledger.generator_version = state.generator_version
+        self.ledger.replayed_steps = state.replayed_steps
         self.source.seek(_position(state.position, state.prompts_drawn), state.prompts_drawn, state.skipped_prompts)
         self.source.give_back(state.returned)
         self.rejected.clear()

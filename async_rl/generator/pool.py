@@ -179,6 +179,12 @@ class GeneratorPool:
         self._gather([sender.join_weight_group.remote(), *joins], self.weight_timeout_s, "joining the weight group")
         self.membership_stale = False
 
+    def learner_replaced(self, sender: ActorHandle) -> None:
+        """The learner group was restarted on fresh actors (supervisor.py): syncs stop treating the
+        learner as abandoned, and a new broadcast group forms around the new rank 0 `sender`."""
+        self._abandoned.pop(LEARNER, None)
+        self.rebuild_membership(sender)
+
     def abandoned_engines(self) -> list[int]:
         """Engines of the pool a sync stopped waiting for (the watcher found them dead or hung): the
         caller replaces them even when its own health check has not seen the death yet."""

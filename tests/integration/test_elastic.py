@@ -11,14 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
-from _load import start_burners, stop_burners
 from test_training_run import REPO, check_common, run_short
 
-from async_rl import supervisor
-from async_rl.errors import RunError
 from async_rl.generator.pool import GeneratorPool
+from async_rl.runtime import Runtime
 from async_rl.weight_sync.base import SendProgress
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
@@ -170,35 +169,49 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
     assert [e["source"] for e in log] == ["recovery"] * 4  # died, replaced; died, replaced
 
 
-def test_dead_learner_rank_stops_the_run_naming_the_checkpoint(tmp_path, model_cache, monkeypatch):
-    killed_at, noticed_at, burners = [], [], []
-    real_died = supervisor.learner_died
+def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_path, model_cache, monkeypatch):
+    """Rank 1 of 2 dies mid-step 4 (index 3); the group restarts on fresh actors from step_2, steps
+    3 and 4 are trained again, and the run ends with every step, the engines on the learner's weights."""
+    killed: list[tuple[int, float]] = []  # (pid, wall time) of the rank killed
+    ranks: list[int] = []  # the pids of every rank of the first group
+    real_start = Runtime.start_train_step
 
-    def learner_died(*args):
-        noticed_at.append(time.time())
-        stop_burners(burners)  # noticed: the shutdown that follows runs on free cores
-        return real_died(*args)
+    def strike_mid_step(rt, step):
+        refs = real_start(rt, step)
+        if step == 3 and not killed:
+            pids = [ray.get(a.__ray_call__.remote(lambda rank: os.getpid()), timeout=60) for a in rt.learner.actors]
+            ranks.extend(pids)
+            killed.append((pids[1], time.time()))
+            os.kill(pids[1], signal.SIGKILL)  # its step call is running (the call above queued behind nothing)
+        return refs
 
-    monkeypatch.setattr(supervisor, "learner_died", learner_died)
-
-    def between(controller, step):
-        if step == 0:
-            # a complete checkpoint, as the checkpointer leaves it (its run state written last)
-            (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)
-            (tmp_path / "checkpoints" / "step_1" / "run_state.json").write_text("{}")
-            pid = ray.get(controller.learner.actors[0].__ray_call__.remote(lambda self: os.getpid()))
-            burners.extend(start_burners())  # noticed on a busy machine too
-            killed_at.append(time.time())
-            os.kill(pid, signal.SIGKILL)
-
-    try:
-        with pytest.raises(RunError) as err:
-            run_short(tmp_path, model_cache, [*SHORT, "train.total_steps=3"], between=between)
-    finally:
-        stop_burners(burners)
-    assert 0 <= noticed_at[0] - killed_at[0] < DETECT_S, (killed_at, noticed_at)
-    assert str(err.value).startswith("learner rank 0 died (")
-    assert str(err.value).endswith(f"resume from checkpoint {tmp_path / 'checkpoints' / 'step_1'}")
+    monkeypatch.setattr(Runtime, "start_train_step", strike_mid_step)
+    overrides = [*SHORT, "train.total_steps=4", "learner.world_size=2", "train.checkpoint_every=2"]
+    cfg, summary, learner_ck, engine_cks, final, records = run_short(tmp_path, model_cache, overrides)
+    # Every step, the replayed one logged again (marked); the policy version ends where it would have.
+    assert [(r["step"], r["version"], r["replayed"], r["recoveries"]) for r in records] == [
+        (0, 1, False, 0), (1, 2, False, 0), (2, 3, False, 0), (2, 3, True, 1), (3, 4, False, 1)
+    ]
+    assert (summary.steps, summary.final_version) == (4, 4)
+    assert all(e.version == 4 for e in summary.engines)
+    for ck in engine_cks.values():  # the engines serve the restarted learner's weights
+        assert ck.close_to(learner_ck), (ck, learner_ck)
+    # Accounting exact: five batches acknowledged (steps 1-3, 3 again, 4), each of fresh groups (an
+    # acknowledged batch leaves the buffer, a batch never acknowledged is served again), none twice.
+    batch, group = 4 * 4, 4
+    a = final.accounts
+    assert a.balanced() and (a.in_flight, a.trained, a.filtered, a.requeued) == (0, 5 * batch, 0, 0)
+    assert (a.lost + a.dropped_stale) % group == 0
+    assert a.leased == a.trained + a.dropped_stale + a.filtered + a.lost + a.requeued + a.waiting
+    log = events(tmp_path)
+    found = next(e for e in log if e["source"] == "watch" and e["reason"].startswith("learner 1 found dead"))
+    assert 0 <= found["at"] - killed[0][1] < DETECT_S, (found, killed)
+    recovered = [e["reason"] for e in log if e["source"] == "recovery"]
+    assert len(recovered) == 1 and recovered[0].startswith("learner rank 1 died ("), recovered
+    assert f"restarting the learner group from {tmp_path / 'checkpoints' / 'step_2'} (step 2, recovery 1)" in recovered[0]
+    # No process of the first group is left behind (the survivor, stuck in the step's collective, too).
+    for pid in ranks:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
 
 
 def test_autoscaler_grows_a_starved_pool(tmp_path, model_cache):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import statistics
 from pathlib import Path
 
@@ -84,14 +86,17 @@ def test_megatron_on_cpu_learns_and_vllm_holds_its_weights(layout, tmp_path, mod
     assert checksum_of(read_hf_weights(model_dir).values()).close_to(learner_ck)
 
 
-def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, ray_cluster):
+def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, ray_cluster, monkeypatch):
     """2 steps of ppo at TP=2 with a KL penalty and a checkpoint, then `--resume` of that run (the
     Controller the launcher makes for it) to step 4: the step and version numbering go on, the learner
     and the engines start from the checkpoint's weights, the KL reference is still the initial
-    weights, and the critic (on the Megatron model's last hidden states) trains throughout."""
+    weights, and the critic (on the Megatron model's last hidden states) trains throughout. In the
+    resumed run rank 1 is SIGKILLed mid-step 4: the group restarts from step_2 (learner recovery),
+    with the same KL reference, and the run ends at step 4 all the same."""
     from async_rl.checkpoint import completed, load_state
     from async_rl.learner.base import checkpoint_model_dir
     from async_rl.learner.hf_io import read_hf_weights
+    from async_rl.runtime import Runtime
     from async_rl.weight_sync.checksum import checksum_of
 
     def config(steps: int):
@@ -117,15 +122,30 @@ def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, ra
         if step == 2:
             references.append(ray.get(controller.learner.actors[0].__ray_call__.remote(ask)))
 
+    killed: list[int] = []
+    real_start = Runtime.start_train_step
+
+    def strike_mid_step(rt, step):
+        refs = real_start(rt, step)
+        if step == 3 and not killed:
+            killed.append(ray.get(rt.learner.actors[1].__ray_call__.remote(lambda rank: os.getpid()), timeout=60))
+            os.kill(killed[0], signal.SIGKILL)
+        return refs
+
+    monkeypatch.setattr(Runtime, "start_train_step", strike_mid_step)
     references: list = []
     controller, summary, learner_ck, engine_cks = _run(config(4), initial, tmp_path, ckpt, reference_checksum)
     assert controller.start_step == 2 and summary.final_version == 4
     # The resumed learner began with the checkpoint's weights (the controller checked the engines too).
     assert controller.resumed_checksum.close_to(saved, rtol=1e-12)
-    (ref_dir, ref_ck), = references
-    assert Path(ref_dir) == Path(initial) and ref_ck.close_to(start) and not ref_ck.close_to(saved)
+    assert len(references) == 2  # after step 3, and after it again in the restarted group
+    for ref_dir, ref_ck in references:
+        assert Path(ref_dir) == Path(initial) and ref_ck.close_to(start) and not ref_ck.close_to(saved)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2, 3] and [r["version"] for r in records] == [1, 2, 3, 4]
-    assert [r["trained"] for r in records] == [16, 32, 48, 64]  # the accounting goes on from the checkpoint
+    assert [r["step"] for r in records] == [0, 1, 2, 2, 3] and [r["version"] for r in records] == [1, 2, 3, 3, 4]
+    assert [(r["replayed"], r["recoveries"]) for r in records[2:]] == [(False, 0), (True, 1), (False, 1)]
+    # the accounting goes on from the checkpoint; step 3's first batch was trained, then step 3 again on a fresh one
+    assert [r["trained"] for r in records] == [16, 32, 48, 64, 80]
+    assert all(r["accounting_balanced"] for r in records)
     assert all(r["kl_ref"] > 0 for r in records[2:]) and all(r["value_loss"] > 0 for r in records)
     assert engine_cks[0].close_to(learner_ck), (engine_cks[0], learner_ck)

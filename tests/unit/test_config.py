@@ -268,6 +268,16 @@ def test_scientific_notation_float(tmp_path):
     assert cfg.learner.lr == pytest.approx(1e-6)
 
 
+def test_on_off_are_words_and_booleans_are_true_and_false(tmp_path):
+    # YAML 1.1 reads on/off/yes/no as booleans: `recover: off` failed with "Expected `str`, got `bool`".
+    cfg = load_config(None, ["train.recover=off", "generators.enforce_eager=on"])
+    assert (cfg.train.recover, cfg.generators.enforce_eager) == ("off", "on")
+    cfg = load_config(write(tmp_path, "train:\n  recover: off\n  checkpoint_at_end: false\n"))
+    assert (cfg.train.recover, cfg.train.checkpoint_at_end) == ("off", False)
+    assert load_config(None, ["train.checkpoint_at_end=False"]).train.checkpoint_at_end is False
+    assert "train.checkpoint_at_end" in config_error(None, ["train.checkpoint_at_end=no"])
+
+
 # ---------------------------------------------------------------- cross-field rules
 
 

@@ -11,14 +11,19 @@ import json
 import threading
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from async_rl import death_watch as dw_module
 from async_rl import supervisor as sup_module
+from async_rl.buffer.ledger import Accounts
+from async_rl.buffer.snapshot import BufferState
+from async_rl.checkpoint import RunCheckpoint
 from async_rl.config import load_config
 from async_rl.death_watch import DeathNotice, DeathWatch, Target, Watched, actor_key
 from async_rl.errors import RunError
-from async_rl.supervisor import Supervisor
+from async_rl.recovery import LearnerRecovery
+from async_rl.supervisor import LearnerRestarted, Supervisor
 
 _ids = itertools.count()
 
@@ -159,6 +164,10 @@ class Runtime:
         self.log.append(f"ack {step}")
         return 0
 
+    def restart_learner(self, checkpoint_dir: str | None, from_step: int) -> None:
+        self.log.append(f"restart learner from {checkpoint_dir} at step {from_step}")
+        self.learner = SimpleNamespace(actors=[Actor("rank0 again"), Actor("rank1 again")])
+
 
 @pytest.fixture
 def setup(tmp_path):
@@ -215,11 +224,35 @@ def test_notices_are_acted_on_between_steps_and_stale_ones_dropped(setup):
     assert rt.log == ["restart buffer", "replace [0] at step 4", "sync 5 False"]
 
 
-def test_a_dead_learner_rank_between_steps_stops_the_run_with_one_line(setup):
+def test_a_dead_learner_rank_between_steps_restarts_the_group_from_the_newest_checkpoint(setup, tmp_path):
     rt, sup = setup
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "run_state.json").write_bytes(msgspec.json.encode(
+        RunCheckpoint(step=2, version=2, saved_at=0.0, buffer=BufferState(accounts=Accounts(), generator_version=2, prompts_drawn=0,
+                                                            rejected_frames={}, reward_errors=0, reward_timeouts=0))
+    ))
     deliver(sup, notice("learner", 1, rt.learner.actors[1]))
-    with pytest.raises(RunError, match=r"learner rank 1 died \(its actor died\); no checkpoint was written"):
+    with pytest.raises(LearnerRestarted) as info:
+        sup.act_on_deaths(3, 4)
+    assert (info.value.step, info.value.recoveries) == (2, 1)
+    assert rt.log == [f"restart learner from {ckpt} at step 2", "sync 2 False"]
+    recovery = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()][-1]
+    assert recovery["source"] == "recovery"
+    assert recovery["reason"] == f"learner rank 1 died (its actor died); restarting the learner group from {ckpt} (step 2, recovery 1)"
+    # the old group's ranks are no longer the run's: their late notices are dropped
+    deliver(sup, notice("learner", 0, Actor("rank0")))
+    sup.act_on_deaths(3, 3)
+    assert len(rt.log) == 2
+
+
+def test_with_recover_off_a_dead_learner_rank_stops_the_run_with_one_line(setup):
+    rt, sup = setup
+    sup.recovery = LearnerRecovery("off", 3, 100)
+    deliver(sup, notice("learner", 1, rt.learner.actors[1]))
+    with pytest.raises(RunError, match=r"^learner rank 1 died \(its actor died\); no checkpoint was written, .* is off\)$"):
         sup.act_on_deaths(2, 3)
+    assert rt.log == []
 
 
 def test_a_death_during_a_step_is_acted_on_before_the_step_returns(monkeypatch, setup):
@@ -243,12 +276,34 @@ def test_a_death_during_a_step_is_acted_on_before_the_step_returns(monkeypatch, 
     assert rt.log == ["replace [0] at step 4", "sync 4 True", "ack 4"]
 
 
-def test_a_dead_rank_stops_the_step_at_once(monkeypatch, setup):
+def test_a_dead_rank_restarts_the_group_at_once(monkeypatch, setup):
     rt, sup = setup
     rt.step_refs[1].error = sup_module.ray.exceptions.ActorDiedError()
     fake_ray(monkeypatch, sup_module, {"rank1"})
-    with pytest.raises(RunError, match="learner rank 1 died"):
+    with pytest.raises(LearnerRestarted) as info:
         sup.train_step(4)
+    assert info.value.step == 0  # no checkpoint yet: the initial weights, step 0
+    assert rt.log == ["restart learner from None at step 0", "sync 0 False"]  # no ack of the step
+
+
+def test_a_rank_found_dead_during_a_checkpoint_restarts_the_group_instead_of_waiting(monkeypatch, setup):
+    """The survivor of a checkpoint's collective never answers: the watcher's notice ends the wait."""
+    rt, sup = setup
+    waited = fake_ray(monkeypatch, sup_module, set())  # neither rank's save finishes
+    deliver(sup, notice("learner", 0, rt.learner.actors[0]))
+    with pytest.raises(LearnerRestarted):
+        sup.on_learner(3, [Ref("save0"), Ref("save1")])
+    assert waited == [] and rt.log == ["restart learner from None at step 0", "sync 0 False"]
+
+
+def test_a_call_on_every_rank_returns_their_answers_in_rank_order(monkeypatch, setup):
+    rt, sup = setup
+    fake_ray(monkeypatch, sup_module, {"probe0", "probe1"})
+    assert sup.on_learner(3, [Ref("probe0", answer="p0"), Ref("probe1", answer="p1")]) == ["p0", "p1"]
+    rt.learner.actors = [Actor("rank0")]
+    fake_ray(monkeypatch, sup_module, {"save0"})
+    with pytest.raises(LearnerRestarted):  # its call failed: the rank died in it
+        sup.on_learner(3, [Ref("save0", error=sup_module.ray.exceptions.ActorDiedError())])
 
 
 # ---- hangs ---------------------------------------------------------------------------------------
@@ -321,6 +376,7 @@ def test_a_step_past_its_limit_is_a_hang_named_in_one_line(monkeypatch, setup):
     monkeypatch.setattr(sup_module.ray, "wait", wait)
     monkeypatch.setattr(sup_module.ray, "get", lambda ref, timeout=None: ref.answer)
     sup.cfg = load_config(None, ["generators.health_check_s=100000", "train.step_timeout_s=30"])
+    sup.recovery = LearnerRecovery("off", 3, 100)  # the line itself (with recover auto the group restarts)
     with pytest.raises(RunError) as info:
         sup.train_step(4)
     line = str(info.value)

@@ -273,15 +273,14 @@ def test_scale_cli_rejects_k_below_one(tmp_path, capsys):
 # ---- learner death message ---------------------------------------------------------------------
 
 
-def test_learner_death_names_the_checkpoint(tmp_path):
-    err = learner_died(tmp_path, 1, RuntimeError("actor died\nmore"))
-    assert str(err) == "learner rank 1 died (actor died); no checkpoint was written, the run cannot resume"
+def test_learner_death_is_one_line_and_the_newest_complete_checkpoint_is_found(tmp_path):
+    assert learner_died(1, RuntimeError("actor died\nmore")) == "learner rank 1 died (actor died)"
+    assert latest_checkpoint(tmp_path) is None
     for step in (4, 8):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
         (tmp_path / "checkpoints" / f"step_{step}" / "run_state.json").write_text("{}")
     (tmp_path / "checkpoints" / "step_12").mkdir()  # being written (no run state yet): not resumable
     assert latest_checkpoint(tmp_path).endswith("step_8")
-    assert f"resume from checkpoint {tmp_path / 'checkpoints' / 'step_8'}" in str(learner_died(tmp_path, 0, RuntimeError("x")))
 
 
 # ---- multi-node addresses ----------------------------------------------------------------------
@@ -317,6 +316,21 @@ def test_checkpoint_restore_leases_handed_back_and_in_flight_prompts_first(tmp_p
         assert a.requeued == 2 + 4  # prompt 1 before the checkpoint, prompts 0 and 3 at restore
         leased = [p.prompt_id for p in await new.lease(engine_id=7, max_groups=4, wait_s=0)]
         assert sorted(leased[:3]) == [0, 1, 3] and leased[3] == 4  # then the stream goes on after 3
+
+    (tmp_path / "resumed").mkdir()
+    asyncio.run(scenario())
+
+
+def test_replayed_steps_are_kept_by_a_checkpoint(tmp_path):
+    """Steps a recovered learner trained again stay admitted in a run resumed from a later checkpoint."""
+
+    async def scenario():
+        old = make_buffer(tmp_path)
+        await old.set_replayed_steps(3)
+        state = msgspec.json.decode(msgspec.json.encode(old.checkpoint_state()), type=BufferState)
+        new = make_buffer(tmp_path / "resumed")
+        await new.restore(state)
+        assert new.ledger.replayed_steps == 3
 
     (tmp_path / "resumed").mkdir()
     asyncio.run(scenario())

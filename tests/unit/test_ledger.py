@@ -201,3 +201,17 @@ def test_admitted_sample_is_never_stale_when_trained_in_order():
         for v in range(4):
             assert not Ledger.is_stale(v, v + max_lag, max_lag)
             assert Ledger.is_stale(v, v + max_lag + 1, max_lag)
+
+
+def test_replayed_steps_extend_admission_by_their_batches():
+    # A learner recovery went back 2 steps: the generators' version drops from 3 to 1, but the 2
+    # replayed steps' batches must still be leased, so admission counts them (ledger.py).
+    led = Ledger(max_lag=1, batch_samples=16, group_size=4)
+    led.generator_version = 3
+    assert led.lease(100) == 20  # (1 + 3 + 1) * 16 = 80 samples admitted: full
+    led.generator_version = 1  # back at the checkpoint's version
+    assert led.capacity_groups() == 0
+    led.replayed_steps = 2
+    assert led.capacity_groups() == 0  # (1 + 1 + 2 + 1) * 16 = 80: the replayed batches are already admitted
+    led.generator_version = 2
+    assert led.capacity_groups() == 4  # one version on: one more batch, as without the recovery
