@@ -411,6 +411,13 @@ class MegatronConfig(_Section):
         Literal["auto", "on", "off"],
         _f("megatron layer spec: Transformer Engine (fused kernels) or the local spec; auto = TE if importable"),
     ] = "auto"
+    attention: Annotated[
+        Literal["auto", "local", "sdpa", "varlen"],
+        _f("megatron's attention without Transformer Engine: local = megatron's DotProductAttention (keeps "
+           "fp32 [rows, heads, T, T] scores per layer), sdpa = torch's scaled_dot_product_attention with the "
+           "same masks (no scores kept), varlen = packed micro-batches as THD through varlen flash attention "
+           "(CUDA needs bf16/fp16; CPU runs its per-sequence reference); auto = sdpa. Ignored with TE"),
+    ] = "auto"
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -48,6 +48,7 @@ from async_rl.errors import RunError
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
+from async_rl.learner.megatron.attention import resolve as resolve_attention
 from async_rl.learner.megatron.head import VocabShard, chunked_scores
 from async_rl.learner.packing import MicroBatch
 from async_rl.protocol import TrajectoryGroup
@@ -208,15 +209,18 @@ class MegatronBackend(ModelBackend):
         activation_checkpointing: bool = False,
         micro_batch_tokens: int = 0,
         row_tokens: int = 0,
+        attention: str = "auto",
     ) -> None:
         """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
-        start-up line without Transformer Engine (`megatron.memory`); they change nothing else."""
+        start-up line without Transformer Engine (`megatron.memory`); they change nothing else.
+        `attention` (learner.megatron.attention): the local spec's core attention (`megatron.attention`)."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.dtype = getattr(torch, dtype)
         self.lr, self.weight_decay, self.max_grad_norm = lr, weight_decay, max_grad_norm
         self.distributed_optimizer = distributed_optimizer
         self.transformer_engine = transformer_engine
+        self.attention_setting = attention
         self.on_cpu = device == "cpu"
         self.seed = seed
         self.chunk = logprob_chunk_tokens
@@ -232,6 +236,10 @@ class MegatronBackend(ModelBackend):
         from async_rl.learner.megatron.learner import MegatronPolicy, use_transformer_engine
 
         te_spec = use_transformer_engine(self.transformer_engine) and not self.on_cpu
+        try:  # TE brings its own attention; without it, the local spec's core attention
+            kernel = "te" if te_spec else resolve_attention(self.attention_setting, "cpu" if self.on_cpu else "cuda", self.dtype)
+        except ValueError as e:
+            raise RunError(str(e)) from None
         distributed = self.distributed_optimizer and not self.on_cpu  # DP=1 on CPU: nothing to shard
         if self.on_cpu:
             from async_rl.learner.megatron import cpu as megatron_cpu
@@ -260,7 +268,9 @@ class MegatronBackend(ModelBackend):
         self.arch = mm.load_arch(model_dir)
         self.te_spec = te_spec
         self.sharded_optimizer = distributed
-        self.thd = te_spec  # packed sequences as THD: TE's attention only (megatron's local one refuses it)
+        self.attention = kernel
+        # packed sequences as THD: TE's attention or varlen (megatron's local one refuses it)
+        self.thd = te_spec or kernel == "varlen"
         self.policy = MegatronPolicy(
             self.arch,
             mm.SafetensorsCheckpoint(model_dir),
@@ -272,6 +282,7 @@ class MegatronBackend(ModelBackend):
             te_spec=te_spec,
             cpu_init=self.on_cpu,
             recompute=self.recompute,
+            attention="local" if te_spec else kernel,
         )
         self.device = self.policy.device
         first_stage = parallel_state.is_pipeline_first_stage()
@@ -334,6 +345,8 @@ class MegatronBackend(ModelBackend):
                 packed, mask = thd_params(mb.position_ids, dev), None
             elif self.on_cpu or mb.position_ids is not None:
                 mask = attention_mask(mb).to(dev)
+                if self.attention == "sdpa":  # additive, built once: every layer's SDPA reads it as is
+                    mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(mask, float("-inf"))
             else:
                 mask = None  # megatron's own causal mask (fused kernels)
             positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand(ids.shape[0], -1)
