@@ -302,7 +302,8 @@ class MegatronBackend(ModelBackend):
         return params
 
     def _local_spec_line(self, params: int) -> str:
-        """What megatron's local spec costs on this GPU (see `megatron.memory`), in one line."""
+        """What megatron's local spec costs on this GPU with its attention kernel (see `megatron.memory`),
+        in one line."""
         from async_rl.learner.megatron import memory
         from async_rl.learner.megatron.convert import padded_vocab_size
 
@@ -311,6 +312,7 @@ class MegatronBackend(ModelBackend):
             heads=self.arch.num_heads, vocab=padded_vocab_size(self.arch.vocab_size, self.tp), params=params,
             tp=self.tp, pp=self.pp, dp=self.info.dp_size, dtype_bytes=self.dtype.itemsize,
             distributed_optimizer=self.sharded_optimizer, recompute=self.recompute, chunk=self.chunk,
+            attention=self.attention,
         )
         free, _ = torch.cuda.mem_get_info()
         capacity = free + torch.cuda.memory_reserved()  # what this process may hold: ours and what is free
