@@ -18,7 +18,9 @@ starts where its position id is 0):
   position ids: megatron's `DotProductAttention` refuses packed-sequence params, and its unfused
   softmax (`masked_softmax_fusion=False`) applies a given mask as is, generating the causal one only
   when none is given. RoPE is relative, so positions that do not restart change nothing once no
-  token attends across a boundary.
+  token attends across a boundary. With `learner.megatron.attention` sdpa (`megatron.attention`) the
+  same mask goes to torch's SDPA, additive in the model dtype, built once per micro-batch; with
+  varlen the micro-batch goes as THD, as to TE, to varlen flash attention.
 A padded row is right-padded, so the causal mask is enough. With pipeline parallelism all
 micro-batches of a step are padded to one shape (megatron's p2p sends fixed-shape activations).
 
