@@ -1213,6 +1213,10 @@ def _validate_megatron(cfg: Config) -> None:
             f"learner.world_size={world} is not a multiple of learner.megatron.tensor_parallel_size x "
             f"pipeline_parallel_size = {model_parallel}"
         )
+    if m.attention == "varlen" and cfg.learner.device == "cuda" and cfg.model.dtype == "float32":
+        raise ConfigError(
+            "learner.megatron.attention=varlen on CUDA needs model.dtype bfloat16 or float16 (flash attention)"
+        )
     dp = world // model_parallel
     if cfg.train.prompts_per_step % dp:
         raise ConfigError(
