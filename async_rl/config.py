@@ -424,6 +424,13 @@ class MegatronConfig(_Section):
         Literal["auto", "on", "off"],
         _f("megatron layer spec: Transformer Engine (fused kernels) or the local spec; auto = TE if importable"),
     ] = "auto"
+    attention: Annotated[
+        Literal["auto", "local", "sdpa", "varlen"],
+        _f("megatron's attention without Transformer Engine: local = megatron's DotProductAttention (keeps "
+           "fp32 [rows, heads, T, T] scores per layer), sdpa = torch's scaled_dot_product_attention with the "
+           "same masks (no scores kept), varlen = packed micro-batches as THD through varlen flash attention "
+           "(CUDA needs bf16/fp16; CPU runs its per-sequence reference); auto = sdpa. Ignored with TE"),
+    ] = "auto"
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -1226,6 +1233,10 @@ def _validate_megatron(cfg: Config) -> None:
         raise ConfigError(
             f"learner.world_size={world} is not a multiple of learner.megatron.tensor_parallel_size x "
             f"pipeline_parallel_size = {model_parallel}"
+        )
+    if m.attention == "varlen" and cfg.learner.device == "cuda" and cfg.model.dtype == "float32":
+        raise ConfigError(
+            "learner.megatron.attention=varlen on CUDA needs model.dtype bfloat16 or float16 (flash attention)"
         )
     dp = world // model_parallel
     if cfg.train.prompts_per_step % dp:

@@ -28,6 +28,12 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   auto_budget    today + micro_batch_tokens=auto
   combined       every switch at its default (mixed_precision, kernels, attention: auto), at --tokens
   combined_auto  combined with micro_batch_tokens=auto
+  megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
+                 attention at the default (learner.megatron.attention auto = torch's SDPA), the model
+                 in bf16 (megatron's fp32 main weights in the optimizer), at --tokens: issue 31's
+                 target is this row's step within 1.5x of `combined`'s. Not in the defaults.
+  megatron_local the same with megatron's local DotProductAttention (learner.megatron.attention=local):
+                 the attention's gain, where it fits in memory. Not in the defaults.
   trl            the plain HF step: padded rows, left-padded prompts, logits_to_keep, log-softmax +
                  gather per row, bf16 autocast, fused AdamW (as TRL's GRPO trainer computes its loss)
   fp32           scoring only: the log-prob reference
@@ -71,6 +77,8 @@ VARIANTS: dict[str, dict] = {
     "auto_budget": {**TODAY, "micro_batch_tokens": "auto"},
     "combined": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto"},
     "combined_auto": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "micro_batch_tokens": "auto"},
+    "megatron": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "auto"}},
+    "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
     "trl": {},
     "fp32": {"mixed_precision": "none", "kernels": "none", "attention": "sdpa"},
 }
@@ -79,6 +87,7 @@ DEFAULT_VARIANTS = {"qwen2.5-0.5b": "fp32,today,combined,trl", "qwen2.5-1.5b": "
 # The issue's targets (one H100, same batch and token budget, same run).
 MFU_TARGET = {"qwen2.5-0.5b": 0.40, "qwen2.5-1.5b": 0.45}
 SPEEDUP_TARGET = 2.0
+MEGATRON_TARGET = 1.5  # megatron's step (no TE) over the torch backend's, same model, batch and budget
 
 
 def free_port() -> int:
@@ -196,8 +205,19 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
     fields, notes = learner_overrides(a.variant, a.tokens)
     if a.variant in ("varlen", "flex") and "attention" not in fields:
         return {"skipped": notes[0]}
+    dtype = "float32"
+    if fields.get("backend") == "megatron":
+        from async_rl.config import MegatronConfig
+
+        m = fields["megatron"]
+        if "attention" not in MegatronConfig.__struct_fields__:
+            notes.append("learner.megatron.attention is not in this tree: megatron's local attention")
+            m = {k: v for k, v in m.items() if k != "attention"}
+        fields = {**fields, "megatron": MegatronConfig(**m)}
+        # megatron computes in the model's dtype (fp32 main weights in its optimizer); on CPU fp32 only
+        dtype = "bfloat16" if device == "cuda" else "float32"
     spec = LearnerSpec(
-        model=ModelConfig(path=a.model_dir, dtype="float32"),
+        model=ModelConfig(path=a.model_dir, dtype=dtype),
         learner=LearnerConfig(device=device, lr=1e-6, **fields),
         algorithm=AlgorithmConfig(), generators=GeneratorConfig(max_tokens=a.max_completion),
         train=TrainConfig(total_steps=10),
@@ -416,6 +436,11 @@ def targets(shape: str, rows: dict[str, dict], diff: dict[str, dict]) -> list[st
         ok = diff["combined"]["max_abs"] <= 1.5 * diff["today"]["max_abs"]
         out.append(f"log-probs vs fp32: max {diff['combined']['max_abs']:.3f} vs today's {diff['today']['max_abs']:.3f} "
                    f"(tolerance: today's x1.5): {'met' if ok else 'NOT met'}")
+    megatron = rows.get("megatron", {})
+    if "step_s" in megatron and "step_s" in ours:
+        x = megatron["step_s"] / ours["step_s"]
+        out.append(f"megatron without TE {x:.2f}x the torch backend's step (combined): "
+                   f"{'met' if x <= MEGATRON_TARGET else 'NOT met'} (target <= {MEGATRON_TARGET}x)")
     return out
 
 

@@ -286,6 +286,12 @@ def _varlen_call():
     return call
 
 
+def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
+    """Causal varlen flash attention over packed segments (CUDA; q [Tq, H, D], k/v [Tk, Hkv, D]),
+    called as this torch spells it (`_varlen_call`)."""
+    return _varlen_call()(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+
 @lru_cache(maxsize=1)
 def _compiled_flex():
     """flex_attention compiled once with dynamic shapes: new packed lengths reuse the graph."""

@@ -81,6 +81,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
             max_grad_norm=spec.learner.max_grad_norm,
             distributed_optimizer=m.distributed_optimizer,
             transformer_engine=m.transformer_engine,
+            attention=m.attention,
             device=device_of(spec.learner.device),
             seed=spec.train.seed,
             logprob_chunk_tokens=spec.learner.logprob_chunk_tokens,

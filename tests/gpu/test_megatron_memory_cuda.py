@@ -1,5 +1,6 @@
 """The Megatron backend on one GPU at the 1-GPU recipe's size: a Qwen2.5-0.5B-shaped random-init
-model (bf16, distributed optimizer, the local spec without Transformer Engine) trains one
+model (bf16, distributed optimizer, the local spec without Transformer Engine, with megatron's
+attention and with torch's SDPA: `learner.megatron.attention`) trains one
 micro-batch of 16384 tokens (rows of at most 712, as the recipe's prompts and completions make them)
 within the start-up estimate (`learner.megatron.memory`) and the GPU's memory.
 
@@ -65,7 +66,7 @@ def _samples(vocab: int):
     return out
 
 
-def _train_one_micro_batch(rank: int, port: int, model_dir: str, out: str) -> None:
+def _train_one_micro_batch(rank: int, port: int, model_dir: str, out: str, attention: str) -> None:
     from async_rl.learner import packing
     from async_rl.learner.megatron import memory
     from async_rl.learner.megatron.backend import MegatronBackend
@@ -75,6 +76,7 @@ def _train_one_micro_batch(rank: int, port: int, model_dir: str, out: str) -> No
         rank=rank, world_size=1, master=f"127.0.0.1:{port}", tensor_parallel_size=1, pipeline_parallel_size=1,
         dtype="bfloat16", lr=1e-6, weight_decay=0.0, max_grad_norm=1.0, distributed_optimizer=True,
         transformer_engine="off", device="cuda", seed=0, micro_batch_tokens=TOKENS, row_tokens=ROW,
+        attention=attention,
     )
     try:
         params = backend.setup(model_dir)
@@ -92,7 +94,7 @@ def _train_one_micro_batch(rank: int, port: int, model_dir: str, out: str) -> No
         arch = backend.arch
         shape = memory.RankShape(
             layers=arch.num_layers, hidden=arch.hidden_size, ffn=arch.ffn_hidden_size, heads=arch.num_heads,
-            vocab=padded_vocab_size(arch.vocab_size, 1), params=params,
+            vocab=padded_vocab_size(arch.vocab_size, 1), params=params, attention=backend.attention,
         )
         torch.save({
             "peak": torch.cuda.max_memory_allocated(),
@@ -104,12 +106,15 @@ def _train_one_micro_batch(rank: int, port: int, model_dir: str, out: str) -> No
         backend.shutdown()
 
 
-def test_the_recipe_model_trains_16384_tokens_within_the_estimate(tmp_path):
+@pytest.mark.parametrize("attention", ["local", "sdpa"])
+def test_the_recipe_model_trains_16384_tokens_within_the_estimate(tmp_path, attention):
     import torch.multiprocessing as mp
 
     from async_rl.learner.megatron import memory
 
-    shape = memory.RankShape(layers=24, hidden=896, ffn=4864, heads=14, vocab=151936, params=494_032_768)
+    shape = memory.RankShape(
+        layers=24, hidden=896, ffn=4864, heads=14, vocab=151936, params=494_032_768, attention=attention
+    )
     need = memory.estimate(shape, TOKENS, ROW).total
     if torch.cuda.get_device_properties(0).total_memory * memory.USABLE < need:
         pytest.skip(f"the estimate ({need / memory.GIB:.1f} GiB) exceeds this GPU's usable memory")
@@ -117,7 +122,7 @@ def test_the_recipe_model_trains_16384_tokens_within_the_estimate(tmp_path):
     model_dir.mkdir()
     _write_model(model_dir)
     out = tmp_path / "memory.pt"
-    mp.spawn(_train_one_micro_batch, args=(free_port(), str(model_dir), str(out)), nprocs=1, join=True)
+    mp.spawn(_train_one_micro_batch, args=(free_port(), str(model_dir), str(out), attention), nprocs=1, join=True)
     got = torch.load(out, weights_only=False)
     assert got["grad_norm"] == got["grad_norm"] and got["grad_norm"] > 0
     # the estimate leaves fragmentation and one layer's backward buffers out: within 15% of the peak

@@ -29,6 +29,9 @@ def test_megatron_runs_every_algorithm_and_writes_checkpoints():
         (["learner.world_size=6", "learner.megatron.tensor_parallel_size=2", "train.prompts_per_step=8"],
          "not divisible by the megatron data-parallel size 3"),
         (["learner.megatron.transformer_engine=maybe"], "learner.megatron.transformer_engine"),
+        (["learner.megatron.attention=flash"], "learner.megatron.attention"),
+        (["learner.megatron.attention=varlen", "learner.device=cuda", "model.dtype=float32"],
+         "attention=varlen on CUDA needs model.dtype bfloat16"),
     ],
 )
 def test_megatron_layout_errors_name_the_fields(overrides, message):

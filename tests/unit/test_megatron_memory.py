@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from async_rl.learner.megatron.memory import (
@@ -75,13 +76,24 @@ def test_the_start_up_line_states_the_cost_and_the_limit_in_one_line():
     assert "the whole shard at once" in local_spec_line(QWEN_05B, 0, 712, H100)
 
 
-def test_the_per_layer_estimate_is_what_megatrons_local_spec_keeps_on_cpu():
+def test_torch_attention_keeps_no_scores_and_states_so_at_start_up():
+    sdpa = dataclasses.replace(QWEN_05B, attention="sdpa")
+    m = estimate(sdpa, 16384, 712)
+    assert m.attention == 4 * 24 * 14 * 16384  # a log-sum-exp per query, head and layer
+    assert m.mask == 2 * 16384 * 712  # one additive bf16 mask, shared by the layers
+    assert estimate(dataclasses.replace(sdpa, attention="varlen"), 16384, 712).mask == 0
+    # the scores were about half of the estimate at the local spec's limit (19968 tokens; sdpa: 38400)
+    assert max_tokens(sdpa, int(H100 * USABLE), 712) > 1.5 * max_tokens(QWEN_05B, int(H100 * USABLE), 712)
+    line = local_spec_line(sdpa, 16384, 712, H100)
+    assert "\n" not in line and "attention through torch's sdpa" in line and "(fits)" in line
+
+
+@pytest.mark.parametrize("kernel", ["local", "sdpa"])
+def test_the_per_layer_estimate_is_what_megatrons_local_spec_keeps_on_cpu(kernel):
     """A forward of megatron's local spec (fp32, CPU) keeps, per token and layer, what the estimate
     counts (attention scores and the other saved activations), within 5%: measured as the net
     allocation of a second forward (torch.profiler's allocator events), two depths apart so the
     embedding and the output cancel out."""
-    import pytest
-
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,10 +110,12 @@ def test_the_per_layer_estimate_is_what_megatrons_local_spec_keeps_on_cpu():
             num_kv_heads=2, head_dim=32, vocab_size=512, tie_embeddings=True, qkv_bias=True, rms_eps=1e-6,
             rope_theta=1e4, rope_scaling_factor=0, max_position_embeddings=1024,
         )
-        model = mm.build_model(arch, torch.float32, cpu_init=True, te_spec=False)
+        model = mm.build_model(arch, torch.float32, cpu_init=True, te_spec=False, attention=kernel)
         ids = torch.randint(0, 512, (rows, width), generator=torch.Generator().manual_seed(0))
         positions = torch.arange(width)[None].expand(rows, -1)
         mask = torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None]
+        if kernel == "sdpa":  # the backend's form: additive, built once per micro-batch
+            mask = torch.zeros(mask.shape).masked_fill_(mask, float("-inf"))
         model(ids, positions, mask)  # megatron's global score buffer is allocated once, here (result dropped)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = model(ids, positions, mask)
@@ -110,6 +124,6 @@ def test_the_per_layer_estimate_is_what_megatrons_local_spec_keeps_on_cpu():
 
     with one_rank_model_parallel(), megatron_cpu.patched():
         per_layer = (kept_by_forward(4) - kept_by_forward(2)) / 2
-    shape = RankShape(layers=1, hidden=256, ffn=704, heads=8, vocab=512, params=0, dtype_bytes=4)
+    shape = RankShape(layers=1, hidden=256, ffn=704, heads=8, vocab=512, params=0, dtype_bytes=4, attention=kernel)
     want = estimate(shape, rows * width, width)
     assert abs(per_layer - (want.attention + want.activations)) < 0.05 * per_layer, (per_layer, want)

@@ -18,7 +18,9 @@ starts where its position id is 0):
   position ids: megatron's `DotProductAttention` refuses packed-sequence params, and its unfused
   softmax (`masked_softmax_fusion=False`) applies a given mask as is, generating the causal one only
   when none is given. RoPE is relative, so positions that do not restart change nothing once no
-  token attends across a boundary.
+  token attends across a boundary. With `learner.megatron.attention` sdpa (`megatron.attention`) the
+  same mask goes to torch's SDPA, additive in the model dtype, built once per micro-batch; with
+  varlen the micro-batch goes as THD, as to TE, to varlen flash attention.
 A padded row is right-padded, so the causal mask is enough. With pipeline parallelism all
 micro-batches of a step are padded to one shape (megatron's p2p sends fixed-shape activations).
 
@@ -48,6 +50,7 @@ from async_rl.errors import RunError
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
+from async_rl.learner.megatron.attention import resolve as resolve_attention
 from async_rl.learner.megatron.head import VocabShard, chunked_scores
 from async_rl.learner.packing import MicroBatch
 from async_rl.protocol import TrajectoryGroup
@@ -208,15 +211,18 @@ class MegatronBackend(ModelBackend):
         activation_checkpointing: bool = False,
         micro_batch_tokens: int = 0,
         row_tokens: int = 0,
+        attention: str = "auto",
     ) -> None:
         """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
-        start-up line without Transformer Engine (`megatron.memory`); they change nothing else."""
+        start-up line without Transformer Engine (`megatron.memory`); they change nothing else.
+        `attention` (learner.megatron.attention): the local spec's core attention (`megatron.attention`)."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.dtype = getattr(torch, dtype)
         self.lr, self.weight_decay, self.max_grad_norm = lr, weight_decay, max_grad_norm
         self.distributed_optimizer = distributed_optimizer
         self.transformer_engine = transformer_engine
+        self.attention_setting = attention
         self.on_cpu = device == "cpu"
         self.seed = seed
         self.chunk = logprob_chunk_tokens
@@ -232,6 +238,10 @@ class MegatronBackend(ModelBackend):
         from async_rl.learner.megatron.learner import MegatronPolicy, use_transformer_engine
 
         te_spec = use_transformer_engine(self.transformer_engine) and not self.on_cpu
+        try:  # TE brings its own attention; without it, the local spec's core attention
+            kernel = "te" if te_spec else resolve_attention(self.attention_setting, "cpu" if self.on_cpu else "cuda", self.dtype)
+        except ValueError as e:
+            raise RunError(str(e)) from None
         distributed = self.distributed_optimizer and not self.on_cpu  # DP=1 on CPU: nothing to shard
         if self.on_cpu:
             from async_rl.learner.megatron import cpu as megatron_cpu
@@ -260,7 +270,9 @@ class MegatronBackend(ModelBackend):
         self.arch = mm.load_arch(model_dir)
         self.te_spec = te_spec
         self.sharded_optimizer = distributed
-        self.thd = te_spec  # packed sequences as THD: TE's attention only (megatron's local one refuses it)
+        self.attention = kernel
+        # packed sequences as THD: TE's attention or varlen (megatron's local one refuses it)
+        self.thd = te_spec or kernel == "varlen"
         self.policy = MegatronPolicy(
             self.arch,
             mm.SafetensorsCheckpoint(model_dir),
@@ -272,6 +284,7 @@ class MegatronBackend(ModelBackend):
             te_spec=te_spec,
             cpu_init=self.on_cpu,
             recompute=self.recompute,
+            attention="local" if te_spec else kernel,
         )
         self.device = self.policy.device
         first_stage = parallel_state.is_pipeline_first_stage()
@@ -291,7 +304,8 @@ class MegatronBackend(ModelBackend):
         return params
 
     def _local_spec_line(self, params: int) -> str:
-        """What megatron's local spec costs on this GPU (see `megatron.memory`), in one line."""
+        """What megatron's local spec costs on this GPU with its attention kernel (see `megatron.memory`),
+        in one line."""
         from async_rl.learner.megatron import memory
         from async_rl.learner.megatron.convert import padded_vocab_size
 
@@ -300,6 +314,7 @@ class MegatronBackend(ModelBackend):
             heads=self.arch.num_heads, vocab=padded_vocab_size(self.arch.vocab_size, self.tp), params=params,
             tp=self.tp, pp=self.pp, dp=self.info.dp_size, dtype_bytes=self.dtype.itemsize,
             distributed_optimizer=self.sharded_optimizer, recompute=self.recompute, chunk=self.chunk,
+            attention=self.attention,
         )
         free, _ = torch.cuda.mem_get_info()
         capacity = free + torch.cuda.memory_reserved()  # what this process may hold: ours and what is free
@@ -334,6 +349,8 @@ class MegatronBackend(ModelBackend):
                 packed, mask = thd_params(mb.position_ids, dev), None
             elif self.on_cpu or mb.position_ids is not None:
                 mask = attention_mask(mb).to(dev)
+                if self.attention == "sdpa":  # additive, built once: every layer's SDPA reads it as is
+                    mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(mask, float("-inf"))
             else:
                 mask = None  # megatron's own causal mask (fused kernels)
             positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand(ids.shape[0], -1)

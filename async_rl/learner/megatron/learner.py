@@ -56,8 +56,10 @@ class MegatronPolicy:
         cpu_init: bool,
         make_optimizer: Callable[[torch.nn.Module], Any] | None = None,
         recompute: bool = False,
+        attention: str = "local",
     ) -> None:
-        """`make_optimizer(ddp_model)` replaces megatron's optimizer (whose code allocates on 'cuda'
+        """`attention`: the local spec's core attention, `local` (megatron's) or `sdpa`/`varlen`
+        (`megatron.attention`); ignored with TE. `make_optimizer(ddp_model)` replaces megatron's optimizer (whose code allocates on 'cuda'
         unconditionally): the CPU tests pass a stand-in with the same step/zero_grad/scale_loss."""
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -67,7 +69,7 @@ class MegatronPolicy:
 
         self.arch = arch
         self.te_spec = te_spec
-        model = mm.build_model(arch, dtype, cpu_init=cpu_init, te_spec=te_spec, recompute=recompute)
+        model = mm.build_model(arch, dtype, cpu_init=cpu_init, te_spec=te_spec, recompute=recompute, attention=attention)
         if distributed_optimizer:
             mm.check_single_dtype(model, dtype)
         if not cpu_init:

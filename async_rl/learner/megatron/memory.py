@@ -6,7 +6,11 @@ The local spec's attention (`DotProductAttention`, `attention_softmax_in_fp32`) 
 score: per layer it keeps, for backward, the fp32 softmax output (4 bytes a score, softmax's
 backward reads it) and the bf16 probabilities (2 bytes, the value matmul's input), for
 rows x heads/TP x row_width^2 scores, that is heads/TP x tokens x row_width once the micro-batch's
-rows are full. TE's fused attention (and THD packed sequences) keeps a log-sum-exp per query only.
+rows are full. TE's fused attention (and THD packed sequences) keeps a log-sum-exp per query only, and
+so do torch's kernels that `learner.megatron.attention` puts in the local spec's place (sdpa,
+varlen: `megatron.attention`): 4 bytes per query and head; sdpa on packed rows adds one additive
+mask in the model dtype per micro-batch (rows x row_width^2 entries, shared by every layer), counted
+as if the micro-batch were packed.
 
 The other saved activations per layer and token, in the model dtype's bytes d (bf16: d = 2), are
 counted from the local spec's saved tensors (listed with autograd's saved-tensor hooks on CPU): the
@@ -48,18 +52,20 @@ class RankShape:
     distributed_optimizer: bool = True
     recompute: bool = False
     chunk: int = 1024  # learner.logprob_chunk_tokens (0: the full head)
+    attention: str = "local"  # learner.megatron.attention as resolved: local, sdpa or varlen
 
 
 @dataclass(frozen=True)
 class RankMemory:
     weights: int  # parameters, the fp32 gradient buffer, fp32 main weights and Adam's moments
-    attention: int  # the local spec's kept attention scores
+    attention: int  # per layer: the local spec's kept scores, or torch kernels' log-sum-exp
     activations: int  # the other saved activations
     head: int  # the output layer's fp32 [positions x vocab/TP] tensors
+    mask: int = 0  # sdpa: the micro-batch's additive mask, shared by every layer
 
     @property
     def total(self) -> int:
-        return self.weights + self.attention + self.activations + self.head
+        return self.weights + self.attention + self.activations + self.head + self.mask
 
 
 def score_bytes(s: RankShape) -> int:
@@ -70,9 +76,17 @@ def score_bytes(s: RankShape) -> int:
 
 def attention_score_bytes(s: RankShape, tokens: int, row_tokens: int) -> int:
     """The local spec's kept attention scores: 6 (bf16; fp32: 4) x layers x heads/TP x tokens x row
-    width bytes (one layer's with full recompute)."""
+    width bytes (one layer's with full recompute); torch's kernels keep an fp32 log-sum-exp per query
+    and head instead."""
     layers = 1 if s.recompute else s.layers
+    if s.attention != "local":
+        return 4 * layers * (s.heads // s.tp) * tokens
     return score_bytes(s) * layers * (s.heads // s.tp) * tokens * min(row_tokens, tokens)
+
+
+def mask_bytes(s: RankShape, tokens: int, row_tokens: int) -> int:
+    """sdpa's additive mask of a packed micro-batch: rows x row_width^2 entries in the model dtype."""
+    return s.dtype_bytes * tokens * min(row_tokens, tokens) if s.attention == "sdpa" else 0
 
 
 def weight_bytes(s: RankShape) -> int:
@@ -106,6 +120,7 @@ def estimate(s: RankShape, tokens: int, row_tokens: int) -> RankMemory:
         attention=attention_score_bytes(s, tokens, row_tokens),
         activations=per_token * tokens,
         head=head,
+        mask=mask_bytes(s, tokens, row_tokens),
     )
 
 
@@ -128,6 +143,16 @@ def local_spec_line(s: RankShape, tokens: int, row_tokens: int, capacity: int) -
     estimate fits `USABLE` of `capacity` bytes (`tokens` 0: the whole shard in one pass)."""
     usable = int(capacity * USABLE)
     fit = max_tokens(s, usable, row_tokens)
+    if s.attention != "local":
+        m = estimate(s, tokens or row_tokens, row_tokens)
+        verdict = "fits" if m.total <= usable else "does NOT fit: lower learner.micro_batch_tokens"
+        mask = f", one {m.mask / GIB:.2f} GiB additive mask per packed micro-batch" if m.mask else ""
+        return (
+            f"[learner] megatron without Transformer Engine: attention through torch's {s.attention} "
+            f"(learner.megatron.attention), no [T x T] scores kept (an fp32 log-sum-exp per query{mask}); "
+            f"estimated peak {m.total / GIB:.1f} GiB of {capacity / GIB:.1f} GiB at micro_batch_tokens "
+            f"{tokens or row_tokens} ({verdict}); micro_batch_tokens <= {fit} fits by the estimate"
+        )
     if tokens:
         m = estimate(s, tokens, row_tokens)
         verdict = "fits" if m.total <= usable else "does NOT fit: lower learner.micro_batch_tokens"

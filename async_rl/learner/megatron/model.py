@@ -84,7 +84,9 @@ def _tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool, recompute: bool = False) -> Any:
+def build_model(
+    arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool, recompute: bool = False, attention: str = "local"
+) -> Any:
     """This rank's GPTModel (its TP shard of its pipeline stage), randomly initialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -95,7 +97,7 @@ def build_model(arch: HFArch, dtype: torch.dtype, cpu_init: bool, te_spec: bool,
     config = transformer_config(arch, dtype, cpu_init, pp, recompute)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, te_spec),
+        transformer_layer_spec=decoder_spec(config, te_spec, attention),
         vocab_size=mcv.padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -138,12 +140,14 @@ def check_single_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
         )
 
 
-def decoder_spec(config: Any, te_spec: bool) -> Any:
+def decoder_spec(config: Any, te_spec: bool, attention: str = "local") -> Any:
     """The decoder block of this pipeline stage: its layers (Transformer Engine's or megatron's local
     modules) and a final norm of the same kind. Given a layer spec alone, megatron 0.16.1 picks the
     final norm by what is importable, whatever the layers use: TE's if installed, else Apex's
     FusedLayerNorm (which asserts on RMSNorm: a build without TE but with Apex failed), else torch's.
-    Without TE the final norm here is torch's (`WrappedTorchNorm`, RMSNorm), as in the layers."""
+    Without TE the final norm here is torch's (`WrappedTorchNorm`, RMSNorm), as in the layers, and
+    `attention` other than `local` replaces the local layers' `DotProductAttention` with torch's
+    kernels (`megatron.attention`)."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -158,6 +162,10 @@ def decoder_spec(config: Any, te_spec: bool) -> Any:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         layer, norm = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"), WrappedTorchNorm
+        if attention != "local":
+            from async_rl.learner.megatron.attention import core_attention_class
+
+            layer.submodules.self_attention.submodules.core_attention = core_attention_class()
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
 
 

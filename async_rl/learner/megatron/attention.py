@@ -1,0 +1,151 @@
+"""The core attention of megatron's local layer spec (no Transformer Engine) through torch's fused
+kernels (`learner.megatron.attention`), in place of megatron's `DotProductAttention`, which keeps
+every fp32 score [rows, heads/TP, T, T] of every layer for backward (9.57 s a step and out of
+memory at 16k tokens on the 0.5B shape, ../shared/gpu/README.md).
+
+- `sdpa`: `scaled_dot_product_attention` with the mask the backend builds, in megatron's convention
+  (boolean, True = masked; or an additive float mask, which every layer of a micro-batch shares
+  rather than each converting the boolean one), or causal where none is given (megatron's local
+  softmax generates that one). Causal without a mask lets CUDA pick flash attention, GQA native
+  (`enable_gqa`); with a mask the K/V heads are repeated as megatron's local attention does, so the
+  memory-efficient kernel (which takes a mask, not GQA) runs, not the math one.
+- `varlen`: megatron's packed-sequence format (`PackedSeqParams(qkv_format="thd")`: the micro-batch
+  flattened to one row, RoPE per sequence): `torch.nn.attention.varlen.varlen_attn` from the
+  cumulative sequence lengths on CUDA (16-bit only: flash attention), no mask, GQA native; on CPU
+  the same contract as per-sequence SDPA (`learner.attention.reference_varlen`), so it is tested
+  without CUDA. The `sdpa` module takes THD inputs too: the choice is whether the backend sends them.
+
+Scores computed this way are the local spec's up to rounding: the same scale, causal and mask
+rules; megatron's masked entries (-10000 before the fp32 softmax) and SDPA's (-inf) both give 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+from async_rl.learner.attention import reference_varlen, varlen_attention
+
+Setting = Literal["auto", "local", "sdpa", "varlen"]
+Kernel = Literal["local", "sdpa", "varlen"]
+
+
+def resolve(setting: str, device_type: str, dtype: torch.dtype) -> Kernel:
+    """The kernel `learner.megatron.attention` names. auto = sdpa (varlen is unmeasured on a GPU so
+    far); varlen on CUDA needs a 16-bit model (flash attention takes no fp32)."""
+    if setting == "auto":
+        return "sdpa"
+    if setting not in ("local", "sdpa", "varlen"):
+        raise ValueError(f"learner.megatron.attention={setting!r}: expected auto, local, sdpa or varlen")
+    if setting == "varlen" and device_type == "cuda" and dtype == torch.float32:
+        raise ValueError("learner.megatron.attention=varlen on CUDA needs model.dtype bfloat16 or float16 (flash attention)")
+    return setting  # type: ignore[return-value]
+
+
+def _module_base() -> type:
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+def core_attention_class() -> type:
+    """`TorchCoreAttention`, a megatron `MegatronModule` (defined on first use: megatron-core is
+    imported lazily by the backend)."""
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = _define(_module_base())
+    return _CLASS
+
+
+_CLASS: type | None = None
+
+
+def _define(base: type) -> type:
+    class TorchCoreAttention(base):  # type: ignore[misc, valid-type]
+        """megatron's `core_attention` submodule contract (the constructor and forward of
+        `DotProductAttention`) on torch's SDPA and varlen kernels (module docstring)."""
+
+        def __init__(
+            self,
+            config: Any,
+            layer_number: int,
+            attn_mask_type: Any,
+            attention_type: str,
+            attention_dropout: float | None = None,
+            softmax_scale: float | None = None,
+            cp_comm_type: str | None = None,
+            pg_collection: Any = None,
+        ) -> None:
+            super().__init__(config=config)
+            dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+            if dropout or config.softmax_type != "vanilla" or config.window_size is not None:
+                raise ValueError(
+                    "learner.megatron.attention sdpa/varlen: attention dropout, window attention and "
+                    "non-vanilla softmax are not supported (use local)"
+                )
+            if config.context_parallel_size != 1:
+                raise ValueError("learner.megatron.attention sdpa/varlen: context parallelism needs Transformer Engine")
+            if pg_collection is None:
+                from megatron.core import parallel_state
+
+                tp = parallel_state.get_tensor_model_parallel_world_size()
+            else:
+                tp = pg_collection.tp.size()
+            self.heads = config.num_attention_heads // tp
+            self.groups = config.num_query_groups // tp
+            head_dim = config.kv_channels
+            # megatron's query-key layer scaling divides the scale by the layer number and multiplies
+            # the scores back before the softmax: no net change, so it is left out
+            self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+            self.attn_mask_type = attn_mask_type
+
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: torch.Tensor | None = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            if attention_bias is not None:
+                raise ValueError("learner.megatron.attention sdpa/varlen: attention bias is not supported")
+            if packed_seq_params is not None:
+                return self._varlen(query, key, value, packed_seq_params)
+            return self._sdpa(query, key, value, attention_mask)
+
+        def _sdpa(self, query, key, value, mask):
+            # [s, b, heads, d] -> [b, heads, s, d]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            group = self.heads // self.groups
+            gqa = False
+            if mask is not None:
+                if mask.dtype == torch.bool:
+                    mask = ~mask  # megatron: True = masked; SDPA: True = attends
+                if group > 1:
+                    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            else:
+                gqa = group > 1
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale, enable_gqa=gqa
+            )
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/TP x d]
+
+        def _varlen(self, query, key, value, p):
+            if p.qkv_format != "thd":
+                raise ValueError(f"learner.megatron.attention: packed format {p.qkv_format!r} (only thd)")
+            # [t, heads, d]: megatron squeezed the batch dimension of the one packed row
+            if query.is_cuda:
+                out = varlen_attention(
+                    query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, p.max_seqlen_q, p.max_seqlen_kv,
+                    self.softmax_scale,
+                )
+            else:
+                out = reference_varlen(query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
+
+    return TorchCoreAttention
