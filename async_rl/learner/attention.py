@@ -23,9 +23,11 @@ Kernels:
   flash attention does when a query is shorter than its keys (PrefixGrouper's scheme). On CPU the
   same contract runs as per-segment SDPA (`reference_varlen`: exact and differentiable, slow), so the
   layout and its gradients are tested without CUDA.
-- `flex`: FlexAttention with a block mask of the rules above, built on the device
-  (`create_block_mask`), compiled once with dynamic shapes on CUDA so new packed lengths do not
-  recompile. On CPU torch runs its forward only (no backward), so training refuses it there.
+- `flex`: FlexAttention with a block mask of the rules above, its tile tables built on the device
+  from the segment table by tensor ops (`attention_flex`: no `create_block_mask`, whose compiled
+  mask evaluation recompiled per packed length), the tokens padded to a multiple of the 128-token
+  tile, the kernel compiled once with dynamic shapes on CUDA so new packed lengths reuse its graph.
+  On CPU torch runs its forward only, eagerly (no backward), so training refuses it there.
 - `auto`: `sdpa` on CPU; on CUDA `varlen` for micro-batches without shared prompts and `flex` for
   shared-prompt blocks (`flex` for both where the attention computes in fp32, which flash attention
   does not take): the choice expected from the first H100 profile (the dense mask makes cuDNN
@@ -45,6 +47,9 @@ from functools import lru_cache
 from typing import Literal
 
 import torch
+
+from async_rl.learner import attention_flex
+from async_rl.learner.attention_flex import FlexMask
 
 Kernel = Literal["sdpa", "varlen", "flex"]
 IMPLEMENTATION = "async_rl"  # the name registered in transformers' attention interfaces
@@ -182,7 +187,7 @@ class AttentionLayout:
     max_q: int = 0
     max_k: int = 0
     keys: torch.Tensor | None = None  # varlen with shared prefixes: long [key_tokens] gather index
-    block_mask: object | None = None  # flex: a BlockMask over the flattened tokens
+    flex: FlexMask | None = None  # flex: the block mask over the flattened tokens, padded
 
 
 def varlen_layout(seg: Segments) -> AttentionLayout:
@@ -194,19 +199,7 @@ def varlen_layout(seg: Segments) -> AttentionLayout:
 
 
 def flex_layout(seg: Segments) -> AttentionLayout:
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    ids = token_segments(seg)
-    prefix = seg.prefix
-
-    def rules(b, h, q, kv):
-        sq, sk = ids[q], ids[kv]
-        return (q >= kv) & ((sq == sk) | (prefix[sq] == sk))
-
-    n = seg.rows * seg.width
-    device = seg.lengths.device
-    mask = create_block_mask(rules, 1, None, n, n, device=device, _compile=device.type == "cuda")
-    return AttentionLayout("flex", block_mask=mask)
+    return AttentionLayout("flex", flex=attention_flex.build(seg.lengths, seg.prefix, seg.rows * seg.width))
 
 
 @dataclass(frozen=True)
@@ -292,25 +285,25 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float |
     return _varlen_call()(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
 
-@lru_cache(maxsize=1)
-def _compiled_flex():
-    """flex_attention compiled once with dynamic shapes: new packed lengths reuse the graph."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=True)
-
-
-def _flex(q, k, v, block_mask, scale):
+def _flex(q, k, v, mask: FlexMask, scale):
+    """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]: padded to the mask's length, run, cut back."""
     group = q.shape[1] // k.shape[1]
     if group & (group - 1):
         # Inductor's flex decoding kernel (which it may pick for short queries) takes only power-of-2
         # query groups per KV head (Qwen2.5-0.5B: 14 / 2 = 7); HF's flex integration repeats K/V then too
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    pad = mask.length - mask.tokens
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-    from torch.nn.attention.flex_attention import flex_attention
+        out = attention_flex.compiled_flex()(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=True)
+    else:
+        # inductor's CPU flex template fails to build with dynamic shapes (torch 2.13), and CPU has
+        # no flex backward anyway: the eager forward
+        from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+        out = flex_attention(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=True)
+    return out[:, :, : mask.tokens]
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -335,7 +328,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         def flat(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [1, H, B*T, D]
             return x.transpose(0, 1).reshape(1, x.shape[1], b * t, d)
 
-        out = _flex(flat(query), flat(key), flat(value), layout.block_mask, scaling)
+        out = _flex(flat(query), flat(key), flat(value), layout.flex, scaling)
         return out[0].view(h, b, t, d).permute(1, 2, 0, 3), None
     q = query.transpose(1, 2).reshape(b * t, h, d)
     k = key.transpose(1, 2).reshape(b * t, hk, d)
