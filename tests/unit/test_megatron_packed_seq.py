@@ -56,3 +56,32 @@ def test_thd_params_are_megatrons_packed_sequence_format():
     assert isinstance(p, PackedSeqParams) and p.qkv_format == "thd"
     assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 5, 8, 12, 16, 24]
     assert p.max_seqlen_q == p.max_seqlen_kv == 8
+
+
+def _host_mask(position_ids: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
+    """The rule by plain loops: causal, and within a row only inside one sequence (a sequence starts
+    where its position id is 0). True = masked."""
+    out = torch.ones(rows, 1, cols, cols, dtype=torch.bool)
+    for r in range(rows):
+        seq = [0] * cols
+        for c in range(cols):
+            seq[c] = seq[c - 1] + (position_ids is not None and int(position_ids[r, c]) == 0) if c else 0
+        for q in range(cols):
+            for k in range(q + 1):
+                out[r, 0, q, k] = seq[q] != seq[k]
+    return out
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_the_device_built_mask_is_causal_within_each_sequence(pack):
+    """`attention_mask` builds megatron's mask where the model runs, from the position ids alone (the
+    former path built it on the host and copied rows x T x T booleans); the additive form SDPA reads."""
+    from async_rl.learner.megatron.backend import additive, attention_mask
+
+    mb = packing.micro_batches(_samples([5, 4, 3, 6, 2, 7]), pack=pack, row_tokens=9)[0]
+    rows, cols = mb.input_ids.shape
+    mask = attention_mask(rows, cols, mb.position_ids, torch.device("cpu"))
+    assert torch.equal(mask, _host_mask(mb.position_ids, rows, cols))
+    assert pack == (mb.position_ids is not None) and (not pack or rows < 6)  # packed rows hold several sequences
+    bias = additive(mask, torch.float32)
+    assert torch.equal(bias == float("-inf"), mask) and torch.equal(bias[~mask], torch.zeros(int((~mask).sum())))

@@ -56,16 +56,21 @@ from async_rl.learner.packing import MicroBatch
 from async_rl.protocol import TrajectoryGroup
 
 
-def attention_mask(mb: MicroBatch) -> torch.Tensor:
-    """Megatron's boolean mask [B, 1, T, T] (True = masked): causal, and block-diagonal over the
+def attention_mask(rows: int, cols: int, position_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Megatron's boolean mask [B, 1, T, T] (True = masked) built on `device` by tensor ops (no host
+    sync; only the position ids [B, T] travel, not the mask): causal, and block-diagonal over the
     sequences of a packed row (a sequence starts where its position id is 0)."""
-    b, t = mb.input_ids.shape
-    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=mb.input_ids.device), diagonal=1)
-    if mb.position_ids is None:
-        return causal.expand(b, 1, t, t)
-    segment = torch.cumsum((mb.position_ids == 0).long(), dim=1)  # [B, T]
+    causal = torch.triu(torch.ones(cols, cols, dtype=torch.bool, device=device), diagonal=1)
+    if position_ids is None:
+        return causal.expand(rows, 1, cols, cols)
+    segment = torch.cumsum((position_ids.to(device, non_blocking=True) == 0).long(), dim=1)  # [B, T]
     across = segment[:, :, None] != segment[:, None, :]
     return (causal[None] | across)[:, None]
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = masked) as SDPA's additive one in `dtype` (-inf where masked), on its device."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
 def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -348,9 +353,9 @@ class MegatronBackend(ModelBackend):
                 ids = ids.reshape(1, rows * cols)
                 packed, mask = thd_params(mb.position_ids, dev), None
             elif self.on_cpu or mb.position_ids is not None:
-                mask = attention_mask(mb).to(dev)
+                mask = attention_mask(rows, cols, mb.position_ids, dev)
                 if self.attention == "sdpa":  # additive, built once: every layer's SDPA reads it as is
-                    mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(mask, float("-inf"))
+                    mask = additive(mask, self.dtype)
             else:
                 mask = None  # megatron's own causal mask (fused kernels)
             positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand(ids.shape[0], -1)
@@ -400,18 +405,17 @@ class MegatronBackend(ModelBackend):
             del layer.forward  # the class's forward again
 
     def _head_scores(
-        self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, positions: torch.Tensor, with_entropy: bool
+        self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, idx: torch.Tensor, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs (with grad) and, when `with_entropy`, entropies [B, T] (zeros otherwise) from the
-        final hidden states [B, T, H] at `positions` only (0 elsewhere), through the vocab-parallel
-        output layer a chunk at a time (`megatron.head`)."""
+        final hidden states [B, T, H] at the flat positions `idx` only (0 elsewhere), through the
+        vocab-parallel output layer a chunk at a time (`megatron.head`)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         gpt = self._gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
         b, t, h = hidden.shape
-        idx = positions.reshape(-1).nonzero().squeeze(-1)
         flat = hidden.reshape(b * t, h).index_select(0, idx)
         targets = mb.targets.reshape(-1).index_select(0, idx)
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -425,14 +429,15 @@ class MegatronBackend(ModelBackend):
         return zeros.index_copy(0, idx, logp).reshape(b, t), zeros.index_copy(0, idx, entropy).reshape(b, t)
 
     def _scores(
-        self, logits: torch.Tensor, mb: MicroBatch, temperature: float, positions: torch.Tensor, with_entropy: bool
+        self, logits: torch.Tensor, mb: MicroBatch, temperature: float, idx: torch.Tensor, with_entropy: bool
     ) -> TokenScores:
         """Scores from what the last stage returned: its final hidden states with the chunked head
-        (at `positions`), vocab-parallel logits otherwise (every position). The entropy (None unless
+        (at the flat positions `idx`: an index built on the host, so no `nonzero` syncs per
+        micro-batch), vocab-parallel logits otherwise (every position). The entropy (None unless
         `with_entropy`) is what training logs and what `algorithm.entropy_coef` trains on; the
         scoring passes use none."""
         if self.chunk:
-            logp, entropy = self._head_scores(logits, mb, temperature, positions, with_entropy)
+            logp, entropy = self._head_scores(logits, mb, temperature, idx, with_entropy)
             return TokenScores(logp=logp, entropy=entropy if with_entropy else None)
         logp = mm.vocab_parallel_logprobs(logits, mb.targets, self.arch.vocab_size, temperature)
         entropy = vocab_parallel_entropy(logits, self.arch.vocab_size, temperature) if with_entropy else None
@@ -451,12 +456,14 @@ class MegatronBackend(ModelBackend):
         norm = self.policy.model.module.decoder.final_layernorm if hidden else None
         handle = norm.register_forward_hook(lambda _m, _i, o: final.append(o)) if norm is not None else None
 
+        span_index = mb.span_index().to(self.device, non_blocking=True)  # from the spans: no data-dependent op
+
         def keep(i: int, logits: torch.Tensor, m: MicroBatch, as_rows) -> torch.Tensor:
             h = as_rows(final[-1].transpose(0, 1)).float() if hidden else None
             if not head:
                 out.append(TokenScores(logp=None, entropy=None, hidden=h))
                 return torch.zeros((), device=logits.device)
-            s = self._scores(logits, m, temperature, m.span_positions(), with_entropy=False)
+            s = self._scores(logits, m, temperature, span_index, with_entropy=False)
             out.append(TokenScores(logp=s.logp.detach(), entropy=None, hidden=h))
             return s.logp.sum()
 
@@ -497,9 +504,13 @@ class MegatronBackend(ModelBackend):
         # over DP ranks: scale back so the gradient is the SUM the interface promises.
         scale = len(mbs) * self.info.dp_size
 
+        # the loss positions of each micro-batch, indexed on the host (the packing's `loss_index`, or
+        # the host mask's nonzero for padded rows): the device sees no data-dependent op
+        index = [mb.head_index().to(self.device, non_blocking=True) for mb in mbs]
+
         def loss(i: int, logits: torch.Tensor, m: MicroBatch, _as_rows) -> torch.Tensor:
             # the entropy is always logged; it carries a gradient only where the loss uses it
-            return loss_fn(i, self._scores(logits, m, temperature, m.loss_mask != 0, with_entropy=True)) * scale
+            return loss_fn(i, self._scores(logits, m, temperature, index[i], with_entropy=True)) * scale
 
         self._snapshot = None
         self._run(mbs, temperature, False, loss)
