@@ -19,14 +19,9 @@ from async_rl.models.shape import sequence_cost
 from async_rl.protocol import TrajectoryGroup
 
 
-def group_tokens(g: TrajectoryGroup) -> int:
-    """Tokens the learner runs for a group: each sample's prompt and completion."""
-    return len(g.prompt_tokens) * len(g.completions) + sum(len(c) for c in g.completions)
-
-
 def group_cost(g: TrajectoryGroup, attention_weight: float) -> float:
     """A group's learner FLOPs in units of one token's matmuls: each sample's prompt and completion
-    as one sequence (`sequence_cost`)."""
+    as one sequence (`sequence_cost`). With `attention_weight` 0: the tokens the learner runs."""
     prompt = len(g.prompt_tokens)
     return sum(sequence_cost(prompt + len(c), attention_weight) for c in g.completions)
 

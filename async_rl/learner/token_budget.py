@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from async_rl.models.shape import ModelShape
+
 CPU_BUDGET = 8192
 MARGIN = 2.0
 RESERVE = 0.1  # of the GPU's total memory, never counted on
@@ -39,14 +41,10 @@ class Budget:
     line: str  # the start-up line that says how it was worked out
 
 
-def activation_bytes_per_token(config, compute_bytes: int, checkpointing: bool) -> int:
-    """Bytes of saved activations per token of a micro-batch (the whole trunk) for an HF decoder config."""
-    h = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    kv = int(getattr(config, "num_key_value_heads", None) or heads) * (h // heads)
-    inter = int(getattr(config, "intermediate_size", None) or 4 * h)
-    layers = int(config.num_hidden_layers)
-    per_layer = 8 * h + 4 * kv + 4 * inter
+def activation_bytes_per_token(shape: ModelShape, compute_bytes: int, checkpointing: bool) -> int:
+    """Bytes of saved activations per token of a micro-batch (the whole trunk) for a decoder's shape."""
+    h, layers = shape.hidden_size, shape.num_hidden_layers
+    per_layer = 8 * h + 4 * shape.kv_size() + 4 * shape.intermediate_size
     kept = layers * h + per_layer if checkpointing else layers * per_layer
     return int(kept * compute_bytes * MARGIN)
 
@@ -63,8 +61,8 @@ def resolve_budget(
     available_bytes: int | None = None,
 ) -> Budget:
     """The micro-batch token budget for `learner.micro_batch_tokens` = `setting` (an int is kept as it is).
-    `available_bytes`: the memory the step may use (None: the GPU's total less RESERVE less what this
-    process has reserved)."""
+    `config`: the model's Hugging Face config (read as a `ModelShape`). `available_bytes`: the memory
+    the step may use (None: the GPU's total less RESERVE less what this process has reserved)."""
     if setting != "auto":
         return Budget(int(setting), f"learner.micro_batch_tokens={setting}")
     if device.type != "cuda":
@@ -72,17 +70,17 @@ def resolve_budget(
     if available_bytes is None:
         total = torch.cuda.mem_get_info(device)[1]
         available_bytes = int(total * (1 - RESERVE)) - torch.cuda.memory_reserved(device)
+    shape = ModelShape.of(config)
     step_state = trainable_params * 4 * 3  # fp32 gradients + AdamW's exp_avg and exp_avg_sq
-    vocab = int(getattr(config, "vocab_size", 0))
-    head = 3 * max(chunk, 1) * vocab * 4 if chunk else 0
-    per_token = activation_bytes_per_token(config, compute_bytes, checkpointing)
+    head = 3 * max(chunk, 1) * shape.vocab_size * 4 if chunk else 0
+    per_token = activation_bytes_per_token(shape, compute_bytes, checkpointing)
     room = available_bytes - step_state - head
     tokens = int(min(max(room // per_token // GRANULE * GRANULE, BOUNDS[0]), BOUNDS[1]))
     gib = 2**30
     line = (
         f"learner.micro_batch_tokens=auto: {tokens} tokens = (available {available_bytes / gib:.1f} GiB - gradients and "
         f"AdamW {step_state / gib:.1f} GiB - head chunk {head / gib:.1f} GiB) / {per_token / 2**20:.2f} MiB of "
-        f"activations per token ({config.num_hidden_layers} layers, {compute_bytes}-byte compute"
+        f"activations per token ({shape.num_hidden_layers} layers, {compute_bytes}-byte compute"
         f"{', checkpointed' if checkpointing else ''}, x{MARGIN} margin), in [{BOUNDS[0]}, {BOUNDS[1]}]"
     )
     return Budget(tokens, line)

@@ -33,10 +33,23 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             return None
 
+    @classmethod
+    def of(cls, config: object) -> ModelShape:
+        """The shape of a loaded Hugging Face config (`PretrainedConfig`); ValueError naming what is
+        missing where it is not a decoder of this kind."""
+        try:
+            return msgspec.convert(config.to_dict(), type=cls)  # type: ignore[attr-defined]
+        except msgspec.ValidationError as e:
+            raise ValueError(f"the model's config is not a Llama/Qwen2-style decoder's: {e}") from None
+
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection: KV heads x head size."""
+        kv_heads = self.num_key_value_heads or self.num_attention_heads
+        return self.hidden_size * kv_heads // self.num_attention_heads
+
     def matmul_parameters(self) -> int:
         """Parameters every token multiplies by: the layers' projections (gated MLP) and the head."""
-        h, kv_heads = self.hidden_size, self.num_key_value_heads or self.num_attention_heads
-        kv = h * kv_heads // self.num_attention_heads
+        h, kv = self.hidden_size, self.kv_size()
         per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size
         return self.num_hidden_layers * per_layer + h * self.vocab_size
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from async_rl.buffer.balance import balanced_shards, group_cost, group_tokens
+from async_rl.buffer.balance import balanced_shards, group_cost
 from async_rl.learner.packing import SeqSample, balanced, split
 from async_rl.learner.shared_prefix import block_tokens, split_shared
 from async_rl.learner.token_budget import CPU_BUDGET, resolve_budget
@@ -52,6 +52,11 @@ def test_shared_prompt_micro_batches_stay_under_the_budget(seed):
     assert max(sizes) <= 700 and max(sizes) <= max(block_tokens(c) for c in greedy)
 
 
+def tokens(g) -> float:
+    """Tokens the learner runs for a group (its cost without attention's quadratic share)."""
+    return group_cost(g, 0.0)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_rank_shards_are_balanced_by_tokens_within_one_group(world):
     batch = groups(0, n_groups=12, group_size=4) + groups(1, n_groups=12, group_size=4)
@@ -61,9 +66,9 @@ def test_rank_shards_are_balanced_by_tokens_within_one_group(world):
     assert all(len(sh) == len(batch) // world for sh in shards)
     picked = [g for sh in shards for g in sh]
     assert len({id(g) for g in picked}) == len(picked)
-    loads = [sum(group_tokens(g) for g in sh) for sh in shards]
-    assert max(loads) - min(loads) <= max(group_tokens(g) for g in batch)
-    contiguous = [sum(group_tokens(g) for g in batch[r * 24 // world : (r + 1) * 24 // world]) for r in range(world)]
+    loads = [sum(tokens(g) for g in sh) for sh in shards]
+    assert max(loads) - min(loads) <= max(tokens(g) for g in batch)
+    contiguous = [sum(tokens(g) for g in batch[r * 24 // world : (r + 1) * 24 // world]) for r in range(world)]
     assert max(loads) - min(loads) <= max(contiguous) - min(contiguous)
     assert balanced_shards(batch, 1) == [batch]
 
@@ -90,7 +95,7 @@ def test_rank_shards_weigh_attention_s_quadratic_cost():
     # by FLOPs the long ones go to different ranks: {4000, 3x1000} and {4x1000, 3000}.
     assert [len(sh[0].completions) for sh in by_tokens] == [1, 4] and worst(by_flops) < 0.8 * worst(by_tokens)
     assert [[len(g.completions) for g in sh] for sh in by_flops] == [[1, 3], [4, 1]]
-    assert group_cost(batch[0], 0.0) == group_tokens(batch[0]) == 4000
+    assert group_cost(batch[0], 0.0) == 4000  # weight 0: tokens
 
 
 def test_attention_weight_from_the_model_shape(tmp_path):
@@ -118,3 +123,19 @@ def test_auto_budget_from_free_memory():
     assert more.tokens > resolve_budget("auto", device=cuda, available_bytes=30 * 2**30, **kw).tokens
     assert resolve_budget("auto", device=torch.device("cpu"), **kw).tokens == CPU_BUDGET
     assert resolve_budget(4096, device=cuda, **kw).tokens == 4096
+
+
+def test_the_activation_cost_reads_the_model_shape(tmp_path):
+    """A loaded HF config and its config.json give one shape; the per-token cost counts its layers
+    (8h + 4 kv + 4 I elements each, x2 bytes, x MARGIN); a config without the MLP width is refused in
+    one line."""
+    from async_rl.learner.token_budget import MARGIN, activation_bytes_per_token
+
+    (tmp_path / "config.json").write_text(QWEN_05B.to_json_string())
+    shape = ModelShape.of(QWEN_05B)
+    assert shape == ModelShape.read(tmp_path) and shape.kv_size() == 128
+    per_layer = 8 * 896 + 4 * 128 + 4 * 4864
+    assert activation_bytes_per_token(shape, 2, False) == int(24 * per_layer * 2 * MARGIN)
+    assert activation_bytes_per_token(shape, 2, True) == int((24 * 896 + per_layer) * 2 * MARGIN)
+    with pytest.raises(ValueError, match="not a Llama/Qwen2-style decoder's: Object missing required field `num_hidden_layers`"):
+        ModelShape.of(type("Config", (), {"to_dict": lambda self: {"hidden_size": 8}})())
