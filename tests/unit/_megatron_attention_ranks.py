@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from tests.unit._host_reads import HostReads
 from tests.unit._megatron_ranks import seq_samples
 
 KERNELS = ["local", "sdpa", "varlen"]
@@ -55,7 +56,8 @@ def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir
             "padded": packing.micro_batches(samples, pack=False, max_seqs=3, row_tokens=16),
         }
         config = backend.policy.model.module.config
-        result: dict = {"loss_mask": {}, "spec": {k: core_attention_names(config, k) for k in KERNELS}}
+        result: dict = {"loss_mask": {}, "spec": {k: core_attention_names(config, k) for k in KERNELS},
+                        "reads": {k: {} for k in KERNELS}}
         for kernel in KERNELS:
             _swap(backend, kernel, saved)
             result[kernel] = {}
@@ -71,6 +73,13 @@ def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir
                 backend.forward_backward(mbs, 0.8, loss_fn)
                 grads = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
                 backend.policy.model.zero_grad_buffer()
+                reads = []  # host reads of a forward/backward over one micro-batch, then over all
+                for n in (1, len(mbs)):
+                    with HostReads().counting() as counted:
+                        backend.forward_backward(mbs[:n], 0.8, loss_fn)
+                    backend.policy.model.zero_grad_buffer()
+                    reads.append((n, counted.count))
+                result["reads"][kernel][layout] = reads
                 result[kernel][layout] = {"logp": backend.score(mbs[0], 0.8).logp.detach().clone(), "grads": grads}
                 result["loss_mask"][layout] = mbs[0].loss_mask
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")

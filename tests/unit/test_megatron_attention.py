@@ -2,7 +2,8 @@
 (the backend's masks, additive) and varlen (packed micro-batches as THD, the CPU reference of varlen
 flash attention) against megatron's `DotProductAttention`, in fp32 on two gloo ranks with TP=2:
 per-token log-probs (max abs < 1e-5) and every parameter's gradient (relative < 1e-4) of packed and
-padded micro-batches. One spawn for the module; the kernels are swapped into the same model, so the
+padded micro-batches; a micro-batch adds no host read (sync) to a step with the local and sdpa kernels.
+One spawn for the module; the kernels are swapped into the same model, so the
 weights are the same."""
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ def test_kernel_equals_the_local_spec(ranks, kernel, layout):
         for a, b in zip(new["grads"], ref["grads"], strict=True):
             rel = (a - b).norm() / b.norm().clamp_min(1e-12)
             assert rel < 1e-4, (r, rel)
+
+
+@pytest.mark.parametrize("kernel", ["local", "sdpa"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_micro_batch_adds_no_host_read(ranks, kernel, layout):
+    """Host reads per step (tests/unit/_host_reads.py, the proxy for CUDA syncs) do not grow with the
+    micro-batches: the masks are built where the model runs and the head's positions come indexed
+    from the host (before: one `nonzero` per micro-batch). varlen is left out: its CPU reference reads
+    the cumulative lengths per segment, and THD's cu_seqlens are cut from the host position ids."""
+    for got in ranks.values():
+        (one, reads_one), (many, reads_many) = got["reads"][kernel][layout]
+        assert many > one
+        assert reads_many - reads_one <= 0, got["reads"][kernel][layout]
 
 
 def test_the_local_spec_is_replaced(ranks):
