@@ -30,6 +30,7 @@ from functools import lru_cache
 import torch
 
 BLOCK = 128  # FlexAttention's default tile (query and key block size)
+CHUNK_ENTRIES = 1 << 24  # query x key-block booleans formed at once by `tile_maps`
 
 
 def padded_length(tokens: int) -> int:
@@ -80,26 +81,34 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def tile_maps(ids: torch.Tensor, prefix: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full): bool [nq, nk] tile maps of a padded micro-batch (`padded_segments`), from the
-    key intervals of every query (module docstring). O(N x N / BLOCK) booleans, no host sync."""
+    key intervals of every query (module docstring). No host sync; the query x key-block booleans are
+    formed CHUNK_ENTRIES at a time (a 262k-token micro-batch would otherwise hold 0.5 G of them)."""
     n = ids.shape[0]
     nb = n // BLOCK
     device = ids.device
-    t = torch.arange(n, device=device)[:, None]  # [N, 1]
+    # each query's intervals, [N]: its own segment from own_start (up to itself), its prefix's
+    # [pre_start, pre_end) where it has one (empty otherwise)
+    own_start = starts[ids]
+    p = prefix[ids]
+    has = p >= 0
+    pre_start = torch.where(has, starts[p.clamp(min=0)], 0)
+    pre_end = torch.where(has, pre_start + lengths[p.clamp(min=0)], 0)
+    adjacent = has & (pre_end == own_start)  # the prefix then its first suffix: one interval
     lo = torch.arange(nb, device=device)[None, :] * BLOCK  # first key of each key block [1, nb]
     hi = lo + BLOCK - 1
-    own_start = starts[ids][:, None]
-    p = prefix[ids]
-    has = (p >= 0)[:, None]
-    pre_start = torch.where(has[:, 0], starts[p.clamp(min=0)], 0)[:, None]
-    pre_end = torch.where(has[:, 0], pre_start[:, 0] + lengths[p.clamp(min=0)], 0)[:, None]  # exclusive
-    meets = ((lo <= t) & (hi >= own_start)) | (has & (lo < pre_end) & (hi >= pre_start))
-    inside_own = (lo >= own_start) & (hi <= t)
-    inside_pre = has & (lo >= pre_start) & (hi < pre_end)
-    across = has & (pre_end == own_start) & (lo >= pre_start) & (hi <= t)  # prefix then own, adjacent
-    covers = inside_own | inside_pre | across
-    meets = meets.view(nb, BLOCK, nb).any(1)
-    full = covers.view(nb, BLOCK, nb).all(1)
-    return meets & ~full, full
+    step = max(1, CHUNK_ENTRIES // (BLOCK * nb)) * BLOCK  # queries per chunk: whole query blocks
+    meets, full = [], []
+    for a in range(0, n, step):
+        at = slice(a, min(a + step, n))
+        t = torch.arange(at.start, at.stop, device=device)[:, None]
+        own, h = own_start[at, None], has[at, None]
+        ps, pe = pre_start[at, None], pre_end[at, None]
+        m = ((lo <= t) & (hi >= own)) | (h & (lo < pe) & (hi >= ps))
+        c = ((lo >= own) & (hi <= t)) | (h & (lo >= ps) & (hi < pe)) | (adjacent[at, None] & (lo >= ps) & (hi <= t))
+        meets.append(m.view(-1, BLOCK, nb).any(1))
+        full.append(c.view(-1, BLOCK, nb).all(1))
+    meets_t, full_t = torch.cat(meets), torch.cat(full)
+    return meets_t & ~full_t, full_t
 
 
 def build(lengths: torch.Tensor, prefix: torch.Tensor, tokens: int) -> FlexMask:
