@@ -52,7 +52,7 @@ def test_a_micro_batch_adds_no_host_read(ranks, kernel, layout):
     """Host reads per step (tests/unit/_host_reads.py, the proxy for CUDA syncs) do not grow with the
     micro-batches: the masks are built where the model runs and the head's positions come indexed
     from the host (before: one `nonzero` per micro-batch). varlen is left out: its CPU reference reads
-    the cumulative lengths per segment, and THD's cu_seqlens are cut from the host position ids."""
+    the cumulative lengths (`tolist`) to cut its per-sequence SDPA."""
     for got in ranks.values():
         (one, reads_one), (many, reads_many) = got["reads"][kernel][layout]
         assert many > one

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from async_rl.learner import packing
-from async_rl.learner.megatron.backend import cu_seqlens, pad_to
+from async_rl.learner.megatron.backend import cu_seqlens, packed_bounds, pad_to
 
 
 def _samples(lengths: list[int]) -> list[packing.SeqSample]:
@@ -52,7 +52,7 @@ def test_thd_params_are_megatrons_packed_sequence_format():
     from async_rl.learner.megatron.backend import thd_params
 
     mb = packing.packed(_samples([5, 4, 3, 6, 2]), row_tokens=8)
-    p = thd_params(mb.position_ids, torch.device("cpu"))
+    p = thd_params(mb, torch.device("cpu"))
     assert isinstance(p, PackedSeqParams) and p.qkv_format == "thd"
     assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 5, 8, 12, 16, 24]
     assert p.max_seqlen_q == p.max_seqlen_kv == 8
@@ -85,3 +85,17 @@ def test_the_device_built_mask_is_causal_within_each_sequence(pack):
     assert pack == (mb.position_ids is not None) and (not pack or rows < 6)  # packed rows hold several sequences
     bias = additive(mask, torch.float32)
     assert torch.equal(bias == float("-inf"), mask) and torch.equal(bias[~mask], torch.zeros(int((~mask).sum())))
+
+
+def test_the_bounds_from_the_segment_table_equal_the_position_ids_ones():
+    """THD's cu_seqlens read from the packing's segment table (no pass over the tokens) are the ones
+    the position ids give; a micro-batch grown for the pipeline (no table) falls back to them."""
+    for seed, row in [(0, 8), (1, 9), (2, 16)]:
+        lengths = np.random.default_rng(seed).integers(2, row, size=7).tolist()
+        for mb in packing.micro_batches(_samples(lengths), pack=True, max_seqs=4, row_tokens=row):
+            assert mb.segments is not None
+            bounds, longest = packed_bounds(mb)
+            ref, ref_longest = cu_seqlens(mb.position_ids)
+            assert torch.equal(bounds, ref) and bounds.dtype == torch.int32 and longest == ref_longest
+    grown = pad_to(packing.packed(_samples([3, 2]), row_tokens=5), rows=2, cols=6)
+    assert grown.segments is None and packed_bounds(grown)[0].tolist() == [0, 3, 6, 12]

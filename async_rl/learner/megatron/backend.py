@@ -10,12 +10,13 @@ its DP shard and `share_shard` broadcasts it to its peers; output ranks are the 
 Micro-batches of both layouts from `packing` run through megatron. A packed micro-batch (a sequence
 starts where its position id is 0):
 - with Transformer Engine, goes in as megatron's packed-sequence format: its rows flattened into one
-  row of tokens with `PackedSeqParams(qkv_format="thd", cu_seqlens)`, no mask. TE's attention reads
+  row of tokens with `PackedSeqParams(qkv_format="thd", cu_seqlens)` (read from the packing's
+  segment table: `packed_bounds`), no mask. TE's attention reads
   only the sequence boundaries (it ignores an `attention_mask` under `attn_mask_type=causal`, so a
   block-diagonal mask would let packed sequences attend across their boundaries), and megatron
   applies RoPE per sequence from the same cu_seqlens.
 - with the local spec (no TE; the CPU path), keeps a block-diagonal causal mask built from its
-  position ids: megatron's `DotProductAttention` refuses packed-sequence params, and its unfused
+  position ids on the device (only the position ids are copied): megatron's `DotProductAttention` refuses packed-sequence params, and its unfused
   softmax (`masked_softmax_fusion=False`) applies a given mask as is, generating the causal one only
   when none is given. RoPE is relative, so positions that do not restart change nothing once no
   token attends across a boundary. With `learner.megatron.attention` sdpa (`megatron.attention`) the
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.errors import RunError
+from async_rl.learner.attention import cumulative
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
@@ -87,12 +89,22 @@ def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return bounds, int((bounds[1:] - bounds[:-1]).max())
 
 
-def thd_params(position_ids: torch.Tensor, device: torch.device) -> object:
+def packed_bounds(mb: MicroBatch) -> tuple[torch.Tensor, int]:
+    """`cu_seqlens` of a packed micro-batch: from its segment table where it has one that covers it
+    (O(sequences) numbers, read with no pass over the tokens), else from its position ids (a
+    micro-batch grown by `pad_to` has none)."""
+    seg = mb.segments
+    if seg is not None and not seg.shares_prefixes and seg.rows * seg.width == mb.input_ids.numel():
+        return cumulative(seg.lengths), seg.max_len
+    return cu_seqlens(mb.position_ids)
+
+
+def thd_params(mb: MicroBatch, device: torch.device) -> object:
     """megatron's `PackedSeqParams` (qkv_format "thd") for a packed micro-batch flattened to one row."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    bounds, longest = cu_seqlens(position_ids)
-    bounds = bounds.to(device)
+    bounds, longest = packed_bounds(mb)
+    bounds = bounds.to(device, non_blocking=True)
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest, max_seqlen_kv=longest
     )
@@ -351,7 +363,7 @@ class MegatronBackend(ModelBackend):
             packed = None
             if thd:
                 ids = ids.reshape(1, rows * cols)
-                packed, mask = thd_params(mb.position_ids, dev), None
+                packed, mask = thd_params(mb, dev), None
             elif self.on_cpu or mb.position_ids is not None:
                 mask = attention_mask(rows, cols, mb.position_ids, dev)
                 if self.attention == "sdpa":  # additive, built once: every layer's SDPA reads it as is
