@@ -288,10 +288,7 @@ class Supervisor:
         is recovered at once (recover_learner), looked for every WAKE_S."""
         pending = list(refs)
         while pending:
-            self._found.extend(self.deaths.take())
-            for n in self._found:
-                if n.kind == "learner" and self._is_current(n.watched()):
-                    self.recover_learner(step, learner_died(n.ident, RuntimeError(n.why)))
+            self.recover_found_learner(step)
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=WAKE_S)
             for ref in done:
                 try:
@@ -299,6 +296,14 @@ class Supervisor:
                 except ray.exceptions.RayActorError as exc:
                     self.recover_learner(step, learner_died(refs.index(ref), exc))
         return ray.get(refs)
+
+    def recover_found_learner(self, step: int) -> None:
+        """Recover the learner group (recover_learner, which raises) if the watcher found one of its
+        current ranks dead or hung; other notices stay kept for act_on_deaths."""
+        self._found.extend(self.deaths.take())
+        for n in self._found:
+            if n.kind == "learner" and self._is_current(n.watched()):
+                self.recover_learner(step, learner_died(n.ident, RuntimeError(n.why)))
 
     def recover_learner(self, step: int, what: str) -> NoReturn:
         """A learner rank died or hung during step `step` (`what`: one line saying so). The recovery
@@ -316,6 +321,10 @@ class Supervisor:
                     f"(step {plan.step}, recovery {plan.recoveries})")
         t0 = time.perf_counter()
         self.rt.restart_learner(plan.checkpoint, plan.step)
+        # the old group is gone: a checkpoint it was writing stays a `.tmp-` folder, never restored
+        removed = checkpoint.discard_partial(self.run_dir)
+        if removed:
+            print(checkpoint.partial_line(removed, "[recovery] learner group restarted"), file=self.stream, flush=True)
         self._step_times = []  # the new group's steps set the hang limit afresh
         self.sync(plan.step)  # the engines serve the restored weights, the buffer learns their version
         print(f"[recovery] learner group back at step {plan.step} in {time.perf_counter() - t0:.1f}s",
@@ -429,10 +438,7 @@ class Supervisor:
                 self.sync_owed = False
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
-                self._found.extend(self.deaths.take())
-                for n in self._found:  # a rank found dead or hung by the watcher (a hung one answers nothing)
-                    if n.kind == "learner" and self._is_current(n.watched()):
-                        self.recover_learner(version - 1, learner_died(n.ident, RuntimeError(n.why)))
+                self.recover_found_learner(version - 1)  # a hung rank answers nothing: the watcher names it
                 dead_rank = self.rt.dead_learner_rank()
                 if dead_rank is not None:
                     self.recover_learner(version - 1, learner_died(dead_rank, exc))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import shutil
 import threading
 from types import SimpleNamespace
 
@@ -232,11 +233,16 @@ def test_a_dead_learner_rank_between_steps_restarts_the_group_from_the_newest_ch
         RunCheckpoint(step=2, version=2, saved_at=0.0, buffer=BufferState(accounts=Accounts(), generator_version=2, prompts_drawn=0,
                                                             rejected_frames={}, reward_errors=0, reward_timeouts=0))
     ))
+    # a newer checkpoint cut short by the death (its run state written, never renamed into place)
+    cut = tmp_path / "checkpoints" / ".tmp-0badc0de"
+    shutil.copytree(ckpt, cut)
     deliver(sup, notice("learner", 1, rt.learner.actors[1]))
     with pytest.raises(LearnerRestarted) as info:
         sup.act_on_deaths(3, 4)
     assert (info.value.step, info.value.recoveries) == (2, 1)
     assert rt.log == [f"restart learner from {ckpt} at step 2", "sync 2 False"]
+    assert not cut.exists()  # removed once the old group is gone, in one line
+    assert "[recovery] learner group restarted: removed 1 checkpoint(s) cut short: .tmp-0badc0de\n" in sup.stream.getvalue()
     recovery = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()][-1]
     assert recovery["source"] == "recovery"
     assert recovery["reason"] == f"learner rank 1 died (its actor died); restarting the learner group from {ckpt} (step 2, recovery 1)"
