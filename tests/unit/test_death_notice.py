@@ -149,6 +149,12 @@ class Runtime:
         self.reward_models = None
         self.log: list[str] = []
         self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
+        self.dead_rank: int | None = None  # what dead_learner_rank finds
+        self.targets_while_restarting: dict = {}
+        self.supervisor: Supervisor | None = None  # set by the fixture: what restart_learner looks at
+
+    def dead_learner_rank(self) -> int | None:
+        return self.dead_rank
 
     def _abort(self, member: int, reason: str, actor_id: str | None) -> None:
         self.aborted.append(f"{member}: {reason} ({actor_id})")
@@ -168,6 +174,8 @@ class Runtime:
     def restart_learner(self, checkpoint_dir: str | None, from_step: int) -> None:
         self.log.append(f"restart learner from {checkpoint_dir} at step {from_step}")
         self.learner = SimpleNamespace(actors=[Actor("rank0 again"), Actor("rank1 again")])
+        if self.supervisor is not None:  # what the watcher reads while the new ranks start
+            self.targets_while_restarting = self.supervisor._targets()
 
 
 @pytest.fixture
@@ -176,6 +184,7 @@ def setup(tmp_path):
     # no periodic check during these tests: only the notices act
     cfg = load_config(None, ["generators.health_check_s=100000"])
     sup = Supervisor(rt, cfg, tmp_path, "run", io.StringIO())
+    rt.supervisor = sup
 
     def replace(step, dead):
         rt.log.append(f"replace {dead} at step {step}")
@@ -461,3 +470,33 @@ def test_every_process_of_the_run_is_a_target_and_a_starting_engine_is_not_probe
     assert sorted((w.kind, w.ident, t.probe) for w, t in targets.items()) == [
         ("buffer", -1, True), ("engine", 0, True), ("engine", 1, False), ("learner", 0, True), ("learner", 1, True),
     ]
+
+
+def test_a_survivor_whose_collective_broke_restarts_the_group_for_its_dead_peer(monkeypatch, setup):
+    """Rank 0's checkpoint save raised (gloo: connection reset by its dead peer) before Ray reported
+    rank 1 dead: the dead peer is looked for and its group restarted, not the run stopped."""
+    rt, sup = setup
+    broken = sup_module.ray.exceptions.RayTaskError("save_checkpoint", "Connection reset by peer", RuntimeError("reset"))
+    fake_ray(monkeypatch, sup_module, {"save0"})
+    rt.dead_rank = 1
+    with pytest.raises(LearnerRestarted):
+        sup.on_learner(3, [Ref("save0", error=broken), Ref("save1")])
+    assert rt.log == ["restart learner from None at step 0", "sync 0 False"]
+    recovery = [json.loads(line) for line in (sup.run_dir / "scaling.jsonl").read_text().splitlines()][-1]
+    assert recovery["reason"].startswith("learner rank 1 died (its actor died; rank 0's call failed with it)")
+    # with no rank dead, a rank's error is the run's own
+    rt.dead_rank = None
+    with pytest.raises(sup_module.ray.exceptions.RayTaskError):
+        sup.on_learner(3, [Ref("save0", error=broken), Ref("save1")])
+
+
+def test_a_restarting_learner_group_is_watched_but_not_probed(setup):
+    """Fresh ranks answer no liveness probe while their actors are constructed (seconds under load,
+    more than generators.unresponsive_s): probing them then found a healthy new group 'hung'."""
+    rt, sup = setup
+    deliver(sup, notice("learner", 1, rt.learner.actors[1]))
+    with pytest.raises(LearnerRestarted):
+        sup.act_on_deaths(3, 4)
+    learner = {w: t for w, t in rt.targets_while_restarting.items() if w.kind == "learner"}
+    assert len(learner) == 2 and not any(t.probe for t in learner.values())
+    assert all(t.probe for w, t in sup._targets().items() if w.kind == "learner")  # probed again once started
