@@ -500,3 +500,28 @@ def test_a_restarting_learner_group_is_watched_but_not_probed(setup):
     learner = {w: t for w, t in rt.targets_while_restarting.items() if w.kind == "learner"}
     assert len(learner) == 2 and not any(t.probe for t in learner.values())
     assert all(t.probe for w, t in sup._targets().items() if w.kind == "learner")  # probed again once started
+
+
+def test_a_failed_sync_raises_before_its_abort_reaches_a_store_gone_with_the_sender(monkeypatch):
+    """Learner rank 0 hosts the weight group's store: killed mid-sync, its store takes the connect
+    timeout to give up, which held the learner's recovery back 5-7 s (test_faults, 2026-11-27)."""
+    from async_rl.generator import pool as pool_module
+
+    reached, let_go, done = [], threading.Event(), threading.Event()
+
+    def slow_abort(group, reason):
+        let_go.wait(10)
+        reached.append(reason)
+        done.set()
+
+    monkeypatch.setattr(pool_module, "abort_membership", slow_abort)
+    monkeypatch.setattr(pool_module.ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs)[:1], list(refs)[1:]))
+    monkeypatch.setattr(pool_module.ray, "get", lambda ref, timeout=None: (_ for _ in ()).throw(ref.error))
+    pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)
+    pool._group, pool._abandoned, pool.membership_stale, pool._members = "group", {}, False, threading.Lock()
+    sender_died = pool_module.ray.exceptions.ActorDiedError()
+    with pytest.raises(pool_module.ray.exceptions.ActorDiedError):
+        pool._gather([Ref("broadcast v4", error=sender_died)], 600.0, "weight update v4")
+    assert pool.membership_stale and reached == []  # raised while the abort still waits
+    let_go.set()
+    assert done.wait(10) and reached == ["weight update v4: ActorDiedError"]  # and the abort still goes out
