@@ -7,7 +7,9 @@
         run_state.json       step, policy version, buffer accounting and prompt stream position
 
 A checkpoint is written into a hidden temporary folder and renamed into place: a folder named
-`step_N` is always complete, whenever the run was killed.
+`step_N` is always complete, whenever the run was killed. A checkpoint cut short (a rank or the
+controller killed while writing it) leaves its `.tmp-` folder behind; no resume or recovery reads one,
+and `discard_partial` removes them (at a resume, after a learner recovery, at the next commit).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from async_rl.errors import ConfigError
 CHECKPOINTS = "checkpoints"
 RUN_STATE = "run_state.json"
 _PREFIX = "step_"
+_TMP = ".tmp-"
 
 
 class RunCheckpoint(msgspec.Struct, kw_only=True):
@@ -43,7 +46,7 @@ def begin(run_dir: Path) -> Path:
     """A fresh temporary folder for a checkpoint being written."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{uuid.uuid4().hex[:8]}"
+    tmp = root / f"{_TMP}{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return tmp
 
@@ -65,13 +68,38 @@ def commit(tmp: Path, state: RunCheckpoint, keep: int) -> Path:
                 os.fsync(fh.fileno())
     root = tmp.parent
     final = root / f"{_PREFIX}{state.step}"
+    replaced = None
     if final.exists():  # a run resumed from an older checkpoint re-reaches this step: replace it
-        shutil.rmtree(final)
+        # renamed aside first, never removed in place: a kill during rmtree would leave a `step_N`
+        # that still holds its run_state.json but lacks some of its weights, which a resume would pick
+        replaced = root / f"{_TMP}old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, replaced)
     os.rename(tmp, final)
     _fsync_dir(root)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     for old in completed(root.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def discard_partial(run_dir: Path) -> list[str]:
+    """Remove the `.tmp-` folders of checkpoints cut short (no writer may be running: call it when
+    every learner rank that could write one is gone or idle). Returns the names removed."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(_TMP) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return removed
+
+
+def partial_line(removed: list[str], when: str) -> str:
+    """The one log line saying which partial checkpoints went, and when (resume, recovery, commit)."""
+    return f"{when}: removed {len(removed)} checkpoint(s) cut short: {', '.join(removed)}"
 
 
 def completed(run_dir: Path) -> list[Path]:

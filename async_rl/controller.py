@@ -246,7 +246,11 @@ class Controller:
             buffer=self.supervisor.on_buffer(self.version - 1, self.runtime.buffer_checkpoint_state),
             saved_at=time.time(),
         )
-        return checkpoint.commit(tmp, state, self.cfg.train.checkpoint_keep)
+        final = checkpoint.commit(tmp, state, self.cfg.train.checkpoint_keep)
+        removed = checkpoint.discard_partial(self.run_dir)  # left by a checkpoint cut short earlier
+        if removed:
+            print(checkpoint.partial_line(removed, f"checkpoint {final.name}"), file=self.supervisor.stream, flush=True)
+        return final
 
     def _resume(self) -> None:
         """Learner ranks restore the checkpoint; engines (started paused from its HF folder) must hold

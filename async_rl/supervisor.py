@@ -145,6 +145,9 @@ class Supervisor:
         self.deaths = DeathWatch(self._targets, self._noticed, cfg.generators.unresponsive_s)
         self._found: list[DeathNotice] = []  # notices taken by a failed sync, for act_on_deaths
         self._step_times: list[float] = []  # the last STEP_WINDOW steps' seconds (the step time limit)
+        # A restarting group's fresh ranks answer no probe while their actors are constructed (seconds
+        # on a busy machine): watched for death then, not probed (see _targets).
+        self._learner_starting = False
         t = cfg.train
         self.recovery = LearnerRecovery(t.recover, t.max_recoveries, t.recovery_window_steps)
         self.failures = FailureWatch(cfg.task.failure_window, reward_name(cfg.task.name, cfg.task.reward), cfg.env.name)
@@ -192,8 +195,8 @@ class Supervisor:
                 rank = running.pop(ref)
                 try:
                     ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError as exc:
-                    self.recover_learner(step, learner_died(rank, exc))
+                except ray.exceptions.RayError as exc:
+                    self._rank_call_failed(step, rank, exc)
             if running and time.monotonic() >= next_check:
                 self.recover(step)
                 stats = self.on_buffer(step, self.rt.buffer_stats)
@@ -216,7 +219,7 @@ class Supervisor:
         for eid, handle in list(rt.generators.engines.items()):
             out[Watched("engine", eid, actor_key(handle.actor))] = Target(handle.actor, handle.started)
         for rank, actor in enumerate(list(rt.learner.actors)):
-            out[Watched("learner", rank, actor_key(actor))] = Target(actor)
+            out[Watched("learner", rank, actor_key(actor))] = Target(actor, not self._learner_starting)
         if rt.reward_models is not None:
             serving = rt.reward_models.serving()
             for rid, actor in rt.reward_models.actors().items():
@@ -288,17 +291,34 @@ class Supervisor:
         is recovered at once (recover_learner), looked for every WAKE_S."""
         pending = list(refs)
         while pending:
-            self._found.extend(self.deaths.take())
-            for n in self._found:
-                if n.kind == "learner" and self._is_current(n.watched()):
-                    self.recover_learner(step, learner_died(n.ident, RuntimeError(n.why)))
+            self.recover_found_learner(step)
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=WAKE_S)
             for ref in done:
                 try:
                     ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError as exc:
-                    self.recover_learner(step, learner_died(refs.index(ref), exc))
+                except ray.exceptions.RayError as exc:
+                    self._rank_call_failed(step, refs.index(ref), exc)
         return ray.get(refs)
+
+    def _rank_call_failed(self, step: int, rank: int, exc: ray.exceptions.RayError) -> None:
+        """Rank `rank`'s call failed. Its actor died: recover. It raised: when another rank died
+        under it (a collective broken by a dead peer: gloo's "Connection reset by peer" often comes
+        before Ray reports the peer dead) that death is recovered; otherwise the error is the run's."""
+        if isinstance(exc, ray.exceptions.RayActorError):
+            self.recover_learner(step, learner_died(rank, exc))
+        self.recover_found_learner(step)
+        dead = self.rt.dead_learner_rank()
+        if dead is not None:
+            self.recover_learner(step, learner_died(dead, RuntimeError(f"its actor died; rank {rank}'s call failed with it")))
+        raise exc
+
+    def recover_found_learner(self, step: int) -> None:
+        """Recover the learner group (recover_learner, which raises) if the watcher found one of its
+        current ranks dead or hung; other notices stay kept for act_on_deaths."""
+        self._found.extend(self.deaths.take())
+        for n in self._found:
+            if n.kind == "learner" and self._is_current(n.watched()):
+                self.recover_learner(step, learner_died(n.ident, RuntimeError(n.why)))
 
     def recover_learner(self, step: int, what: str) -> NoReturn:
         """A learner rank died or hung during step `step` (`what`: one line saying so). The recovery
@@ -315,7 +335,15 @@ class Supervisor:
         self._event(step, "recovery", n, n, f"{what}; restarting the learner group from {origin} "
                     f"(step {plan.step}, recovery {plan.recoveries})")
         t0 = time.perf_counter()
-        self.rt.restart_learner(plan.checkpoint, plan.step)
+        self._learner_starting = True
+        try:
+            self.rt.restart_learner(plan.checkpoint, plan.step)
+        finally:
+            self._learner_starting = False
+        # the old group is gone: a checkpoint it was writing stays a `.tmp-` folder, never restored
+        removed = checkpoint.discard_partial(self.run_dir)
+        if removed:
+            print(checkpoint.partial_line(removed, "[recovery] learner group restarted"), file=self.stream, flush=True)
         self._step_times = []  # the new group's steps set the hang limit afresh
         self.sync(plan.step)  # the engines serve the restored weights, the buffer learns their version
         print(f"[recovery] learner group back at step {plan.step} in {time.perf_counter() - t0:.1f}s",
@@ -429,10 +457,7 @@ class Supervisor:
                 self.sync_owed = False
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
-                self._found.extend(self.deaths.take())
-                for n in self._found:  # a rank found dead or hung by the watcher (a hung one answers nothing)
-                    if n.kind == "learner" and self._is_current(n.watched()):
-                        self.recover_learner(version - 1, learner_died(n.ident, RuntimeError(n.why)))
+                self.recover_found_learner(version - 1)  # a hung rank answers nothing: the watcher names it
                 dead_rank = self.rt.dead_learner_rank()
                 if dead_rank is not None:
                     self.recover_learner(version - 1, learner_died(dead_rank, exc))

@@ -258,7 +258,11 @@ class GeneratorPool:
                     raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s")
         except Exception as exc:
             if self._group is not None:
-                abort_membership(self._group, f"{what}: {type(exc).__name__}")
+                # on a thread of its own: a store gone with a dead sender (learner rank 0 hosts it)
+                # takes the connect timeout (5 s) to give up, and the caller's recovery must not wait;
+                # a late abort reaches only this membership's generation, never the rebuilt one's
+                reason = f"{what}: {type(exc).__name__}"
+                threading.Thread(target=abort_membership, args=(self._group, reason), daemon=True).start()
             self.membership_stale = True
             raise
         return ray.get(refs)

@@ -48,7 +48,11 @@ class WeightReceiverExtension:
             # and the engine stays paused (it is never resumed on a failed update). The worker's
             # reload_weights, not its model runner's: it sets vLLM's config context around the load
             # (weight loaders that read get_current_vllm_config() raise without it in 0.32).
-            self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+            try:
+                self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+            except BaseException:
+                _end_cut_reload(self)
+                raise
             _refresh_tied_cpu_gemm(self.model_runner.get_model())
 
         return msgspec.msgpack.encode(self._async_rl_receiver.receive(version, load))
@@ -79,6 +83,22 @@ class WeightReceiverExtension:
             empty = checksum_of([])
             return msgspec.msgpack.encode(ShardChecksum(sharded=empty, replicated=lora_serving.served_checksum(self)))
         return msgspec.msgpack.encode(shard_checksum(loaded_weight_parts(self.model_runner.get_model())))
+
+
+def _end_cut_reload(worker) -> None:
+    """An update cut short (its sender died, the group was aborted, a CorruptUpdate) raised inside
+    vLLM's in-place reload, which has no cleanup of its own (0.32, model_loader/reload/inplace.py):
+    the layers it had not finished stayed on the meta device behind wrapped weight loaders, and the
+    engine's next update failed ("'Parameter' object has no attribute 'weight_loader'"), so a learner
+    rank killed mid-sync left every engine unable to take the restored weights. vLLM's own
+    finalization puts each unfinished layer's tensors back. The engine stays paused (never resumed
+    on a failed update) until a whole update lands; a layer the cut update had partly loaded holds
+    undefined values until then."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
 
 
 _PR_SET_PDEATHSIG = 1

@@ -5,7 +5,8 @@ between steps and at a random moment. Random moments are drawn from a seeded gen
 a failure can be replayed. And engines and the buffer killed during an evaluation. Each death must be
 found (logged by the run's watcher) within DETECT_S and acted on (its recovery logged) within ACT_S.
 And hangs: an engine's actor and a learner rank stopped with SIGSTOP, found by their unanswered
-liveness probes. (A learner rank's death stops the run with one line: test_elastic.py.)"""
+liveness probes, and learner ranks SIGKILLed mid-weight-sync and mid-checkpoint, each recovered from
+the newest complete checkpoint (a rank killed mid-step: test_elastic.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from _load import start_burners, stop_burners
 from test_elastic import SHORT, _kill_after_first_bucket, events
 from test_training_run import check_common, run_short
 
+from async_rl import checkpoint as checkpoint_module
 from async_rl.evaluation.phase import Evaluation
 from async_rl.generator.pool import GeneratorPool
 
@@ -93,7 +95,7 @@ def delays(log: list[dict], kills: list[tuple[str, str, float]]) -> dict[str, tu
     about a process already taken out of the run."""
     out = {}
     for label, kind, at in kills:
-        name = "buffer" if kind == "buffer" else "engine "
+        name = {"buffer": "buffer", "learner": "learner "}.get(kind, "engine ")
         acted = next(
             e["at"] for e in log
             if e["source"] == "recovery" and e["at"] >= at and e["reason"].startswith(name) and "died" in e["reason"]
@@ -299,19 +301,68 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
 HANG_S = 8.0  # generators.unresponsive_s in the hang test: a probe unanswered this long is a death
 
 
-def test_sigstop_of_an_engine_actor_then_of_a_learner_rank_are_found_as_hangs_and_recovered(tmp_path, model_cache):
+def _die_after_first_bucket(version: int, record):
+    """A sender hook (it runs in learner rank 0): once the first bucket of update `version` has left,
+    say how far the update was and SIGKILL this very process, once."""
+    fired: list[bool] = []
+
+    def hook(progress) -> None:
+        if progress.version == version and progress.buckets_sent == 1 and not fired:
+            fired.append(True)
+            record.write_text(f"{progress.buckets_sent}/{progress.buckets_total}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def rank_pid(controller, rank: int) -> int:
+    return ray.get(controller.learner.actors[rank].__ray_call__.remote(lambda actor: os.getpid()), timeout=60)
+
+
+def test_learner_and_engine_hangs_and_learner_kills_mid_sync_and_mid_checkpoint_are_recovered(
+    tmp_path, model_cache, monkeypatch
+):
     """A stopped process keeps every call to it pending and never dies: its unanswered liveness
     probe names it. An engine's actor stopped between steps is replaced and the run goes on; a
-    learner rank stopped later is a dead rank: its group restarts from the newest checkpoint."""
+    learner rank stopped later is a dead rank: its group restarts from the newest checkpoint. Then,
+    in the replayed steps, learner rank 0 is SIGKILLed in the weight sync to version 4 (after its
+    first bucket left) and rank 1 once checkpoint step_4's `.tmp-` folder exists: each time the group
+    restarts from step_2 (never from the partial folder, which is removed) and the run completes every
+    step with exact accounting. The kills are timed with every core busy (Killer)."""
     stopped: list[tuple[str, int, float]] = []  # (kind, pid, wall time)
+    ctl: list = []
+    killer = Killer(tmp_path)
+    labels = lambda: [label for label, _, _ in killer.kills]  # noqa: E731
+    real_broadcast = GeneratorPool._broadcast
+
+    def strike_mid_sync(self, sender, actors, version):
+        if version == 4 and stopped[-1:] and stopped[-1][0] == "learner" and "learner mid-sync" not in labels():
+            hook = _die_after_first_bucket(version, tmp_path / "struck_at_bucket")
+            ray.get(sender.__ray_call__.remote(lambda rank: rank.weights.on_bucket(hook)), timeout=60)
+            killer.kill("learner mid-sync", "learner", [])  # the burners and the clock start here
+        return real_broadcast(self, sender, actors, version)
+
+    real_begin = checkpoint_module.begin
+    cut_short: list = []
+
+    def strike_mid_checkpoint(run_dir):
+        tmp = real_begin(run_dir)
+        if "learner mid-sync" in labels() and "learner mid-checkpoint" not in labels():
+            cut_short.append(tmp)  # the ranks are asked to write into it right after
+            killer.kill("learner mid-checkpoint", "learner", [rank_pid(ctl[0], 1)])
+        return tmp
+
+    monkeypatch.setattr(GeneratorPool, "_broadcast", strike_mid_sync)
+    monkeypatch.setattr(checkpoint_module, "begin", strike_mid_checkpoint)
 
     def between(controller, step):
-        if step == 0:
+        ctl[:] = [controller]
+        if step == 0 and not stopped:
             pid = controller.generators.pids()[0].actor
             stopped.append(("engine", pid, time.time()))
             os.kill(pid, signal.SIGSTOP)
         if step == 2 and len(stopped) == 1:
-            pid = ray.get(controller.learner.actors[1].__ray_call__.remote(lambda rank: os.getpid()), timeout=60)
+            pid = rank_pid(controller, 1)
             stopped.append(("learner", pid, time.time()))
             os.kill(pid, signal.SIGSTOP)
 
@@ -322,12 +373,15 @@ def test_sigstop_of_an_engine_actor_then_of_a_learner_rank_are_found_as_hangs_an
     try:
         cfg, summary, learner_ck, engine_cks, final, records = run_short(tmp_path, model_cache, overrides, between=between)
     finally:
+        killer.stop()
         for _, pid, _ in stopped:  # never leave a stopped process behind
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     assert [kind for kind, _, _ in stopped] == ["engine", "learner"]
+    assert labels() == ["learner mid-sync", "learner mid-checkpoint"]
+    assert (tmp_path / "struck_at_bucket").read_text().startswith("1/")  # rank 0 died mid-update
     log = events(tmp_path)
     found = {
         kind: next(e["at"] for e in log if e["source"] == "watch" and e["at"] >= t and e["reason"].startswith(kind)) - t
@@ -335,16 +389,33 @@ def test_sigstop_of_an_engine_actor_then_of_a_learner_rank_are_found_as_hangs_an
     }
     print("hangs found after, s:", {k: round(v, 2) for k, v in found.items()})
     assert all(HANG_S <= v < HANG_S + DETECT_S for v in found.values()), found
+    took = delays(log, killer.kills)
+    print("learner kills found / acted on, s:", {label: (round(f, 2), round(a, 2)) for label, (f, a) in took.items()})
+    assert all(0 <= f < DETECT_S and 0 <= a < ACT_S for f, a in took.values()), took
     recovered = [e["reason"] for e in log if e["source"] == "recovery"]
     assert recovered[0].startswith("engine 0 died") and recovered[1].startswith("started engine(s) [1]"), recovered
     assert recovered[2].startswith("learner rank 1 died (no answer to a liveness probe for"), recovered
-    assert f"from {tmp_path / 'checkpoints' / 'step_2'} (step 2, recovery 1)" in recovered[2], recovered
-    # Step 4 never finished (rank 1 stopped in it); steps 3-5 were trained again from step_2.
+    assert recovered[3].startswith("learner rank 0 died ("), recovered
+    assert recovered[4].startswith("learner rank 1 died ("), recovered
+    for n, reason in enumerate(recovered[2:], start=1):  # never from the partial step_4
+        assert reason.endswith(f"from {tmp_path / 'checkpoints' / 'step_2'} (step 2, recovery {n})"), recovered
+    assert len(recovered) == 5, recovered
+    # The checkpoint cut short is gone, and step_4 and step_5 were written again in full.
+    assert cut_short and not cut_short[0].exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_4", "step_5"]
+    # Step 4 hung (rank 1 stopped in it): steps 3-5 again from step_2; step 4's sync lost its sender
+    # (step 4 unlogged): again from step_2; step 4's checkpoint lost rank 1 (step 4 logged): again.
     assert [(r["step"], r["replayed"], r["recoveries"]) for r in records] == [
-        (0, False, 0), (1, False, 0), (2, False, 0), (2, True, 1), (3, False, 1), (4, False, 1)
+        (0, False, 0), (1, False, 0), (2, False, 0), (2, True, 1), (2, True, 2), (3, False, 2),
+        (2, True, 3), (3, True, 3), (4, False, 3),
     ]
     assert (summary.steps, summary.final_version) == (5, 5)
     for ck in engine_cks.values():
         assert ck.close_to(learner_ck), (ck, learner_ck)
+    # Exact accounting, nothing trained twice: ten batches acknowledged (steps 1-3, 3-4, 3-4, 3-5),
+    # each of fresh groups (an acknowledged batch leaves the buffer).
+    batch, group = cfg.train.prompts_per_step * cfg.generators.group_size, cfg.generators.group_size
     a = final.accounts
-    assert a.balanced() and (a.in_flight, a.trained) == (0, 6 * 16)  # six batches acknowledged, each once
+    assert a.balanced() and (a.in_flight, a.trained, a.filtered) == (0, 10 * batch, 0)
+    assert (a.lost + a.dropped_stale) % group == 0
+    assert a.leased == a.trained + a.dropped_stale + a.filtered + a.lost + a.requeued + a.waiting

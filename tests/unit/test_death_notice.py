@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import shutil
 import threading
 from types import SimpleNamespace
 
@@ -148,6 +149,12 @@ class Runtime:
         self.reward_models = None
         self.log: list[str] = []
         self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
+        self.dead_rank: int | None = None  # what dead_learner_rank finds
+        self.targets_while_restarting: dict = {}
+        self.supervisor: Supervisor | None = None  # set by the fixture: what restart_learner looks at
+
+    def dead_learner_rank(self) -> int | None:
+        return self.dead_rank
 
     def _abort(self, member: int, reason: str, actor_id: str | None) -> None:
         self.aborted.append(f"{member}: {reason} ({actor_id})")
@@ -167,6 +174,8 @@ class Runtime:
     def restart_learner(self, checkpoint_dir: str | None, from_step: int) -> None:
         self.log.append(f"restart learner from {checkpoint_dir} at step {from_step}")
         self.learner = SimpleNamespace(actors=[Actor("rank0 again"), Actor("rank1 again")])
+        if self.supervisor is not None:  # what the watcher reads while the new ranks start
+            self.targets_while_restarting = self.supervisor._targets()
 
 
 @pytest.fixture
@@ -175,6 +184,7 @@ def setup(tmp_path):
     # no periodic check during these tests: only the notices act
     cfg = load_config(None, ["generators.health_check_s=100000"])
     sup = Supervisor(rt, cfg, tmp_path, "run", io.StringIO())
+    rt.supervisor = sup
 
     def replace(step, dead):
         rt.log.append(f"replace {dead} at step {step}")
@@ -232,11 +242,16 @@ def test_a_dead_learner_rank_between_steps_restarts_the_group_from_the_newest_ch
         RunCheckpoint(step=2, version=2, saved_at=0.0, buffer=BufferState(accounts=Accounts(), generator_version=2, prompts_drawn=0,
                                                             rejected_frames={}, reward_errors=0, reward_timeouts=0))
     ))
+    # a newer checkpoint cut short by the death (its run state written, never renamed into place)
+    cut = tmp_path / "checkpoints" / ".tmp-0badc0de"
+    shutil.copytree(ckpt, cut)
     deliver(sup, notice("learner", 1, rt.learner.actors[1]))
     with pytest.raises(LearnerRestarted) as info:
         sup.act_on_deaths(3, 4)
     assert (info.value.step, info.value.recoveries) == (2, 1)
     assert rt.log == [f"restart learner from {ckpt} at step 2", "sync 2 False"]
+    assert not cut.exists()  # removed once the old group is gone, in one line
+    assert "[recovery] learner group restarted: removed 1 checkpoint(s) cut short: .tmp-0badc0de\n" in sup.stream.getvalue()
     recovery = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()][-1]
     assert recovery["source"] == "recovery"
     assert recovery["reason"] == f"learner rank 1 died (its actor died); restarting the learner group from {ckpt} (step 2, recovery 1)"
@@ -455,3 +470,58 @@ def test_every_process_of_the_run_is_a_target_and_a_starting_engine_is_not_probe
     assert sorted((w.kind, w.ident, t.probe) for w, t in targets.items()) == [
         ("buffer", -1, True), ("engine", 0, True), ("engine", 1, False), ("learner", 0, True), ("learner", 1, True),
     ]
+
+
+def test_a_survivor_whose_collective_broke_restarts_the_group_for_its_dead_peer(monkeypatch, setup):
+    """Rank 0's checkpoint save raised (gloo: connection reset by its dead peer) before Ray reported
+    rank 1 dead: the dead peer is looked for and its group restarted, not the run stopped."""
+    rt, sup = setup
+    broken = sup_module.ray.exceptions.RayTaskError("save_checkpoint", "Connection reset by peer", RuntimeError("reset"))
+    fake_ray(monkeypatch, sup_module, {"save0"})
+    rt.dead_rank = 1
+    with pytest.raises(LearnerRestarted):
+        sup.on_learner(3, [Ref("save0", error=broken), Ref("save1")])
+    assert rt.log == ["restart learner from None at step 0", "sync 0 False"]
+    recovery = [json.loads(line) for line in (sup.run_dir / "scaling.jsonl").read_text().splitlines()][-1]
+    assert recovery["reason"].startswith("learner rank 1 died (its actor died; rank 0's call failed with it)")
+    # with no rank dead, a rank's error is the run's own
+    rt.dead_rank = None
+    with pytest.raises(sup_module.ray.exceptions.RayTaskError):
+        sup.on_learner(3, [Ref("save0", error=broken), Ref("save1")])
+
+
+def test_a_restarting_learner_group_is_watched_but_not_probed(setup):
+    """Fresh ranks answer no liveness probe while their actors are constructed (seconds under load,
+    more than generators.unresponsive_s): probing them then found a healthy new group 'hung'."""
+    rt, sup = setup
+    deliver(sup, notice("learner", 1, rt.learner.actors[1]))
+    with pytest.raises(LearnerRestarted):
+        sup.act_on_deaths(3, 4)
+    learner = {w: t for w, t in rt.targets_while_restarting.items() if w.kind == "learner"}
+    assert len(learner) == 2 and not any(t.probe for t in learner.values())
+    assert all(t.probe for w, t in sup._targets().items() if w.kind == "learner")  # probed again once started
+
+
+def test_a_failed_sync_raises_before_its_abort_reaches_a_store_gone_with_the_sender(monkeypatch):
+    """Learner rank 0 hosts the weight group's store: killed mid-sync, its store takes the connect
+    timeout to give up, which held the learner's recovery back 5-7 s (test_faults, 2026-11-27)."""
+    from async_rl.generator import pool as pool_module
+
+    reached, let_go, done = [], threading.Event(), threading.Event()
+
+    def slow_abort(group, reason):
+        let_go.wait(10)
+        reached.append(reason)
+        done.set()
+
+    monkeypatch.setattr(pool_module, "abort_membership", slow_abort)
+    monkeypatch.setattr(pool_module.ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs)[:1], list(refs)[1:]))
+    monkeypatch.setattr(pool_module.ray, "get", lambda ref, timeout=None: (_ for _ in ()).throw(ref.error))
+    pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)
+    pool._group, pool._abandoned, pool.membership_stale, pool._members = "group", {}, False, threading.Lock()
+    sender_died = pool_module.ray.exceptions.ActorDiedError()
+    with pytest.raises(pool_module.ray.exceptions.ActorDiedError):
+        pool._gather([Ref("broadcast v4", error=sender_died)], 600.0, "weight update v4")
+    assert pool.membership_stale and reached == []  # raised while the abort still waits
+    let_go.set()
+    assert done.wait(10) and reached == ["weight update v4: ActorDiedError"]  # and the abort still goes out
