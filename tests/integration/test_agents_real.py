@@ -12,7 +12,6 @@ episode per group that rewrites history trained as two segments counted as one e
 from __future__ import annotations
 
 import asyncio
-import os
 
 import openai
 import pytest
@@ -36,9 +35,8 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 async def _endpoint_and_direct(model_dir: str) -> tuple[dict, list[int], list[float]]:
     from transformers import AutoTokenizer
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spec = vc.EngineSpec(model_dir=model_dir, dtype="float32", tensor_parallel_size=1, max_model_len=512,
-                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=8)
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=8, kv_cache_bytes=2**28)
     model = ServedModel(spec)
     await model.start()
     model.open()
