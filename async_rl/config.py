@@ -111,7 +111,7 @@ class JudgeConfig(RewardModelServing):
     max_model_len: Annotated[int, _f("the judge engine's max sequence length (prompt + verdict)", ge=16)] = 1024
     tensor_parallel_size: Annotated[int, _f("vLLM tensor-parallel workers per judge replica (cuda: its GPUs)", ge=1)] = 1
     gpu_memory_utilization: Annotated[float, _f("fraction of each GPU vLLM may use (cuda only)", gt=0, le=1)] = 0.3
-    kv_cache_gib: Annotated[float, _f("KV cache per judge replica on CPU (VLLM_CPU_KVCACHE_SPACE), GiB", gt=0)] = 1.0
+    kv_cache_gib: Annotated[float, _f("KV cache per judge replica on CPU, GiB (vLLM's kv_cache_memory_bytes)", gt=0)] = 1.0
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
         _f("dtype the judge is served in; auto = bfloat16 on cuda, float32 on cpu"),
@@ -320,7 +320,11 @@ class GeneratorConfig(_Section):
     ] = msgspec.field(default_factory=list)
     max_model_len: Annotated[int, _f("vLLM max sequence length (prompt + completion)", ge=8)] = 128
     max_inflight_prompts: Annotated[int, _f("prompts an engine keeps in flight at once", ge=1)] = 16
-    kv_cache_gib: Annotated[float, _f("KV cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE), GiB", gt=0)] = 1.0
+    kv_cache_gib: Annotated[
+        float,
+        _f("KV cache size per engine on CPU, GiB (vLLM's kv_cache_memory_bytes; fractions allowed: a small "
+           "model's short test runs need a few MiB, and allocating a GiB takes seconds)", gt=0),
+    ] = 1.0
     gpu_memory_utilization: Annotated[
         float,
         _f("fraction of each GPU's memory vLLM may use (cuda only); placement=colocated: at most "

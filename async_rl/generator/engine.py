@@ -42,7 +42,6 @@ class EngineSettings(msgspec.Struct, frozen=True):
     run_id: str
     spec: vc.EngineSpec
     cores: list[int]
-    kv_cache_gib: float
     group_size: int
     max_tokens: int
     temperature: float
@@ -94,8 +93,7 @@ class GeneratorEngine:
     def __init__(self, settings: EngineSettings, buffer) -> None:
         self.s = settings
         self.buffer = buffer
-        # vLLM reads these when its engine process starts: set them before it does.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(settings.kv_cache_gib))))
+        # vLLM reads the thread settings when its engine process starts: set them before it does.
         if settings.cores:
             cpu_threads.bind_engine_to(settings.cores, settings.spec.tensor_parallel_size)
         else:

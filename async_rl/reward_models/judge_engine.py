@@ -31,7 +31,6 @@ class JudgeSettings(msgspec.Struct, frozen=True):
     model_name: str  # what the endpoint's /v1/models names (and callers send as `model`)
     key: str
     threads: int  # vLLM's OpenMP threads (the replica is not pinned to cores)
-    kv_cache_gib: float
     max_tokens: int  # a verdict's default length (callers send their own max_tokens)
     temperature: float
     host: str = "127.0.0.1"  # the address the endpoint binds ('' = its node's IP: reward workers on other nodes)
@@ -43,8 +42,7 @@ class JudgeSettings(msgspec.Struct, frozen=True):
 class JudgeEngine(RewardModelServer):
     def __init__(self, settings: JudgeSettings) -> None:
         self.s = settings
-        # vLLM reads these when its engine process starts: set them before it does.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(settings.kv_cache_gib))))
+        # vLLM reads the thread settings when its engine process starts: set them before it does.
         cpu_threads.leave_engine_unbound(settings.threads, settings.spec.tensor_parallel_size)
         self.model = ServedModel(settings.spec)
         self._endpoint = None

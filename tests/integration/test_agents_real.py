@@ -12,7 +12,6 @@ episode per group that rewrites history trained as two segments counted as one e
 from __future__ import annotations
 
 import asyncio
-import os
 
 import openai
 import pytest
@@ -24,6 +23,7 @@ from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
 from async_rl.serving.sampling import SamplingSpec
 from tests.integration._agent_three_calls import FOLLOW_UP, MARKER_ENV
+from tests.integration._engine_env import FAST_ENGINE_ENV
 from tests.integration._real_run import read_jsonl, real_config, real_controller, smollm2_dir
 
 pytestmark = pytest.mark.integration
@@ -36,9 +36,8 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 async def _endpoint_and_direct(model_dir: str) -> tuple[dict, list[int], list[float]]:
     from transformers import AutoTokenizer
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spec = vc.EngineSpec(model_dir=model_dir, dtype="float32", tensor_parallel_size=1, max_model_len=512,
-                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=8)
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=8, kv_cache_bytes=2**28)
     model = ServedModel(spec)
     await model.start()
     model.open()
@@ -61,7 +60,9 @@ async def _endpoint_and_direct(model_dir: str) -> tuple[dict, list[int], list[fl
         model.shutdown()
 
 
-def test_a_chat_completion_over_the_endpoint_is_direct_generation_token_for_token():
+def test_a_chat_completion_over_the_endpoint_is_direct_generation_token_for_token(monkeypatch):
+    for name, value in FAST_ENGINE_ENV.items():  # the engine in this process: its core runs its worker
+        monkeypatch.setenv(name, value)
     over, ids, logprobs = asyncio.run(_endpoint_and_direct(smollm2_dir()))
     (choice,) = over["choices"]
     assert choice["token_ids"] == ids and len(ids) > 3

@@ -27,7 +27,7 @@ def run(tmp_path_factory):
         [
             "task.name=async_rl.envs.guess:GuessNumberTask",
             "env.name=tests.integration._gated_guess:make_env",
-            "env.max_turns=5",
+            "env.max_turns=3",  # two turns show what is asserted; SmolLM2 seldom guesses right, so most run to the limit
             f"train.total_steps={STEPS}",
             "train.max_lag=2",  # the gated groups (held until the first sync) are not dropped as stale
             f"train.prompts_per_step={PROMPTS}",

