@@ -264,8 +264,9 @@ class Supervisor:
     def act_on_deaths(self, step: int, version: int, during_step: bool = False) -> None:
         """Recover every process the watcher found dead since the last look: a dead buffer is
         restarted, dead engines replaced (given the learner's `version`), dead reward-model replicas
-        started anew; a dead learner rank stops the run. A notice about a process already replaced
-        (by a failed call's path, an evaluation) is dropped."""
+        started anew; a dead learner rank restarts the learner group (recover_learner: with
+        `train.recover: off`, or past `train.max_recoveries`, it stops the run). A notice about a
+        process already replaced (by a failed call's path, an evaluation) is dropped."""
         dead_engines: list[int] = []
         found, self._found = [*self._found, *self.deaths.take()], []
         for notice in found:
