@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TextIO
 
 import msgspec
 
@@ -83,9 +85,11 @@ def commit(tmp: Path, state: RunCheckpoint, keep: int) -> Path:
     return final
 
 
-def discard_partial(run_dir: Path) -> list[str]:
+def discard_partial(run_dir: Path, when: str, stream: TextIO | None = None) -> list[str]:
     """Remove the `.tmp-` folders of checkpoints cut short (no writer may be running: call it when
-    every learner rank that could write one is gone or idle). Returns the names removed."""
+    every learner rank that could write one is gone or idle) and, if any went, say so in one line on
+    `stream` (stdout by default) starting with `when` (resume, recovery, commit). Returns the names
+    removed."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
@@ -94,12 +98,10 @@ def discard_partial(run_dir: Path) -> list[str]:
         if p.name.startswith(_TMP) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
+    if removed:
+        line = f"{when}: removed {len(removed)} checkpoint(s) cut short: {', '.join(removed)}"
+        print(line, file=stream or sys.stdout, flush=True)
     return removed
-
-
-def partial_line(removed: list[str], when: str) -> str:
-    """The one log line saying which partial checkpoints went, and when (resume, recovery, commit)."""
-    return f"{when}: removed {len(removed)} checkpoint(s) cut short: {', '.join(removed)}"
 
 
 def completed(run_dir: Path) -> list[Path]:

@@ -247,9 +247,7 @@ class Controller:
             saved_at=time.time(),
         )
         final = checkpoint.commit(tmp, state, self.cfg.train.checkpoint_keep)
-        removed = checkpoint.discard_partial(self.run_dir)  # left by a checkpoint cut short earlier
-        if removed:
-            print(checkpoint.partial_line(removed, f"checkpoint {final.name}"), file=self.supervisor.stream, flush=True)
+        checkpoint.discard_partial(self.run_dir, f"checkpoint {final.name}", self.supervisor.stream)  # cut short earlier
         return final
 
     def _resume(self) -> None:

@@ -140,9 +140,7 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
         dropped = checkpoint.trim_metrics(run_dir, step)
         checkpoint.trim_metrics(run_dir, step, EVAL_FILE)
         print(f"resuming from {resume_from} (step {step}); {dropped} later metrics record(s) dropped", flush=True)
-        removed = checkpoint.discard_partial(run_dir)  # nothing writes one before the run starts
-        if removed:
-            print(checkpoint.partial_line(removed, "resume"), flush=True)
+        checkpoint.discard_partial(run_dir, "resume")  # nothing writes one before the run starts
     print(f"run directory: {run_dir}", flush=True)
     print(f"model: {model_dir}", flush=True)
     if loaded is not None:

@@ -342,9 +342,7 @@ class Supervisor:
         finally:
             self._learner_starting = False
         # the old group is gone: a checkpoint it was writing stays a `.tmp-` folder, never restored
-        removed = checkpoint.discard_partial(self.run_dir)
-        if removed:
-            print(checkpoint.partial_line(removed, "[recovery] learner group restarted"), file=self.stream, flush=True)
+        checkpoint.discard_partial(self.run_dir, "[recovery] learner group restarted", self.stream)
         self._step_times = []  # the new group's steps set the hang limit afresh
         self.sync(plan.step)  # the engines serve the restored weights, the buffer learns their version
         print(f"[recovery] learner group back at step {plan.step} in {time.perf_counter() - t0:.1f}s",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 import time
 from pathlib import Path
@@ -42,19 +43,20 @@ def test_a_checkpoint_cut_short_is_never_picked_and_is_removed(tmp_path):
     (early / "trainer_state.pt").write_bytes(b"")
     assert checkpoint.latest(tmp_path) == tmp_path / "checkpoints" / "step_2"
     assert [p.name for p in checkpoint.completed(tmp_path)] == ["step_2"]
-    removed = checkpoint.discard_partial(tmp_path)
+    log = io.StringIO()
+    removed = checkpoint.discard_partial(tmp_path, "resume", log)
     assert sorted(removed) == sorted([cut.name, early.name])
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
-    assert checkpoint.discard_partial(tmp_path) == []  # nothing left to remove
-    line = checkpoint.partial_line(removed, "resume")
-    assert line.startswith("resume: removed 2 checkpoint(s) cut short: .tmp-") and "\n" not in line
+    assert checkpoint.discard_partial(tmp_path, "resume", log) == []  # nothing left to remove, nothing said
+    line = log.getvalue()
+    assert line.startswith("resume: removed 2 checkpoint(s) cut short: .tmp-") and line.count("\n") == 1
 
 
 def test_only_partial_checkpoints_anywhere_is_one_line_for_resume(tmp_path):
     checkpoint.begin(tmp_path)
     with pytest.raises(ConfigError, match=r"^--resume: '.*' has no checkpoint \(no checkpoints/step_N folder\)$"):
         checkpoint.latest(tmp_path)
-    assert checkpoint.discard_partial(tmp_path / "elsewhere") == []  # a run that never checkpointed
+    assert checkpoint.discard_partial(tmp_path / "elsewhere", "resume") == []  # a run that never checkpointed
 
 
 def test_a_kill_while_a_checkpoint_replaces_its_step_never_leaves_a_partial_step_folder(tmp_path, monkeypatch):
@@ -75,5 +77,5 @@ def test_a_kill_while_a_checkpoint_replaces_its_step_never_leaves_a_partial_step
     found = checkpoint.latest(tmp_path)
     assert (found / "model" / "model.safetensors").read_bytes() == b"new"
     assert checkpoint.load_state(found).step == 2
-    assert len(checkpoint.discard_partial(tmp_path)) == 1  # the old one, renamed aside
+    assert len(checkpoint.discard_partial(tmp_path, "resume", io.StringIO())) == 1  # the old one, renamed aside
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
