@@ -307,11 +307,17 @@ class Supervisor:
         before Ray reports the peer dead) that death is recovered; otherwise the error is the run's."""
         if isinstance(exc, ray.exceptions.RayActorError):
             self.recover_learner(step, learner_died(rank, exc))
+        self._recover_dead_learner(step, RuntimeError(f"its actor died; rank {rank}'s call failed with it"))
+        raise exc
+
+    def _recover_dead_learner(self, step: int, why: BaseException) -> None:
+        """After a failed call: recover the learner group (recover_learner, which raises) if the watcher
+        found one of its ranks dead or hung (a hung rank answers nothing), or a rank's actor is dead
+        now (`why`: what its death is reported with). Returns when every rank is alive."""
         self.recover_found_learner(step)
         dead = self.rt.dead_learner_rank()
         if dead is not None:
-            self.recover_learner(step, learner_died(dead, RuntimeError(f"its actor died; rank {rank}'s call failed with it")))
-        raise exc
+            self.recover_learner(step, learner_died(dead, why))
 
     def recover_found_learner(self, step: int) -> None:
         """Recover the learner group (recover_learner, which raises) if the watcher found one of its
@@ -456,10 +462,7 @@ class Supervisor:
                 self.sync_owed = False
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
-                self.recover_found_learner(version - 1)  # a hung rank answers nothing: the watcher names it
-                dead_rank = self.rt.dead_learner_rank()
-                if dead_rank is not None:
-                    self.recover_learner(version - 1, learner_died(dead_rank, exc))
+                self._recover_dead_learner(version - 1, exc)
                 # An engine the watcher abandoned is dead or hung even when it has not failed a health
                 # check yet (a slow reply under load is not death): count it dead too.
                 found = set(self._engines_found_dead()) | set(self.rt.generators.abandoned_engines())
