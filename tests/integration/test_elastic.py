@@ -114,20 +114,21 @@ def test_scale_command_up_and_down_and_buffer_restart(tmp_path, model_cache):
     assert not (tmp_path / "control.json").exists()  # a finished run is not 'running'
 
 
-def _kill_after_first_bucket(pids: list[int], version: int, record: Path):
-    """A sender hook (it runs in learner rank 0): SIGKILL `pids` once the first bucket of update
-    `version` has left the sender, once; `record` says how far that update was."""
+def _kill_after_first_bucket(pids: list[int] | None, version: int, record: Path):
+    """A sender hook (it runs in learner rank 0): SIGKILL `pids` (None: the sender itself) once the
+    first bucket of update `version` has left the sender, once; `record` says how far that update
+    was (written first: the sender may be the one killed)."""
     fired: list[bool] = []
 
     def hook(progress: SendProgress) -> None:
         if progress.version == version and progress.buckets_sent == 1 and not fired:
             fired.append(True)
-            for pid in pids:
+            record.write_text(f"{progress.buckets_sent}/{progress.buckets_total}")
+            for pid in [os.getpid()] if pids is None else pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            record.write_text(f"{progress.buckets_sent}/{progress.buckets_total}")
 
     return hook
 

@@ -301,20 +301,6 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
 HANG_S = 8.0  # generators.unresponsive_s in the hang test: a probe unanswered this long is a death
 
 
-def _die_after_first_bucket(version: int, record):
-    """A sender hook (it runs in learner rank 0): once the first bucket of update `version` has left,
-    say how far the update was and SIGKILL this very process, once."""
-    fired: list[bool] = []
-
-    def hook(progress) -> None:
-        if progress.version == version and progress.buckets_sent == 1 and not fired:
-            fired.append(True)
-            record.write_text(f"{progress.buckets_sent}/{progress.buckets_total}")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
-
-
 def rank_pid(controller, rank: int) -> int:
     return ray.get(controller.learner.actors[rank].__ray_call__.remote(lambda actor: os.getpid()), timeout=60)
 
@@ -337,7 +323,7 @@ def test_learner_and_engine_hangs_and_learner_kills_mid_sync_and_mid_checkpoint_
 
     def strike_mid_sync(self, sender, actors, version):
         if version == 4 and stopped[-1:] and stopped[-1][0] == "learner" and "learner mid-sync" not in labels():
-            hook = _die_after_first_bucket(version, tmp_path / "struck_at_bucket")
+            hook = _kill_after_first_bucket(None, version, tmp_path / "struck_at_bucket")  # rank 0 itself
             ray.get(sender.__ray_call__.remote(lambda rank: rank.weights.on_bucket(hook)), timeout=60)
             killer.kill("learner mid-sync", "learner", [])  # the burners and the clock start here
         return real_broadcast(self, sender, actors, version)
