@@ -28,6 +28,8 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   auto_budget    today + micro_batch_tokens=auto
   combined       every switch at its default (mixed_precision, kernels, attention: auto), at --tokens
   combined_auto  combined with micro_batch_tokens=auto
+  combined_flex  combined with attention=flex (compiled block masks, dynamic shapes) for every block
+  combined_compile combined with kernels=compile (regional torch.compile) in place of Liger
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
                  attention at the default (learner.megatron.attention auto = torch's SDPA), the model
                  in bf16 (megatron's fp32 main weights in the optimizer), at --tokens: issue 31's
@@ -77,6 +79,8 @@ VARIANTS: dict[str, dict] = {
     "auto_budget": {**TODAY, "micro_batch_tokens": "auto"},
     "combined": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto"},
     "combined_auto": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "micro_batch_tokens": "auto"},
+    "combined_flex": {"mixed_precision": "auto", "kernels": "auto", "attention": "flex"},
+    "combined_compile": {"mixed_precision": "auto", "kernels": "compile", "attention": "auto"},
     "megatron": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "auto"}},
     "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
     "trl": {},
