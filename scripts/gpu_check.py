@@ -32,6 +32,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -194,6 +195,17 @@ def _has(program: str) -> bool:
     return any((Path(d) / program).is_file() for d in os.environ.get("PATH", "").split(os.pathsep) if d)
 
 
+def pack(archive: Path, tag: str, folders: list[Path]) -> int:
+    """Every `<tag>-*` file in `folders` into one gzipped tar (flat names), for a transport that returns
+    few files; returns how many went in."""
+    files = sorted({f.resolve() for d in folders if d.is_dir() for f in d.glob(f"{tag}-*") if f.is_file()})
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=f.name)
+    return len(files)
+
+
 def summary_markdown(tag: str, dry_run: bool, env: dict[str, object], outcomes: list[Outcome], seconds: float) -> str:
     lines = [
         f"# `make gpu-check`{' (dry run)' if dry_run else ''}, {tag}",
@@ -224,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weight-sync-timeout-s", type=float, default=100)
     ap.add_argument("--skip", action="append", default=[], choices=["part-a", "learner", "weight-sync"],
                     help="leave this part out (repeatable), e.g. a part measured by an earlier call")
+    ap.add_argument("--archive", default="", help="also pack every file this check wrote into this .tgz (a device "
+                    "call returns at most 8 files: `--archive $OUT/gpu-check.tgz` brings them all back as one)")
     ap.add_argument("--learner-args", default="", help="more options for bench_learner.py --device cuda, one "
                     "string, e.g. \"--variants 'qwen2.5-0.5b=trl,combined' --profile combined --steps 2\"")
     args = ap.parse_args(argv)
@@ -259,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out_dir / f'{tag}-gpu-check.md'} ({seconds:.0f} s)")
     for o in outcomes:
         print(f"  {o.name:<12} {o.status:<10} {o.seconds:6.1f} s  {o.reason}")
+    if args.archive:
+        print(f"packed {pack(Path(args.archive), tag, [out_dir, RESULTS / 'gpu'])} files into {args.archive}")
     return 1 if any(o.status in ("failed", "timed out") for o in outcomes) else 0
 
 

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,9 @@ def test_dry_run_finds_the_wheels_starts_every_part_and_the_cuda_parts_skip_with
         (wheels / name).write_bytes(b"")
     out = tmp_path / "out"
     argv = [sys.executable, "scripts/gpu_check.py", "--dry-run", "--wheels", str(wheels), "--out-dir", str(out)]
-    proc = subprocess.run([*argv, "--tag", "t"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    archive = tmp_path / "back" / "all.tgz"
+    proc = subprocess.run([*argv, "--tag", "t", "--archive", str(archive)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads((out / "t-gpu-check.json").read_text())
     parts = {p["name"]: p for p in report["parts"]}
@@ -53,6 +56,9 @@ def test_dry_run_finds_the_wheels_starts_every_part_and_the_cuda_parts_skip_with
         assert (ROOT / part["log"]).is_file() if not Path(part["log"]).is_absolute() else Path(part["log"]).is_file()
     summary = (out / "t-gpu-check.md").read_text()
     assert "| part-a | skipped |" in summary and "(dry run)" in summary
+    with tarfile.open(archive) as tar:  # one file carries every result back from a device call
+        names = set(tar.getnames())
+    assert {"t-gpu-check.json", "t-gpu-check.md", "t-part-a.log", "t-learner.log"} <= names, names
 
 
 def test_missing_wheels_are_named_with_the_command_that_fetches_them(tmp_path):
