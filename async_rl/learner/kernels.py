@@ -68,12 +68,54 @@ def apply_kernels(choice: Kernels, model: torch.nn.Module, device: torch.device)
     if kind == "liger":
         if why := liger_unavailable(model, device):
             raise RunError(f"learner.kernels=liger: {why}; set learner.kernels to compile or none")
-        import liger_kernel.transformers as liger
-
-        patch = getattr(liger, LIGER_PATCHES[model.config.model_type])
-        # The head stays ours (see the module docstring); the instance's norms and MLPs are swapped.
-        patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
-              model=model)
-    elif kind == "compile":
-        compile_layers(model)
+        apply_liger(model)
+    else:
+        restore_hf_rope(model)
+        if kind == "compile":
+            compile_layers(model)
     return kind
+
+
+# The HF modeling module's names Liger's patch rebinds for every model built after it in the process
+# (module name -> attribute names), and the HF RoPE functions it replaced (module name -> function).
+LIGER_REBOUND_CLASSES = {"llama": ("LlamaRMSNorm", "LlamaMLP"), "qwen2": ("Qwen2RMSNorm", "Qwen2MLP")}
+_hf_rope: dict[str, object] = {}
+
+
+def modeling_module(model_type: str) -> str:
+    return f"transformers.models.{model_type}.modeling_{model_type}"
+
+
+def apply_liger(model: torch.nn.Module) -> None:
+    """Liger's RMSNorm and SwiGLU on this instance's modules, its RoPE for the model's modeling module.
+    Liger's patch also rebinds the modeling module's norm and MLP classes, so every model built later in
+    the process (a `none` or `compile` model in the same test process, a reference model) would get
+    Liger's modules too: those names are put back. Its RoPE is the module's function, looked up at call
+    time, so it is process-wide by nature: `restore_hf_rope` puts HF's back for a later model that asks
+    for none or compile (the values are the same; dynamo cannot trace Liger's autograd functions)."""
+    import importlib
+
+    import liger_kernel.transformers as liger
+
+    kind = model.config.model_type
+    module = importlib.import_module(modeling_module(kind))  # what Liger patches (also under a PEFT wrapper)
+    saved = {name: getattr(module, name) for name in LIGER_REBOUND_CLASSES[kind]}
+    _hf_rope.setdefault(module.__name__, module.apply_rotary_pos_emb)
+    # The head stays ours (see the module docstring).
+    getattr(liger, LIGER_PATCHES[kind])(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False, model=model)
+    for name, value in saved.items():
+        setattr(module, name, value)
+
+
+def restore_hf_rope(model: torch.nn.Module) -> None:
+    """HF's RoPE back in the model's modeling module if Liger's replaced it earlier in this process."""
+    import sys
+
+    kind = getattr(model.config, "model_type", "")
+    module = sys.modules.get(modeling_module(kind)) if kind in LIGER_PATCHES else None
+    if module is not None and (original := _hf_rope.get(module.__name__)) is not None:
+        if module.apply_rotary_pos_emb is not original:
+            print(f"[learner] learner.kernels: {module.__name__}.apply_rotary_pos_emb is HF's again (Liger's RoPE "
+                  "was set by an earlier model in this process)", flush=True)
+            module.apply_rotary_pos_emb = original

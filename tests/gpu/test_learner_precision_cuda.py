@@ -65,3 +65,23 @@ def test_kernels_compile_and_the_auto_budget_train_within_memory(model_dir):
     m = r.train_on_shard(0, groups(1, n_groups=4, group_size=4))
     assert np.isfinite(m.loss) and torch.cuda.max_memory_allocated() < 0.9 * total
     r.shutdown()
+
+
+def test_a_liger_model_leaves_later_models_in_the_process_their_own_modules(model_dir):
+    """Liger's patch rebinds the HF modeling module's norm and MLP classes and its RoPE function; a
+    model built later in the same process with kernels none keeps HF's (learner/kernels.py)."""
+    pytest.importorskip("liger_kernel")
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def module_names(r: LearnerDriver) -> set[str]:
+        model = r.backend.working.module if r.backend.working is not None else r.backend.model
+        return {type(m).__name__ for m in model.modules()}
+
+    liger = rank(model_dir, kernels="liger")
+    assert "LigerRMSNorm" in module_names(liger) and "LigerSwiGLUMLP" in module_names(liger)
+    plain = rank(model_dir, kernels="none")
+    assert {"Qwen2RMSNorm", "Qwen2MLP"} <= module_names(plain)
+    assert not {"LigerRMSNorm", "LigerSwiGLUMLP"} & module_names(plain)
+    assert modeling_qwen2.apply_rotary_pos_emb.__module__ == modeling_qwen2.__name__
+    for r in (liger, plain):
+        r.shutdown()
