@@ -510,6 +510,14 @@ class LearnerConfig(_Section):
            "backward: the chunk's logits are recomputed in backward); 0 = the full head at every position "
            "(the former path, several fp32 tokens x vocabulary copies; kept for comparison)", ge=0),
     ] = 1024
+    head_kernel: Annotated[
+        Literal["auto", "compiled", "eager"],
+        _f("torch backend, chunked head: each chunk's softmax arithmetic (log-sum-exp, the target's log-prob, "
+           "the entropy; in backward the softmax and one-hot gradient) as compiled kernels that read the "
+           "chunk's compute-dtype logits and make no fp32 copy of them (torch.compile, once per process, "
+           "dynamic shapes: learner/head_fused.py), or eager torch ops over fp32 copies; auto = compiled on "
+           "CUDA, eager on CPU"),
+    ] = "auto"
     packing: Annotated[
         bool, _f("padding-free micro-batches: sequences concatenated, position ids restart per sequence")
     ] = True

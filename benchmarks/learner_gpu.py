@@ -30,6 +30,7 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   combined_auto  combined with micro_batch_tokens=auto
   combined_flex  combined with attention=flex (compiled block masks, dynamic shapes) for every block
   combined_compile combined with kernels=compile (regional torch.compile) in place of Liger
+  combined_eager_head combined with head_kernel=eager: the compiled head's gain (learner/head_fused.py)
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
                  attention at the default (learner.megatron.attention auto = torch's SDPA), the model
                  in bf16 (megatron's fp32 main weights in the optimizer), at --tokens: issue 31's
@@ -68,7 +69,7 @@ SHAPES = {
     "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
-TODAY = {"mixed_precision": "bf16", "kernels": "none", "attention": "sdpa"}
+TODAY = {"mixed_precision": "bf16", "kernels": "none", "attention": "sdpa", "head_kernel": "eager"}
 VARIANTS: dict[str, dict] = {
     "today": TODAY,
     "bf16_params": {**TODAY, "mixed_precision": "bf16_params"},
@@ -81,10 +82,11 @@ VARIANTS: dict[str, dict] = {
     "combined_auto": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "micro_batch_tokens": "auto"},
     "combined_flex": {"mixed_precision": "auto", "kernels": "auto", "attention": "flex"},
     "combined_compile": {"mixed_precision": "auto", "kernels": "compile", "attention": "auto"},
+    "combined_eager_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "eager"},
     "megatron": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "auto"}},
     "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
     "trl": {},
-    "fp32": {"mixed_precision": "none", "kernels": "none", "attention": "sdpa"},
+    "fp32": {"mixed_precision": "none", "kernels": "none", "attention": "sdpa", "head_kernel": "eager"},
 }
 # What `make gpu-check` runs (about 4 minutes on an H100): the targets' rows on both shapes.
 DEFAULT_VARIANTS = {"qwen2.5-0.5b": "fp32,today,combined,trl", "qwen2.5-1.5b": "fp32,combined,trl"}
@@ -232,7 +234,8 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
     rank = LearnerDriver(spec, 0, 1, f"127.0.0.1:{free_port()}", [])
     rank.setup()
     backend = rank.backend
-    ran = {"kernels": getattr(backend, "kernels", "none"), "micro_batch_tokens": rank.micro_batch_tokens,
+    ran = {"kernels": getattr(backend, "kernels", "none"), "fused_head": getattr(backend, "fused_head", False),
+           "micro_batch_tokens": rank.micro_batch_tokens,
            "working_copy": getattr(backend, "working", None) is not None,
            "learner": msgspec.to_builtins(spec.learner)}
     logp = np.concatenate(rank.compute_logprobs(score_groups(groups, a.score_samples), 1.0))
@@ -461,7 +464,8 @@ def write_markdown(result: dict, path: Path) -> None:
             d = s["logp_diff"].get(v, {})
             dtext = f"{d['mean_abs']:.4f} / {d['max_abs']:.3f}" if "mean_abs" in d else d.get("error", "")
             if "step_s" in row:
-                ran = (f"kernels {row.get('kernels', '-')}, budget {row.get('micro_batch_tokens', result['tokens'])}, "
+                ran = (f"kernels {row.get('kernels', '-')}, head {'compiled' if row.get('fused_head') else 'eager'}, "
+                       f"budget {row.get('micro_batch_tokens', result['tokens'])}, "
                        f"working copy {row.get('working_copy', '-')}") if v != "trl" else "HF + autocast"
                 lines.append(f"| {v} | {row['step_s']:.2f} s | {row['completion_tokens_s']:,.0f} | {row['mfu']:.1%} | "
                              f"{row['peak_gib']:.1f} GiB | {dtext} | {ran} |")

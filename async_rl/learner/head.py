@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
+from async_rl.learner import head_fused
+
 # What the no-grad scoring passes and training use when `learner.logprob_chunk_tokens` is not set
 # (kept equal to the config default).
 DEFAULT_CHUNK = 1024
@@ -67,7 +69,8 @@ class ChunkedHead(torch.autograd.Function):
     inside the matmul (`_accumulate_matmul`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool = True):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool = True,
+                fused: bool = False):
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
         w = weight.to(dtype)
@@ -75,7 +78,14 @@ class ChunkedHead(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         lse = torch.empty_like(logp)
+        stats = head_fused.compiled()[0] if fused else None
         for s in range(0, n, chunk):
+            if stats is not None:  # the compiled arithmetic reads the compute-dtype logits (head_fused)
+                z = hidden[s : s + chunk].to(dtype) @ w.t()
+                logp[s : s + chunk], lse[s : s + chunk], ent = stats(z, targets[s : s + chunk], temperature, with_entropy)
+                if entropy is not None:
+                    entropy[s : s + chunk] = ent
+                continue
             z = _logits(hidden[s : s + chunk], w, temperature, dtype)
             if with_entropy:
                 top = z.amax(dim=-1, keepdim=True)
@@ -89,7 +99,7 @@ class ChunkedHead(torch.autograd.Function):
             lse[s : s + chunk] = m
             logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - m
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        ctx.temperature, ctx.chunk, ctx.dtype, ctx.fused = temperature, chunk, dtype, fused
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -99,12 +109,25 @@ class ChunkedHead(torch.autograd.Function):
         t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight.to(dtype)
+        grad_of_chunk = head_fused.compiled()[1] if ctx.fused else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(dtype)
+            if grad_of_chunk is not None:
+                part = slice(s, s + chunk)
+                dz = grad_of_chunk(
+                    h @ w.t(), lse[part], None if grad_entropy is None else entropy[part], targets[part],
+                    None if grad_logp is None else grad_logp[part],
+                    None if grad_entropy is None else grad_entropy[part], t, dtype,
+                )
+                if need_h:
+                    grad_h[part] = (dz @ w).to(hidden.dtype)
+                if need_w:
+                    _accumulate_matmul(grad_w, dz.t(), h)
+                continue
             # log p over the vocabulary, then p, in place: one [chunk x V] tensor without the entropy's
             # gradient, two with it.
             logp_all = _logits(h, w, t, dtype).sub_(lse[s : s + chunk, None])
@@ -130,7 +153,7 @@ class ChunkedHead(torch.autograd.Function):
                 grad_h[s : s + chunk] = (dz @ w).to(hidden.dtype)
             if need_w:
                 _accumulate_matmul(grad_w, dz.t(), h)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def head_scores(
@@ -141,15 +164,17 @@ def head_scores(
     temperature: float,
     chunk: int,
     entropy: bool = True,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and entropy [B, T] (fp32; the entropy None unless `entropy`) from hidden states
     [B, T, H] and the output weight [V, H], computed at the flat positions `index` (long [N], row * T +
     column; `flat_index` of a bool mask) only: 0 elsewhere. The caller builds the index on the host
-    (`MicroBatch.loss_index`), so the gather has no data-dependent shape and no host sync."""
+    (`MicroBatch.loss_index`), so the gather has no data-dependent shape and no host sync. `fused`: each
+    chunk's softmax arithmetic runs compiled (`head_fused`, `learner.head_kernel`)."""
     b, t, h = hidden.shape
     flat_h = hidden.reshape(b * t, h).index_select(0, index)
     flat_t = targets.reshape(-1).index_select(0, index)
-    logp, ent = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)), entropy)
+    logp, ent = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)), entropy, fused)
     zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
     ent = zeros.index_copy(0, index, ent).reshape(b, t) if ent is not None else None
     return zeros.index_copy(0, index, logp).reshape(b, t), ent
@@ -200,13 +225,14 @@ def model_scores(
     hidden: bool = False,
     head: bool = True,
     entropy: bool = True,
+    fused: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(logp, entropy, last hidden states) of an HF causal LM on `inputs` (its forward's keyword
     arguments). `chunk` > 0: the trunk, then the chunked head at the flat positions `index` only
     (long [N], `head_scores`; 0 elsewhere);
     `head=False` skips the output layer (logp and entropy None); `entropy=False` skips the entropy
-    (None) where the chunked head runs. `chunk` 0: the full head at every position (the former path,
-    kept for comparison)."""
+    (None) where the chunked head runs; `fused`: its per-chunk arithmetic compiled (`head_fused`).
+    `chunk` 0: the full head at every position (the former path, kept for comparison)."""
     if chunk <= 0:
         out = model(**inputs, output_hidden_states=hidden)
         logp, entropy = full_token_scores(out.logits, targets, temperature)
@@ -217,5 +243,5 @@ def model_scores(
         return None, None, last
     weight = model.get_output_embeddings().weight
     with record_function("learner.head"):
-        logp, ent = head_scores(last, weight, targets, index, temperature, chunk, entropy)
+        logp, ent = head_scores(last, weight, targets, index, temperature, chunk, entropy, fused)
     return logp, ent, last if hidden else None

@@ -35,15 +35,16 @@ class ScoringModel(torch.nn.Module):
     It is the module DDP and FSDP2 wrap, so the head runs inside their forward: DDP sees the output
     weight used, FSDP2's root has gathered it."""
 
-    def __init__(self, model: torch.nn.Module, chunk: int) -> None:
+    def __init__(self, model: torch.nn.Module, chunk: int, fused_head: bool) -> None:
         super().__init__()
         self.model = model
         self.chunk = chunk
+        self.fused_head = fused_head
 
     def forward(self, inputs: dict, targets: torch.Tensor, index: torch.Tensor, temperature: float,
                 hidden: bool, head: bool, entropy: bool = True):
         return model_scores(self.model, inputs, targets, index, temperature, self.chunk, hidden=hidden,
-                            head=head, entropy=entropy)
+                            head=head, entropy=entropy, fused=self.fused_head)
 
 
 def rank_device(device: str) -> torch.device:
@@ -135,7 +136,9 @@ class TorchBackend(ModelBackend):
         self.kernels = apply_kernels(self.cfg.kernels, compute_model, self.device)
         if self.cfg.compile and self.kernels != "compile":
             compile_layers(compute_model)
-        self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens)
+        # the chunked head's per-chunk softmax arithmetic compiled (head_fused): auto = on CUDA
+        self.fused_head = self.cfg.head_kernel == "compiled" or (self.cfg.head_kernel == "auto" and self.device.type == "cuda")
+        self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens, self.fused_head)
         if self.working:
             self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced after the last micro-batch
         elif self.sharded:

@@ -1,0 +1,76 @@
+"""The chunked head's compiled arithmetic (learner/head_fused.py, `learner.head_kernel`): the same
+log-probs, entropies and gradients as the eager loop of `ChunkedHead`, for every combination of
+outputs the losses use, at temperature 1 and not, and compiled by inductor on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from async_rl.learner import head_fused
+from async_rl.learner.head import flat_index, head_scores
+
+
+def run_head(fused: bool, temperature: float, entropy_grad: bool, logp_grad: bool, with_entropy: bool = True,
+             dtype: torch.dtype = torch.float32, seed: int = 0):
+    """(logp, entropy, hidden.grad, weight.grad) of the chunked head over a holed batch, 3 chunks."""
+    torch.manual_seed(seed)
+    b, t, h, v = 3, 11, 16, 97
+    hidden = torch.randn(b, t, h).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(v, h)).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (b, t))
+    positions = torch.rand(b, t) > 0.3
+    logp, entropy = head_scores(hidden, weight, targets, flat_index(positions), temperature, 9, with_entropy, fused)
+    loss = torch.zeros(())
+    if logp_grad:
+        loss = loss + (logp * torch.randn(b, t)).sum()
+    if entropy_grad:
+        loss = loss + (entropy * torch.randn(b, t)).sum()
+    if logp_grad or entropy_grad:
+        loss.backward()
+    return logp, entropy, hidden.grad, weight.grad
+
+
+@pytest.fixture
+def eager_functions(monkeypatch):
+    """The fused path with head_fused's functions run as written (no compile): every branch is cheap."""
+    monkeypatch.setattr(head_fused, "compiled", lambda: (head_fused.chunk_stats, head_fused.chunk_grad))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad,logp_grad", [(False, True), (True, False), (True, True)])
+def test_fused_arithmetic_equals_the_eager_head(eager_functions, temperature, entropy_grad, logp_grad):
+    eager = run_head(False, temperature, entropy_grad, logp_grad)
+    fused = run_head(True, temperature, entropy_grad, logp_grad)
+    for a, b in zip(eager[:2], fused[:2], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    for a, b in zip(eager[2:], fused[2:], strict=True):  # gradients, relative
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+
+
+def test_fused_scoring_pass_without_entropy(eager_functions):
+    eager = run_head(False, 0.7, False, False, with_entropy=False)
+    fused = run_head(True, 0.7, False, False, with_entropy=False)
+    assert eager[1] is None and fused[1] is None
+    torch.testing.assert_close(fused[0], eager[0], atol=1e-5, rtol=0)
+
+
+def test_fused_bf16_gradients_are_in_bf16_within_rounding_of_the_eager_head(eager_functions):
+    eager = run_head(False, 1.0, True, True, dtype=torch.bfloat16)
+    fused = run_head(True, 1.0, True, True, dtype=torch.bfloat16)
+    assert fused[2].dtype == fused[3].dtype == torch.bfloat16
+    torch.testing.assert_close(fused[0], eager[0], atol=1e-5, rtol=0)  # the same bf16 logits, fp32 arithmetic
+    torch.testing.assert_close(fused[2].float(), eager[2].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused[3].float(), eager[3].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_inductor_compiled_head_equals_the_eager_head():
+    """The real compile (inductor's CPU code; on CUDA it generates Triton): a training step's pass,
+    log-prob and entropy gradients at temperature 0.7, then a second batch with another chunk count and
+    vocabulary-sized shapes reuses the compiled code."""
+    eager = run_head(False, 0.7, True, True)
+    fused = run_head(True, 0.7, True, True)
+    for a, b in zip(eager, fused, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    again = run_head(True, 0.7, True, True, seed=1)
+    torch.testing.assert_close(again[0], run_head(False, 0.7, True, True, seed=1)[0], atol=1e-5, rtol=0)
