@@ -85,6 +85,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
             device=device_of(spec.learner.device),
             seed=spec.train.seed,
             logprob_chunk_tokens=spec.learner.logprob_chunk_tokens,
+            head_kernel=spec.learner.head_kernel,
             activation_checkpointing=spec.learner.activation_checkpointing,
             micro_batch_tokens=spec.learner.micro_batch_tokens,
             row_tokens=spec.learner.pack_row_tokens or spec.generators.max_model_len,

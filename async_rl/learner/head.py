@@ -78,7 +78,7 @@ class ChunkedHead(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         lse = torch.empty_like(logp)
-        stats = head_fused.compiled()[0] if fused else None
+        stats = head_fused.compiled().stats if fused else None
         for s in range(0, n, chunk):
             if stats is not None:  # the compiled arithmetic reads the compute-dtype logits (head_fused)
                 z = hidden[s : s + chunk].to(dtype) @ w.t()
@@ -113,7 +113,7 @@ class ChunkedHead(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight.to(dtype)
-        grad_of_chunk = head_fused.compiled()[1] if ctx.fused else None
+        grad_of_chunk = head_fused.compiled().grad if ctx.fused else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(dtype)
             if grad_of_chunk is not None:

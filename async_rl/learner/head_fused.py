@@ -18,6 +18,7 @@ compares them, values and gradients, eager and compiled on the CPU). They are co
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -49,7 +50,9 @@ def chunk_grad(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """d loss / d z [c, V] in `dtype`, from the chunk's logits z and its saved log-sum-exp (and entropy
-    where `grad_entropy` is given): d log p(y)/dz = (onehot(y) - p) / t, dH/dz = -p (log p + H) / t."""
+    where `grad_entropy` is given): d log p(y)/dz = (onehot(y) - p) / t, dH/dz = -p (log p + H) / t. For
+    one vocabulary shard (Megatron, TP > 1) z is the shard's logits and `targets` are shifted by its
+    first id: a target outside the shard matches no column, so its one-hot is 0 here."""
     logp_all = z.float() / temperature - lse[:, None]
     p = torch.exp(logp_all)
     dz = torch.zeros_like(p)
@@ -63,8 +66,43 @@ def chunk_grad(
     return (dz / temperature).to(dtype)
 
 
+def shard_max(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 [c]: the largest logit / temperature of each row of one vocabulary shard's logits [c, V/tp]
+    (the Megatron head all-reduces it over TP ranks before `shard_sums`)."""
+    return (z.float() / temperature).amax(dim=-1)
+
+
+def shard_sums(
+    z: torch.Tensor, top: torch.Tensor, local_targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> torch.Tensor:
+    """fp32 [3, c] over one vocabulary shard's logits z [c, V/tp], shifted by the global max `top`:
+    sum exp(z - top), sum exp(z - top) z (0 without the entropy), and the target's z where this shard
+    holds it (`local_targets` = targets - the shard's first id; 0 elsewhere). Summed over TP ranks,
+    they give the log-sum-exp, the entropy and log p(target) (megatron/head.py)."""
+    zf = z.float() / temperature
+    e = torch.exp(zf - top[:, None])
+    rows = z.shape[-1]
+    mine = (local_targets >= 0) & (local_targets < rows)
+    target = torch.where(mine, zf.gather(-1, local_targets.clamp(0, rows - 1)[:, None]).squeeze(-1), 0.0)
+    weighted = (e * zf).sum(-1) if with_entropy else torch.zeros_like(target)
+    return torch.stack([e.sum(-1), weighted, target])
+
+
+@dataclass(frozen=True)
+class HeadKernels:
+    """The per-chunk functions, compiled or as written."""
+
+    stats: Callable
+    grad: Callable
+    shard_max: Callable
+    shard_sums: Callable
+
+
+EAGER = HeadKernels(chunk_stats, chunk_grad, shard_max, shard_sums)
+
+
 @cache
-def compiled() -> tuple[Callable, Callable]:
-    """(chunk_stats, chunk_grad) compiled (one process-wide compile each, guarded on the arguments'
-    kinds: with or without entropy, with or without each gradient)."""
-    return torch.compile(chunk_stats, dynamic=True), torch.compile(chunk_grad, dynamic=True)
+def compiled() -> HeadKernels:
+    """The functions compiled (one process-wide compile each, guarded on the arguments' kinds: with or
+    without entropy, with or without each gradient)."""
+    return HeadKernels(*(torch.compile(f, dynamic=True) for f in (chunk_stats, chunk_grad, shard_max, shard_sums)))

@@ -34,7 +34,7 @@ def run_head(fused: bool, temperature: float, entropy_grad: bool, logp_grad: boo
 @pytest.fixture
 def eager_functions(monkeypatch):
     """The fused path with head_fused's functions run as written (no compile): every branch is cheap."""
-    monkeypatch.setattr(head_fused, "compiled", lambda: (head_fused.chunk_stats, head_fused.chunk_grad))
+    monkeypatch.setattr(head_fused, "compiled", lambda: head_fused.EAGER)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -74,3 +74,45 @@ def test_inductor_compiled_head_equals_the_eager_head():
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
     again = run_head(True, 0.7, True, True, seed=1)
     torch.testing.assert_close(again[0], run_head(False, 0.7, True, True, seed=1)[0], atol=1e-5, rtol=0)
+
+
+def run_shard(fused: bool, shard, temperature: float, entropy_grad: bool, with_entropy: bool = True):
+    """Megatron's vocab-parallel head on one shard of a 97-row weight (the first `shard.valid` rows
+    are its vocabulary ids shard.start...; targets fall inside and outside it), no process group: the
+    shard's own partial results, which TP ranks would sum."""
+    from async_rl.learner.megatron.head import chunked_scores
+
+    torch.manual_seed(0)
+    hidden = torch.randn(29, 16, requires_grad=True)
+    weight = (0.3 * torch.randn(97, 16)).requires_grad_()
+    targets = torch.randint(0, 300, (29,))
+    logp, entropy = chunked_scores(hidden, weight, targets, temperature, 8, shard, with_entropy, fused)
+    loss = (logp * torch.randn(29)).sum() + ((entropy * torch.randn(29)).sum() if entropy_grad else 0)
+    loss.backward()
+    return logp, entropy, hidden.grad, weight.grad
+
+
+SHARDS = {"whole": (0, 90), "offset": (150, 97)}  # (first id, real rows): the first with 7 padding rows
+
+
+@pytest.mark.parametrize("shard", list(SHARDS))
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_fused_megatron_shard_arithmetic_equals_the_eager_head(eager_functions, shard, entropy_grad):
+    from async_rl.learner.megatron.head import VocabShard
+
+    vs = VocabShard(*SHARDS[shard])
+    eager, fused = run_shard(False, vs, 0.7, entropy_grad), run_shard(True, vs, 0.7, entropy_grad)
+    for a, b in zip(eager, fused, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert torch.all(fused[3][vs.valid :] == 0)  # padding rows: no gradient
+    no_entropy = run_shard(True, vs, 0.7, False, with_entropy=False)
+    torch.testing.assert_close(no_entropy[0], eager[0], atol=1e-5, rtol=0)
+
+
+def test_inductor_compiled_megatron_shard_head_equals_the_eager_head():
+    from async_rl.learner.megatron.head import VocabShard
+
+    vs = VocabShard(*SHARDS["offset"])
+    eager, fused = run_shard(False, vs, 0.7, True), run_shard(True, vs, 0.7, True)
+    for a, b in zip(eager, fused, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)

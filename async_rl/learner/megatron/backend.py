@@ -229,10 +229,12 @@ class MegatronBackend(ModelBackend):
         micro_batch_tokens: int = 0,
         row_tokens: int = 0,
         attention: str = "auto",
+        head_kernel: str = "auto",
     ) -> None:
         """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
         start-up line without Transformer Engine (`megatron.memory`); they change nothing else.
-        `attention` (learner.megatron.attention): the local spec's core attention (`megatron.attention`)."""
+        `attention` (learner.megatron.attention): the local spec's core attention (`megatron.attention`).
+        `head_kernel` (learner.head_kernel): the chunked head's per-chunk arithmetic compiled (auto: on CUDA)."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.dtype = getattr(torch, dtype)
@@ -243,6 +245,7 @@ class MegatronBackend(ModelBackend):
         self.on_cpu = device == "cpu"
         self.seed = seed
         self.chunk = logprob_chunk_tokens
+        self.fused_head = head_kernel == "compiled" or (head_kernel == "auto" and not self.on_cpu)
         self.recompute = activation_checkpointing
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -436,7 +439,8 @@ class MegatronBackend(ModelBackend):
         if tp > 1:  # the hidden states' gradient is a sum over the vocabulary shards (all-reduce in backward)
             flat = copy_to_tensor_model_parallel_region(flat)
         # Every TP rank runs the same chunks (the same positions): their collectives line up.
-        logp, entropy = chunked_scores(flat, weight, targets, temperature, self.chunk, shard, with_entropy)
+        logp, entropy = chunked_scores(flat, weight, targets, temperature, self.chunk, shard, with_entropy,
+                                       self.fused_head)
         zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
         return zeros.index_copy(0, idx, logp).reshape(b, t), zeros.index_copy(0, idx, entropy).reshape(b, t)
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from async_rl.learner import head_fused
+
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -48,40 +50,57 @@ def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tenso
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+def _shard_sums_eager(h, w, tc, temperature: float, shard: VocabShard, with_entropy: bool):
+    """(the global max [c], this shard's sums [3, c]: `head_fused.shard_sums`'s) in torch ops over fp32
+    copies of the chunk's logits; the max is all-reduced here, the sums by the caller."""
+    c = h.shape[0]
+    z = _logits(h, w, temperature)  # fp32 tensor 1
+    m = z.max(dim=-1).values if shard.valid else torch.full((c,), float("-inf"), device=z.device)
+    if shard.group is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
+    local = tc - shard.start
+    mine = (local >= 0) & (local < shard.valid)
+    sums = torch.zeros(3, c, dtype=torch.float32, device=z.device)
+    if shard.valid:
+        # the target's logit, on the rank whose rows hold it (0 elsewhere; summed over TP)
+        at = local.clamp(0, shard.valid - 1)[:, None]
+        sums[2] = torch.where(mine, z.gather(-1, at).squeeze(-1), 0.0)
+    if with_entropy:
+        e = (z - m[:, None]).exp_()  # fp32 tensor 2: the one softmax (unnormalised) both use
+        sums[0] = e.sum(-1)
+        sums[1] = e.mul_(z).sum(-1)  # sum_j e_j z_j, in place
+        del e
+    else:
+        sums[0] = z.sub_(m[:, None]).exp_().sum(-1)  # in place: one fp32 tensor in all
+    return m, sums
+
+
 class VocabParallelHead(torch.autograd.Function):
     """(hidden [N, H], weight [V/tp, H], targets [N]) -> (log p(targets) [N], entropy [N]), fp32, at
     `temperature`; the entropy is computed only when `with_entropy` (else zeros, no pass over the
     vocabulary for it). Both outputs differentiable w.r.t. hidden and weight."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, shard: VocabShard, with_entropy: bool):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, shard: VocabShard, with_entropy: bool,
+                fused: bool = False):
         n = hidden.shape[0]
         w = weight[: shard.valid]
         logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logp)
         lse = torch.empty_like(logp)
+        kernels = head_fused.compiled() if fused and shard.valid else None
         for s in range(0, n, chunk):
             h, tc = hidden[s : s + chunk], targets[s : s + chunk]
             c = h.shape[0]
-            z = _logits(h, w, temperature)  # fp32 tensor 1
-            m = z.max(dim=-1).values if shard.valid else torch.full((c,), float("-inf"), device=z.device)
-            if shard.group is not None:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
-            local = tc - shard.start
-            mine = (local >= 0) & (local < shard.valid)
-            sums = torch.zeros(3, c, dtype=torch.float32, device=z.device)
-            if shard.valid:
-                # the target's logit, on the rank whose rows hold it (0 elsewhere; summed over TP)
-                at = local.clamp(0, shard.valid - 1)[:, None]
-                sums[2] = torch.where(mine, z.gather(-1, at).squeeze(-1), 0.0)
-            if with_entropy:
-                e = (z - m[:, None]).exp_()  # fp32 tensor 2: the one softmax (unnormalised) both use
-                sums[0] = e.sum(-1)
-                sums[1] = e.mul_(z).sum(-1)  # sum_j e_j z_j, in place
-                del e
+            if kernels is not None:  # the compiled arithmetic reads the compute-dtype logits (head_fused)
+                z = h.to(w.dtype) @ w.t()
+                m = kernels.shard_max(z, temperature)
+                if shard.group is not None:
+                    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
+                sums = kernels.shard_sums(z, m, tc - shard.start, temperature, with_entropy)
+                del z
             else:
-                sums[0] = z.sub_(m[:, None]).exp_().sum(-1)  # in place: one fp32 tensor in all
-            del z
+                m, sums = _shard_sums_eager(h, w, tc, temperature, shard, with_entropy)
             if shard.group is not None:
                 dist.all_reduce(sums, group=shard.group)
             log_z = m + torch.log(sums[0])
@@ -92,6 +111,7 @@ class VocabParallelHead(torch.autograd.Function):
                 entropy[s : s + c] = log_z - sums[1] / sums[0]
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.shard, ctx.with_entropy = temperature, chunk, shard, with_entropy
+        ctx.fused = fused
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -103,7 +123,7 @@ class VocabParallelHead(torch.autograd.Function):
         t, chunk, shard = ctx.temperature, ctx.chunk, ctx.shard
         if not ctx.with_entropy:
             grad_entropy = None
-        none = (None,) * 5
+        none = (None,) * 6
         if grad_logp is None and grad_entropy is None:
             return None, None, *none
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -111,9 +131,23 @@ class VocabParallelHead(torch.autograd.Function):
         # accumulated in fp32 over the chunks, cast to the weight's dtype once
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight[: shard.valid]
+        grad_of_chunk = head_fused.compiled().grad if ctx.fused and shard.valid else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(w.dtype)
             c = h.shape[0]
+            if grad_of_chunk is not None:  # compiled from the compute-dtype logits; a target off this shard has no one-hot
+                part = slice(s, s + c)
+                dz = grad_of_chunk(
+                    h @ w.t(), lse[part], None if grad_entropy is None else entropy[part], targets[part] - shard.start,
+                    None if grad_logp is None else grad_logp[part],
+                    None if grad_entropy is None else grad_entropy[part], t, w.dtype,
+                )
+                if need_h:
+                    grad_h[part] = (dz @ w).to(hidden.dtype)
+                if need_w:
+                    grad_w[: shard.valid].add_((dz.t() @ h).float())
+                del dz
+                continue
             # log p over this rank's vocabulary rows, then p, in place: one fp32 [c x V/tp] tensor
             # without the entropy's gradient, two with it.
             logp_all = _logits(h, w, t).sub_(lse[s : s + c, None])
@@ -156,7 +190,10 @@ def chunked_scores(
     chunk: int,
     shard: VocabShard,
     with_entropy: bool,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) and the entropy (zeros unless `with_entropy`), fp32 [N], of hidden states
-    [N, H] through this rank's vocab-parallel weight rows [V/tp, H]."""
-    return VocabParallelHead.apply(hidden, weight, targets, float(temperature), max(1, int(chunk)), shard, with_entropy)
+    [N, H] through this rank's vocab-parallel weight rows [V/tp, H]. `fused`: each chunk's arithmetic
+    compiled (`head_fused`; `learner.head_kernel`)."""
+    return VocabParallelHead.apply(hidden, weight, targets, float(temperature), max(1, int(chunk)), shard, with_entropy,
+                                   fused)
