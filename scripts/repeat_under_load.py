@@ -1,0 +1,68 @@
+"""Run one pytest command several times in a row with CPU burners spinning throughout (issue 32's bar:
+the fault module 10 times in a row under two burners), and say how many runs passed.
+
+    python scripts/repeat_under_load.py --runs 10 --burners 2 --log /tmp/faults-10x.log \
+        -- tests/integration/test_faults.py -q
+
+Each run's whole output goes to the log, with a line per run (start, seconds, outcome, the load
+average) and a last summary line `N of M passed`; the burners are stopped through their handles.
+Exit status: 0 when every run passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+from _load import start_burners, stop_burners  # noqa: E402  (the tests' own burners)
+
+
+def stamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--burners", type=int, default=2)
+    ap.add_argument("--timeout-s", type=float, default=1800, help="per run")
+    ap.add_argument("--log", required=True)
+    ap.add_argument("pytest_args", nargs="+", help="after --: what pytest runs")
+    a = ap.parse_args(argv)
+    log = Path(a.log)
+    passed = 0
+    with log.open("a") as out:
+        def say(line: str) -> None:
+            print(line, flush=True)
+            out.write(line + "\n")
+            out.flush()
+
+        say(f"[{stamp()}] {a.runs} runs of pytest {' '.join(a.pytest_args)} under {a.burners} burners")
+        burners = start_burners(a.burners)
+        try:
+            for i in range(1, a.runs + 1):
+                t0, load0 = time.monotonic(), os.getloadavg()[0]
+                say(f"[{stamp()}] run {i} starts (load {load0:.1f})")
+                try:
+                    proc = subprocess.run([sys.executable, "-m", "pytest", *a.pytest_args], cwd=ROOT, stdout=out,
+                                          stderr=subprocess.STDOUT, timeout=a.timeout_s)
+                    outcome = "passed" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+                except subprocess.TimeoutExpired:
+                    outcome = f"TIMED OUT after {a.timeout_s:.0f} s"
+                passed += outcome == "passed"
+                say(f"[{stamp()}] run {i}: {outcome} in {time.monotonic() - t0:.0f} s (load now {os.getloadavg()[0]:.1f})")
+        finally:
+            stop_burners(burners)
+        say(f"[{stamp()}] {passed} of {a.runs} passed")
+    return 0 if passed == a.runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
