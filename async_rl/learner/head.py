@@ -66,7 +66,9 @@ class ChunkedHead(torch.autograd.Function):
     Per chunk the forward makes one pass of exponentials over the [chunk x V] logits (log-sum-exp and
     entropy from the same exp(z - max)); the backward one more (softmax from the saved log-sum-exp).
     The weight is cast to the compute dtype once per call, and its fp32 gradient is accumulated
-    inside the matmul (`_accumulate_matmul`)."""
+    inside the matmul (`_accumulate_matmul`). `fused` (learner.head_kernel compiled, CUDA by default):
+    the same arithmetic per chunk as `head_fused`'s compiled functions of the compute-dtype logits, with
+    no fp32 copy of them; the loop below is the eager form, kept for the CPU."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool = True,
