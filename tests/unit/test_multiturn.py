@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 
 import msgspec
 import numpy as np
@@ -404,9 +403,6 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
 
     tok = chat_tokenizer
     eos = tok.eos_token_id
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     prompt = game_prompt(5, 1, 100, seed=0)
     prompt = msgspec.structs.replace(prompt, token_ids=render(tok, prompt.messages, add_generation_prompt=True))
     secret = int(prompt.answer)
