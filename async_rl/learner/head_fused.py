@@ -24,6 +24,11 @@ from functools import cache
 import torch
 
 
+def use_compiled(setting: str, device_type: str) -> bool:
+    """`learner.head_kernel` on this device: compiled, or auto on CUDA (eager on the CPU)."""
+    return setting == "compiled" or (setting == "auto" and device_type == "cuda")
+
+
 def chunk_stats(
     z: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -17,6 +17,7 @@ from torch.profiler import record_function
 
 from async_rl.config import LearnerConfig
 from async_rl.errors import RunError
+from async_rl.learner import head_fused
 from async_rl.learner.attention import register
 from async_rl.learner.attention import resolve as resolve_attention
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
@@ -136,8 +137,7 @@ class TorchBackend(ModelBackend):
         self.kernels = apply_kernels(self.cfg.kernels, compute_model, self.device)
         if self.cfg.compile and self.kernels != "compile":
             compile_layers(compute_model)
-        # the chunked head's per-chunk softmax arithmetic compiled (head_fused): auto = on CUDA
-        self.fused_head = self.cfg.head_kernel == "compiled" or (self.cfg.head_kernel == "auto" and self.device.type == "cuda")
+        self.fused_head = head_fused.use_compiled(self.cfg.head_kernel, self.device.type)
         self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens, self.fused_head)
         if self.working:
             self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced after the last micro-batch

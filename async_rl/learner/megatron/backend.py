@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.errors import RunError
+from async_rl.learner import head_fused
 from async_rl.learner.attention import cumulative
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.hf_io import read_model_files
@@ -245,7 +246,7 @@ class MegatronBackend(ModelBackend):
         self.on_cpu = device == "cpu"
         self.seed = seed
         self.chunk = logprob_chunk_tokens
-        self.fused_head = head_kernel == "compiled" or (head_kernel == "auto" and not self.on_cpu)
+        self.fused_head = head_fused.use_compiled(head_kernel, "cpu" if self.on_cpu else "cuda")
         self.recompute = activation_checkpointing
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
