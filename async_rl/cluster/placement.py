@@ -288,11 +288,38 @@ def _gpu_summary(cfg: Config, view: ClusterView) -> str:
             "another node with room), each process's CUDA_VISIBLE_DEVICES set by Ray at start")
 
 
+CORES_ENV = "ASYNC_RL_CORES"
+
+
 def available_cores() -> list[int]:
+    """The cores a run on this machine pins its processes to, in the order the plan hands them out:
+    $ASYNC_RL_CORES when set ('1,0', '4-7,0-3': like CUDA_VISIBLE_DEVICES, it is inherited by every
+    process the run starts), else every core this process may run on, ascending. Two runs sharing a
+    machine's cores (the test suite's parallel workers) give each its own order, so that their first
+    engines do not both land on core 0."""
     try:
-        return sorted(os.sched_getaffinity(0))
+        allowed = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
+        allowed = list(range(os.cpu_count() or 1))
+    spec = os.environ.get(CORES_ENV, "").strip()
+    return parse_cores(spec, allowed) if spec else allowed
+
+
+def parse_cores(spec: str, allowed: list[int]) -> list[int]:
+    """'1,0' or '4-7,0-3' -> [1, 0] or [4, 5, 6, 7, 0, 1, 2, 3]; every core once and in `allowed`."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last if dash else first)
+        except ValueError:
+            raise ConfigError(f"{CORES_ENV}='{spec}': '{part}' is not a core or a range of cores (like '1,0' or '4-7')") from None
+        cores.extend(range(lo, hi + 1))
+    outside = [c for c in cores if c not in allowed]
+    if not cores or outside or len(set(cores)) != len(cores):
+        why = f"cores {outside} are not among this process's {allowed}" if outside else "names a core twice or none"
+        raise ConfigError(f"{CORES_ENV}='{spec}' {why}")
+    return cores
 
 
 def plan_placement(cfg: Config, cores: list[int] | None = None, view: ClusterView | None = None) -> PlacementPlan:

@@ -10,7 +10,7 @@ import threading
 from async_rl.protocol import Sample
 from async_rl.tasks.repeat import RepeatTask
 
-HANG_S = 1.0  # well past the test's task.reward_timeout_s
+HANG_S = 60.0  # far past the test's task.reward_timeout_s: the runner kills the worker at the timeout
 
 
 class FlakyRepeatTask(RepeatTask):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from async_rl.cluster.placement import PlacementPlan, ProcessPlacement, plan_placement
+import pytest
+
+from async_rl.cluster.placement import CORES_ENV, PlacementPlan, ProcessPlacement, parse_cores, plan_placement
 from async_rl.config import load_config
+from async_rl.errors import ConfigError
 from async_rl.serving.cpu_threads import omp_bind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,11 +63,35 @@ def test_one_core_short_is_oversubscribed():
     assert plan.oversubscribed
 
 
-def test_default_cores_come_from_affinity():
+def test_default_cores_come_from_affinity(monkeypatch):
     import os
 
+    monkeypatch.delenv(CORES_ENV, raising=False)  # the parallel suite's workers set their own order
     plan = plan_placement(cfg())
     assert plan.num_cores == len(os.sched_getaffinity(0))
+    assert plan.engines[0].cores == [min(os.sched_getaffinity(0))]
+
+
+def test_cores_env_orders_the_cores_the_plan_hands_out(monkeypatch):
+    allowed = sorted(os.sched_getaffinity(0))
+    order = allowed[1:] + allowed[:1]  # the first core last
+    monkeypatch.setenv(CORES_ENV, ",".join(map(str, order)))
+    plan = plan_placement(cfg())
+    assert plan.engines[0].cores == [order[0]] and plan.learner_ranks[0].cores == [order[1 % len(order)]]
+    assert parse_cores("4-6,0-1", list(range(8))) == [4, 5, 6, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("0,x", "ASYNC_RL_CORES='0,x': 'x' is not a core or a range of cores"),
+        ("0,9", r"ASYNC_RL_CORES='0,9' cores \[9\] are not among this process's \[0, 1\]"),
+        ("1,1", "ASYNC_RL_CORES='1,1' names a core twice or none"),
+    ],
+)
+def test_a_bad_cores_env_is_one_line_naming_it(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_cores(spec, [0, 1])
 
 
 def test_render_mentions_every_role():

@@ -232,7 +232,9 @@ def test_judge_verdicts_are_counted_and_see_the_sample(smollm2):
         defaults = SamplingSpec(n=1, max_tokens=8, temperature=0.0, stop_token_ids=[2])
         endpoint = ChatEndpoint(model, ChatRenderer(tok, 2), KEY, unrecorded=defaults)
         await endpoint.start()
-        runner = RewardRunner(task, timeout_s=5.0, workers=1)
+        # The scripted model answers at once: the bound only stops a hang. 5 s was too short for the
+        # reward worker's start on a loaded machine (every verdict came back REWARD_TIMEOUT).
+        runner = RewardRunner(task, timeout_s=60.0, workers=1)
         from async_rl.reward_models.server import JUDGE, RewardEndpoint
 
         runner.endpoints = [RewardEndpoint(JUDGE, 0, f"http://127.0.0.1:{endpoint.port}/v1", KEY, "scripted")]
