@@ -512,7 +512,7 @@ class LearnerConfig(_Section):
     ] = 1024
     head_kernel: Annotated[
         Literal["auto", "compiled", "eager"],
-        _f("the chunked head (both backends; megatron's per vocabulary shard): each chunk's softmax arithmetic (log-sum-exp, the target's log-prob, "
+        _f("the chunked head (both backends, and the KL reference pass; megatron's per vocabulary shard): each chunk's softmax arithmetic (log-sum-exp, the target's log-prob, "
            "the entropy; in backward the softmax and one-hot gradient) as compiled kernels that read the "
            "chunk's compute-dtype logits and make no fp32 copy of them (torch.compile, once per process, "
            "dynamic shapes: learner/head_fused.py), or eager torch ops over fp32 copies; auto = compiled on "

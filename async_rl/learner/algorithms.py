@@ -181,17 +181,18 @@ class Algorithm:
         micro_batch_tokens: int = 0,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         base_reference: ReferencePolicy | None = None,
+        head_kernel: str = "eager",
     ) -> None:
         """`device`: where the reference model and the critic live (the learner backend's device);
-        `micro_batch_tokens`, `logprob_chunk_tokens`: the reference pass's micro-batches and head
-        chunks (the `learner` fields)."""
+        `micro_batch_tokens`, `logprob_chunk_tokens`, `head_kernel`: the reference pass's
+        micro-batches, head chunks and head arithmetic (the `learner` fields)."""
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.reference = None
         if cfg.kl_coef > 0:  # `base_reference`: the trained model's own frozen base (LoRA), else a loaded copy
             self.reference = base_reference or ReferencePolicy(
-                model_dir, dtype, device, micro_batch_tokens, logprob_chunk_tokens
+                model_dir, dtype, device, micro_batch_tokens, logprob_chunk_tokens, head_kernel
             )
         self.critic = (
             Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm, device)

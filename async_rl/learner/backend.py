@@ -166,7 +166,7 @@ class ModelBackend(abc.ABC):
         of `hf_weights`). None: the backend trains every weight."""
         return None
 
-    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int):
+    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int, head_kernel: str = "eager"):
         """A `reference.ReferencePolicy` over the trained model's own frozen base (LoRA: the adapter
         disabled), or None: the driver loads the reference weights from the run's initial folder."""
         return None

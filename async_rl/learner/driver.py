@@ -236,7 +236,10 @@ class LearnerDriver(LearnerRank):
             device=self.device,  # the reference model and the critic live where the policy does
             micro_batch_tokens=self.micro_batch_tokens,
             logprob_chunk_tokens=s.learner.logprob_chunk_tokens,
-            base_reference=self.backend.base_reference(self.micro_batch_tokens, s.learner.logprob_chunk_tokens),
+            base_reference=self.backend.base_reference(
+                self.micro_batch_tokens, s.learner.logprob_chunk_tokens, s.learner.head_kernel
+            ),
+            head_kernel=s.learner.head_kernel,
         )
         return params
 

@@ -2,7 +2,8 @@
 
 It lives on the learner's device (the backend's own), and scores a shard in micro-batches of rows of
 at most `micro_batch_tokens` tokens (`learner.micro_batch_tokens`), at the loss positions only, with
-the chunked head (`head.py`): no whole-shard pass, no [tokens x vocabulary] logits.
+the chunked head (`head.py`): no whole-shard pass, no [tokens x vocabulary] logits. The head's
+per-chunk arithmetic runs compiled where the policy's does (`learner.head_kernel`, `head_fused`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from async_rl.learner import head_fused
 from async_rl.learner.head import DEFAULT_CHUNK, flat_index, model_scores, unsupported
 
 
@@ -41,7 +43,9 @@ class ReferencePolicy:
         device: torch.device | str = "cpu",
         micro_batch_tokens: int = 0,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
+        head_kernel: str = "eager",
     ) -> None:
+        """`head_kernel`: `learner.head_kernel` (auto: compiled on CUDA, eager on the CPU)."""
         from transformers import AutoModelForCausalLM
 
         # Loaded from the checkpoint the run started from (not copied from the live model): the same
@@ -52,6 +56,7 @@ class ReferencePolicy:
         self.model.requires_grad_(False)
         self.micro_batch_tokens = micro_batch_tokens
         self.chunk = logprob_chunk_tokens if unsupported(self.model) is None else 0
+        self.fused = head_fused.use_compiled(head_kernel, self.device.type)
         self._as_reference: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     @classmethod
@@ -61,6 +66,7 @@ class ReferencePolicy:
         as_reference: Callable[[], AbstractContextManager],
         micro_batch_tokens: int = 0,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
+        head_kernel: str = "eager",
     ) -> ReferencePolicy:
         """The trained model itself, scored inside `as_reference()` (LoRA: the adapter disabled, so the
         frozen base weights are the reference and no second copy of them is loaded)."""
@@ -68,6 +74,7 @@ class ReferencePolicy:
         ref.model, ref.device = model, next(model.parameters()).device
         ref.micro_batch_tokens = micro_batch_tokens
         ref.chunk = logprob_chunk_tokens if unsupported(model) is None else 0
+        ref.fused = head_fused.use_compiled(head_kernel, ref.device.type)
         ref._as_reference = as_reference
         return ref
 
@@ -91,7 +98,7 @@ class ReferencePolicy:
                       "use_cache": False}
             with torch.no_grad(), self._as_reference():
                 logp, _, _ = model_scores(
-                    self.model, inputs, targets, index, temperature, self.chunk, entropy=False
+                    self.model, inputs, targets, index, temperature, self.chunk, entropy=False, fused=self.fused
                 )
             logp = logp * positions  # the full head (chunk 0) scores every position
             out[idx, : width - 1] = logp[:, : width - 1].to(out.device)

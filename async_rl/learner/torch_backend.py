@@ -289,14 +289,14 @@ class TorchBackend(ModelBackend):
             raise RuntimeError("learner.parallel=fsdp2: adapter before gather_weights")
         return Adapter({saved_name(n): t for n, t in self._full.items() if is_adapter(n)}, self._adapter_config)
 
-    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int):
+    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int, head_kernel: str = "eager"):
         if self.peft is None or self.sharded:
             return None  # FSDP2 shards the model: its forward outside the root would miss the gathers
         from async_rl.learner.lora import adapter_disabled
         from async_rl.learner.reference import ReferencePolicy
 
         return ReferencePolicy.of_base(
-            self.model, lambda: adapter_disabled(self.peft), micro_batch_tokens, logprob_chunk_tokens
+            self.model, lambda: adapter_disabled(self.peft), micro_batch_tokens, logprob_chunk_tokens, head_kernel
         )
 
     def weights_gathered(self) -> bool:

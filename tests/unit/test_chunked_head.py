@@ -249,7 +249,7 @@ class _StubBackend:
     def setup(self, model_dir: str) -> int:
         return 0
 
-    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int) -> None:
+    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int, head_kernel: str = "eager") -> None:
         return None  # no LoRA: the driver loads the reference from the run's initial folder
 
 

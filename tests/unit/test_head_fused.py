@@ -116,3 +116,24 @@ def test_inductor_compiled_megatron_shard_head_equals_the_eager_head():
     eager, fused = run_shard(False, vs, 0.7, True), run_shard(True, vs, 0.7, True)
     for a, b in zip(eager, fused, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_the_kl_reference_pass_runs_the_compiled_head_where_the_policy_does(model_dir, monkeypatch):
+    """ReferencePolicy follows learner.head_kernel: compiled -> the fused per-chunk arithmetic (here
+    head_fused's functions run as written, counted), the same log-probs as the eager head."""
+    from async_rl.learner.padded import PaddedShard
+    from async_rl.learner.reference import ReferencePolicy
+    from tests.unit._learner_fixtures import groups
+
+    calls = []
+    monkeypatch.setattr(head_fused, "compiled", lambda: calls.append(1) or head_fused.EAGER)
+    shard = PaddedShard(groups(3))
+    eager = ReferencePolicy(str(model_dir), torch.float32, head_kernel="eager")
+    fused = ReferencePolicy(str(model_dir), torch.float32, head_kernel="compiled")
+    assert (eager.fused, fused.fused, ReferencePolicy(str(model_dir), torch.float32, head_kernel="auto").fused) == (
+        False, True, False)  # auto: eager on the CPU
+    want = eager.score(shard, 0.7)
+    assert not calls
+    got = fused.score(shard, 0.7)
+    assert calls and want.abs().sum() > 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
