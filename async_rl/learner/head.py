@@ -118,35 +118,16 @@ class ChunkedHead(torch.autograd.Function):
         grad_of_chunk = head_fused.compiled().grad if ctx.fused else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(dtype)
+            part = slice(s, s + chunk)
+            rest = (
+                None if grad_entropy is None else entropy[part], targets[part],
+                None if grad_logp is None else grad_logp[part],
+                None if grad_entropy is None else grad_entropy[part], t, dtype,
+            )  # fmt: skip
             if grad_of_chunk is not None:
-                part = slice(s, s + chunk)
-                dz = grad_of_chunk(
-                    h @ w.t(), lse[part], None if grad_entropy is None else entropy[part], targets[part],
-                    None if grad_logp is None else grad_logp[part],
-                    None if grad_entropy is None else grad_entropy[part], t, dtype,
-                )
-            else:
-                # log p over the vocabulary, then p, in place: one [chunk x V] tensor without the entropy's
-                # gradient, two with it.
-                logp_all = _logits(h, w, t, dtype).sub_(lse[s : s + chunk, None])
-                if grad_entropy is None:
-                    dz = logp_all.exp_()
-                else:
-                    # H = -sum p log p: dH / dz_j = -p_j (log p_j + H)
-                    p = torch.exp(logp_all)
-                    ge = grad_entropy[s : s + chunk].float()
-                    dz = logp_all.add_(entropy[s : s + chunk, None]).mul_(p).mul_(-ge[:, None])
-                if grad_logp is not None:
-                    # d log p(y) / d z = onehot(y) - softmax(z); z = logits / t
-                    g = grad_logp[s : s + chunk].float()
-                    if grad_entropy is None:
-                        dz.mul_(-g[:, None])
-                    else:
-                        dz.sub_(p.mul_(g[:, None]))
-                    dz.scatter_add_(1, targets[s : s + chunk, None], g[:, None])
-                if t != 1.0:
-                    dz.div_(t)
-                dz = dz.to(dtype)
+                dz = grad_of_chunk(h @ w.t(), lse[part], *rest)
+            else:  # in place, one or two fp32 [chunk x V] tensors
+                dz = head_fused.eager_chunk_grad_(_logits(h, w, t, dtype).sub_(lse[part, None]), *rest)
             if need_h:
                 grad_h[s : s + chunk] = (dz @ w).to(hidden.dtype)
             if need_w:

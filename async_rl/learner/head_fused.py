@@ -71,6 +71,45 @@ def chunk_grad(
     return (dz / temperature).to(dtype)
 
 
+def eager_chunk_grad_(
+    logp_all: torch.Tensor,
+    entropy: torch.Tensor | None,
+    local_targets: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`chunk_grad` for the eager loops, written in place: `logp_all` is the chunk's fp32 log p over one
+    vocabulary shard [c, V'] (the whole vocabulary for the torch head), and is overwritten. One fp32
+    [c x V'] tensor without the entropy's gradient, two with it (`chunk_grad`, written out of place for
+    the compiler, would make several). `local_targets` are the targets less the shard's first id; a
+    target outside [0, V') gets no one-hot here (Megatron: another rank's rows hold it)."""
+    if grad_entropy is None:
+        dz = logp_all.exp_()  # p
+    else:
+        assert entropy is not None
+        # H = -sum p log p: dH / dz_j = -p_j (log p_j + H)
+        p = torch.exp(logp_all)
+        dz = logp_all.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy.float()[:, None])
+    if grad_logp is not None:
+        # d log p(y) / dz = onehot(y) - p
+        g = grad_logp.float()
+        if grad_entropy is None:
+            dz.mul_(-g[:, None])
+        else:
+            dz.sub_(p.mul_(g[:, None]))
+        rows = dz.shape[-1]
+        if rows:
+            mine = (local_targets >= 0) & (local_targets < rows)
+            dz.scatter_add_(1, local_targets.clamp(0, rows - 1)[:, None], (g * mine)[:, None])
+    if grad_entropy is not None:
+        del p
+    if temperature != 1.0:
+        dz.div_(temperature)
+    return dz.to(dtype)
+
+
 def shard_max(z: torch.Tensor, temperature: float) -> torch.Tensor:
     """fp32 [c]: the largest logit / temperature of each row of one vocabulary shard's logits [c, V/tp]
     (the Megatron head all-reduces it over TP ranks before `shard_sums`)."""

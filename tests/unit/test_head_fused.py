@@ -137,3 +137,23 @@ def test_the_kl_reference_pass_runs_the_compiled_head_where_the_policy_does(mode
     got = fused.score(shard, 0.7)
     assert calls and want.abs().sum() > 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("entropy_grad,logp_grad", [(False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("start", [0, 40])
+def test_the_eager_in_place_gradient_equals_chunk_grad_on_a_vocabulary_shard(entropy_grad, logp_grad, start):
+    """`eager_chunk_grad_` (both heads' eager backward) is `chunk_grad`'s arithmetic, in place: on a shard
+    of rows [start, start + 30) of a 97-token vocabulary, targets off the shard get no one-hot."""
+    torch.manual_seed(1)
+    c, rows, t = 12, 30, 0.7
+    z = torch.randn(c, rows)
+    targets = torch.randint(0, 97, (c,))
+    targets[:3] = torch.tensor([start, start + rows - 1, start + rows])  # the shard's first and last, one past it
+    lse = torch.logsumexp(z / t, -1) + 0.5  # as if the other shards held part of the mass
+    entropy = torch.rand(c) + 1.0
+    g_logp = torch.randn(c) if logp_grad else None
+    g_entropy = torch.randn(c) if entropy_grad else None
+    local = targets - start
+    want = head_fused.chunk_grad(z, lse, entropy, local, g_logp, g_entropy, t, torch.float32)
+    got = head_fused.eager_chunk_grad_(z / t - lse[:, None], entropy, local, g_logp, g_entropy, t, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -135,41 +135,17 @@ class VocabParallelHead(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(w.dtype)
             c = h.shape[0]
-            if grad_of_chunk is not None:  # compiled from the compute-dtype logits; a target off this shard has no one-hot
-                part = slice(s, s + c)
-                dz = grad_of_chunk(
-                    h @ w.t(), lse[part], None if grad_entropy is None else entropy[part], targets[part] - shard.start,
-                    None if grad_logp is None else grad_logp[part],
-                    None if grad_entropy is None else grad_entropy[part], t, w.dtype,
-                )
-            else:
-                # log p over this rank's vocabulary rows, then p, in place: one fp32 [c x V/tp] tensor
-                # without the entropy's gradient, two with it.
-                logp_all = _logits(h, w, t).sub_(lse[s : s + c, None])
-                if grad_entropy is None:
-                    dz = logp_all.exp_()  # p
-                else:
-                    # H = -sum p log p: dH/dz_j = -p_j (log p_j + H)
-                    p = torch.exp(logp_all)
-                    ge = grad_entropy[s : s + c].float()
-                    dz = logp_all.add_(entropy[s : s + c, None]).mul_(p).mul_(-ge[:, None])
-                if grad_logp is not None:
-                    # d log p(y) / dz = onehot(y) - p
-                    g = grad_logp[s : s + c].float()
-                    if grad_entropy is None:
-                        dz.mul_(-g[:, None])
-                    else:
-                        dz.sub_(p.mul_(g[:, None]))
-                    local = targets[s : s + c] - shard.start
-                    mine = (local >= 0) & (local < shard.valid)
-                    if shard.valid:  # the one-hot on the rank whose rows hold the target
-                        dz.scatter_add_(1, local.clamp(0, shard.valid - 1)[:, None], (g * mine)[:, None])
-                if grad_entropy is not None:
-                    del p
-                if t != 1.0:
-                    dz.div_(t)
-                dz = dz.to(w.dtype)
-                del logp_all  # the fp32 tensor dz was made in place in: freed before the matmuls
+            part = slice(s, s + c)
+            rest = (
+                None if grad_entropy is None else entropy[part], targets[part] - shard.start,
+                None if grad_logp is None else grad_logp[part],
+                None if grad_entropy is None else grad_entropy[part], t, w.dtype,
+            )  # fmt: skip
+            # a target off this shard (shifted outside [0, valid)) gets no one-hot on this rank
+            if grad_of_chunk is not None:  # compiled from the compute-dtype logits
+                dz = grad_of_chunk(h @ w.t(), lse[part], *rest)
+            else:  # in place: the fp32 [c x V/tp] log p is made and consumed here, freed before the matmuls
+                dz = head_fused.eager_chunk_grad_(_logits(h, w, t).sub_(lse[part, None]), *rest)
             if need_h:
                 grad_h[s : s + c] = (dz @ w).to(hidden.dtype)
             if need_w:
