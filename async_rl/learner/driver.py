@@ -20,8 +20,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from async_rl.cluster.net import free_port, node_ip
+from async_rl.cluster.net import node_ip
 from async_rl.cluster.placement import pin_current_process
 from async_rl.errors import RunError
 from async_rl.learner.algorithms import LOSS_STATS, Algorithm, Prepared
@@ -43,6 +44,7 @@ from async_rl.learner.hf_io import rng_state, set_rng_state
 from async_rl.learner.host_memory import set_malloc_mmap_threshold
 from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
 from async_rl.learner.padded import PaddedShard
+from async_rl.learner.rendezvous import host_store
 from async_rl.learner.schedule import lr_factor
 from async_rl.learner.shared_prefix import shared_micro_batches
 from async_rl.learner.token_budget import resolve_budget
@@ -59,11 +61,13 @@ _STATS = ("loss", "clip_frac", "tis_frac", "kl_behav", "logprob_abs_diff", "mask
           "cov_frac")
 
 
-def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> ModelBackend:
+def make_backend(
+    spec: LearnerSpec, rank: int, world_size: int, master: str, rendezvous_store: dist.TCPStore | None = None
+) -> ModelBackend:
     if spec.learner.backend == "torch":
         from async_rl.learner.torch_backend import TorchBackend
 
-        return TorchBackend(spec.learner, spec.model.dtype, rank, world_size, master)
+        return TorchBackend(spec.learner, spec.model.dtype, rank, world_size, master, rendezvous_store)
     if spec.learner.backend == "megatron":
         from async_rl.cluster.devices import device_of
         from async_rl.learner.megatron.backend import MegatronBackend
@@ -73,6 +77,7 @@ def make_backend(spec: LearnerSpec, rank: int, world_size: int, master: str) -> 
             rank=rank,
             world_size=world_size,
             master=master,
+            rendezvous_store=rendezvous_store,
             tensor_parallel_size=m.tensor_parallel_size,
             pipeline_parallel_size=m.pipeline_parallel_size,
             dtype=spec.model.dtype,
@@ -178,6 +183,7 @@ class LearnerDriver(LearnerRank):
         self.rank = rank
         self.world_size = world_size
         self.master = master
+        self._rendezvous_store: dist.TCPStore | None = None  # rank 0's, once rendezvous_address made it
         self.share_prompt = False  # learner.share_prompt where the backend supports it (setup)
         self.backend: ModelBackend | None = None  # made in setup, once the rendezvous address is known
         self.weights: WeightSource | None = None
@@ -194,7 +200,8 @@ class LearnerDriver(LearnerRank):
 
     def rendezvous_address(self) -> str:
         host = node_ip()  # other ranks may run on other nodes (in a Ray actor: Ray's address of this node)
-        self.master = f"{host}:{free_port(host)}"
+        self._rendezvous_store = host_store(host, self.world_size)  # bound now: no port to lose meanwhile
+        self.master = f"{host}:{self._rendezvous_store.port}"
         return self.master
 
     def setup(self) -> int:
@@ -203,7 +210,7 @@ class LearnerDriver(LearnerRank):
         np.random.seed(s.train.seed)
         torch.manual_seed(s.train.seed)
         set_malloc_mmap_threshold(s.learner.malloc_mmap_threshold_kb)  # a memory switch, off by default
-        self.backend = make_backend(s, self.rank, self.world_size, self.master)
+        self.backend = make_backend(s, self.rank, self.world_size, self.master, self._rendezvous_store)
         params = self.backend.setup(s.model_dir)
         self.device = self.backend.device
         # One prompt per group where the backend takes the block masks it needs (not megatron's).

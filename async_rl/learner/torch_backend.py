@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +26,7 @@ from async_rl.learner.kernels import apply_kernels, compile_layers, decoder_laye
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.packing import MicroBatch
 from async_rl.learner.precision import WorkingCopy, all_reduce_grads
+from async_rl.learner.rendezvous import join_group
 
 OPTIMIZER_STATE = "optimizer.pt"
 
@@ -62,12 +62,18 @@ def rank_device(device: str) -> torch.device:
 
 
 class TorchBackend(ModelBackend):
-    def __init__(self, cfg: LearnerConfig, dtype: str, rank: int, world_size: int, master: str) -> None:
+    def __init__(
+        self, cfg: LearnerConfig, dtype: str, rank: int, world_size: int, master: str,
+        rendezvous_store: dist.TCPStore | None = None,
+    ) -> None:
+        """`master`: the group's store ('host:port'); `rendezvous_store`: rank 0's, already listening
+        there (`rendezvous.host_store`), or None for rank 0 to start it on that port."""
         self.cfg = cfg
         self.dtype = getattr(torch, dtype)
         self.rank = rank
         self.world_size = world_size
         self.master = master
+        self.rendezvous_store = rendezvous_store
         self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
         self.peft = None  # learner.lora: the PeftModel around self.model (see learner/lora.py)
         self.working: WorkingCopy | None = None  # mixed_precision=bf16_params: what the forward runs on
@@ -91,14 +97,8 @@ class TorchBackend(ModelBackend):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1 or self.sharded:  # FSDP2 needs a process group even for one rank
-            host, port = self.master.rsplit(":", 1)
-            dist.init_process_group(
-                "nccl" if self.device.type == "cuda" else "gloo",
-                init_method=f"tcp://{host}:{port}",
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=300),
-            )
+            join_group("nccl" if self.device.type == "cuda" else "gloo", self.master, self.rank, self.world_size,
+                       self.rendezvous_store)
         self.info = ParallelInfo(
             rank=self.rank, world_size=self.world_size, dp_rank=self.rank, dp_size=self.world_size,
             fetches_batch=True, has_outputs=True, counts_samples=True,

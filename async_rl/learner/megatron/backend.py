@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -56,6 +55,7 @@ from async_rl.learner.megatron import model as mm
 from async_rl.learner.megatron.attention import resolve as resolve_attention
 from async_rl.learner.megatron.head import VocabShard, chunked_scores
 from async_rl.learner.packing import MicroBatch
+from async_rl.learner.rendezvous import join_group
 from async_rl.protocol import TrajectoryGroup
 
 
@@ -215,6 +215,7 @@ class MegatronBackend(ModelBackend):
         rank: int,
         world_size: int,
         master: str,
+        rendezvous_store: dist.TCPStore | None = None,
         tensor_parallel_size: int,
         pipeline_parallel_size: int,
         dtype: str,
@@ -237,6 +238,7 @@ class MegatronBackend(ModelBackend):
         `attention` (learner.megatron.attention): the local spec's core attention (`megatron.attention`).
         `head_kernel` (learner.head_kernel): the chunked head's per-chunk arithmetic compiled (auto: on CUDA)."""
         self.rank, self.world_size, self.master = rank, world_size, master
+        self.rendezvous_store = rendezvous_store  # rank 0's store at `master`, or None (`rendezvous.join_group`)
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.dtype = getattr(torch, dtype)
         self.lr, self.weight_decay, self.max_grad_norm = lr, weight_decay, max_grad_norm
@@ -273,14 +275,7 @@ class MegatronBackend(ModelBackend):
             raise RunError("learner.device=cuda but this rank sees no CUDA device")
         else:
             torch.cuda.set_device(0)  # Ray gives each rank one visible GPU
-        host, port = self.master.rsplit(":", 1)
-        dist.init_process_group(
-            "gloo" if self.on_cpu else "nccl",
-            init_method=f"tcp://{host}:{port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=300),
-        )
+        join_group("gloo" if self.on_cpu else "nccl", self.master, self.rank, self.world_size, self.rendezvous_store)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp
         )
