@@ -12,7 +12,9 @@ Exit status: 0 when every run passed.
 buffer): at the default 0 the kernel gives each burner ~28 times a worker's share of a core (weights
 1024 and 36), so on 2 cores two burners starve the run itself (an engine took over 7 minutes to
 start) rather than load the machine around it. A run past --timeout-s is stopped with its whole
-process group (pytest runs in a session of its own, with the Ray processes it started).
+process group (pytest runs in a session of its own, with the Ray processes it started). So is the
+run going on when the script is stopped (SIGTERM or SIGINT; a background job has SIGINT ignored, so
+use SIGTERM there): its process group is killed and the burners stopped before the script exits.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def stamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds into main's cleanup: the run's process group, the burners
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=10)
@@ -55,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"[{stamp()}] {a.runs} runs of pytest {' '.join(a.pytest_args)} under {a.burners} burners "
             f"at nice {a.burner_nice}")
         burners = start_burners(a.burners, nice=a.burner_nice)
+        proc: subprocess.Popen | None = None
+        i = 0
+        signal.signal(signal.SIGTERM, _stop)
         try:
             for i in range(1, a.runs + 1):
                 t0, load0 = time.monotonic(), os.getloadavg()[0]
@@ -70,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
                     outcome = f"TIMED OUT after {a.timeout_s:.0f} s"
                 passed += outcome == "passed"
                 say(f"[{stamp()}] run {i}: {outcome} in {time.monotonic() - t0:.0f} s (load now {os.getloadavg()[0]:.1f})")
+        except KeyboardInterrupt:  # SIGINT, or SIGTERM through _stop
+            say(f"[{stamp()}] stopped during run {i}")
+            raise
         finally:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             stop_burners(burners)
         say(f"[{stamp()}] {passed} of {a.runs} passed")
     return 0 if passed == a.runs else 1
