@@ -55,8 +55,12 @@ def run_short(tmp_path, model_cache, overrides, between=None):
 
 
 def check_common(
-    cfg, summary, learner_ck, engine_cks, final, records, engines=None, rejected_ok=(), requeued=0, late_groups=False
+    cfg, summary, learner_ck, engine_cks, final, records, engines=None, rejected_ok=(), requeued=0, late_groups=False,
+    requeued_after_last_step=0,
 ):
+    """`requeued`: samples requeued in the whole run (the final accounts); `requeued_after_last_step`:
+    those of them requeued after the last step's record was written (an engine dying in the final
+    evaluation with training leases), which that record cannot count."""
     steps = cfg.train.total_steps
     # The policy version advances once per optimizer step, and generators end on the last synced one.
     assert [r["version"] for r in records] == list(range(1, steps + 1))
@@ -71,7 +75,7 @@ def check_common(
     batch = cfg.train.prompts_per_step * cfg.generators.group_size
     group = cfg.generators.group_size
     check_admission(records, cfg.train.max_lag, batch, stale_groups_of=group if late_groups else 0)
-    check_buckets(records, batch, requeued=requeued)
+    check_buckets(records, batch, requeued=requeued - requeued_after_last_step)
     # At shutdown the requests still in flight are lost (whole groups), within what admission allowed.
     a = final.accounts
     stale = a.dropped_stale if late_groups else 0
