@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(RESULTS / "gpu"), help="where the summary and the logs go")
     ap.add_argument("--tag", default="", help="file name prefix (default: today's UTC date, '-dry' added in a dry run)")
     ap.add_argument("--budget-s", type=float, default=480, help="the whole check's time limit")
-    ap.add_argument("--part-a-timeout-s", type=float, default=150)
+    # 38 of part A's 44 tests ran in 150 s on an H200 (2026-11-27d), the compiles being most of it
+    ap.add_argument("--part-a-timeout-s", type=float, default=240)
     ap.add_argument("--learner-timeout-s", type=float, default=200)
     ap.add_argument("--weight-sync-timeout-s", type=float, default=100)
     ap.add_argument("--skip", action="append", default=[], choices=["part-a", "learner", "weight-sync"],

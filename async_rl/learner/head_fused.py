@@ -11,8 +11,9 @@ only [chunk] statistics (forward) or the bf16 gradient (backward); no fp32 [chun
 tensor is made.
 
 Both functions are the same arithmetic as `ChunkedHead`'s eager loop (tests/unit/test_head_fused.py
-compares them, values and gradients, eager and compiled on the CPU). They are compiled with
-`dynamic=True`, so the last, shorter chunk and new vocabularies do not recompile per length.
+compares them, values and gradients, eager and compiled on the CPU). Only the chunk's length is
+dynamic (`_one_compile`): the last, shorter chunk and the next micro-batch's chunk count do not
+recompile, and the vocabulary (fixed for a run) stays a constant the compiler can tile for.
 """
 
 from __future__ import annotations
@@ -145,8 +146,30 @@ class HeadKernels:
 EAGER = HeadKernels(chunk_stats, chunk_grad, shard_max, shard_sums)
 
 
+def _one_compile(f: Callable) -> Callable:
+    """`f` compiled once for every chunk length. Every tensor argument's first dimension is the chunk's
+    rows, marked dynamic; the other dimensions (the vocabulary) stay static. The small per-chunk vectors
+    reach here as slices of the micro-batch's (targets, log-sum-exp, gradients): dynamo guards a view
+    on its base's sizes too, and where one chunk covered a whole micro-batch, duck sizing tied the base's
+    length to the chunk's, so the next micro-batch with more chunks compiled everything again (seen on
+    an H200, 2026-11-27). They are passed as tensors of their own (a copy of [chunk] numbers)."""
+    compiled_f = torch.compile(f)
+
+    def call(*args):
+        own = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a._base is not None:
+                    a = a.clone()
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+            own.append(a)
+        return compiled_f(*own)
+
+    return call
+
+
 @cache
 def compiled() -> HeadKernels:
     """The functions compiled (one process-wide compile each, guarded on the arguments' kinds: with or
     without entropy, with or without each gradient)."""
-    return HeadKernels(*(torch.compile(f, dynamic=True) for f in (chunk_stats, chunk_grad, shard_max, shard_sums)))
+    return HeadKernels(*(_one_compile(f) for f in (chunk_stats, chunk_grad, shard_max, shard_sums)))

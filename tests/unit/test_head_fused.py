@@ -76,6 +76,32 @@ def test_inductor_compiled_head_equals_the_eager_head():
     torch.testing.assert_close(again[0], run_head(False, 0.7, True, True, seed=1)[0], atol=1e-5, rtol=0)
 
 
+def test_the_compiled_head_compiles_once_for_every_chunk_count():
+    """A micro-batch that fits one chunk, then micro-batches of two and four chunks with a shorter last
+    one: the compiled functions do not compile again (on an H200 they did: duck sizing tied a sliced
+    argument's base length to the single chunk's, head_fused._one_compile)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    head_fused.compiled.cache_clear()
+    weight = (0.3 * torch.randn(97, 16)).requires_grad_()
+
+    def step(rows: int) -> None:
+        hidden = torch.randn(rows, 40, 16, requires_grad=True)
+        targets = torch.randint(0, 97, (rows, 40))
+        index = flat_index(torch.rand(rows, 40) > 0.2)
+        logp, entropy = head_scores(hidden, weight, targets, index, 0.7, 64, True, True)
+        (logp.sum() + entropy.sum()).backward()
+
+    before = counters["stats"]["unique_graphs"]  # counts over the process, other tests' compiles too
+    step(1)  # at most 40 positions: one chunk of the 64
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs - before == 2  # the forward's statistics and the backward's gradient
+    for rows in (3, 6):  # ~96 and ~192 positions
+        step(rows)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def run_shard(fused: bool, shard, temperature: float, entropy_grad: bool, with_entropy: bool = True):
     """Megatron's vocab-parallel head on one shard of a 97-row weight (the first `shard.valid` rows
     are its vocabulary ids shard.start...; targets fall inside and outside it), no process group: the
