@@ -31,6 +31,8 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   combined_flex  combined with attention=flex (compiled block masks, dynamic shapes) for every block
   combined_compile combined with kernels=compile (regional torch.compile) in place of Liger
   combined_eager_head combined with head_kernel=eager: the compiled head's gain (learner/head_fused.py)
+  combined_triton_head combined with head_kernel=triton: the forward statistics in the hand-written
+                 Triton kernel (learner/head_triton.py), the backward compiled. Not in the defaults.
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
                  attention at the default (learner.megatron.attention auto = torch's SDPA), the model
                  in bf16 (megatron's fp32 main weights in the optimizer), at --tokens: issue 31's
@@ -43,7 +45,8 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
 The chunked head's savings (weight cast hoisted, one exponent pass, weight gradient in the GEMM, no
 entropy in scoring passes) are in every row of ours: they have no switch. Its compiled per-chunk
 arithmetic (learner.head_kernel, auto = compiled on CUDA) is in the combined and megatron rows, not in
-`today`, the single-switch rows or `combined_eager_head`.
+`today`, the single-switch rows or `combined_eager_head`; `combined_triton_head` has the compiled
+backward with the Triton forward statistics.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ VARIANTS: dict[str, dict] = {
     "combined_flex": {"mixed_precision": "auto", "kernels": "auto", "attention": "flex"},
     "combined_compile": {"mixed_precision": "auto", "kernels": "compile", "attention": "auto"},
     "combined_eager_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "eager"},
+    "combined_triton_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "triton"},
     "megatron": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "auto"}},
     "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
     "trl": {},
@@ -466,7 +470,8 @@ def write_markdown(result: dict, path: Path) -> None:
             d = s["logp_diff"].get(v, {})
             dtext = f"{d['mean_abs']:.4f} / {d['max_abs']:.3f}" if "mean_abs" in d else d.get("error", "")
             if "step_s" in row:
-                ran = (f"kernels {row.get('kernels', '-')}, head {'compiled' if row.get('fused_head') else 'eager'}, "
+                head = {True: "compiled", "triton": "triton"}.get(row.get("fused_head"), "eager")
+                ran = (f"kernels {row.get('kernels', '-')}, head {head}, "
                        f"budget {row.get('micro_batch_tokens', result['tokens'])}, "
                        f"working copy {row.get('working_copy', '-')}") if v != "trl" else "HF + autocast"
                 lines.append(f"| {v} | {row['step_s']:.2f} s | {row['completion_tokens_s']:,.0f} | {row['mfu']:.1%} | "

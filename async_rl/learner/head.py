@@ -68,11 +68,12 @@ class ChunkedHead(torch.autograd.Function):
     The weight is cast to the compute dtype once per call, and its fp32 gradient is accumulated
     inside the matmul (`_accumulate_matmul`). `fused` (learner.head_kernel compiled, CUDA by default):
     the same arithmetic per chunk as `head_fused`'s compiled functions of the compute-dtype logits, with
-    no fp32 copy of them; the loop below is the eager form, kept for the CPU."""
+    no fp32 copy of them ("triton": the forward statistics from `head_triton`'s kernel, the backward
+    compiled; `head_fused.fused_setting`); the loop below is the eager form, kept for the CPU."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool = True,
-                fused: bool = False):
+                fused: bool | str = False):
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
         w = weight.to(dtype)
@@ -80,7 +81,7 @@ class ChunkedHead(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         lse = torch.empty_like(logp)
-        stats = head_fused.compiled().stats if fused else None
+        stats = head_fused.kernels(fused).stats if fused else None
         for s in range(0, n, chunk):
             if stats is not None:  # the compiled arithmetic reads the compute-dtype logits (head_fused)
                 z = hidden[s : s + chunk].to(dtype) @ w.t()
@@ -115,7 +116,7 @@ class ChunkedHead(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight.to(dtype)
-        grad_of_chunk = head_fused.compiled().grad if ctx.fused else None
+        grad_of_chunk = head_fused.kernels(ctx.fused).grad if ctx.fused else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(dtype)
             part = slice(s, s + chunk)
@@ -143,13 +144,14 @@ def head_scores(
     temperature: float,
     chunk: int,
     entropy: bool = True,
-    fused: bool = False,
+    fused: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and entropy [B, T] (fp32; the entropy None unless `entropy`) from hidden states
     [B, T, H] and the output weight [V, H], computed at the flat positions `index` (long [N], row * T +
     column; `flat_index` of a bool mask) only: 0 elsewhere. The caller builds the index on the host
     (`MicroBatch.loss_index`), so the gather has no data-dependent shape and no host sync. `fused`: each
-    chunk's softmax arithmetic runs compiled (`head_fused`, `learner.head_kernel`)."""
+    chunk's softmax arithmetic runs compiled (`head_fused`, `learner.head_kernel`; "triton": its forward
+    statistics in `head_triton`'s kernel)."""
     b, t, h = hidden.shape
     flat_h = hidden.reshape(b * t, h).index_select(0, index)
     flat_t = targets.reshape(-1).index_select(0, index)
@@ -204,7 +206,7 @@ def model_scores(
     hidden: bool = False,
     head: bool = True,
     entropy: bool = True,
-    fused: bool = False,
+    fused: bool | str = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(logp, entropy, last hidden states) of an HF causal LM on `inputs` (its forward's keyword
     arguments). `chunk` > 0: the trunk, then the chunked head at the flat positions `index` only

@@ -18,6 +18,7 @@ recompile, and the vocabulary (fixed for a run) stays a constant the compiler ca
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -26,8 +27,31 @@ import torch
 
 
 def use_compiled(setting: str, device_type: str) -> bool:
-    """`learner.head_kernel` on this device: compiled, or auto on CUDA (eager on the CPU)."""
-    return setting == "compiled" or (setting == "auto" and device_type == "cuda")
+    """`learner.head_kernel` on this device: compiled, or auto on CUDA (eager on the CPU). triton counts
+    as compiled here (its backward is; megatron's vocabulary-shard head has no Triton statistics)."""
+    return setting in ("compiled", "triton") or (setting == "auto" and device_type == "cuda")
+
+
+def fused_setting(setting: str, device_type: str) -> bool | str:
+    """`learner.head_kernel` on this device as the torch head's `fused` argument: False (eager), True
+    (compiled) or "triton" (`head_triton`'s forward statistics, the compiled backward). Raises a
+    RunError where triton is asked for and cannot run."""
+    if setting == "triton":
+        from async_rl.learner import head_triton
+
+        head_triton.check(device_type)
+        return "triton"
+    return use_compiled(setting, device_type)
+
+
+def kernels(fused: bool | str) -> HeadKernels:
+    """The per-chunk functions of the fused path `fused` (True: `compiled()`; "triton": the same with
+    `head_triton.chunk_stats` for the forward statistics)."""
+    if fused == "triton":
+        from async_rl.learner import head_triton
+
+        return dataclasses.replace(compiled(), stats=head_triton.chunk_stats)
+    return compiled()
 
 
 def chunk_stats(

@@ -45,7 +45,8 @@ class ReferencePolicy:
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         head_kernel: str = "eager",
     ) -> None:
-        """`head_kernel`: `learner.head_kernel` (auto: compiled on CUDA, eager on the CPU)."""
+        """`head_kernel`: `learner.head_kernel` (auto: compiled on CUDA, eager on the CPU; triton: the
+        forward statistics in `head_triton`'s kernel, the reference pass's only use of the head)."""
         from transformers import AutoModelForCausalLM
 
         # Loaded from the checkpoint the run started from (not copied from the live model): the same
@@ -56,7 +57,7 @@ class ReferencePolicy:
         self.model.requires_grad_(False)
         self.micro_batch_tokens = micro_batch_tokens
         self.chunk = logprob_chunk_tokens if unsupported(self.model) is None else 0
-        self.fused = head_fused.use_compiled(head_kernel, self.device.type)
+        self.fused = head_fused.fused_setting(head_kernel, self.device.type)
         self._as_reference: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     @classmethod
@@ -74,7 +75,7 @@ class ReferencePolicy:
         ref.model, ref.device = model, next(model.parameters()).device
         ref.micro_batch_tokens = micro_batch_tokens
         ref.chunk = logprob_chunk_tokens if unsupported(model) is None else 0
-        ref.fused = head_fused.use_compiled(head_kernel, ref.device.type)
+        ref.fused = head_fused.fused_setting(head_kernel, ref.device.type)
         ref._as_reference = as_reference
         return ref
 

@@ -36,7 +36,7 @@ class ScoringModel(torch.nn.Module):
     It is the module DDP and FSDP2 wrap, so the head runs inside their forward: DDP sees the output
     weight used, FSDP2's root has gathered it."""
 
-    def __init__(self, model: torch.nn.Module, chunk: int, fused_head: bool) -> None:
+    def __init__(self, model: torch.nn.Module, chunk: int, fused_head: bool | str) -> None:
         super().__init__()
         self.model = model
         self.chunk = chunk
@@ -137,7 +137,7 @@ class TorchBackend(ModelBackend):
         self.kernels = apply_kernels(self.cfg.kernels, compute_model, self.device)
         if self.cfg.compile and self.kernels != "compile":
             compile_layers(compute_model)
-        self.fused_head = head_fused.use_compiled(self.cfg.head_kernel, self.device.type)
+        self.fused_head = head_fused.fused_setting(self.cfg.head_kernel, self.device.type)
         self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens, self.fused_head)
         if self.working:
             self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced after the last micro-batch

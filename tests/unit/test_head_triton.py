@@ -1,0 +1,160 @@
+"""The hand-written Triton statistics kernel (learner/head_triton.py, `learner.head_kernel: triton`) on
+the CPU, under Triton's interpreter: the same (log p, log-sum-exp, entropy) as `head_fused.chunk_stats`
+run as written, and the chunked head with it the same values and gradients as the eager head.
+
+TRITON_INTERPRET must be set before the kernel is built, and another test in the same process (an
+inductor compile, Liger) may have imported triton or built kernels already: the interpreter checks run
+in a fresh Python (this file run as a module, the fixture `interpreted`), with a small BLOCK so that rows span
+several blocks and end in a partial one. The error for a machine that cannot run the kernel is checked
+in this process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from async_rl.errors import RunError
+from async_rl.learner import head_fused, head_triton
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+CHECKS = ("check_stats", "check_head")
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> str:
+    """The output of every check below run in one fresh Python under Triton's interpreter (one torch
+    import for both): a line `<check> ok` for each that passed, its traceback for each that failed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-m", "tests.unit.test_head_triton", *CHECKS], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    return f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+
+
+def assert_passed(output: str, check: str) -> None:
+    assert f"{check} ok" in output.splitlines(), f"{check} failed under the interpreter:\n{output[-6000:]}"
+
+
+def reference64(z: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """(log p, lse, entropy) in float64: what both fp32 versions round."""
+    zf = z.double() / temperature
+    lse = torch.logsumexp(zf, -1)
+    p = torch.softmax(zf, -1)
+    return zf.gather(-1, targets[:, None]).squeeze(-1) - lse, lse, lse - (p * zf).sum(-1)
+
+
+def check_stats() -> None:
+    import async_rl.learner.head  # noqa: F401  (the head imports no triton either)
+
+    assert "triton" not in sys.modules, "importing head_triton or the head imported triton"
+    head_triton.BLOCK = 256
+    torch.manual_seed(0)
+    big = 3 * torch.randn(3, 1200)
+    cases = [3 * torch.randn(1, 1000), 3 * torch.randn(5, 1000), 3 * torch.randn(2, 256), 3 * torch.randn(4, 7),
+             big[:, :1000]]  # one row; V not a multiple of BLOCK, a multiple, below one block; rows strided
+    for z in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            zd = z.to(dtype) if dtype != z.dtype else z  # bf16 logits are exact in fp32: the same fp32 arithmetic
+            targets = torch.randint(0, z.shape[1], (z.shape[0],))
+            targets[0] = z.shape[1] - 1  # the last column, in the partial block
+            for temperature in (1.0, 0.7):
+                for with_entropy in (True, False):
+                    got = head_triton.chunk_stats(zd, targets, temperature, with_entropy)
+                    want = head_fused.chunk_stats(zd, targets, temperature, with_entropy)
+                    where = f"{tuple(z.shape)} {dtype} t={temperature} entropy={with_entropy}"
+                    assert (got[2] is None) == (not with_entropy), where
+                    for g, w in zip(got, want, strict=True):
+                        if w is None:
+                            continue
+                        assert g.dtype == torch.float32 and g.shape == w.shape, where
+                        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m, where=where: f"{where}: {m}")
+    # Extreme logits: the running max jumps by ~160 between blocks (the sums rescaled by exp(-160 / t)),
+    # a row is a linear ramp, one sits near +80 everywhere, one has its top 100 columns tied in the
+    # last blocks. |z/t| reaches 230, where one fp32 step is 1.5e-5: compared with float64, and with
+    # the eager fp32 code within that step.
+    z = 0.1 * torch.randn(5, 1000)
+    z[:, 700], z[:, 10] = 80.0, -80.0
+    z[1] = torch.linspace(-80, 80, 1000)
+    z[2] = 80 + torch.randn(1000)
+    z[3, 900:] = 80.0
+    z[4, :300], z[4, 300:] = -80.0, torch.linspace(-80, 80, 700).flip(0)
+    targets = torch.tensor([700, 999, 3, 10, 0])
+    for temperature in (1.0, 0.7):
+        got = head_triton.chunk_stats(z, targets, temperature, True)
+        want = head_fused.chunk_stats(z, targets, temperature, True)
+        for name, g, w, r in zip(("logp", "lse", "entropy"), got, want, reference64(z, targets, temperature),
+                                 strict=True):
+            assert torch.isfinite(g).all(), (name, g)
+            torch.testing.assert_close(g.double(), r, atol=2e-5, rtol=0, msg=lambda m, n=name: f"{n} vs f64: {m}")
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=0, msg=lambda m, n=name: f"{n} vs eager: {m}")
+    empty = head_triton.chunk_stats(torch.zeros(0, 50), torch.zeros(0, dtype=torch.long), 1.0, True)
+    assert [t.shape for t in empty] == [(0,)] * 3
+
+
+def check_head() -> None:
+    from tests.unit.test_head_fused import run_head
+
+    head_triton.BLOCK = 32  # the test's 97-token vocabulary: three blocks and a partial one
+    head_fused.compiled = lambda: head_fused.EAGER  # the backward's chunk_grad as written: no inductor compile
+    assert head_fused.fused_setting("triton", "cpu") == "triton"
+    for temperature in (1.0, 0.7):
+        eager = run_head(False, temperature, True, True)
+        fused = run_head("triton", temperature, True, True)
+        for a, b in zip(eager[:2], fused[:2], strict=True):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        for a, b in zip(eager[2:], fused[2:], strict=True):  # gradients, relative
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+    eager = run_head(False, 0.7, False, False, with_entropy=False)
+    fused = run_head("triton", 0.7, False, False, with_entropy=False)
+    assert eager[1] is None and fused[1] is None
+    torch.testing.assert_close(fused[0], eager[0], atol=1e-5, rtol=0)
+    eager = run_head(False, 1.0, True, True, dtype=torch.bfloat16)
+    fused = run_head("triton", 1.0, True, True, dtype=torch.bfloat16)
+    torch.testing.assert_close(fused[0], eager[0], atol=1e-5, rtol=0)  # the same bf16 logits, fp32 arithmetic
+    torch.testing.assert_close(fused[1], eager[1], atol=1e-5, rtol=0)
+    assert fused[2].dtype == fused[3].dtype == torch.bfloat16
+
+
+def test_triton_statistics_equal_the_eager_statistics(interpreted):
+    assert_passed(interpreted, "check_stats")
+
+
+def test_the_chunked_head_with_triton_statistics_equals_the_eager_head(interpreted):
+    assert_passed(interpreted, "check_head")
+
+
+def test_triton_without_cuda_or_the_interpreter_is_a_one_line_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RunError, match=r"^learner\.head_kernel=triton: .*CUDA") as e:
+        head_fused.fused_setting("triton", "cpu")
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "triton", None)  # triton not importable
+    with pytest.raises(RunError, match=r"^learner\.head_kernel=triton: triton does not import"):
+        head_fused.fused_setting("triton", "cuda")
+
+
+def test_auto_and_the_other_settings_are_unchanged():
+    assert [head_fused.fused_setting(s, d) for s in ("auto", "compiled", "eager") for d in ("cpu", "cuda")] == [
+        False, True, True, True, False, False]
+
+
+if __name__ == "__main__":
+    import traceback
+
+    failed = False
+    for name in sys.argv[1:]:
+        try:
+            globals()[name]()
+            print(f"{name} ok", flush=True)
+        except Exception:
+            failed = True
+            print(f"{name} FAILED\n{traceback.format_exc()}", flush=True)
+    sys.exit(1 if failed else 0)
