@@ -12,11 +12,13 @@ or tokenized as it is when that is off.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from async_rl.errors import RunError
 from async_rl.protocol import ChatMessage, Prompt
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -30,11 +32,45 @@ class RenderError(ValueError):
         self.reason = reason
 
 
-class PromptRenderer:
-    def __init__(self, model_dir: str | Path, system_prompt: str = "", template_for_text: bool = True) -> None:
-        from transformers import AutoTokenizer  # heavy: only where prompts are rendered
+@cache
+def tokenizer_class_of(model_dir: str) -> str:
+    """The name of the tokenizer class AutoTokenizer picks for `model_dir` where it is one of
+    transformers' own ('' for anything else: remote code). AutoTokenizer decides from the model's
+    config as well as the tokenizer's (the tiny preset's tokenizer file says TokenizersBackend, its
+    model type gets Qwen2Tokenizer, which splits text differently), and reading a config imports torch
+    (transformers' configuration module does): ~3 CPU-s more for a process that has no other use for
+    torch, such as the buffer. So the launching process, which has torch anyway, asks once per folder
+    and the buffer loads that class directly (`load_tokenizer`). Not a local folder: '' (the buffer's
+    AutoTokenizer reports what is wrong, as it did before)."""
+    import transformers
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if not Path(model_dir).is_dir():
+        return ""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    name = type(tokenizer).__name__
+    return name if getattr(transformers, name, None) is type(tokenizer) else ""
+
+
+def load_tokenizer(model_dir: str | Path, tokenizer_class: str = "") -> Any:
+    """The model's tokenizer: AutoTokenizer's, or with `tokenizer_class` (`tokenizer_class_of` the same
+    folder) that class's `from_pretrained` on the folder, which is what AutoTokenizer calls once it
+    has chosen the class, without AutoTokenizer's import of torch."""
+    import transformers  # heavy: only where prompts are rendered
+
+    if not tokenizer_class:
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    cls = getattr(transformers, tokenizer_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        raise RunError(f"{model_dir}: tokenizer class {tokenizer_class!r} is not one of transformers' tokenizers")
+    return cls.from_pretrained(str(model_dir))
+
+
+class PromptRenderer:
+    def __init__(
+        self, model_dir: str | Path, system_prompt: str = "", template_for_text: bool = True, tokenizer_class: str = ""
+    ) -> None:
+        """`tokenizer_class`: `tokenizer_class_of(model_dir)` where the caller has it ('' = AutoTokenizer)."""
+        self.tokenizer = load_tokenizer(model_dir, tokenizer_class)
         self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.system_prompt = system_prompt
         self.template_for_text = template_for_text

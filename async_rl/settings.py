@@ -7,6 +7,7 @@ from pathlib import Path
 import msgspec
 
 from async_rl.buffer.actor import BufferSettings
+from async_rl.chat import tokenizer_class_of
 from async_rl.cluster import placement
 from async_rl.cluster.devices import device_of, serving_dtype, use_eager, use_prefix_caching, wire_dtype
 from async_rl.cluster.placement import PlacementPlan
@@ -85,6 +86,7 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
         model_dir=str(model_dir),
+        tokenizer_class=tokenizer_class_of(str(model_dir)),
         attention_weight=shape.attention_weight() if (shape := ModelShape.read(model_dir)) else 0.0,
         max_prompt_tokens=cfg.generators.max_model_len - cfg.generators.max_tokens,
         data=with_env_system_prompt(with_absolute_paths(cfg.data), cfg),

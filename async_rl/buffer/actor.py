@@ -63,6 +63,9 @@ class BufferSettings(msgspec.Struct, frozen=True):
     # Where prompts come from and how they are rendered: the model's tokenizer ('' = not rendered,
     # buffer tests only), the longest prompt allowed (max_model_len - max_tokens; 0 = no limit).
     model_dir: str = ""
+    # The tokenizer class AutoTokenizer picks for model_dir (chat.tokenizer_class_of, asked by the
+    # launching process): loaded directly, the buffer does not import torch ('' = AutoTokenizer here).
+    tokenizer_class: str = ""
     max_prompt_tokens: int = 0
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     snapshot_path: str = ""  # where the buffer snapshots its state at every batch ('' = never)
@@ -122,7 +125,9 @@ class ReplayBuffer:
     def __init__(self, settings: BufferSettings) -> None:
         s = self.s = settings
         self.ledger = Ledger(s.max_lag, s.prompts_per_step * s.group_size, s.group_size)
-        self.source = PromptSource.from_settings(s.task_name, s.task_seed, s.model_dir, s.max_prompt_tokens, s.data)
+        self.source = PromptSource.from_settings(
+            s.task_name, s.task_seed, s.model_dir, s.max_prompt_tokens, s.data, s.tokenizer_class
+        )
         self.leases = Leases(self.ledger, self.source, s.group_size)
         rejected: collections.Counter[str] = collections.Counter()
         self._changed = asyncio.Condition()

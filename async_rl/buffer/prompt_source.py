@@ -155,11 +155,22 @@ class PromptSource:
 
     @classmethod
     def from_settings(
-        cls, task_name: str, task_seed: int, model_dir: str, max_prompt_tokens: int, data: DataConfig
+        cls,
+        task_name: str,
+        task_seed: int,
+        model_dir: str,
+        max_prompt_tokens: int,
+        data: DataConfig,
+        tokenizer_class: str = "",
     ) -> PromptSource:
         """data.train_files set: their rows (loaded, checked and rendered now); else the task's stream.
-        `model_dir` '' renders nothing (prompts leased as the task gives them: buffer tests)."""
-        renderer = PromptRenderer(model_dir, data.system_prompt, data.chat_template_for_text) if model_dir else None
+        `model_dir` '' renders nothing (prompts leased as the task gives them: buffer tests);
+        `tokenizer_class`: chat.tokenizer_class_of(model_dir), '' = AutoTokenizer."""
+        renderer = (
+            PromptRenderer(model_dir, data.system_prompt, data.chat_template_for_text, tokenizer_class)
+            if model_dir
+            else None
+        )
         if data.train_files:
             from async_rl.data import load_prompt_files
 

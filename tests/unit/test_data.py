@@ -15,7 +15,7 @@ from async_rl.buffer.prompt_source import DataPosition, DatasetStream, PromptSou
 from async_rl.chat import PromptRenderer, RenderError
 from async_rl.config import DataConfig, load_config
 from async_rl.data import load_eval_prompts, load_prompt_files, read_rows
-from async_rl.errors import ConfigError
+from async_rl.errors import ConfigError, RunError
 from async_rl.models.tiny import resolve_model_path
 from async_rl.protocol import ChatMessage, Prompt
 
@@ -167,6 +167,49 @@ def test_a_model_without_chat_template_tokenizes_text_and_refuses_chat(tiny):
     with pytest.raises(RenderError, match="no chat template") as err:
         renderer.render(Prompt(prompt_id=0, messages=[ChatMessage(role="user", content="c:")]))
     assert err.value.reason == "no_chat_template"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "chat_model"])
+def test_the_named_tokenizer_class_renders_as_autotokenizer_does(preset, request):
+    """The buffer loads the class AutoTokenizer picks (named by the launching process) directly: the
+    same class and the same ids for text and chat, system prompt included. The tiny preset is the case
+    where the tokenizer file alone names another class (TokenizersBackend) that splits differently."""
+    from transformers import AutoTokenizer
+
+    from async_rl.chat import tokenizer_class_of
+
+    folder = str(request.getfixturevalue(preset))
+    name = tokenizer_class_of(folder)
+    assert name == type(AutoTokenizer.from_pretrained(folder)).__name__
+    auto = PromptRenderer(folder, system_prompt="Be brief.")
+    named = PromptRenderer(folder, system_prompt="Be brief.", tokenizer_class=name)
+    assert type(named.tokenizer) is type(auto.tokenizer)
+    cases = [Prompt(prompt_id=0, text="hello 12+3 = ?\n  x")]
+    if auto.has_template:
+        cases.append(Prompt(prompt_id=1, messages=[ChatMessage(role="user", content="What is 7*6? Think.")]))
+    for p in cases:
+        assert named.render(p) == auto.render(p)
+
+
+def test_the_buffers_renderer_does_not_import_torch(tiny):
+    """What the named class buys: a buffer rendering prompts starts without torch (~3 CPU-s less)."""
+    import subprocess
+    import sys
+
+    from async_rl.chat import tokenizer_class_of
+
+    code = (
+        "import sys; from async_rl.buffer.prompt_source import PromptSource; from async_rl.config import DataConfig; "
+        f"PromptSource.from_settings('repeat', 0, {str(tiny)!r}, 100, DataConfig(), {tokenizer_class_of(str(tiny))!r}); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_tokenizer_class_that_is_not_transformers_is_one_line(tiny):
+    with pytest.raises(RunError, match="tokenizer class 'Nope' is not one of transformers' tokenizers"):
+        PromptRenderer(tiny, tokenizer_class="Nope")
 
 
 # ---- the stream: epochs, shuffle, position ------------------------------------------------------
