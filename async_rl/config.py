@@ -515,7 +515,7 @@ class LearnerConfig(_Section):
         _f("the chunked head (both backends, and the KL reference pass; megatron's per vocabulary shard): each chunk's softmax arithmetic (log-sum-exp, the target's log-prob, "
            "the entropy; in backward the softmax and one-hot gradient) as compiled kernels that read the "
            "chunk's compute-dtype logits and make no fp32 copy of them (torch.compile, once per process, "
-           "dynamic shapes: learner/head_fused.py), or eager torch ops over fp32 copies; triton = the "
+           "the chunk's length dynamic: learner/head_fused.py), or eager torch ops over fp32 copies; triton = the "
            "forward's statistics from a hand-written Triton kernel, one online-softmax pass over each row "
            "(learner/head_triton.py; CUDA only, unmeasured on a GPU so far), the backward compiled "
            "(megatron's vocabulary-shard head: compiled); auto = compiled on CUDA, eager on CPU"),

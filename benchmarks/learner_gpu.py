@@ -32,7 +32,7 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   combined_compile combined with kernels=compile (regional torch.compile) in place of Liger
   combined_eager_head combined with head_kernel=eager: the compiled head's gain (learner/head_fused.py)
   combined_triton_head combined with head_kernel=triton: the forward statistics in the hand-written
-                 Triton kernel (learner/head_triton.py), the backward compiled. Not in the defaults.
+                 Triton kernel (learner/head_triton.py), the backward compiled.
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
                  attention at the default (learner.megatron.attention auto = torch's SDPA), the model
                  in bf16 (megatron's fp32 main weights in the optimizer), at --tokens: issue 31's
@@ -94,7 +94,8 @@ VARIANTS: dict[str, dict] = {
     "trl": {},
     "fp32": {"mixed_precision": "none", "kernels": "none", "attention": "sdpa", "head_kernel": "eager"},
 }
-# What `make gpu-check` runs (about 4 minutes on an H200): the targets' rows on both shapes and the compiled head's gain.
+# What `make gpu-check` runs (about 4 minutes on an H200 before the Triton row): the targets' rows on both shapes and
+# the two head kernels against the eager head.
 DEFAULT_VARIANTS = {"qwen2.5-0.5b": "combined,combined_eager_head,combined_triton_head,trl,fp32", "qwen2.5-1.5b": "combined,trl,fp32"}
 # The issue's targets (one H100, same batch and token budget, same run).
 MFU_TARGET = {"qwen2.5-0.5b": 0.40, "qwen2.5-1.5b": 0.45}

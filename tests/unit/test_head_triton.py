@@ -152,7 +152,7 @@ if __name__ == "__main__":
     failed = False
     for name in sys.argv[1:]:
         try:
-            globals()[name]()
+            {"check_stats": check_stats, "check_head": check_head}[name]()
             print(f"{name} ok", flush=True)
         except Exception:
             failed = True
