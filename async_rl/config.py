@@ -517,8 +517,11 @@ class LearnerConfig(_Section):
            "chunk's compute-dtype logits and make no fp32 copy of them (torch.compile, once per process, "
            "the chunk's length dynamic: learner/head_fused.py), or eager torch ops over fp32 copies; triton = the "
            "forward's statistics from a hand-written Triton kernel, one online-softmax pass over each row "
-           "(learner/head_triton.py; CUDA only, unmeasured on a GPU so far), the backward compiled "
-           "(megatron's vocabulary-shard head: compiled); auto = compiled on CUDA, eager on CPU"),
+           "(learner/head_triton.py; CUDA only), the backward compiled (megatron's vocabulary-shard head: "
+           "compiled); auto = on CUDA the fastest of the three measured at start-up on this GPU and the model's "
+           "own output layer (torch backend: forward and backward of two chunks, each kernel compiled first, the "
+           "slowest rank's times; one line at start-up: learner/head_probe.py; megatron: compiled), eager on CPU. "
+           "The KL reference pass runs the kernel the policy's head runs"),
     ] = "auto"
     packing: Annotated[
         bool, _f("padding-free micro-batches: sequences concatenated, position ids restart per sequence")

@@ -26,11 +26,14 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   compile        today + kernels=compile (regional torch.compile of the decoder layers)
   varlen, flex   today + learner.attention=varlen / flex (skipped with a note where the field is absent)
   auto_budget    today + micro_batch_tokens=auto
-  combined       every switch at its default (mixed_precision, kernels, attention: auto), at --tokens
+  combined       every switch at its default (mixed_precision, kernels, attention, head_kernel: auto), at
+                 --tokens; the head's kernel is the one its start-up probe measured fastest (the row's
+                 notes give the probe's line)
   combined_auto  combined with micro_batch_tokens=auto
   combined_flex  combined with attention=flex (compiled block masks, dynamic shapes) for every block
   combined_compile combined with kernels=compile (regional torch.compile) in place of Liger
   combined_eager_head combined with head_kernel=eager: the compiled head's gain (learner/head_fused.py)
+  combined_compiled_head combined with head_kernel=compiled (inductor's kernels, the vocabulary static)
   combined_triton_head combined with head_kernel=triton: the forward statistics in the hand-written
                  Triton kernel (learner/head_triton.py), the backward compiled.
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
@@ -43,10 +46,11 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
                  gather per row, bf16 autocast, fused AdamW (as TRL's GRPO trainer computes its loss)
   fp32           scoring only: the log-prob reference
 The chunked head's savings (weight cast hoisted, one exponent pass, weight gradient in the GEMM, no
-entropy in scoring passes) are in every row of ours: they have no switch. Its compiled per-chunk
-arithmetic (learner.head_kernel, auto = compiled on CUDA) is in the combined and megatron rows, not in
-`today`, the single-switch rows or `combined_eager_head`; `combined_triton_head` has the compiled
-backward with the Triton forward statistics.
+entropy in scoring passes) are in every row of ours: they have no switch. Its per-chunk kernel
+(learner.head_kernel) is the probe's choice in the combined rows (auto: the fastest of eager, compiled
+and triton measured at start-up, learner/head_probe.py), compiled in the megatron rows, eager in `today`
+and the single-switch rows; the three `combined_*_head` rows fix it, so the probe's choice can be
+checked against whole steps.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ VARIANTS: dict[str, dict] = {
     "combined_flex": {"mixed_precision": "auto", "kernels": "auto", "attention": "flex"},
     "combined_compile": {"mixed_precision": "auto", "kernels": "compile", "attention": "auto"},
     "combined_eager_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "eager"},
+    "combined_compiled_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "compiled"},
     "combined_triton_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "triton"},
     "megatron": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "auto"}},
     "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
@@ -241,6 +246,9 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
     rank = LearnerDriver(spec, 0, 1, f"127.0.0.1:{free_port()}", [])
     rank.setup()
     backend = rank.backend
+    probe = getattr(backend, "head_probe", None)
+    if probe is not None:
+        notes.append(f"{a.variant}: {probe.line()}")
     ran = {"kernels": getattr(backend, "kernels", "none"), "fused_head": getattr(backend, "fused_head", False),
            "micro_batch_tokens": rank.micro_batch_tokens,
            "working_copy": getattr(backend, "working", None) is not None,

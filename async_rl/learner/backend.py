@@ -78,6 +78,9 @@ class ModelBackend(abc.ABC):
 
     info: ParallelInfo  # valid after `setup`
     device: torch.device  # where the driver puts its own tensors (reductions, the reference model)
+    # learner.head_kernel as it runs (eager, compiled or triton; auto decided, valid after `setup`): the
+    # driver's KL reference pass uses the same kernel.
+    head_kernel: str = "eager"
 
     @property
     def takes_block_masks(self) -> bool:

@@ -244,9 +244,9 @@ class LearnerDriver(LearnerRank):
             micro_batch_tokens=self.micro_batch_tokens,
             logprob_chunk_tokens=s.learner.logprob_chunk_tokens,
             base_reference=self.backend.base_reference(
-                self.micro_batch_tokens, s.learner.logprob_chunk_tokens, s.learner.head_kernel
+                self.micro_batch_tokens, s.learner.logprob_chunk_tokens, self.backend.head_kernel
             ),
-            head_kernel=s.learner.head_kernel,
+            head_kernel=self.backend.head_kernel,
         )
         return params
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +22,7 @@ from async_rl.learner.attention import register
 from async_rl.learner.attention import resolve as resolve_attention
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import model_scores, unsupported
+from async_rl.learner.head_probe import HeadProbe, measure
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
 from async_rl.learner.kernels import apply_kernels, compile_layers, decoder_layers
 from async_rl.learner.optimizer import adamw
@@ -77,6 +79,7 @@ class TorchBackend(ModelBackend):
         self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
         self.peft = None  # learner.lora: the PeftModel around self.model (see learner/lora.py)
         self.working: WorkingCopy | None = None  # mixed_precision=bf16_params: what the forward runs on
+        self.head_probe: HeadProbe | None = None  # learner.head_kernel auto on CUDA: what was measured
 
     @property
     def sharded(self) -> bool:
@@ -137,7 +140,11 @@ class TorchBackend(ModelBackend):
         self.kernels = apply_kernels(self.cfg.kernels, compute_model, self.device)
         if self.cfg.compile and self.kernels != "compile":
             compile_layers(compute_model)
-        self.fused_head = head_fused.fused_setting(self.cfg.head_kernel, self.device.type)
+        self.head_probe = self._probe_head(compute_model, compute or self.dtype)
+        self.head_kernel = (
+            self.head_probe.fastest if self.head_probe else head_fused.kernel_name(self.cfg.head_kernel, self.device.type)
+        )
+        self.fused_head = head_fused.fused_setting(self.head_kernel, self.device.type)
         self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens, self.fused_head)
         if self.working:
             self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced after the last micro-batch
@@ -167,6 +174,18 @@ class TorchBackend(ModelBackend):
             [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
         return sum(p.numel() for p in self.model.parameters())
+
+    def _probe_head(self, model: torch.nn.Module, compute: torch.dtype) -> HeadProbe | None:
+        """learner.head_kernel auto on CUDA: the head's kernels timed on the model's own output layer
+        (`head_probe`), agreed over ranks and stated in one line by rank 0; None elsewhere (the setting
+        names the kernel)."""
+        chunk = self.cfg.logprob_chunk_tokens
+        if self.cfg.head_kernel != "auto" or self.device.type != "cuda" or not chunk:
+            return None
+        probe = measure(model.get_output_embeddings().weight, chunk, compute).agreed(lambda t: self.all_reduce(t, "max"))
+        if self.rank == 0:
+            print(f"[learner] {probe.line()}", file=sys.stderr, flush=True)
+        return probe
 
     def _compute_dtype(self) -> torch.dtype | None:
         """bf16 compute on CUDA (parameters and optimizer stay in `model.dtype`); none on CPU."""

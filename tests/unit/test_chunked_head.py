@@ -245,6 +245,7 @@ class _StubBackend:
     device = torch.device("meta")
     weights_are_live = False
     takes_block_masks = False
+    head_kernel = "eager"
 
     def setup(self, model_dir: str) -> int:
         return 0

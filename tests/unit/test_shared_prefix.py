@@ -129,6 +129,7 @@ class _MaskFreeBackend:
     device = torch.device("cpu")
     weights_are_live = False
     takes_block_masks = False
+    head_kernel = "eager"
 
     def setup(self, model_dir: str) -> int:
         return 0

@@ -249,6 +249,7 @@ class MegatronBackend(ModelBackend):
         self.seed = seed
         self.chunk = logprob_chunk_tokens
         self.fused_head = head_fused.use_compiled(head_kernel, "cpu" if self.on_cpu else "cuda")
+        self.head_kernel = "compiled" if self.fused_head else "eager"  # no Triton vocabulary-shard statistics
         self.recompute = activation_checkpointing
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
