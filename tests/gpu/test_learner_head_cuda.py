@@ -101,17 +101,17 @@ def test_the_triton_head_statistics_equal_the_eager_head_in_bf16():
         torch.testing.assert_close(b, a, atol=tol, rtol=0 if tol < 1e-3 else 2e-2)
 
 
-def test_auto_measures_every_head_kernel_on_the_gpu_and_the_learner_runs_the_fastest(model_dir, capfd):
+def test_auto_measures_every_head_kernel_on_the_gpu_and_the_learner_runs_the_fastest(model_dir, capfd, record_property):
     """learner.head_kernel=auto on CUDA (`head_probe`): eager, compiled and triton all run and are
     timed on Qwen2.5's output-layer shape; a learner with auto states the choice in one line and runs
-    that kernel, its KL reference pass too."""
+    that kernel, its KL reference pass too. The probe's line goes into part A's junit XML."""
     import torch
 
     from async_rl.learner import head_probe
 
     weight = (0.02 * torch.randn(151936, 896, device="cuda")).to(torch.bfloat16)
     probe = head_probe.measure(weight, 1024, torch.bfloat16)
-    print(probe.line())
+    record_property("head_probe", probe.line())
     assert set(probe.seconds) == {"eager", "compiled", "triton"}, probe.failed
     rank = LearnerDriver(settings(model_dir, algorithm=AlgorithmConfig(kl_coef=0.05)), 0, 1,
                          f"127.0.0.1:{free_port()}", [])
