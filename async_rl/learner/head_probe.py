@@ -30,12 +30,14 @@ REPEATS = 3
 @dataclass(frozen=True)
 class HeadProbe:
     """What the start-up probe measured: seconds per forward + backward of `positions` positions over
-    a `vocab`-column output layer, per kernel; `failed`: the kernels that could not run, and why."""
+    a `vocab`-column output layer, per kernel; `failed`: the kernels that could not run, and why;
+    `configs`: how a kernel with choices of its own ran (triton: the autotuner's block and warps)."""
 
     positions: int
     vocab: int
     seconds: dict[str, float]
     failed: dict[str, str] = field(default_factory=dict)
+    configs: dict[str, str] = field(default_factory=dict)
 
     @property
     def fastest(self) -> str:
@@ -51,11 +53,12 @@ class HeadProbe:
         worst = reduce_max(local).tolist()
         seconds = {n: s for n, s in zip(names, worst, strict=True) if s != float("inf")}
         failed = {n: self.failed.get(n, "failed on another rank") for n in names if n not in seconds}
-        return HeadProbe(self.positions, self.vocab, seconds, failed)
+        return HeadProbe(self.positions, self.vocab, seconds, failed, self.configs)
 
     def line(self) -> str:
         """The start-up line: the kernel chosen and every measurement."""
-        times = ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in sorted(self.seconds.items(), key=lambda x: x[1]))
+        times = ", ".join(f"{n} {s * 1e3:.2f} ms" + (f" ({self.configs[n]})" if n in self.configs else "")
+                          for n, s in sorted(self.seconds.items(), key=lambda x: x[1]))
         out = (f"learner.head_kernel auto: {self.fastest}, the fastest here (forward + backward of {self.positions:,} "
                f"positions over {self.vocab:,} columns: {times})")
         if self.failed:
@@ -105,5 +108,6 @@ def measure(weight: torch.Tensor, chunk: int, dtype: torch.dtype, kernels: tuple
             seconds[name] = _seconds(FUSED[name], hidden, w, targets, chunk, repeats)
         except Exception as e:  # noqa: BLE001 - a kernel that does not build or run here is not chosen
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-    return HeadProbe(positions, int(weight.shape[0]), seconds, failed)
+    configs = {"triton": config} if "triton" in seconds and (config := head_triton.tuned()) else {}
+    return HeadProbe(positions, int(weight.shape[0]), seconds, failed, configs)
 

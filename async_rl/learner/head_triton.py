@@ -9,22 +9,29 @@ both rescaled when m grows), the target's logit read once per row, fp32 arithmet
 fp32 logits. Its outputs are `head_fused.chunk_stats`'s (tests/unit/test_head_triton.py compares them,
 on the CPU under Triton's interpreter); the backward stays `head_fused`'s compiled `chunk_grad`.
 
-Unmeasured on a GPU so far: `auto` does not pick it (benchmarks/learner_gpu.py's `combined_triton_head`
-row measures it). Triton is imported only when the kernel is first built, so importing this module
-needs no Triton.
+Its block size and warp count are not guessed: on CUDA Triton's autotuner times `CONFIGS` on the first
+call for each vocabulary size and logits dtype and keeps the fastest (`tuned`). Under the interpreter
+(the CPU tests) it runs one config, `BLOCK` and `NUM_WARPS`. `learner.head_kernel: auto` picks this
+kernel where the start-up probe measures it fastest (`head_probe`). Triton is imported only when the
+kernel is first built, so importing this module needs no Triton.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import cache
 
 import torch
 
 from async_rl.errors import RunError
 
-# Vocabulary elements per step of a program's loop (a power of two); the tests set it small so that
-# Triton's interpreter runs the loop several times with a partial last block.
+# (vocabulary elements per step of a program's loop, warps per program) tried by the autotuner on CUDA:
+# small blocks keep more programs per SM, large ones more loads in flight and fewer block reductions
+# (Liger's cross-entropy runs 32768 x 32 warps). One that does not fit the GPU's registers is dropped.
+CONFIGS = ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (32768, 32))
+# The one config under the interpreter; the tests set BLOCK small so that the loop runs several times
+# with a partial last block.
 BLOCK = 4096
 NUM_WARPS = 8
 
@@ -47,9 +54,11 @@ def check(device_type: str) -> None:
         raise RunError(f"learner.head_kernel=triton: {why}; set learner.head_kernel to compiled or eager")
 
 
-@cache
-def _kernel():
-    """The jitted kernel, built on first use (Triton imported here; TRITON_INTERPRET is read now)."""
+def build(autotuned: bool, do_bench: Callable | None = None) -> tuple[Callable, bool]:
+    """(the kernel, `autotuned`), Triton imported here. Autotuned: over CONFIGS, keyed by the vocabulary
+    size and WITH_ENTROPY (Triton's autotuner adds the logits' dtype), timed by `do_bench` (None:
+    Triton's own, which needs a GPU; the tests pass a CPU timer under the interpreter). Else the one
+    config BLOCK x NUM_WARPS, given at the launch."""
     import triton
     import triton.language as tl
 
@@ -93,7 +102,28 @@ def _kernel():
             # H = lse - E_p[z/t] = log s - E_p[z/t - m]
             tl.store(entropy_ptr + row, log_s - tl.sum(weighted, axis=0) / s)
 
-    return stats_kernel
+    if not autotuned:
+        return stats_kernel, False
+    configs = [triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in CONFIGS]
+    # Every config writes the same outputs and reads nothing it writes: re-running one to time it is safe.
+    return triton.autotune(configs, key=["vocab", "WITH_ENTROPY"], do_bench=do_bench)(stats_kernel), True
+
+
+@cache
+def _kernel() -> tuple[Callable, bool]:
+    """The kernel, built on first use (TRITON_INTERPRET is read now): autotuned on CUDA, the one
+    config under the interpreter (Triton's timer needs a GPU)."""
+    return build(autotuned=os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def tuned() -> str | None:
+    """The config the autotuner chose last ("BLOCK 8192, 16 warps"), None before a tuned call (or
+    under the interpreter)."""
+    if not _kernel.cache_info().currsize:  # not built: nothing ran (and triton stays unimported)
+        return None
+    kernel, autotuned = _kernel()
+    best = getattr(kernel, "best_config", None) if autotuned else None
+    return None if best is None else f"BLOCK {best.kwargs['BLOCK']}, {best.num_warps} warps"
 
 
 def chunk_stats(
@@ -109,8 +139,10 @@ def chunk_stats(
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if with_entropy else None
     if c:
-        _kernel()[(c,)](
+        kernel, autotuned = _kernel()
+        config = {} if autotuned else {"BLOCK": BLOCK, "num_warps": NUM_WARPS}
+        kernel[(c,)](
             z, z.stride(0), targets, logp, lse, logp if entropy is None else entropy, vocab,
-            float(temperature), WITH_ENTROPY=with_entropy, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            float(temperature), WITH_ENTROPY=with_entropy, **config,
         )
     return logp, lse, entropy

@@ -89,3 +89,9 @@ def test_the_torch_backend_measures_nothing_on_the_cpu_and_the_reference_runs_it
             assert rank.algo.reference.fused is head_probe.FUSED[kernel]
         finally:
             rank.shutdown()
+
+
+def test_the_line_names_how_a_kernel_with_choices_ran():
+    probe = HeadProbe(2048, 151936, {"eager": 3e-3, "triton": 1e-3}, {}, {"triton": "BLOCK 8192, 16 warps"})
+    assert "triton 1.00 ms (BLOCK 8192, 16 warps), eager 3.00 ms" in probe.line()
+    assert probe.agreed(lambda x: x).configs == probe.configs

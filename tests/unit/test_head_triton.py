@@ -24,7 +24,7 @@ from async_rl.learner import head_fused, head_triton
 ROOT = Path(__file__).resolve().parents[2]
 
 
-CHECKS = ("check_stats", "check_head")
+CHECKS = ("check_stats", "check_head", "check_autotune")
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +122,46 @@ def check_head() -> None:
     assert fused[2].dtype == fused[3].dtype == torch.bfloat16
 
 
+def check_autotune() -> None:
+    """The autotuned build that CUDA runs (`build(autotuned=True)`), its timer a CPU clock: every config
+    is timed on the first call for a vocabulary, the fastest kept and named by `tuned()`, the results
+    the eager statistics' whichever config ran; a second vocabulary is tuned again, a second call for
+    the same one is not."""
+    import functools
+    import time
+
+    head_triton.CONFIGS = ((64, 4), (128, 4), (256, 8))
+    timed: list[int] = []
+
+    def cpu_bench(kernel_call, quantiles):
+        t = time.perf_counter()
+        kernel_call()
+        timed.append(1)
+        return [time.perf_counter() - t] * len(quantiles)
+
+    head_triton._kernel = functools.cache(lambda: head_triton.build(autotuned=True, do_bench=cpu_bench))
+    assert head_triton.tuned() is None  # nothing built yet
+    torch.manual_seed(1)
+    for vocab, tunings in ((1000, 3), (1000, 3), (300, 6)):
+        z, targets = 3 * torch.randn(4, vocab), torch.randint(0, vocab, (4,))
+        got = head_triton.chunk_stats(z, targets, 0.7, True)
+        for g, w in zip(got, head_fused.chunk_stats(z, targets, 0.7, True), strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+        assert len(timed) == tunings, (vocab, len(timed))
+        assert head_triton._kernel()[1]
+        assert head_triton.tuned() in {f"BLOCK {b}, {w} warps" for b, w in head_triton.CONFIGS}
+
+
 def test_triton_statistics_equal_the_eager_statistics(interpreted):
     assert_passed(interpreted, "check_stats")
 
 
 def test_the_chunked_head_with_triton_statistics_equals_the_eager_head(interpreted):
     assert_passed(interpreted, "check_head")
+
+
+def test_the_autotuned_kernel_times_every_config_once_per_vocabulary(interpreted):
+    assert_passed(interpreted, "check_autotune")
 
 
 def test_triton_without_cuda_or_the_interpreter_is_a_one_line_error(monkeypatch):
@@ -152,7 +186,7 @@ if __name__ == "__main__":
     failed = False
     for name in sys.argv[1:]:
         try:
-            {"check_stats": check_stats, "check_head": check_head}[name]()
+            {"check_stats": check_stats, "check_head": check_head, "check_autotune": check_autotune}[name]()
             print(f"{name} ok", flush=True)
         except Exception:
             failed = True
