@@ -510,6 +510,15 @@ class LearnerConfig(_Section):
            "backward: the chunk's logits are recomputed in backward); 0 = the full head at every position "
            "(the former path, several fp32 tokens x vocabulary copies; kept for comparison)", ge=0),
     ] = 1024
+    logprob_keep_logits: Annotated[
+        bool | Literal["auto"],
+        _f("the chunked head keeps each chunk's logits (compute dtype) from the forward for the backward instead "
+           "of recomputing them: one GEMM a chunk fewer (three, not four, per chunk and step: forward, the two "
+           "gradients) for micro-batch loss positions x vocabulary x 2 bytes held until the micro-batch's "
+           "backward (2.8 GiB for 10,000 positions with Qwen2.5's 151,936-token vocabulary; counted by "
+           "micro_batch_tokens auto), in the gradient passes only; auto = true on CUDA, false on CPU. Torch "
+           "backend (megatron recomputes)"),
+    ] = "auto"
     head_kernel: Annotated[
         Literal["auto", "compiled", "eager", "triton"],
         _f("the chunked head (both backends, and the KL reference pass; megatron's per vocabulary shard): each chunk's softmax arithmetic (log-sum-exp, the target's log-prob, "

@@ -34,6 +34,8 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   combined_compile combined with kernels=compile (regional torch.compile) in place of Liger
   combined_eager_head combined with head_kernel=eager: the compiled head's gain (learner/head_fused.py)
   combined_compiled_head combined with head_kernel=compiled (inductor's kernels, the vocabulary static)
+  combined_recompute combined with logprob_keep_logits=false: the head recomputes each chunk's logits
+                 in the backward (kept, the CUDA default, saves one GEMM a chunk for their memory)
   combined_triton_head combined with head_kernel=triton: the forward statistics in the hand-written
                  Triton kernel (learner/head_triton.py), the backward compiled.
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
@@ -78,7 +80,8 @@ SHAPES = {
     "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
-TODAY = {"mixed_precision": "bf16", "kernels": "none", "attention": "sdpa", "head_kernel": "eager"}
+TODAY = {"mixed_precision": "bf16", "kernels": "none", "attention": "sdpa", "head_kernel": "eager",
+         "logprob_keep_logits": False}
 VARIANTS: dict[str, dict] = {
     "today": TODAY,
     "bf16_params": {**TODAY, "mixed_precision": "bf16_params"},
@@ -94,6 +97,7 @@ VARIANTS: dict[str, dict] = {
     "combined_eager_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "eager"},
     "combined_compiled_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "compiled"},
     "combined_triton_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "triton"},
+    "combined_recompute": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "logprob_keep_logits": False},
     "megatron": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "auto"}},
     "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
     "trl": {},

@@ -81,6 +81,9 @@ class ModelBackend(abc.ABC):
     # learner.head_kernel as it runs (eager, compiled or triton; auto decided, valid after `setup`): the
     # driver's KL reference pass uses the same kernel.
     head_kernel: str = "eager"
+    # learner.logprob_keep_logits as it runs: the chunked head keeps its logits for the backward (the
+    # driver's auto token budget counts them).
+    keeps_logits: bool = False
 
     @property
     def takes_block_masks(self) -> bool:

@@ -226,7 +226,7 @@ class LearnerDriver(LearnerRank):
         budget = resolve_budget(
             s.learner.micro_batch_tokens, device=self.device, config=model_config, trainable_params=params,
             compute_bytes=self._compute_bytes(), checkpointing=s.learner.activation_checkpointing,
-            chunk=s.learner.logprob_chunk_tokens,
+            chunk=s.learner.logprob_chunk_tokens, keeps_logits=self.backend.keeps_logits,
         )
         self.micro_batch_tokens = budget.tokens
         if s.learner.micro_batch_tokens == "auto" and self.rank == 0:

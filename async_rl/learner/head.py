@@ -25,11 +25,22 @@ from async_rl.learner import head_fused
 DEFAULT_CHUNK = 1024
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 logits/temperature of one chunk, the matmul in the compute dtype (as the HF head under
-    autocast would run it). `weight` is already in `dtype` (cast once per call, not per chunk)."""
-    z = (h.to(dtype) @ weight.t()).float()
+def keeps_logits(setting: bool | str, device_type: str) -> bool:
+    """`learner.logprob_keep_logits` on this device: true, false, or auto (on CUDA, where the GEMM it saves
+    is worth the memory; on the CPU, memory is the host's and the tests' dense paths stay as they were)."""
+    return setting is True or (setting == "auto" and device_type == "cuda")
+
+
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits/temperature from one chunk's compute-dtype logits `z` (the eager loops' copy)."""
+    z = z.float()
     return z / temperature if temperature != 1.0 else z
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One chunk's logits in the compute dtype, the matmul there (as the HF head under autocast would
+    run it). `weight` is already in `dtype` (cast once per call, not per chunk)."""
+    return h.to(dtype) @ weight.t()
 
 
 # Whether torch's fp32-output GEMM for bf16/fp16 operands (`addmm(..., out_dtype=)`, CUDA only) works
@@ -69,11 +80,17 @@ class ChunkedHead(torch.autograd.Function):
     inside the matmul (`_accumulate_matmul`). `fused` (learner.head_kernel compiled, CUDA by default):
     the same arithmetic per chunk as `head_fused`'s compiled functions of the compute-dtype logits, with
     no fp32 copy of them ("triton": the forward statistics from `head_triton`'s kernel, the backward
-    compiled; `head_fused.fused_setting`); the loop below is the eager form, kept for the CPU."""
+    compiled; `head_fused.fused_setting`); the loop below is the eager form, kept for the CPU.
+
+    `keep_logits` (learner.logprob_keep_logits): each chunk's compute-dtype logits are kept from the
+    forward for the backward, which then runs two GEMMs a chunk instead of three (no recomputed
+    logits), for [N x V] compute-dtype numbers held until the backward. The caller passes it only where
+    a gradient will be asked for (`head_scores`: grad mode on at the call; inside `forward` it is always
+    off): a no-grad scoring pass holding every chunk would only raise its peak."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool = True,
-                fused: bool | str = False):
+                fused: bool | str = False, keep_logits: bool = False):
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
         w = weight.to(dtype)
@@ -82,14 +99,20 @@ class ChunkedHead(torch.autograd.Function):
         entropy = torch.empty_like(logp) if with_entropy else None
         lse = torch.empty_like(logp)
         stats = head_fused.kernels(fused).stats if fused else None
+        keep = keep_logits and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        kept = []  # one tensor a chunk (not views of one: the compiled functions copy views, `_one_compile`)
         for s in range(0, n, chunk):
+            product = _logits(hidden[s : s + chunk], w, dtype)
+            if keep:
+                kept.append(product)
             if stats is not None:  # the compiled arithmetic reads the compute-dtype logits (head_fused)
-                z = hidden[s : s + chunk].to(dtype) @ w.t()
-                logp[s : s + chunk], lse[s : s + chunk], ent = stats(z, targets[s : s + chunk], temperature, with_entropy)
+                logp[s : s + chunk], lse[s : s + chunk], ent = stats(product, targets[s : s + chunk], temperature,
+                                                                     with_entropy)
                 if entropy is not None:
                     entropy[s : s + chunk] = ent
                 continue
-            z = _logits(hidden[s : s + chunk], w, temperature, dtype)
+            z = _scaled(product, temperature)
+            del product  # kept or not, the loop reads the fp32 copy
             if with_entropy:
                 top = z.amax(dim=-1, keepdim=True)
                 e = torch.exp(z - top)  # the chunk's one exponent pass
@@ -101,24 +124,25 @@ class ChunkedHead(torch.autograd.Function):
                 m = torch.logsumexp(z, dim=-1)
             lse[s : s + chunk] = m
             logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - m
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, *kept)
         ctx.temperature, ctx.chunk, ctx.dtype, ctx.fused = temperature, chunk, dtype, fused
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, *kept = ctx.saved_tensors
         t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight.to(dtype)
         grad_of_chunk = head_fused.kernels(ctx.fused).grad if ctx.fused else None
-        for s in range(0, hidden.shape[0], chunk):
+        for i, s in enumerate(range(0, hidden.shape[0], chunk)):
             h = hidden[s : s + chunk].to(dtype)
+            z = kept[i] if kept else h @ w.t()  # the chunk's compute-dtype logits
             part = slice(s, s + chunk)
             rest = (
                 None if grad_entropy is None else entropy[part], targets[part],
@@ -126,14 +150,15 @@ class ChunkedHead(torch.autograd.Function):
                 None if grad_entropy is None else grad_entropy[part], t, dtype,
             )  # fmt: skip
             if grad_of_chunk is not None:
-                dz = grad_of_chunk(h @ w.t(), lse[part], *rest)
+                dz = grad_of_chunk(z, lse[part], *rest)
             else:  # in place, one or two fp32 [chunk x V] tensors
-                dz = head_fused.eager_chunk_grad_(_logits(h, w, t, dtype).sub_(lse[part, None]), *rest)
+                dz = head_fused.eager_chunk_grad_(_scaled(z, t).sub_(lse[part, None]), *rest)
+            del z
             if need_h:
                 grad_h[s : s + chunk] = (dz @ w).to(hidden.dtype)
             if need_w:
                 _accumulate_matmul(grad_w, dz.t(), h)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
 
 
 def head_scores(
@@ -145,17 +170,20 @@ def head_scores(
     chunk: int,
     entropy: bool = True,
     fused: bool | str = False,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and entropy [B, T] (fp32; the entropy None unless `entropy`) from hidden states
     [B, T, H] and the output weight [V, H], computed at the flat positions `index` (long [N], row * T +
     column; `flat_index` of a bool mask) only: 0 elsewhere. The caller builds the index on the host
     (`MicroBatch.loss_index`), so the gather has no data-dependent shape and no host sync. `fused`: each
     chunk's softmax arithmetic runs compiled (`head_fused`, `learner.head_kernel`; "triton": its forward
-    statistics in `head_triton`'s kernel)."""
+    statistics in `head_triton`'s kernel); `keep_logits`: the chunks' logits kept for the backward
+    (`ChunkedHead`)."""
     b, t, h = hidden.shape
     flat_h = hidden.reshape(b * t, h).index_select(0, index)
     flat_t = targets.reshape(-1).index_select(0, index)
-    logp, ent = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)), entropy, fused)
+    logp, ent = ChunkedHead.apply(flat_h, weight, flat_t, float(temperature), max(1, int(chunk)), entropy, fused,
+                                  keep_logits and torch.is_grad_enabled())
     zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
     ent = zeros.index_copy(0, index, ent).reshape(b, t) if ent is not None else None
     return zeros.index_copy(0, index, logp).reshape(b, t), ent
@@ -207,12 +235,14 @@ def model_scores(
     head: bool = True,
     entropy: bool = True,
     fused: bool | str = False,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(logp, entropy, last hidden states) of an HF causal LM on `inputs` (its forward's keyword
     arguments). `chunk` > 0: the trunk, then the chunked head at the flat positions `index` only
     (long [N], `head_scores`; 0 elsewhere);
     `head=False` skips the output layer (logp and entropy None); `entropy=False` skips the entropy
-    (None) where the chunked head runs; `fused`: its per-chunk arithmetic compiled (`head_fused`).
+    (None) where the chunked head runs; `fused`: its per-chunk arithmetic compiled (`head_fused`);
+    `keep_logits`: its chunks' logits kept for the backward (`ChunkedHead`).
     `chunk` 0: the full head at every position (the former path, kept for comparison)."""
     if chunk <= 0:
         out = model(**inputs, output_hidden_states=hidden)
@@ -224,5 +254,5 @@ def model_scores(
         return None, None, last
     weight = model.get_output_embeddings().weight
     with record_function("learner.head"):
-        logp, ent = head_scores(last, weight, targets, index, temperature, chunk, entropy, fused)
+        logp, ent = head_scores(last, weight, targets, index, temperature, chunk, entropy, fused, keep_logits)
     return logp, ent, last if hidden else None

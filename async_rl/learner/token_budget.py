@@ -58,11 +58,15 @@ def resolve_budget(
     compute_bytes: int,
     checkpointing: bool,
     chunk: int,
+    keeps_logits: bool = False,
     available_bytes: int | None = None,
 ) -> Budget:
     """The micro-batch token budget for `learner.micro_batch_tokens` = `setting` (an int is kept as it is).
     `config`: the model's Hugging Face config (read as a `ModelShape`). `available_bytes`: the memory
-    the step may use (None: the GPU's total less RESERVE less what this process has reserved)."""
+    the step may use (None: the GPU's total less RESERVE less what this process has reserved).
+    `keeps_logits`: the chunked head keeps each loss position's logits for the backward
+    (`learner.logprob_keep_logits`), vocabulary x compute bytes more per token (every token counted as a
+    loss position: the budget cannot know the completions' share)."""
     if setting != "auto":
         return Budget(int(setting), f"learner.micro_batch_tokens={setting}")
     if device.type != "cuda":
@@ -73,14 +77,17 @@ def resolve_budget(
     shape = ModelShape.of(config)
     step_state = trainable_params * 4 * 3  # fp32 gradients + AdamW's exp_avg and exp_avg_sq
     head = 3 * max(chunk, 1) * shape.vocab_size * 4 if chunk else 0
-    per_token = activation_bytes_per_token(shape, compute_bytes, checkpointing)
+    activations = activation_bytes_per_token(shape, compute_bytes, checkpointing)
+    logits = shape.vocab_size * compute_bytes if keeps_logits and chunk else 0
+    per_token = activations + logits
     room = available_bytes - step_state - head
     tokens = int(min(max(room // per_token // GRANULE * GRANULE, BOUNDS[0]), BOUNDS[1]))
     gib = 2**30
     line = (
         f"learner.micro_batch_tokens=auto: {tokens} tokens = (available {available_bytes / gib:.1f} GiB - gradients and "
-        f"AdamW {step_state / gib:.1f} GiB - head chunk {head / gib:.1f} GiB) / {per_token / 2**20:.2f} MiB of "
-        f"activations per token ({shape.num_hidden_layers} layers, {compute_bytes}-byte compute"
-        f"{', checkpointed' if checkpointing else ''}, x{MARGIN} margin), in [{BOUNDS[0]}, {BOUNDS[1]}]"
+        f"AdamW {step_state / gib:.1f} GiB - head chunk {head / gib:.1f} GiB) / {per_token / 2**20:.2f} MiB per token "
+        f"({activations / 2**20:.2f} MiB of activations: {shape.num_hidden_layers} layers, {compute_bytes}-byte compute"
+        f"{', checkpointed' if checkpointing else ''}, x{MARGIN} margin"
+        f"{f'; {logits / 2**20:.2f} MiB of kept logits' if logits else ''}), in [{BOUNDS[0]}, {BOUNDS[1]}]"
     )
     return Budget(tokens, line)

@@ -21,7 +21,7 @@ from async_rl.learner import head_fused
 from async_rl.learner.attention import register
 from async_rl.learner.attention import resolve as resolve_attention
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
-from async_rl.learner.head import model_scores, unsupported
+from async_rl.learner.head import keeps_logits, model_scores, unsupported
 from async_rl.learner.head_probe import HeadProbe, measure
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
 from async_rl.learner.kernels import apply_kernels, compile_layers, decoder_layers
@@ -38,16 +38,17 @@ class ScoringModel(torch.nn.Module):
     It is the module DDP and FSDP2 wrap, so the head runs inside their forward: DDP sees the output
     weight used, FSDP2's root has gathered it."""
 
-    def __init__(self, model: torch.nn.Module, chunk: int, fused_head: bool | str) -> None:
+    def __init__(self, model: torch.nn.Module, chunk: int, fused_head: bool | str, keep_logits: bool = False) -> None:
         super().__init__()
         self.model = model
         self.chunk = chunk
         self.fused_head = fused_head
+        self.keep_logits = keep_logits
 
     def forward(self, inputs: dict, targets: torch.Tensor, index: torch.Tensor, temperature: float,
                 hidden: bool, head: bool, entropy: bool = True):
         return model_scores(self.model, inputs, targets, index, temperature, self.chunk, hidden=hidden,
-                            head=head, entropy=entropy, fused=self.fused_head)
+                            head=head, entropy=entropy, fused=self.fused_head, keep_logits=self.keep_logits)
 
 
 def rank_device(device: str) -> torch.device:
@@ -145,7 +146,8 @@ class TorchBackend(ModelBackend):
             self.head_probe.fastest if self.head_probe else head_fused.kernel_name(self.cfg.head_kernel, self.device.type)
         )
         self.fused_head = head_fused.fused_setting(self.head_kernel, self.device.type)
-        self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens, self.fused_head)
+        self.keeps_logits = keeps_logits(self.cfg.logprob_keep_logits, self.device.type)
+        self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens, self.fused_head, self.keeps_logits)
         if self.working:
             self.wrapped = self.scorer  # gradients land in the fp32 masters: reduced after the last micro-batch
         elif self.sharded:

@@ -12,7 +12,7 @@ from async_rl.learner.head import flat_index, head_scores
 
 
 def run_head(fused: bool, temperature: float, entropy_grad: bool, logp_grad: bool, with_entropy: bool = True,
-             dtype: torch.dtype = torch.float32, seed: int = 0):
+             dtype: torch.dtype = torch.float32, seed: int = 0, keep_logits: bool = False):
     """(logp, entropy, hidden.grad, weight.grad) of the chunked head over a holed batch, 3 chunks."""
     torch.manual_seed(seed)
     b, t, h, v = 3, 11, 16, 97
@@ -20,7 +20,8 @@ def run_head(fused: bool, temperature: float, entropy_grad: bool, logp_grad: boo
     weight = (0.3 * torch.randn(v, h)).to(dtype).requires_grad_()
     targets = torch.randint(0, v, (b, t))
     positions = torch.rand(b, t) > 0.3
-    logp, entropy = head_scores(hidden, weight, targets, flat_index(positions), temperature, 9, with_entropy, fused)
+    logp, entropy = head_scores(hidden, weight, targets, flat_index(positions), temperature, 9, with_entropy, fused,
+                                keep_logits)
     loss = torch.zeros(())
     if logp_grad:
         loss = loss + (logp * torch.randn(b, t)).sum()
@@ -183,3 +184,68 @@ def test_the_eager_in_place_gradient_equals_chunk_grad_on_a_vocabulary_shard(ent
     want = head_fused.chunk_grad(z, lse, entropy, local, g_logp, g_entropy, t, torch.float32)
     got = head_fused.eager_chunk_grad_(z / t - lse[:, None], entropy, local, g_logp, g_entropy, t, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,entropy_grad,logp_grad", [(1.0, False, True), (0.7, True, True)])
+def test_kept_logits_give_the_recomputing_heads_values_and_gradients_exactly(
+        eager_functions, fused, dtype, temperature, entropy_grad, logp_grad):
+    """learner.logprob_keep_logits: the backward reads the forward's logits instead of recomputing them,
+    the same product of the same operands, so every output and gradient is bitwise the same."""
+    recomputed = run_head(fused, temperature, entropy_grad, logp_grad, dtype=dtype)
+    kept = run_head(fused, temperature, entropy_grad, logp_grad, dtype=dtype, keep_logits=True)
+    for a, b in zip(recomputed, kept, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_kept_logits_save_one_matmul_a_chunk_and_are_held_only_with_a_gradient_to_come():
+    """Three chunks: the backward runs 3 matmuls fewer. In the forward, when the last chunk's matmul
+    runs, the two earlier chunks' logits are still held where a gradient is to come, and at most the
+    one before it otherwise (recomputing, or kept_logits asked for in a no-grad scoring pass)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count, self.products, self.alive_at_last = 0, [], []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                self.count += 1
+                self.alive_at_last.append(sum(r() is not None for r in self.products))
+                self.products.append(weakref.ref(out))
+            return out
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(3, 9, 16, requires_grad=True), torch.randn(97, 16, requires_grad=True)
+    targets, index = torch.randint(0, 97, (3, 9)), torch.arange(25)
+    seen = {}
+    for keep, grad in ((False, True), (True, True), (True, False)):
+        with torch.set_grad_enabled(grad), Matmuls() as mode:
+            logp, _ = head_scores(hidden, weight, targets, index, 1.0, 9, True, False, keep)
+            forward = (mode.count, mode.alive_at_last[2])
+            if grad:
+                logp.sum().backward()
+        seen[keep, grad] = (*forward, mode.count)
+    # (forward matmuls, earlier chunks' logits alive at the third, matmuls in all)
+    assert seen == {(False, True): (3, 1, 12), (True, True): (3, 2, 9), (True, False): (3, 1, 3)}
+
+
+def test_a_learner_keeping_the_logits_takes_the_same_step(model_dir):
+    """learner.logprob_keep_logits through the torch backend: the same loss and the same weights after a
+    step as recomputing them; auto keeps nothing on the CPU."""
+    from tests.unit._learner_fixtures import groups, make_rank
+
+    steps = {}
+    for keep in ("auto", True):
+        rank = make_rank(model_dir, logprob_keep_logits=keep, logprob_chunk_tokens=7)  # several chunks
+        m = rank.train_on_shard(0, groups(0))
+        steps[keep] = (rank.backend.keeps_logits, m.loss, [p.detach().clone() for p in rank.backend.model.parameters()])
+        rank.shutdown()
+    assert (steps["auto"][0], steps[True][0]) == (False, True)
+    assert steps["auto"][1] == steps[True][1]
+    assert all(torch.equal(a, b) for a, b in zip(steps["auto"][2], steps[True][2], strict=True))

@@ -130,6 +130,7 @@ class _MaskFreeBackend:
     weights_are_live = False
     takes_block_masks = False
     head_kernel = "eager"
+    keeps_logits = False
 
     def setup(self, model_dir: str) -> int:
         return 0

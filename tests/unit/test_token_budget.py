@@ -12,7 +12,7 @@ from transformers import Qwen2Config
 from async_rl.buffer.balance import balanced_shards, group_cost
 from async_rl.learner.packing import SeqSample, balanced, split
 from async_rl.learner.shared_prefix import block_tokens, split_shared
-from async_rl.learner.token_budget import CPU_BUDGET, resolve_budget
+from async_rl.learner.token_budget import CPU_BUDGET, activation_bytes_per_token, resolve_budget
 from async_rl.models.shape import ModelShape, sequence_cost
 from tests.unit._learner_fixtures import groups
 
@@ -123,6 +123,19 @@ def test_auto_budget_from_free_memory():
     assert more.tokens > resolve_budget("auto", device=cuda, available_bytes=30 * 2**30, **kw).tokens
     assert resolve_budget("auto", device=torch.device("cpu"), **kw).tokens == CPU_BUDGET
     assert resolve_budget(4096, device=cuda, **kw).tokens == 4096
+
+
+def test_kept_logits_are_counted_per_token():
+    """learner.logprob_keep_logits: vocabulary x compute bytes more per token (297 KiB for Qwen2.5 in
+    bf16), so the same memory holds fewer tokens, and the line says what they cost."""
+    kw = dict(config=QWEN_05B, trainable_params=494_000_000, compute_bytes=2, checkpointing=False, chunk=1024,
+              device=torch.device("cuda", 0), available_bytes=70 * 2**30)
+    plain, kept = resolve_budget("auto", **kw), resolve_budget("auto", keeps_logits=True, **kw)
+    room = 70 * 2**30 - 494_000_000 * 12 - 3 * 1024 * 151936 * 4  # less gradients + AdamW, the head's chunk
+    activations = activation_bytes_per_token(ModelShape.of(QWEN_05B), 2, False)
+    assert plain.tokens == room // activations // 1024 * 1024
+    assert kept.tokens == room // (activations + 151936 * 2) // 1024 * 1024 < plain.tokens
+    assert "0.29 MiB of kept logits" in kept.line and "kept logits" not in plain.line
 
 
 def test_the_activation_cost_reads_the_model_shape(tmp_path):
