@@ -249,3 +249,18 @@ def test_a_learner_keeping_the_logits_takes_the_same_step(model_dir):
     assert (steps["auto"][0], steps[True][0]) == (False, True)
     assert steps["auto"][1] == steps[True][1]
     assert all(torch.equal(a, b) for a, b in zip(steps["auto"][2], steps[True][2], strict=True))
+
+
+def test_kept_logits_survive_a_second_backward():
+    """retain_graph: the eager backward computes its gradient in place, never in the kept logits (fp32 at
+    temperature 1, where the scaled copy would be the kept tensor itself)."""
+    from async_rl.learner.head import ChunkedHead
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(20, 16, requires_grad=True), torch.randn(97, 16, requires_grad=True)
+    logp, _ = ChunkedHead.apply(hidden, weight, torch.randint(0, 97, (20,)), 1.0, 9, True, False, True)
+    logp.sum().backward(retain_graph=True)
+    first = hidden.grad.clone()
+    hidden.grad = None
+    logp.sum().backward()
+    assert torch.equal(hidden.grad, first)
