@@ -521,16 +521,17 @@ class LearnerConfig(_Section):
     ] = "auto"
     head_kernel: Annotated[
         Literal["auto", "compiled", "eager", "triton"],
-        _f("the chunked head (both backends, and the KL reference pass; megatron's per vocabulary shard): each chunk's softmax arithmetic (log-sum-exp, the target's log-prob, "
-           "the entropy; in backward the softmax and one-hot gradient) as compiled kernels that read the "
-           "chunk's compute-dtype logits and make no fp32 copy of them (torch.compile, once per process, "
-           "the chunk's length dynamic: learner/head_fused.py), or eager torch ops over fp32 copies; triton = the "
-           "forward's statistics from a hand-written Triton kernel, one online-softmax pass over each row, its "
-           "block size autotuned on the first call (learner/head_triton.py; CUDA only), the backward compiled (megatron's vocabulary-shard head: "
-           "compiled); auto = on CUDA the fastest of the three measured at start-up on this GPU and the model's "
-           "own output layer (torch backend: forward and backward of two chunks, each kernel compiled first, the "
-           "slowest rank's times; one line at start-up: learner/head_probe.py; megatron: compiled), eager on CPU. "
-           "The KL reference pass runs the kernel the policy's head runs"),
+        _f("the chunked head's per-chunk softmax arithmetic (log-sum-exp, the target's log-prob, the entropy; in "
+           "backward the softmax and one-hot gradient), both backends and the KL reference pass (which runs the "
+           "policy head's kernel): compiled = kernels that read the chunk's compute-dtype logits and make no fp32 "
+           "copy of them (torch.compile, once per process, the chunk's length dynamic: learner/head_fused.py); "
+           "eager = torch ops over fp32 copies; triton = the forward's statistics from a hand-written Triton "
+           "kernel, one online-softmax pass over each row, its block size autotuned on the first call "
+           "(learner/head_triton.py; CUDA only), the backward compiled (megatron: where one TP rank holds the "
+           "whole vocabulary; its vocabulary-shard kernels are compiled); auto = on CUDA the fastest of the three "
+           "measured at start-up on this GPU and the model's own output layer (forward and backward of two "
+           "chunks, each kernel compiled first, the slowest rank's times; one line at start-up: "
+           "learner/head_probe.py; megatron with TP or PP > 1: compiled), eager on CPU"),
     ] = "auto"
     packing: Annotated[
         bool, _f("padding-free micro-batches: sequences concatenated, position ids restart per sequence")

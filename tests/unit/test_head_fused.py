@@ -264,3 +264,38 @@ def test_kept_logits_survive_a_second_backward():
     hidden.grad = None
     logp.sum().backward()
     assert torch.equal(hidden.grad, first)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_a_megatron_rank_holding_the_whole_vocabulary_runs_the_one_pass_statistics(monkeypatch, entropy_grad):
+    """One TP rank (`VocabShard.of` without a group: `whole`): the fused path runs the torch head's chunk
+    statistics (one pass; "triton" then means Triton's kernel there), not the shard max and sums, with
+    the eager head's values and gradients; a shard of several (no `whole`) keeps the shard kernels."""
+    from async_rl.learner.megatron.head import VocabShard, chunked_scores
+
+    calls = []
+
+    def counted(name, f):
+        return lambda *a: calls.append(name) or f(*a)
+
+    eager = head_fused.EAGER
+    monkeypatch.setattr(head_fused, "compiled", lambda: head_fused.HeadKernels(
+        counted("stats", eager.stats), eager.grad, counted("shard_max", eager.shard_max), eager.shard_sums))
+    whole = VocabShard.of(300, 97 + 203, 0, None)  # 300 real ids, targets among them
+    assert whole.whole and not VocabShard(*SHARDS["whole"]).whole
+    torch.manual_seed(0)
+    weight = 0.3 * torch.randn(300, 16)
+    out = {}
+    for fused in (False, True):
+        torch.manual_seed(1)
+        hidden, w = torch.randn(29, 16, requires_grad=True), weight.clone().requires_grad_()
+        logp, entropy = chunked_scores(hidden, w, torch.randint(0, 300, (29,)), 0.7, 8, whole, True, fused)
+        loss = (logp * torch.randn(29)).sum() + ((entropy * torch.randn(29)).sum() if entropy_grad else 0)
+        loss.backward()
+        out[fused] = (logp, entropy, hidden.grad, w.grad)
+    assert calls == ["stats"] * 4  # 29 positions in chunks of 8
+    for a, b in zip(out[False], out[True], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    calls.clear()
+    run_shard(True, VocabShard(*SHARDS["whole"]), 0.7, entropy_grad)
+    assert calls and set(calls) == {"shard_max"}

@@ -120,6 +120,19 @@ def check_head() -> None:
     torch.testing.assert_close(fused[0], eager[0], atol=1e-5, rtol=0)  # the same bf16 logits, fp32 arithmetic
     torch.testing.assert_close(fused[1], eager[1], atol=1e-5, rtol=0)
     assert fused[2].dtype == fused[3].dtype == torch.bfloat16
+    # megatron's head on one TP rank (the whole vocabulary): "triton" runs the same statistics kernel
+    from async_rl.learner.megatron.head import VocabShard, chunked_scores
+
+    out = {}
+    for fused in (False, "triton"):
+        torch.manual_seed(2)
+        hidden, weight = torch.randn(29, 16, requires_grad=True), (0.3 * torch.randn(97, 16)).requires_grad_()
+        logp, entropy = chunked_scores(hidden, weight, torch.randint(0, 97, (29,)), 0.7, 8,
+                                       VocabShard.of(97, 97, 0, None), True, fused)
+        ((logp * torch.randn(29)).sum() + (entropy * torch.randn(29)).sum()).backward()
+        out[fused] = (logp, entropy, hidden.grad, weight.grad)
+    for a, b in zip(out[False], out["triton"], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
 def check_autotune() -> None:

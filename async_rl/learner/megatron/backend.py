@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -50,6 +51,7 @@ from async_rl.errors import RunError
 from async_rl.learner import head_fused
 from async_rl.learner.attention import cumulative
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
+from async_rl.learner.head_probe import HeadProbe, measure
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
 from async_rl.learner.megatron.attention import resolve as resolve_attention
@@ -236,7 +238,8 @@ class MegatronBackend(ModelBackend):
         """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
         start-up line without Transformer Engine (`megatron.memory`); they change nothing else.
         `attention` (learner.megatron.attention): the local spec's core attention (`megatron.attention`).
-        `head_kernel` (learner.head_kernel): the chunked head's per-chunk arithmetic compiled (auto: on CUDA)."""
+        `head_kernel` (learner.head_kernel): the chunked head's per-chunk kernel, decided in `setup` (auto on
+        CUDA with one model-parallel rank: measured, `head_probe`; else compiled on CUDA, eager on CPU)."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.rendezvous_store = rendezvous_store  # rank 0's store at `master`, or None (`rendezvous.join_group`)
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
@@ -248,8 +251,8 @@ class MegatronBackend(ModelBackend):
         self.on_cpu = device == "cpu"
         self.seed = seed
         self.chunk = logprob_chunk_tokens
-        self.fused_head = head_fused.use_compiled(head_kernel, "cpu" if self.on_cpu else "cuda")
-        self.head_kernel = "compiled" if self.fused_head else "eager"  # no Triton vocabulary-shard statistics
+        self.head_setting = head_kernel
+        self.head_probe: HeadProbe | None = None  # auto on CUDA, one model-parallel rank: what was measured
         self.recompute = activation_checkpointing
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -314,11 +317,32 @@ class MegatronBackend(ModelBackend):
             has_outputs=parallel_state.is_pipeline_last_stage(),
             counts_samples=parallel_state.get_tensor_model_parallel_rank() == 0 and first_stage,
         )
+        self.head_probe = self._probe_head()
+        device_type = "cpu" if self.on_cpu else "cuda"
+        self.head_kernel = (
+            self.head_probe.fastest if self.head_probe else head_fused.kernel_name(self.head_setting, device_type)
+        )
+        self.fused_head = head_fused.fused_setting(self.head_kernel, device_type)
         self.gather_weights()  # rank 0 serves the sync manifest from the start
         params = sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
         if not self.on_cpu and not te_spec and self.rank == 0:
             print(self._local_spec_line(params), flush=True)
         return params
+
+    def _probe_head(self) -> HeadProbe | None:
+        """learner.head_kernel auto on CUDA where one model-parallel rank holds the whole output layer
+        (TP = PP = 1: its chunks run the torch head's kernels, `megatron.head`): the kernels timed on it
+        (`head_probe`), agreed over the data-parallel ranks, stated by rank 0. None elsewhere: auto is
+        compiled (the vocabulary-shard kernels have no Triton form)."""
+        if self.head_setting != "auto" or self.on_cpu or not self.chunk or self.tp * self.pp != 1:
+            return None
+        gpt = self._gpt
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+        probe = measure(weight[: self.arch.vocab_size], self.chunk, weight.dtype)
+        probe = probe.agreed(lambda t: self.all_reduce(t, "max"))
+        if self.rank == 0:
+            print(f"[learner] {probe.line()}", file=sys.stderr, flush=True)
+        return probe
 
     def _local_spec_line(self, params: int) -> str:
         """What megatron's local spec costs on this GPU with its attention kernel (see `megatron.memory`),

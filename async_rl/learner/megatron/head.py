@@ -36,11 +36,15 @@ class VocabShard:
     start: int  # first vocabulary id of this rank's rows
     valid: int  # how many of its rows are real ids (the rest pad the vocabulary to a TP multiple)
     group: dist.ProcessGroup | None = None  # None: one TP rank, no collectives
+    # the whole vocabulary on this rank (one TP rank, every target among its rows): the fused path then
+    # runs the torch head's one-pass statistics (`head_fused.kernels(fused).stats`, Triton's too)
+    whole: bool = False
 
     @classmethod
     def of(cls, vocab_size: int, rows: int, tp_rank: int, group: dist.ProcessGroup | None) -> VocabShard:
         start = tp_rank * rows
-        return cls(start=start, valid=max(0, min(rows, vocab_size - start)), group=group)
+        return cls(start=start, valid=max(0, min(rows, vocab_size - start)), group=group,
+                   whole=group is None and start == 0)
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -82,16 +86,23 @@ class VocabParallelHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, shard: VocabShard, with_entropy: bool,
-                fused: bool = False):
+                fused: bool | str = False):
         n = hidden.shape[0]
         w = weight[: shard.valid]
         logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logp)
         lse = torch.empty_like(logp)
-        kernels = head_fused.compiled() if fused and shard.valid else None
+        kernels = head_fused.kernels(fused) if fused and shard.valid else None
         for s in range(0, n, chunk):
             h, tc = hidden[s : s + chunk], targets[s : s + chunk]
             c = h.shape[0]
+            if kernels is not None and shard.whole:  # one TP rank: the torch head's one-pass statistics
+                z = h.to(w.dtype) @ w.t()
+                logp[s : s + c], lse[s : s + c], ent = kernels.stats(z, tc, temperature, with_entropy)
+                if with_entropy:
+                    entropy[s : s + c] = ent
+                del z
+                continue
             if kernels is not None:  # the compiled arithmetic reads the compute-dtype logits (head_fused)
                 z = h.to(w.dtype) @ w.t()
                 m = kernels.shard_max(z, temperature)
@@ -131,7 +142,7 @@ class VocabParallelHead(torch.autograd.Function):
         # accumulated in fp32 over the chunks, cast to the weight's dtype once
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight[: shard.valid]
-        grad_of_chunk = head_fused.compiled().grad if ctx.fused and shard.valid else None
+        grad_of_chunk = head_fused.kernels(ctx.fused).grad if ctx.fused and shard.valid else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(w.dtype)
             c = h.shape[0]
@@ -162,10 +173,11 @@ def chunked_scores(
     chunk: int,
     shard: VocabShard,
     with_entropy: bool,
-    fused: bool = False,
+    fused: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) and the entropy (zeros unless `with_entropy`), fp32 [N], of hidden states
     [N, H] through this rank's vocab-parallel weight rows [V/tp, H]. `fused`: each chunk's arithmetic
-    compiled (`head_fused`; `learner.head_kernel`)."""
+    compiled (`head_fused`; `learner.head_kernel`); "triton": where the shard is the whole vocabulary,
+    the forward statistics from `head_triton`'s kernel (compiled otherwise)."""
     return VocabParallelHead.apply(hidden, weight, targets, float(temperature), max(1, int(chunk)), shard, with_entropy,
                                    fused)
