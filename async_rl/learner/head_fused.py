@@ -28,16 +28,10 @@ import torch
 
 def kernel_name(setting: str, device_type: str) -> str:
     """`learner.head_kernel` as a kernel's name (eager, compiled or triton) where nothing is measured:
-    auto is compiled on CUDA, eager elsewhere (the torch backend measures auto on CUDA: `head_probe`)."""
+    auto is compiled on CUDA, eager elsewhere (the backends measure auto on CUDA where they can: `head_probe`)."""
     if setting == "auto":
         return "compiled" if device_type == "cuda" else "eager"
     return setting
-
-
-def use_compiled(setting: str, device_type: str) -> bool:
-    """`learner.head_kernel` on this device: compiled, or auto on CUDA (eager on the CPU). triton counts
-    as compiled here (its backward is; megatron's vocabulary-shard head has no Triton statistics)."""
-    return kernel_name(setting, device_type) in ("compiled", "triton")
 
 
 def fused_setting(setting: str, device_type: str) -> bool | str:
@@ -49,7 +43,7 @@ def fused_setting(setting: str, device_type: str) -> bool | str:
 
         head_triton.check(device_type)
         return "triton"
-    return use_compiled(setting, device_type)
+    return kernel_name(setting, device_type) == "compiled"
 
 
 def kernels(fused: bool | str) -> HeadKernels:
