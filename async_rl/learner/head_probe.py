@@ -13,13 +13,14 @@ raises is reported and left out; eager always runs. The decision is one line at 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from async_rl.learner import head_triton
+from async_rl.learner import head_fused, head_triton
 from async_rl.learner.head import ChunkedHead
 
 # learner.head_kernel's concrete kernels, as the head's `fused` argument (head_fused.fused_setting).
@@ -111,3 +112,20 @@ def measure(weight: torch.Tensor, chunk: int, dtype: torch.dtype, kernels: tuple
     configs = {"triton": config} if "triton" in seconds and (config := head_triton.tuned()) else {}
     return HeadProbe(positions, int(weight.shape[0]), seconds, failed, configs)
 
+
+
+def agreed_measure(weight: torch.Tensor, chunk: int, dtype: torch.dtype,
+                   reduce_max: Callable[[torch.Tensor], torch.Tensor], announce: bool) -> HeadProbe:
+    """A backend's start-up probe: `measure`, agreed over its data-parallel ranks (`reduce_max`), its line
+    printed where `announce` (rank 0)."""
+    probe = measure(weight, chunk, dtype).agreed(reduce_max)
+    if announce:
+        print(f"[learner] {probe.line()}", file=sys.stderr, flush=True)
+    return probe
+
+
+def chosen(probe: HeadProbe | None, setting: str, device_type: str) -> tuple[str, bool | str]:
+    """(the kernel's name, the head's `fused` argument): the probe's fastest, or `learner.head_kernel`
+    where nothing was measured (`head_fused.kernel_name`)."""
+    kernel = probe.fastest if probe else head_fused.kernel_name(setting, device_type)
+    return kernel, head_fused.fused_setting(kernel, device_type)

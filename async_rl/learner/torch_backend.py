@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -17,12 +16,11 @@ from torch.profiler import record_function
 
 from async_rl.config import LearnerConfig
 from async_rl.errors import RunError
-from async_rl.learner import head_fused
 from async_rl.learner.attention import register
 from async_rl.learner.attention import resolve as resolve_attention
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import keeps_logits, model_scores, unsupported
-from async_rl.learner.head_probe import HeadProbe, measure
+from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
 from async_rl.learner.kernels import apply_kernels, compile_layers, decoder_layers
 from async_rl.learner.optimizer import adamw
@@ -142,10 +140,7 @@ class TorchBackend(ModelBackend):
         if self.cfg.compile and self.kernels != "compile":
             compile_layers(compute_model)
         self.head_probe = self._probe_head(compute_model, compute or self.dtype)
-        self.head_kernel = (
-            self.head_probe.fastest if self.head_probe else head_fused.kernel_name(self.cfg.head_kernel, self.device.type)
-        )
-        self.fused_head = head_fused.fused_setting(self.head_kernel, self.device.type)
+        self.head_kernel, self.fused_head = chosen(self.head_probe, self.cfg.head_kernel, self.device.type)
         self.keeps_logits = keeps_logits(self.cfg.logprob_keep_logits, self.device.type)
         self.scorer = ScoringModel(compute_model, self.cfg.logprob_chunk_tokens, self.fused_head, self.keeps_logits)
         if self.working:
@@ -184,10 +179,8 @@ class TorchBackend(ModelBackend):
         chunk = self.cfg.logprob_chunk_tokens
         if self.cfg.head_kernel != "auto" or self.device.type != "cuda" or not chunk:
             return None
-        probe = measure(model.get_output_embeddings().weight, chunk, compute).agreed(lambda t: self.all_reduce(t, "max"))
-        if self.rank == 0:
-            print(f"[learner] {probe.line()}", file=sys.stderr, flush=True)
-        return probe
+        weight = model.get_output_embeddings().weight
+        return agreed_measure(weight, chunk, compute, lambda t: self.all_reduce(t, "max"), self.rank == 0)
 
     def _compute_dtype(self) -> torch.dtype | None:
         """bf16 compute on CUDA (parameters and optimizer stay in `model.dtype`); none on CPU."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -48,10 +47,9 @@ import torch
 import torch.distributed as dist
 
 from async_rl.errors import RunError
-from async_rl.learner import head_fused
 from async_rl.learner.attention import cumulative
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
-from async_rl.learner.head_probe import HeadProbe, measure
+from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
 from async_rl.learner.megatron.attention import resolve as resolve_attention
@@ -318,11 +316,7 @@ class MegatronBackend(ModelBackend):
             counts_samples=parallel_state.get_tensor_model_parallel_rank() == 0 and first_stage,
         )
         self.head_probe = self._probe_head()
-        device_type = "cpu" if self.on_cpu else "cuda"
-        self.head_kernel = (
-            self.head_probe.fastest if self.head_probe else head_fused.kernel_name(self.head_setting, device_type)
-        )
-        self.fused_head = head_fused.fused_setting(self.head_kernel, device_type)
+        self.head_kernel, self.fused_head = chosen(self.head_probe, self.head_setting, "cpu" if self.on_cpu else "cuda")
         self.gather_weights()  # rank 0 serves the sync manifest from the start
         params = sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
         if not self.on_cpu and not te_spec and self.rank == 0:
@@ -338,11 +332,8 @@ class MegatronBackend(ModelBackend):
             return None
         gpt = self._gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
-        probe = measure(weight[: self.arch.vocab_size], self.chunk, weight.dtype)
-        probe = probe.agreed(lambda t: self.all_reduce(t, "max"))
-        if self.rank == 0:
-            print(f"[learner] {probe.line()}", file=sys.stderr, flush=True)
-        return probe
+        return agreed_measure(weight[: self.arch.vocab_size], self.chunk, weight.dtype,
+                              lambda t: self.all_reduce(t, "max"), self.rank == 0)
 
     def _local_spec_line(self, params: int) -> str:
         """What megatron's local spec costs on this GPU with its attention kernel (see `megatron.memory`),

@@ -96,15 +96,14 @@ class VocabParallelHead(torch.autograd.Function):
         for s in range(0, n, chunk):
             h, tc = hidden[s : s + chunk], targets[s : s + chunk]
             c = h.shape[0]
-            if kernels is not None and shard.whole:  # one TP rank: the torch head's one-pass statistics
-                z = h.to(w.dtype) @ w.t()
-                logp[s : s + c], lse[s : s + c], ent = kernels.stats(z, tc, temperature, with_entropy)
-                if with_entropy:
-                    entropy[s : s + c] = ent
-                del z
-                continue
             if kernels is not None:  # the compiled arithmetic reads the compute-dtype logits (head_fused)
                 z = h.to(w.dtype) @ w.t()
+                if shard.whole:  # one TP rank: the torch head's one-pass statistics
+                    logp[s : s + c], lse[s : s + c], ent = kernels.stats(z, tc, temperature, with_entropy)
+                    if with_entropy:
+                        entropy[s : s + c] = ent
+                    del z
+                    continue
                 m = kernels.shard_max(z, temperature)
                 if shard.group is not None:
                     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
