@@ -516,8 +516,8 @@ class LearnerConfig(_Section):
            "of recomputing them: one GEMM a chunk fewer (three, not four, per chunk and step: forward, the two "
            "gradients) for micro-batch loss positions x vocabulary x 2 bytes held until the micro-batch's "
            "backward (2.8 GiB for 10,000 positions with Qwen2.5's 151,936-token vocabulary; counted by "
-           "micro_batch_tokens auto), in the gradient passes only; auto = true on CUDA, false on CPU. Torch "
-           "backend (megatron recomputes)"),
+           "micro_batch_tokens auto, and by megatron's start-up memory line), in the gradient passes only; auto = "
+           "true on CUDA, false on CPU. Both backends"),
     ] = "auto"
     head_kernel: Annotated[
         Literal["auto", "compiled", "eager", "triton"],

@@ -49,9 +49,9 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   fp32           scoring only: the log-prob reference
 The chunked head's savings (weight cast hoisted, one exponent pass, weight gradient in the GEMM, no
 entropy in scoring passes) are in every row of ours: they have no switch. Its per-chunk kernel
-(learner.head_kernel) is the probe's choice in the combined rows (auto: the fastest of eager, compiled
-and triton measured at start-up, learner/head_probe.py), compiled in the megatron rows, eager in `today`
-and the single-switch rows; the three `combined_*_head` rows fix it, so the probe's choice can be
+(learner.head_kernel) is the probe's choice in the combined rows and the megatron ones (auto: the fastest
+of eager, compiled and triton measured at start-up, learner/head_probe.py; megatron at TP = PP = 1), eager
+in `today` and the single-switch rows; the three `combined_*_head` rows fix it, so the probe's choice can be
 checked against whole steps.
 """
 
@@ -254,6 +254,7 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
     if probe is not None:
         notes.append(f"{a.variant}: {probe.line()}")
     ran = {"kernels": getattr(backend, "kernels", "none"), "fused_head": getattr(backend, "fused_head", False),
+           "keeps_logits": backend.keeps_logits,
            "micro_batch_tokens": rank.micro_batch_tokens,
            "working_copy": getattr(backend, "working", None) is not None,
            "learner": msgspec.to_builtins(spec.learner)}
@@ -486,7 +487,8 @@ def write_markdown(result: dict, path: Path) -> None:
                 head = {True: "compiled", "triton": "triton"}.get(row.get("fused_head"), "eager")
                 ran = (f"kernels {row.get('kernels', '-')}, head {head}, "
                        f"budget {row.get('micro_batch_tokens', result['tokens'])}, "
-                       f"working copy {row.get('working_copy', '-')}") if v != "trl" else "HF + autocast"
+                       f"working copy {row.get('working_copy', '-')}, logits kept {row.get('keeps_logits', '-')}"
+                       ) if v != "trl" else "HF + autocast"
                 lines.append(f"| {v} | {row['step_s']:.2f} s | {row['completion_tokens_s']:,.0f} | {row['mfu']:.1%} | "
                              f"{row['peak_gib']:.1f} GiB | {dtext} | {ran} |")
             else:

@@ -91,6 +91,7 @@ def make_backend(
             seed=spec.train.seed,
             logprob_chunk_tokens=spec.learner.logprob_chunk_tokens,
             head_kernel=spec.learner.head_kernel,
+            keep_logits=spec.learner.logprob_keep_logits,
             activation_checkpointing=spec.learner.activation_checkpointing,
             micro_batch_tokens=spec.learner.micro_batch_tokens,
             row_tokens=spec.learner.pack_row_tokens or spec.generators.max_model_len,

@@ -90,7 +90,7 @@ class ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool = True,
-                fused: bool | str = False, keep_logits: bool = False):
+                fused: head_fused.FusedPath = False, keep_logits: bool = False):
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
         w = weight.to(dtype)
@@ -173,7 +173,7 @@ def head_scores(
     temperature: float,
     chunk: int,
     entropy: bool = True,
-    fused: bool | str = False,
+    fused: head_fused.FusedPath = False,
     keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and entropy [B, T] (fp32; the entropy None unless `entropy`) from hidden states
@@ -238,7 +238,7 @@ def model_scores(
     hidden: bool = False,
     head: bool = True,
     entropy: bool = True,
-    fused: bool | str = False,
+    fused: head_fused.FusedPath = False,
     keep_logits: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(logp, entropy, last hidden states) of an HF causal LM on `inputs` (its forward's keyword

@@ -22,8 +22,13 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Literal
 
 import torch
+
+# The torch head's `fused` argument, what `fused_setting` makes of learner.head_kernel: False (eager),
+# True (compiled) or "triton" (`head_triton`'s forward statistics, the compiled backward).
+FusedPath = bool | Literal["triton"]
 
 
 def kernel_name(setting: str, device_type: str) -> str:
@@ -34,7 +39,7 @@ def kernel_name(setting: str, device_type: str) -> str:
     return setting
 
 
-def fused_setting(setting: str, device_type: str) -> bool | str:
+def fused_setting(setting: str, device_type: str) -> FusedPath:
     """`learner.head_kernel` on this device as the torch head's `fused` argument: False (eager), True
     (compiled) or "triton" (`head_triton`'s forward statistics, the compiled backward). Raises a
     RunError where triton is asked for and cannot run."""
@@ -46,7 +51,7 @@ def fused_setting(setting: str, device_type: str) -> bool | str:
     return kernel_name(setting, device_type) == "compiled"
 
 
-def kernels(fused: bool | str) -> HeadKernels:
+def kernels(fused: FusedPath) -> HeadKernels:
     """The per-chunk functions of the fused path `fused` (True: `compiled()`; "triton": the same with
     `head_triton.chunk_stats` for the forward statistics)."""
     if fused == "triton":

@@ -72,7 +72,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds(fused: bool | str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+def _seconds(fused: head_fused.FusedPath, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
              chunk: int, repeats: int) -> float:
     """The best of `repeats` timed forward + backward calls of the head with kernel `fused`, after one
     untimed call (the compile)."""
@@ -124,7 +124,7 @@ def agreed_measure(weight: torch.Tensor, chunk: int, dtype: torch.dtype,
     return probe
 
 
-def chosen(probe: HeadProbe | None, setting: str, device_type: str) -> tuple[str, bool | str]:
+def chosen(probe: HeadProbe | None, setting: str, device_type: str) -> tuple[str, head_fused.FusedPath]:
     """(the kernel's name, the head's `fused` argument): the probe's fastest, or `learner.head_kernel`
     where nothing was measured (`head_fused.kernel_name`)."""
     kernel = probe.fastest if probe else head_fused.kernel_name(setting, device_type)

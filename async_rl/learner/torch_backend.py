@@ -20,6 +20,7 @@ from async_rl.learner.attention import register
 from async_rl.learner.attention import resolve as resolve_attention
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import keeps_logits, model_scores, unsupported
+from async_rl.learner.head_fused import FusedPath
 from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
 from async_rl.learner.kernels import apply_kernels, compile_layers, decoder_layers
@@ -36,7 +37,7 @@ class ScoringModel(torch.nn.Module):
     It is the module DDP and FSDP2 wrap, so the head runs inside their forward: DDP sees the output
     weight used, FSDP2's root has gathered it."""
 
-    def __init__(self, model: torch.nn.Module, chunk: int, fused_head: bool | str, keep_logits: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, chunk: int, fused_head: FusedPath, keep_logits: bool = False) -> None:
         super().__init__()
         self.model = model
         self.chunk = chunk

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def hf_model(kind: str) -> torch.nn.Module:
@@ -122,6 +123,18 @@ def thd_attention(backend):
             layer.self_attention.core_attention = local
 
 
+class Matmuls(TorchDispatchMode):
+    """Counts the matrix products (aten.mm) run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten.mm
+        return func(*args, **(kwargs or {}))
+
+
 def _copy(weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
     return None if weights is None else {n: t.detach().clone() for n, t in weights.items()}
 
@@ -203,10 +216,11 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
         # The chunked head (3 positions a chunk) against the full vocab-parallel head (chunk 0):
         # scores at temperature 0.7, the training pass's scores (log-probs and the logged entropy,
         # on output ranks) and this rank's gradients of the same loss, before any step.
+        # "kept": the chunked head keeping its logits for the backward (learner.logprob_keep_logits).
         head_cmp = {}
         default_chunk = backend.chunk
-        for chunk in (0, 3):
-            backend.chunk = chunk
+        for chunk in (0, 3, "kept"):
+            backend.chunk, backend.keeps_logits = (3, True) if chunk == "kept" else (chunk, False)
             scored = backend.score(mbs["padded"], 0.7)
             trained = []
 
@@ -214,11 +228,12 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
                 trained.append((s.logp.detach().cpu(), s.entropy.detach().cpu()))
                 return loss_fn(i, s)
 
-            backend.forward_backward(halves, 0.7, recording_loss_fn)
+            with Matmuls() as matmuls:
+                backend.forward_backward(halves, 0.7, recording_loss_fn)
             grads = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
             backend.policy.model.zero_grad_buffer()
-            head_cmp[chunk] = (scored, grads, trained)
-        backend.chunk = default_chunk
+            head_cmp[chunk] = (scored, grads, trained, matmuls.count)
+        backend.chunk, backend.keeps_logits = default_chunk, False
         backend.forward_backward(halves, 1.0, loss_fn)
         grad_norm = backend.optimizer_step(1e-3, 1e9)
         backend.gather_weights()

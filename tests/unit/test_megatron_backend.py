@@ -141,7 +141,7 @@ def test_chunked_head_equals_the_full_vocab_parallel_head(run):
     positions, and every rank's gradients."""
     tp, pp, ranks, hf = run
     for r in ranks:
-        (full, full_grads, full_trained), (chunked, chunked_grads, chunked_trained) = r["head_cmp"][0], r["head_cmp"][3]
+        (full, full_grads, full_trained, _), (chunked, chunked_grads, chunked_trained, _) = r["head_cmp"][0], r["head_cmp"][3]
         mask = r["mbs"]["padded"].loss_mask.bool()
         assert (chunked.logp - full.logp).abs()[mask].max() < 1e-5
         assert torch.all(chunked.logp[~r["mbs"]["padded"].span_positions()] == 0)
@@ -155,6 +155,24 @@ def test_chunked_head_equals_the_full_vocab_parallel_head(run):
         for a, b in zip(full_grads, chunked_grads, strict=True):
             assert (a - b).abs().max() < 1e-5
         assert any(g.abs().sum() > 0 for g in chunked_grads)
+
+
+def test_kept_logits_give_the_recomputing_heads_scores_and_gradients_exactly(run):
+    """learner.logprob_keep_logits on megatron's chunked head: the backward reads each chunk's logits from
+    the forward instead of recomputing them (the same product of the same operands), so every rank's
+    scores, training log-probs, entropies and gradients are bitwise those of recomputing, and an output
+    rank runs one matmul fewer per chunk (the two micro-batches' loss positions, 3 a chunk)."""
+    tp, pp, ranks, hf = run
+    for r in ranks:
+        (scored, grads, trained, matmuls), (kept_scored, kept_grads, kept_trained, kept_matmuls) = (
+            r["head_cmp"][3], r["head_cmp"]["kept"])
+        chunks = sum(-(-mb.loss_tokens // 3) for mb in r["halves"]) if r["info"].has_outputs else 0
+        assert matmuls - kept_matmuls == chunks
+        assert torch.equal(kept_scored.logp, scored.logp)
+        assert len(kept_trained) == len(trained)
+        for a, b in zip(trained, kept_trained, strict=True):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert len(kept_grads) == len(grads) and all(torch.equal(a, b) for a, b in zip(grads, kept_grads, strict=True))
 
 
 def test_training_entropy_is_the_hf_models(run):

@@ -111,3 +111,83 @@ def test_the_measurement_sees_a_head_that_keeps_more():
     hc, targets = h[:CHUNK].detach(), torch.randint(0, V, (CHUNK,), generator=g)
     peak = peak_bytes(lambda: reference(hc, w.detach(), targets, V, 0.7))
     assert peak > (2 + EXTRA) * UNIT, peak / UNIT
+
+
+def _scored(keep: bool, shard: VocabShard, temperature: float, entropy_in_loss: bool, dtype: torch.dtype,
+            fused: bool = False):
+    """(logp, entropy, hidden.grad, weight.grad, tensors saved for backward) of 29 positions in chunks of 8
+    through one shard of a 97-row weight (an offset shard's targets fall inside and outside it)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(29, 16, generator=g).to(dtype).requires_grad_()
+    w = (0.3 * torch.randn(97, 16, generator=g)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 97 if shard.whole else 300, (29,), generator=g)  # a whole shard holds every target
+    logp, entropy = chunked_scores(h, w, targets, temperature, 8, shard, True, fused, keep)
+    saved = len(logp.grad_fn.saved_tensors)
+    loss = (logp * torch.randn(29, generator=g)).sum()
+    if entropy_in_loss:
+        loss = loss + (entropy * torch.randn(29, generator=g)).sum()
+    loss.backward()
+    return logp, entropy, h.grad, w.grad, saved
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shard", [VocabShard.of(97, 97, 0, None), VocabShard(start=150, valid=90)],
+                         ids=["whole", "offset"])
+@pytest.mark.parametrize("temperature,entropy_in_loss", [(1.0, False), (0.7, True)])
+def test_kept_logits_give_the_recomputing_heads_values_and_gradients_exactly(
+        monkeypatch, fused, dtype, shard, temperature, entropy_in_loss):
+    """learner.logprob_keep_logits: the backward reads each chunk's logits from the forward (the same
+    product of the same operands as its recomputation), so every output and gradient is bitwise the same,
+    eager and fused (head_fused's functions as written), on a whole and an offset shard; the forward
+    saves one tensor a chunk more (4 chunks)."""
+    from async_rl.learner import head_fused
+
+    monkeypatch.setattr(head_fused, "compiled", lambda: head_fused.EAGER)
+    recomputed = _scored(False, shard, temperature, entropy_in_loss, dtype, fused)
+    kept = _scored(True, shard, temperature, entropy_in_loss, dtype, fused)
+    for a, b in zip(recomputed[:4], kept[:4], strict=True):
+        assert torch.equal(a, b)
+    assert kept[4] == recomputed[4] + 4
+
+
+def test_kept_logits_save_one_matmul_a_chunk_and_nothing_in_a_no_grad_pass():
+    """Three chunks: 3 forward matmuls, then 3 (recomputed logits, the two gradients) a chunk in the
+    backward, 2 with kept logits; asked for in a no-grad scoring pass, nothing is kept."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                Matmuls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    h, w, g = inputs()
+    targets = torch.randint(0, V, (3 * 100,), generator=g)
+    shard = VocabShard.of(V, V, 0, None)
+    counts = {}
+    for keep in (False, True):
+        Matmuls.count = 0
+        with Matmuls():
+            logp, _ = chunked_scores(h[:300], w, targets, 1.0, 100, shard, True, False, keep)
+            logp.sum().backward()
+        counts[keep] = Matmuls.count
+    assert counts == {False: 12, True: 9}
+    with torch.no_grad():
+        logp, _ = chunked_scores(h[:300], w, targets, 1.0, 100, shard, True, False, True)
+    assert logp.grad_fn is None  # nothing saved, nothing kept
+
+
+def test_kept_fp32_logits_survive_a_second_backward():
+    """retain_graph at temperature 1 in fp32, where the scaled copy of a chunk's logits would be the kept
+    tensor itself: the eager backward works in a copy, so a second backward gives the same gradient."""
+    h, w, g = inputs()
+    targets = torch.randint(0, V, (N,), generator=g)
+    logp, entropy = chunked_scores(h, w, targets, 1.0, CHUNK, VocabShard.of(V, V, 0, None), True, False, True)
+    (logp.sum() + entropy.sum()).backward(retain_graph=True)
+    first = h.grad.clone()
+    h.grad = None
+    (logp.sum() + entropy.sum()).backward()
+    assert torch.equal(h.grad, first)

@@ -52,6 +52,20 @@ def test_the_chunked_head_is_a_fixed_cost_and_the_full_head_grows_with_the_token
     assert estimate(full, 16384, 712).head == 4 * estimate(full, 4096, 712).head
 
 
+def test_kept_logits_add_every_tokens_logits_in_the_model_dtype():
+    """learner.logprob_keep_logits: a 16,384-token micro-batch holds its positions' logits until the
+    backward, counted as if every token were scored (vocabulary / TP x 2 bytes a token), and a TP rank
+    holds its shard's; the full head (chunk 0) keeps nothing more."""
+    kept = dataclasses.replace(QWEN_05B, keep_logits=True)
+    extra = estimate(kept, 16384, 712).head - estimate(QWEN_05B, 16384, 712).head
+    assert extra == 16384 * 151936 * 2
+    tp2 = dataclasses.replace(kept, tp=2)
+    assert estimate(tp2, 16384, 712).head - estimate(dataclasses.replace(tp2, keep_logits=False), 16384, 712).head == extra // 2
+    full = dataclasses.replace(QWEN_05B, chunk=0)
+    assert estimate(dataclasses.replace(full, keep_logits=True), 16384, 712) == estimate(full, 16384, 712)
+    assert max_tokens(kept, int(H100 * USABLE), 712) < max_tokens(QWEN_05B, int(H100 * USABLE), 712)
+
+
 def test_the_recipe_model_at_16384_tokens_fits_an_80_gb_gpu_by_the_estimate():
     m = estimate(QWEN_05B, 16384, 712)
     assert m.attention == attention_score_bytes(QWEN_05B, 16384, 712)

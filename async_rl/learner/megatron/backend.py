@@ -49,6 +49,7 @@ import torch.distributed as dist
 from async_rl.errors import RunError
 from async_rl.learner.attention import cumulative
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
+from async_rl.learner.head import keeps_logits
 from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
@@ -232,12 +233,14 @@ class MegatronBackend(ModelBackend):
         row_tokens: int = 0,
         attention: str = "auto",
         head_kernel: str = "auto",
+        keep_logits: bool | str = "auto",
     ) -> None:
         """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
         start-up line without Transformer Engine (`megatron.memory`); they change nothing else.
         `attention` (learner.megatron.attention): the local spec's core attention (`megatron.attention`).
         `head_kernel` (learner.head_kernel): the chunked head's per-chunk kernel, decided in `setup` (auto on
-        CUDA with one model-parallel rank: measured, `head_probe`; else compiled on CUDA, eager on CPU)."""
+        CUDA with one model-parallel rank: measured, `head_probe`; else compiled on CUDA, eager on CPU).
+        `keep_logits` (learner.logprob_keep_logits): the chunked head keeps its logits for the backward."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.rendezvous_store = rendezvous_store  # rank 0's store at `master`, or None (`rendezvous.join_group`)
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
@@ -251,6 +254,7 @@ class MegatronBackend(ModelBackend):
         self.chunk = logprob_chunk_tokens
         self.head_setting = head_kernel
         self.head_probe: HeadProbe | None = None  # auto on CUDA, one model-parallel rank: what was measured
+        self.keeps_logits = bool(logprob_chunk_tokens) and keeps_logits(keep_logits, "cpu" if self.on_cpu else "cuda")
         self.recompute = activation_checkpointing
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -346,7 +350,7 @@ class MegatronBackend(ModelBackend):
             heads=self.arch.num_heads, vocab=padded_vocab_size(self.arch.vocab_size, self.tp), params=params,
             tp=self.tp, pp=self.pp, dp=self.info.dp_size, dtype_bytes=self.dtype.itemsize,
             distributed_optimizer=self.sharded_optimizer, recompute=self.recompute, chunk=self.chunk,
-            attention=self.attention,
+            attention=self.attention, keep_logits=self.keeps_logits,
         )
         free, _ = torch.cuda.mem_get_info()
         capacity = free + torch.cuda.memory_reserved()  # what this process may hold: ours and what is free
@@ -452,7 +456,7 @@ class MegatronBackend(ModelBackend):
             flat = copy_to_tensor_model_parallel_region(flat)
         # Every TP rank runs the same chunks (the same positions): their collectives line up.
         logp, entropy = chunked_scores(flat, weight, targets, temperature, self.chunk, shard, with_entropy,
-                                       self.fused_head)
+                                       self.fused_head, self.keeps_logits)
         zeros = torch.zeros(b * t, dtype=torch.float32, device=hidden.device)
         return zeros.index_copy(0, idx, logp).reshape(b, t), zeros.index_copy(0, idx, entropy).reshape(b, t)
 

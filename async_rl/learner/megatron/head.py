@@ -8,6 +8,9 @@ compute-dtype matmul output is freed as soon as it is converted) and saves only 
 entropy of each position. Its backward recomputes a chunk's logits; it works in one fp32
 [chunk x V/tp] tensor when no loss uses the entropy (its gradient arrives as None: the entropy that
 was only logged costs nothing in backward) and in two when one does (`algorithm.entropy_coef`).
+With `keep_logits` (learner.logprob_keep_logits, as the torch head's `ChunkedHead`) the forward keeps
+each chunk's compute-dtype logits for the backward instead: one GEMM a chunk fewer, for positions x
+V/tp compute-dtype numbers held until the backward.
 
 Across TP ranks: the max and the sums are all-reduced in forward (every rank runs the same chunks,
 so the collectives line up); backward needs none (the saved log-sum-exp and entropy are global).
@@ -47,18 +50,26 @@ class VocabShard:
                    whole=group is None and start == 0)
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / temperature of one chunk [c, valid], the matmul in the weight's dtype."""
-    z = h.to(w.dtype) @ w.t()
-    z = z.float()  # a new tensor in bf16 (the bf16 one is freed on return); the same one in fp32
-    return z.div_(temperature) if temperature != 1.0 else z
+def _product(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One chunk's logits [c, valid] in the weight's dtype (the matmul there)."""
+    return h.to(w.dtype) @ w.t()
 
 
-def _shard_sums_eager(h, w, tc, temperature: float, shard: VocabShard, with_entropy: bool):
-    """(the global max [c], this shard's sums [3, c]: `head_fused.shard_sums`'s) in torch ops over fp32
-    copies of the chunk's logits; the max is all-reduced here, the sums by the caller."""
-    c = h.shape[0]
-    z = _logits(h, w, temperature)  # fp32 tensor 1
+def _scaled(z: torch.Tensor, temperature: float, kept: bool) -> torch.Tensor:
+    """fp32 logits / temperature from a chunk's compute-dtype logits `z`, a tensor the caller may
+    change in place: a new one in bf16 (`z` is freed on return unless kept); in fp32 `z` itself, or a
+    copy where `z` is `kept` for the backward (a second backward reads it again)."""
+    zf = z.float()
+    if kept and zf is z:
+        zf = zf.clone()
+    return zf.div_(temperature) if temperature != 1.0 else zf
+
+
+def _shard_sums_eager(z: torch.Tensor, tc, shard: VocabShard, with_entropy: bool):
+    """(the global max [c], this shard's sums [3, c]: `head_fused.shard_sums`'s) in torch ops over the
+    chunk's fp32 logits / temperature `z` (`_scaled`, changed in place); the max is all-reduced here,
+    the sums by the caller."""
+    c = z.shape[0]
     m = z.max(dim=-1).values if shard.valid else torch.full((c,), float("-inf"), device=z.device)
     if shard.group is not None:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
@@ -86,18 +97,22 @@ class VocabParallelHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, shard: VocabShard, with_entropy: bool,
-                fused: bool | str = False):
+                fused: head_fused.FusedPath = False, keep_logits: bool = False):
         n = hidden.shape[0]
         w = weight[: shard.valid]
         logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logp)
         lse = torch.empty_like(logp)
         kernels = head_fused.kernels(fused) if fused and shard.valid else None
+        keep = keep_logits and shard.valid > 0 and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        kept = []  # one compute-dtype tensor a chunk, for the backward
         for s in range(0, n, chunk):
             h, tc = hidden[s : s + chunk], targets[s : s + chunk]
             c = h.shape[0]
+            z = _product(h, w)
+            if keep:
+                kept.append(z)
             if kernels is not None:  # the compiled arithmetic reads the compute-dtype logits (head_fused)
-                z = h.to(w.dtype) @ w.t()
                 if shard.whole:  # one TP rank: the torch head's one-pass statistics
                     logp[s : s + c], lse[s : s + c], ent = kernels.stats(z, tc, temperature, with_entropy)
                     if with_entropy:
@@ -110,7 +125,10 @@ class VocabParallelHead(torch.autograd.Function):
                 sums = kernels.shard_sums(z, m, tc - shard.start, temperature, with_entropy)
                 del z
             else:
-                m, sums = _shard_sums_eager(h, w, tc, temperature, shard, with_entropy)
+                zf = _scaled(z, temperature, keep)
+                del z  # in bf16 the product is freed (unless kept) before the sums read the fp32 copy
+                m, sums = _shard_sums_eager(zf, tc, shard, with_entropy)
+                del zf
             if shard.group is not None:
                 dist.all_reduce(sums, group=shard.group)
             log_z = m + torch.log(sums[0])
@@ -119,7 +137,7 @@ class VocabParallelHead(torch.autograd.Function):
             if with_entropy:
                 # H = log Z - sum_j p_j z_j, p_j = e_j / sum e (z shifted by m: e_j z_j keeps z unshifted)
                 entropy[s : s + c] = log_z - sums[1] / sums[0]
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, *kept)
         ctx.temperature, ctx.chunk, ctx.shard, ctx.with_entropy = temperature, chunk, shard, with_entropy
         ctx.fused = fused
         ctx.set_materialize_grads(False)
@@ -129,11 +147,11 @@ class VocabParallelHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, *kept = ctx.saved_tensors
         t, chunk, shard = ctx.temperature, ctx.chunk, ctx.shard
         if not ctx.with_entropy:
             grad_entropy = None
-        none = (None,) * 6
+        none = (None,) * 7
         if grad_logp is None and grad_entropy is None:
             return None, None, *none
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -142,9 +160,10 @@ class VocabParallelHead(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         w = weight[: shard.valid]
         grad_of_chunk = head_fused.kernels(ctx.fused).grad if ctx.fused and shard.valid else None
-        for s in range(0, hidden.shape[0], chunk):
+        for i, s in enumerate(range(0, hidden.shape[0], chunk)):
             h = hidden[s : s + chunk].to(w.dtype)
             c = h.shape[0]
+            z = kept[i] if kept else h @ w.t()  # the chunk's compute-dtype logits
             part = slice(s, s + c)
             rest = (
                 None if grad_entropy is None else entropy[part], targets[part] - shard.start,
@@ -153,9 +172,13 @@ class VocabParallelHead(torch.autograd.Function):
             )  # fmt: skip
             # a target off this shard (shifted outside [0, valid)) gets no one-hot on this rank
             if grad_of_chunk is not None:  # compiled from the compute-dtype logits
-                dz = grad_of_chunk(h @ w.t(), lse[part], *rest)
+                dz = grad_of_chunk(z, lse[part], *rest)
+                del z
             else:  # in place: the fp32 [c x V/tp] log p is made and consumed here, freed before the matmuls
-                dz = head_fused.eager_chunk_grad_(_logits(h, w, t).sub_(lse[part, None]), *rest)
+                zf = _scaled(z, t, bool(kept))
+                del z  # in bf16 a recomputed product is freed before the gradient's arithmetic
+                dz = head_fused.eager_chunk_grad_(zf.sub_(lse[part, None]), *rest)
+                del zf
             if need_h:
                 grad_h[s : s + c] = (dz @ w).to(hidden.dtype)
             if need_w:
@@ -172,11 +195,14 @@ def chunked_scores(
     chunk: int,
     shard: VocabShard,
     with_entropy: bool,
-    fused: bool | str = False,
+    fused: head_fused.FusedPath = False,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) and the entropy (zeros unless `with_entropy`), fp32 [N], of hidden states
     [N, H] through this rank's vocab-parallel weight rows [V/tp, H]. `fused`: each chunk's arithmetic
     compiled (`head_fused`; `learner.head_kernel`); "triton": where the shard is the whole vocabulary,
-    the forward statistics from `head_triton`'s kernel (compiled otherwise)."""
+    the forward statistics from `head_triton`'s kernel (compiled otherwise). `keep_logits`: the chunks'
+    logits kept for the backward where grad mode is on (inside the autograd function it is always off,
+    so it is read here; a no-grad scoring pass holding every chunk would only raise its peak)."""
     return VocabParallelHead.apply(hidden, weight, targets, float(temperature), max(1, int(chunk)), shard, with_entropy,
-                                   fused)
+                                   fused, keep_logits and torch.is_grad_enabled())

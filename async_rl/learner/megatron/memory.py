@@ -53,6 +53,7 @@ class RankShape:
     recompute: bool = False
     chunk: int = 1024  # learner.logprob_chunk_tokens (0: the full head)
     attention: str = "local"  # learner.megatron.attention as resolved: local, sdpa or varlen
+    keep_logits: bool = False  # learner.logprob_keep_logits as resolved: each chunk's logits kept for backward
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ def estimate(s: RankShape, tokens: int, row_tokens: int) -> RankMemory:
     # the chunked head: two fp32 tensors and the matmul's output in the model dtype; the full head:
     # megatron's vocab-parallel cross entropy and the entropy, ~6 fp32 copies over every position
     head = positions * (s.vocab // s.tp) * ((8 + s.dtype_bytes) if s.chunk else 24)
+    if s.chunk and s.keep_logits:  # every chunk's logits in the model dtype, every token counted as scored
+        head += tokens * (s.vocab // s.tp) * s.dtype_bytes
     return RankMemory(
         weights=weight_bytes(s),
         attention=attention_score_bytes(s, tokens, row_tokens),
