@@ -123,3 +123,35 @@ def test_auto_measures_every_head_kernel_on_the_gpu_and_the_learner_runs_the_fas
     m = rank.train_on_shard(0, groups(0, n_groups=2, group_size=4))
     assert np.isfinite(m.loss)
     rank.shutdown()
+
+
+@pytest.mark.parametrize("fused", [True, "triton"])
+def test_kept_logits_give_the_recomputing_heads_results_in_bf16_on_both_backends_heads(fused):
+    """learner.logprob_keep_logits (auto: on CUDA): the torch head's and megatron's one-rank head, fused
+    (compiled, and Triton's statistics), give the same log-probs, entropies and gradients with the
+    chunks' bf16 logits kept from the forward as with them recomputed (the same GEMM of the same
+    operands), on Qwen2.5's 151,936-token vocabulary."""
+    import torch
+
+    from async_rl.learner.head import ChunkedHead
+    from async_rl.learner.megatron.head import VocabShard, chunked_scores
+
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 896, device="cuda", dtype=torch.bfloat16)
+    weight = (0.02 * torch.randn(151936, 896, device="cuda")).to(torch.bfloat16)
+    targets = torch.randint(0, 151936, (300,), device="cuda")
+    g_logp, g_ent = torch.randn(300, device="cuda"), torch.randn(300, device="cuda")
+    heads = {
+        "torch": lambda h, w, keep: ChunkedHead.apply(h, w, targets, 0.9, 128, True, fused, keep),
+        "megatron": lambda h, w, keep: chunked_scores(h, w, targets, 0.9, 128, VocabShard.of(151936, 151936, 0, None),
+                                                      True, fused, keep),
+    }
+    for name, head in heads.items():
+        out = {}
+        for keep in (False, True):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            logp, ent = head(h, w, keep)
+            ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+            out[keep] = (logp, ent, h.grad.float(), w.grad.float())
+        for a, b in zip(out[False], out[True], strict=True):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name} head: {m}")
