@@ -60,8 +60,10 @@ class EpisodeInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
 class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     completion_len: int
     reward: float
-    version_first: int  # policy version when the first token was generated (first model turn)
-    version_last: int  # policy version when the last token was generated (last model turn)
+    # the lowest and highest policy versions its tokens were generated with: in time order as a rule, but
+    # a learner recovery brings an older checkpoint's weights back, so a later token may have the lower
+    version_first: int
+    version_last: int
     reward_status: int = REWARD_OK
     finish_reason: int = FINISH_STOP
     loss_mask: bytes | None = None  # per completion token 0/1 (None: every token is the model's)

@@ -166,8 +166,9 @@ class AgentEpisodes:
             masks.append(np.asarray([0] * len(rest) + s.loss_mask, dtype=np.uint8))
             logprobs.append(np.asarray([0.0] * len(rest) + s.logprobs, dtype=np.float32))
             episodes.append(EpisodeInfo(turns=len(s.turn_versions), turn_versions=list(s.turn_versions)))
-            firsts.append(s.turn_versions[0] if s.turn_versions else version)
-            lasts.append(s.version_last)
+            # lowest and highest over the turns: after a learner recovery a later turn runs on a lower version
+            firsts.append(min(s.turn_versions) if s.turn_versions else version)
+            lasts.append(max([s.version_last, *s.turn_versions]))
             finishes.append(FINISH_REASONS.get(s.finish_reason, FINISH_REASONS["stop"]))
         split = len(rows) > len(outs)
         return TrajectoryGroup(

@@ -103,8 +103,9 @@ class EnvironmentEpisodes(Rollout):
             completions=[np.asarray(r.completion_ids, dtype=TOKEN_DTYPE) for r in results],
             logprobs=[np.asarray(r.logprobs, dtype=np.float32) for r in results],
             rewards=[r.reward for r in results],
-            version_first=[r.turn_versions[0] for r in results],
-            version_last=[last for _, last, _ in runs],
+            # lowest and highest over the turns: after a learner recovery a later turn runs on a lower version
+            version_first=[min(r.turn_versions) for r in results],
+            version_last=[max([last, *r.turn_versions]) for (_, last, _), r in zip(runs, results, strict=True)],
             reward_status=[st for _, _, st in runs],
             finish_reasons=[EPISODE_FINISH[r.finish_reason] for r in results],
             loss_masks=[np.asarray(r.loss_mask, dtype=np.uint8) for r in results],

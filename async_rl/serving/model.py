@@ -27,7 +27,8 @@ T = TypeVar("T")
 
 class Generation(msgspec.Struct):
     """One request's result: the prompt's token ids as vLLM read them, every completion, and the
-    policy versions when the request started and when it ended (a weight update may fall between)."""
+    policy versions it was generated with, lowest and highest (a weight update may fall between its
+    start and end; after a learner recovery the later one is the lower)."""
 
     prompt_ids: list[int]
     completions: list[vc.Completion]
@@ -71,9 +72,12 @@ class ServedModel:
         """One request, started only while the model runs (never in the middle of a weight update).
         `params`: vLLM's sampling parameters (`vc.params_for`); `token_ids` empty: vLLM renders `text`."""
         await self._running.wait()
-        first = self.version
+        start = self.version
         prompt_ids, completions = await vc.generate(self._llm, vc.generation_input(token_ids, text), params, request_id)
-        return Generation(prompt_ids, completions, first, self.version)
+        # The lowest and highest versions, not the start's and the end's: a learner recovery syncs an
+        # older checkpoint's weights (version 30 after 31), and a request kept across that sync would
+        # otherwise end before it began, a frame the buffer rejects (its samples counted lost).
+        return Generation(prompt_ids, completions, min(start, self.version), max(start, self.version))
 
     async def score_tokens(self, token_ids: list[int], request_id: str) -> list[float]:
         """vLLM's log-prob of every token given the ones before it (first entry: nan), with the

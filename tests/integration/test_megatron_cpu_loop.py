@@ -181,5 +181,10 @@ def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, le
     # the accounting goes on from the checkpoint; step 31's first batch was trained, then step 31 again on a fresh one
     assert [r["trained"] for r in records] == [64 * (i + 1) for i in range(STEPS + 3)]
     assert all(r["accounting_balanced"] for r in records)
+    # The engines went back to step 30's weights (version 31 after 32): requests kept across that sync
+    # report their versions in order, so no frame is rejected and nothing more is lost than the groups
+    # waiting at the checkpoint (counted lost at the resume).
+    assert [r["rejected_frames"] for r in resumed] == [0, 0, 0]
+    assert resumed[0]["lost"] == resumed[-1]["lost"]
     assert all(r["kl_ref"] > 0 for r in resumed) and all(r["value_loss"] > 0 for r in records)
     assert engine_cks[0].close_to(learner_ck), (engine_cks[0], learner_ck)
