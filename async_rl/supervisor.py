@@ -359,13 +359,15 @@ class Supervisor:
 
     def check_failures(self, stats: BufferStats) -> None:
         """Stop a run whose rewards (or requests, or episodes) all fail (failure_watch.py)."""
-        self._stop_if(self.failures.check(stats))
+        self._stop_if(self.failures.check(stats), stats.rejected_frames)
 
     def check_eval(self, record: EvalRecord) -> None:
         """Stop a run whose evaluation's rewards (or prompts) all failed."""
         self._stop_if(self.failures.check_eval(record))
 
-    def _stop_if(self, failing: Failing | None) -> None:
+    def _stop_if(self, failing: Failing | None, rejected_frames: dict[str, int] | None = None) -> None:
+        """Stop the run with `failing`'s line and the last error an engine recorded; where none did, the
+        frames the buffer rejected by reason (a rejected frame's leased samples are counted lost too)."""
         if failing is None:
             return
         last = "none recorded"
@@ -374,6 +376,10 @@ class Supervisor:
             if error:
                 last = " ".join(error.split())
                 break
+        else:
+            if failing.source == "request" and rejected_frames:
+                counts = ", ".join(f"{reason} {n}" for reason, n in sorted(rejected_frames.items()))
+                last = f"none recorded by an engine; frames the buffer rejected: {counts}"
         raise RunError(f"{failing.message}; last error: {last}")
 
     def check_prompts(self, step: int, stats: BufferStats) -> None:

@@ -37,12 +37,13 @@ def test_failure_window_zero_never_stops():
     assert not w.observe(ok=0, failed=10_000)
 
 
-def stats(arrived: int, errors: int = 0, timeouts: int = 0, crashes: int = 0, lost: int = 0) -> BufferStats:
+def stats(arrived: int, errors: int = 0, timeouts: int = 0, crashes: int = 0, lost: int = 0,
+          rejected: dict[str, int] | None = None) -> BufferStats:
     return BufferStats(
         accounts=Accounts(trained=arrived, lost=lost),
         generator_version=0,
         waiting_groups=0,
-        rejected_frames={},
+        rejected_frames=rejected or {},
         reward_errors=errors,
         reward_timeouts=timeouts,
         reward_crashes=crashes,
@@ -130,6 +131,22 @@ def test_supervisor_stops_with_one_line_and_the_last_error(tmp_path):
     assert line == (
         "the reward task.reward=tests.unit._rewards:boom failed on every one of the first 16 samples (error; error 16): "
         "the run cannot learn (task.failure_window=16); last error: RuntimeError: user bug"
+    )
+
+
+def test_lost_samples_with_no_engine_error_are_explained_by_the_frames_the_buffer_rejected(tmp_path):
+    """Samples are also counted lost when the buffer rejects their frame (no engine sees an error): the
+    stop line then names the rejected frames by reason instead of saying nothing was recorded."""
+    sup = supervisor(tmp_path, [engine()])
+    try:
+        sup.check_failures(stats(64))
+        with pytest.raises(RunError) as info:
+            sup.check_failures(stats(64, lost=16, rejected={"bad_value": 2, "group_size": 1}))
+    finally:
+        sup.close()
+    assert str(info.value).endswith(
+        "16 samples in a row were lost and none arrived (task.failure_window=16); last error: none recorded "
+        "by an engine; frames the buffer rejected: bad_value 2, group_size 1"
     )
 
 
