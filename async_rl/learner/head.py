@@ -152,9 +152,7 @@ class ChunkedHead(torch.autograd.Function):
             if grad_of_chunk is not None:
                 dz = grad_of_chunk(z, lse[part], *rest)
             else:  # in place, one or two fp32 [chunk x V] tensors
-                zf = _scaled(z, t)
-                if kept and zf is z:  # fp32 at temperature 1: the kept tensor itself; a second backward reads it
-                    zf = zf.clone()
+                zf = head_fused.scaled_logits_(z, t, bool(kept))
                 dz = head_fused.eager_chunk_grad_(zf.sub_(lse[part, None]), *rest)
                 del zf
             del z

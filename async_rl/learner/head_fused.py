@@ -103,6 +103,16 @@ def chunk_grad(
     return (dz / temperature).to(dtype)
 
 
+def scaled_logits_(z: torch.Tensor, temperature: float, kept: bool) -> torch.Tensor:
+    """fp32 logits / temperature of one chunk's compute-dtype logits `z`, for the eager loops to change in
+    place: a new tensor in bf16 or fp16; in fp32 `z` itself, divided in place, or a copy where `z` is
+    `kept` from the forward for the backward (learner.logprob_keep_logits: a second backward reads it)."""
+    zf = z.float()
+    if kept and zf is z:
+        zf = zf.clone()
+    return zf.div_(temperature) if temperature != 1.0 else zf
+
+
 def eager_chunk_grad_(
     logp_all: torch.Tensor,
     entropy: torch.Tensor | None,

@@ -55,19 +55,9 @@ def _product(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return h.to(w.dtype) @ w.t()
 
 
-def _scaled(z: torch.Tensor, temperature: float, kept: bool) -> torch.Tensor:
-    """fp32 logits / temperature from a chunk's compute-dtype logits `z`, a tensor the caller may
-    change in place: a new one in bf16 (`z` is freed on return unless kept); in fp32 `z` itself, or a
-    copy where `z` is `kept` for the backward (a second backward reads it again)."""
-    zf = z.float()
-    if kept and zf is z:
-        zf = zf.clone()
-    return zf.div_(temperature) if temperature != 1.0 else zf
-
-
 def _shard_sums_eager(z: torch.Tensor, tc, shard: VocabShard, with_entropy: bool):
     """(the global max [c], this shard's sums [3, c]: `head_fused.shard_sums`'s) in torch ops over the
-    chunk's fp32 logits / temperature `z` (`_scaled`, changed in place); the max is all-reduced here,
+    chunk's fp32 logits / temperature `z` (`head_fused.scaled_logits_`, changed in place); the max is all-reduced here,
     the sums by the caller."""
     c = z.shape[0]
     m = z.max(dim=-1).values if shard.valid else torch.full((c,), float("-inf"), device=z.device)
@@ -125,7 +115,7 @@ class VocabParallelHead(torch.autograd.Function):
                 sums = kernels.shard_sums(z, m, tc - shard.start, temperature, with_entropy)
                 del z
             else:
-                zf = _scaled(z, temperature, keep)
+                zf = head_fused.scaled_logits_(z, temperature, keep)
                 del z  # in bf16 the product is freed (unless kept) before the sums read the fp32 copy
                 m, sums = _shard_sums_eager(zf, tc, shard, with_entropy)
                 del zf
@@ -175,7 +165,7 @@ class VocabParallelHead(torch.autograd.Function):
                 dz = grad_of_chunk(z, lse[part], *rest)
                 del z
             else:  # in place: the fp32 [c x V/tp] log p is made and consumed here, freed before the matmuls
-                zf = _scaled(z, t, bool(kept))
+                zf = head_fused.scaled_logits_(z, t, bool(kept))
                 del z  # in bf16 a recomputed product is freed before the gradient's arithmetic
                 dz = head_fused.eager_chunk_grad_(zf.sub_(lse[part, None]), *rest)
                 del zf
