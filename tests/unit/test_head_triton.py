@@ -6,7 +6,11 @@ TRITON_INTERPRET must be set before the kernel is built, and another test in the
 inductor compile, Liger) may have imported triton or built kernels already: the interpreter checks run
 in a fresh Python (this file run as a module, the fixture `interpreted`), with a small BLOCK so that rows span
 several blocks and end in a partial one. The error for a machine that cannot run the kernel is checked
-in this process."""
+in this process.
+
+The interpreter says nothing of the GPU build: `check_hopper_build` compiles the kernel ahead of time for
+an H100/H200 (sm_90) with the installed Triton and its own ptxas, no GPU needed, in a fresh Python
+without the interpreter."""
 
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ def interpreted() -> str:
 
 
 def assert_passed(output: str, check: str) -> None:
-    assert f"{check} ok" in output.splitlines(), f"{check} failed under the interpreter:\n{output[-6000:]}"
+    assert f"{check} ok" in output.splitlines(), f"{check} failed in its fresh Python:\n{output[-6000:]}"
 
 
 def reference64(z: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -165,6 +169,70 @@ def check_autotune() -> None:
         assert head_triton.tuned() in {f"BLOCK {b}, {w} warps" for b, w in head_triton.CONFIGS}
 
 
+# The kernel's arguments as Triton's launcher types them on CUDA, and the specialisation it gives them there:
+# torch's allocations (and rows of V % 8 == 0 bf16 logits) start 16-byte aligned, and Qwen2.5's stride and
+# vocabulary (151,936) are multiples of 16, so the launcher marks those arguments divisible by 16.
+SIGNATURE = {"z_ptr": "*bf16", "stride": "i64", "targets_ptr": "*i64", "logp_ptr": "*fp32", "lse_ptr": "*fp32",
+             "entropy_ptr": "*fp32", "vocab": "i32", "temperature": "fp32", "WITH_ENTROPY": "constexpr",
+             "BLOCK": "constexpr"}
+ALIGNED = ("z_ptr", "stride", "targets_ptr", "logp_ptr", "lse_ptr", "entropy_ptr", "vocab")
+
+
+def check_hopper_build() -> None:
+    """Every autotuner config of `head_triton.CONFIGS` builds for sm_90 for bf16 and fp32 logits, with and
+    without the entropy; for each of those, one config at least keeps its loop in registers (no stack
+    frame: nothing spilled to local memory), and the bf16 logits are read 128 bits at a time (the
+    memory-bound kernel's loads vectorised). Registers and stack are read from the cubin with the
+    cuobjdump Triton ships beside its ptxas."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert "TRITON_INTERPRET" not in os.environ
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    kernel, autotuned = head_triton.build(autotuned=False)
+    assert not autotuned
+    names = list(SIGNATURE)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
+    spill_free: dict[tuple[str, bool], list[tuple[int, int]]] = {}
+    for dtype in ("bf16", "fp32"):
+        for with_entropy in (True, False):
+            spill_free[dtype, with_entropy] = []
+            for block, warps in head_triton.CONFIGS:
+                source = ASTSource(kernel, {**SIGNATURE, "z_ptr": f"*{dtype}"},
+                                   constexprs={"WITH_ENTROPY": with_entropy, "BLOCK": block}, attrs=attrs)
+                built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"head_stats_{os.getpid()}.cubin"
+                cubin.write_bytes(built.asm["cubin"])
+                usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
+                                       check=True).stdout
+                cubin.unlink()
+                stack = re.search(r"STACK:(\d+)", usage)
+                assert stack, usage
+                if int(stack.group(1)) == 0:
+                    spill_free[dtype, with_entropy].append((block, warps))
+                if dtype == "bf16":
+                    assert "ld.global.v4.b32" in built.asm["ptx"], (block, warps, "bf16 logits not read 128 bits at a time")
+    assert all(spill_free.values()), spill_free
+    print("spill-free configs:", spill_free)
+
+
+@pytest.fixture(scope="module")
+def hopper_build() -> str:
+    """`check_hopper_build`'s output, run in a fresh Python without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", "tests.unit.test_head_triton", "check_hopper_build"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    return f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+
+
+def test_the_kernel_builds_for_hopper_without_spilling_and_with_vector_loads(hopper_build):
+    assert_passed(hopper_build, "check_hopper_build")
+
+
 def test_triton_statistics_equal_the_eager_statistics(interpreted):
     assert_passed(interpreted, "check_stats")
 
@@ -199,7 +267,8 @@ if __name__ == "__main__":
     failed = False
     for name in sys.argv[1:]:
         try:
-            {"check_stats": check_stats, "check_head": check_head, "check_autotune": check_autotune}[name]()
+            {"check_stats": check_stats, "check_head": check_head, "check_autotune": check_autotune,
+             "check_hopper_build": check_hopper_build}[name]()
             print(f"{name} ok", flush=True)
         except Exception:
             failed = True
