@@ -54,7 +54,7 @@ class EpisodeInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     tool_errors: int = 0  # malformed calls, unknown tools, failed tools
     tool_timeouts: int = 0  # tool calls killed at their time limit (the sandbox)
     tool_ok: int = 0  # tool calls that ran and returned a result (every other attempt is a tool error)
-    turn_versions: list[int] = []  # the policy version each model turn started on, in order
+    turn_versions: list[int] = []  # the policy version each model turn started on, turn by turn
 
 
 class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -198,13 +198,14 @@ def _mask_bytes(mask: np.ndarray | None) -> bytes | None:
 
 
 def _check_episode(s: SampleMeta, prompt_id: int) -> None:
-    """Per-turn versions agree with the sample's: one per model turn, non-decreasing, the first is
-    `version_first` (the buffer's staleness rule reads that), none after `version_last`."""
+    """Per-turn versions agree with the sample's: one per model turn, the lowest is `version_first` (the
+    buffer's staleness rule reads that), none after `version_last`. Not necessarily in order: a learner
+    recovery syncs an older checkpoint's weights, so a later turn may run on a lower version."""
     ep = s.episode
     if ep is None or not ep.turn_versions:
         return
     v = ep.turn_versions
-    if len(v) != ep.turns or v[0] != s.version_first or v != sorted(v) or v[-1] > s.version_last:
+    if len(v) != ep.turns or min(v) != s.version_first or max(v) > s.version_last:
         raise FrameError(
             "bad_episode",
             f"prompt {prompt_id}: turn versions {v} do not fit {ep.turns} turns between versions "

@@ -243,6 +243,23 @@ def test_an_agent_episode_becomes_a_masked_sample_that_survives_the_wire(tokeniz
     assert [list(c) for c in back.completions] == [list(c) for c in group.completions]
 
 
+class RecoveringModel(ScriptedModel):
+    """Serves version 31 for the first call and 30 after it: a learner recovery synced its older
+    checkpoint between the agent's two calls."""
+
+    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str) -> list[Choice]:
+        self.version = 31 if not self.prompts else 30
+        return await super().complete(prompt_ids, base, call, request_id)
+
+
+def test_an_agent_episode_across_a_learner_recovery_reports_its_lowest_and_highest_version(tokenizer):
+    group, _ = run_group_on(RecoveringModel(tokenizer), tokenizer, "two_calls", 1)
+    assert group.episodes[0].turn_versions == [31, 30]
+    assert group.version_first == [30] and group.version_last == [31]
+    _, (back,) = decode_groups(encode_groups("run", [group]), "run")  # the buffer's decoder takes it
+    assert back.episodes == group.episodes and back.version_first == [30]
+
+
 def test_an_agent_that_rewrites_history_gives_split_segments_counted(tokenizer):
     group, stats = run_group(tokenizer, "rewrites_history", 2)
     assert stats.prefix_breaks == 2 and stats.segments == 4 and group.episode_count == 2

@@ -132,8 +132,8 @@ def test_bad_loss_masks_are_rejected_naming_the_prompt(mask, why):
 
 @pytest.mark.parametrize(
     ("versions", "first", "last"),
-    [([1, 2], 1, 2), ([0, 1, 1], 1, 2), ([0, 2, 1], 0, 2), ([0, 1, 3], 0, 2)],
-    ids=["a turn missing", "first is not version_first", "decreasing", "after version_last"],
+    [([1, 2], 1, 2), ([1, 1, 2], 0, 2), ([2, 1, 2], 2, 2), ([0, 1, 3], 0, 2)],
+    ids=["a turn missing", "lowest is not version_first", "lowest below version_first", "after version_last"],
 )
 def test_turn_versions_that_contradict_the_sample_are_rejected(versions, first, last):
     ep = EpisodeInfo(turns=3, turn_versions=versions)
@@ -142,6 +142,17 @@ def test_turn_versions_that_contradict_the_sample_are_rejected(versions, first, 
     with pytest.raises(FrameError) as info:
         decode_groups(encode_groups(RUN, [g]), RUN)
     assert info.value.reason == "bad_episode" and "prompt 7" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_turn_versions_that_go_down_after_a_learner_recovery_are_taken():
+    """A learner recovery syncs an older checkpoint (version 30 after 31): the turns after it run on the
+    lower version. Once rejected as `bad_episode` (the turns had to be non-decreasing, the first one
+    version_first), which lost the episode's group."""
+    ep = EpisodeInfo(turns=3, turn_versions=[31, 30, 30])
+    g = TrajectoryGroup(7, 1, np.array([1], np.int32), [np.array([3, 4, 5], np.int32)], [np.zeros(3, np.float32)],
+                        [0.0], [30], [31], [0], loss_masks=[np.asarray([1, 0, 1], np.uint8)], episodes=[ep])
+    _, (back,) = decode_groups(encode_groups(RUN, [g]), RUN)
+    assert back.episodes == [ep] and back.version_first == [30] and back.version_last == [31]
 
 
 # ---------------------------------------------------------------- learner batch
@@ -394,10 +405,13 @@ def episode_engine(tok, env: str, group_size: int, max_tokens: int, task=None, r
     return eng
 
 
-def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypatch):
+@pytest.mark.parametrize(("before", "after"), [(0, 1), (31, 30)], ids=["update", "learner recovery"])
+def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypatch, before, after):
     """A weight update after the first turn: the second turn does not start while the engine is
-    paused, and starts on the new version once it resumes. The group records the first turn's
-    version as version_first and the later one as version_last; the mask marks the game's answers."""
+    paused, and starts on the new version once it resumes. The group records the lower of the turns'
+    versions as version_first and the higher as version_last (after a learner recovery's sync of an
+    older checkpoint the second turn's is the lower), and the buffer's decoder takes the frame; the
+    mask marks the game's answers."""
     from async_rl.generator import rollout as engine_mod  # the wire codes an episode finishes with
     from async_rl.serving import vllm_compat as vc
 
@@ -424,17 +438,22 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
 
         monkeypatch.setattr(vc, "generate", generate)
         monkeypatch.setattr(vc, "resume", no_op)
+        await eng.resume(before)  # the weights the first turn runs on
         task = asyncio.create_task(eng.rollout.group(prompt, "r1", eng.sampling, 1))
         for _ in range(50):  # every ready callback runs: the episode reaches its second turn's wait
             await asyncio.sleep(0)
         assert len(started) == 1 and not task.done()  # paused: the second turn has not started
-        await eng.resume(1)
+        await eng.resume(after)
         return await task
 
     group = asyncio.run(scenario())
-    assert [(rid, v) for rid, v, _ in started] == [("r1-s0-t1", 0), ("r1-s0-t2", 1)]
-    assert group.version_first == [0] and group.version_last == [1] and group.oldest_version == 0
-    assert group.episodes == [EpisodeInfo(turns=2, turn_versions=[0, 1])] and group.rewards == [pytest.approx(0.9)]
+    low, high = min(before, after), max(before, after)
+    assert [(rid, v) for rid, v, _ in started] == [("r1-s0-t1", before), ("r1-s0-t2", after)]
+    assert group.version_first == [low] and group.version_last == [high] and group.oldest_version == low
+    assert group.episodes == [EpisodeInfo(turns=2, turn_versions=[before, after])]
+    assert group.rewards == [pytest.approx(0.9)]
+    _, (decoded,) = decode_groups(encode_groups(RUN, [group]), RUN)
+    assert decoded.episodes == group.episodes and decoded.version_first == [low]
     assert group.finish_reasons == [engine_mod.FINISH_STOP]
     full = list(group.prompt_tokens) + list(group.completions[0])
     assert full[: len(started[1][2])] == started[1][2]  # turn 2 generated from the kept tokens
