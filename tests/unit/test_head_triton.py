@@ -31,15 +31,22 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ("check_stats", "check_head", "check_autotune")
 
 
+def run_fresh(checks: tuple[str, ...], interpreter: bool, timeout_s: float) -> str:
+    """The output of `checks` (this file's check functions) run in one fresh Python, under Triton's
+    interpreter or without it: a line `<check> ok` for each that passed, its traceback for each that failed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpreter:
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", "tests.unit.test_head_triton", *checks], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    return f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> str:
-    """The output of every check below run in one fresh Python under Triton's interpreter (one torch
-    import for both): a line `<check> ok` for each that passed, its traceback for each that failed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-m", "tests.unit.test_head_triton", *CHECKS], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
-    return f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+    """Every interpreter check below, run in one fresh Python under Triton's interpreter (one torch import for all)."""
+    return run_fresh(CHECKS, interpreter=True, timeout_s=180)
 
 
 def assert_passed(output: str, check: str) -> None:
@@ -221,12 +228,8 @@ def check_hopper_build() -> None:
 
 @pytest.fixture(scope="module")
 def hopper_build() -> str:
-    """`check_hopper_build`'s output, run in a fresh Python without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    done = subprocess.run([sys.executable, "-m", "tests.unit.test_head_triton", "check_hopper_build"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    return f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+    """`check_hopper_build`, run in a fresh Python without the interpreter."""
+    return run_fresh(("check_hopper_build",), interpreter=False, timeout_s=300)
 
 
 def test_the_kernel_builds_for_hopper_without_spilling_and_with_vector_loads(hopper_build):
