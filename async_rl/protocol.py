@@ -197,6 +197,13 @@ def _mask_bytes(mask: np.ndarray | None) -> bytes | None:
     return None if mask is None else np.asarray(mask, dtype=np.uint8).tobytes()
 
 
+def episode_versions(turn_versions: list[int], ended_on: int) -> tuple[int, int]:
+    """(version_first, version_last) of a sample whose model turns started on `turn_versions` (one at
+    least) and whose last turn ended on `ended_on`: the lowest and the highest of them, what
+    `_check_episode` holds a frame to (after a learner recovery a later turn may run on a lower version)."""
+    return min(turn_versions), max(ended_on, *turn_versions)
+
+
 def _check_episode(s: SampleMeta, prompt_id: int) -> None:
     """Per-turn versions agree with the sample's: one per model turn, the lowest is `version_first` (the
     buffer's staleness rule reads that), none after `version_last`. Not necessarily in order: a learner

@@ -38,6 +38,7 @@ from async_rl.protocol import (
     Prompt,
     Sample,
     TrajectoryGroup,
+    episode_versions,
 )
 from async_rl.serving.sampling import SamplingSpec
 
@@ -166,9 +167,9 @@ class AgentEpisodes:
             masks.append(np.asarray([0] * len(rest) + s.loss_mask, dtype=np.uint8))
             logprobs.append(np.asarray([0.0] * len(rest) + s.logprobs, dtype=np.float32))
             episodes.append(EpisodeInfo(turns=len(s.turn_versions), turn_versions=list(s.turn_versions)))
-            # lowest and highest over the turns: after a learner recovery a later turn runs on a lower version
-            firsts.append(min(s.turn_versions) if s.turn_versions else version)
-            lasts.append(max([s.version_last, *s.turn_versions]))
+            first, last = episode_versions(s.turn_versions, s.version_last) if s.turn_versions else (version, s.version_last)
+            firsts.append(first)
+            lasts.append(last)
             finishes.append(FINISH_REASONS.get(s.finish_reason, FINISH_REASONS["stop"]))
         split = len(rows) > len(outs)
         return TrajectoryGroup(

@@ -35,6 +35,7 @@ from async_rl.protocol import (
     Prompt,
     Sample,
     TrajectoryGroup,
+    episode_versions,
 )
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
@@ -96,6 +97,7 @@ class EnvironmentEpisodes(Rollout):
                 f"prompt {prompt.prompt_id}: its {len(prompt.token_ids)} tokens leave no room for a model turn "
                 f"under env.max_total_tokens={limit}"
             )
+        versions = [episode_versions(r.turn_versions, last) for r, last, _ in runs]
         return TrajectoryGroup(
             prompt_id=prompt.prompt_id,
             engine_id=self.engine_id,
@@ -103,9 +105,8 @@ class EnvironmentEpisodes(Rollout):
             completions=[np.asarray(r.completion_ids, dtype=TOKEN_DTYPE) for r in results],
             logprobs=[np.asarray(r.logprobs, dtype=np.float32) for r in results],
             rewards=[r.reward for r in results],
-            # lowest and highest over the turns: after a learner recovery a later turn runs on a lower version
-            version_first=[min(r.turn_versions) for r in results],
-            version_last=[max([last, *r.turn_versions]) for (_, last, _), r in zip(runs, results, strict=True)],
+            version_first=[first for first, _ in versions],
+            version_last=[last for _, last in versions],
             reward_status=[st for _, _, st in runs],
             finish_reasons=[EPISODE_FINISH[r.finish_reason] for r in results],
             loss_masks=[np.asarray(r.loss_mask, dtype=np.uint8) for r in results],
