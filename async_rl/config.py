@@ -432,8 +432,9 @@ class MegatronConfig(_Section):
         Literal["auto", "local", "sdpa", "varlen"],
         _f("megatron's attention without Transformer Engine: local = megatron's DotProductAttention (keeps "
            "fp32 [rows, heads, T, T] scores per layer), sdpa = torch's scaled_dot_product_attention with the "
-           "same masks (no scores kept), varlen = packed micro-batches as THD through varlen flash attention "
-           "(CUDA needs bf16/fp16; CPU runs its per-sequence reference); auto = sdpa. Ignored with TE"),
+           "same masks (no scores kept), varlen = packed micro-batches as one row with their sequence bounds "
+           "through varlen flash attention, no mask (CUDA needs bf16/fp16; CPU runs its per-sequence reference); "
+           "auto = varlen on CUDA in bf16/fp16 (the torch backend's measured choice), else sdpa. Ignored with TE"),
     ] = "auto"
 
 

@@ -38,10 +38,16 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
                  in the backward (kept, the CUDA default, saves one GEMM a chunk for their memory)
   combined_triton_head combined with head_kernel=triton: the forward statistics in the hand-written
                  Triton kernel (learner/head_triton.py), the backward compiled.
+  combined_unshared combined with share_prompt=false: every sample computes its own prompt, as megatron's
+                 backend does (it takes no shared prompts), so `megatron` can be read against the torch
+                 step on the same tokens
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
-                 attention at the default (learner.megatron.attention auto = torch's SDPA), the model
-                 in bf16 (megatron's fp32 main weights in the optimizer), at --tokens: issue 31's
-                 target is this row's step within 1.5x of `combined`'s. Not in the defaults.
+                 attention at the default (learner.megatron.attention auto = varlen flash attention on
+                 CUDA in bf16), the model in bf16 (megatron's fp32 main weights in the optimizer), at
+                 --tokens: issue 31's target is this row's step within 1.5x of `combined`'s. Not in the
+                 defaults.
+  megatron_sdpa  the same with torch's SDPA and the block-diagonal mask (learner.megatron.attention=sdpa,
+                 auto before 2026-11-28)
   megatron_local the same with megatron's local DotProductAttention (learner.megatron.attention=local):
                  the attention's gain, where it fits in memory. Not in the defaults.
   trl            the plain HF step: padded rows, left-padded prompts, logits_to_keep, log-softmax +
@@ -98,7 +104,9 @@ VARIANTS: dict[str, dict] = {
     "combined_compiled_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "compiled"},
     "combined_triton_head": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "head_kernel": "triton"},
     "combined_recompute": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "logprob_keep_logits": False},
+    "combined_unshared": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "share_prompt": False},
     "megatron": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "auto"}},
+    "megatron_sdpa": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "sdpa"}},
     "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
     "trl": {},
     "fp32": {"mixed_precision": "none", "kernels": "none", "attention": "sdpa", "head_kernel": "eager"},
@@ -257,6 +265,7 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
            "keeps_logits": backend.keeps_logits,
            "micro_batch_tokens": rank.micro_batch_tokens,
            "working_copy": getattr(backend, "working", None) is not None,
+           "megatron_attention": backend.attention if fields.get("backend") == "megatron" else None,
            "learner": msgspec.to_builtins(spec.learner)}
     logp = np.concatenate(rank.compute_logprobs(score_groups(groups, a.score_samples), 1.0))
     np.save(a.score_file, logp)
@@ -468,6 +477,10 @@ def targets(shape: str, rows: dict[str, dict], diff: dict[str, dict]) -> list[st
         x = megatron["step_s"] / ours["step_s"]
         out.append(f"megatron without TE {x:.2f}x the torch backend's step (combined): "
                    f"{'met' if x <= MEGATRON_TARGET else 'NOT met'} (target <= {MEGATRON_TARGET}x)")
+    unshared = rows.get("combined_unshared", {})
+    if "step_s" in megatron and "step_s" in unshared:  # the same tokens: megatron takes no shared prompts
+        out.append(f"megatron without TE {megatron['step_s'] / unshared['step_s']:.2f}x the torch backend's step "
+                   f"on the same tokens (combined_unshared: every sample's prompt computed, as megatron does)")
     return out
 
 
@@ -488,6 +501,7 @@ def write_markdown(result: dict, path: Path) -> None:
                 ran = (f"kernels {row.get('kernels', '-')}, head {head}, "
                        f"budget {row.get('micro_batch_tokens', result['tokens'])}, "
                        f"working copy {row.get('working_copy', '-')}, logits kept {row.get('keeps_logits', '-')}"
+                       + (f", attention {row['megatron_attention']}" if row.get("megatron_attention") else "")
                        ) if v != "trl" else "HF + autocast"
                 lines.append(f"| {v} | {row['step_s']:.2f} s | {row['completion_tokens_s']:,.0f} | {row['mfu']:.1%} | "
                              f"{row['peak_gib']:.1f} GiB | {dtext} | {ran} |")

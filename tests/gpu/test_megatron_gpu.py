@@ -1,6 +1,7 @@
 """Megatron backend on one GPU (nccl, world size 1, TP=PP=1): log-probs match the HF model, megatron's
 optimizer (distributed and not) lowers the loss in a few steps, export matches what was trained; the backend with
-Transformer Engine scores packed sequences (THD) as padded ones.
+Transformer Engine (packed as THD), and with varlen flash attention (packed as one row), scores packed sequences as
+padded ones.
 Marked `gpu` by tests/gpu/conftest.py; skipped without CUDA or without megatron-core."""
 
 from __future__ import annotations
@@ -130,9 +131,10 @@ def test_megatron_tp1_bf16_on_smollm2_matches_hf(model_parallel):
     assert torch.isfinite(got).all() and diff.mean() < 0.15
 
 
-def _score_with_backend(rank: int, port: int, model_dir: str, out: str) -> None:
-    """MegatronBackend (Transformer Engine on, bf16, one GPU): scores of one packed and one padded
-    micro-batch of the same sequences, written to `out`."""
+def _score_with_backend(rank: int, port: int, model_dir: str, out: str, kernel: str) -> None:
+    """MegatronBackend (bf16, one GPU; `kernel` te: Transformer Engine's attention, packed as THD;
+    varlen: the local spec with torch's varlen flash attention, packed as one row): scores of one
+    packed and one padded micro-batch of the same sequences, written to `out`."""
     from async_rl.learner import packing
     from async_rl.learner.megatron.backend import MegatronBackend
     from tests.unit._megatron_ranks import seq_samples
@@ -140,11 +142,11 @@ def _score_with_backend(rank: int, port: int, model_dir: str, out: str) -> None:
     backend = MegatronBackend(
         rank=rank, world_size=1, master=f"127.0.0.1:{port}", tensor_parallel_size=1, pipeline_parallel_size=1,
         dtype="bfloat16", lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, distributed_optimizer=True,
-        transformer_engine="on", device="cuda", seed=0,
+        transformer_engine="on" if kernel == "te" else "off", device="cuda", seed=0, attention="auto",
     )
     try:
         backend.setup(model_dir)
-        assert backend.thd
+        assert backend.packed_as == ("thd" if kernel == "te" else "row")  # auto: varlen on CUDA in bf16
         samples = seq_samples(min(backend.arch.vocab_size, 1000))
         mbs = {"packed": packing.packed(samples, row_tokens=16), "padded": packing.padded(samples)}
         logp = {k: mb.per_sequence(backend.score(mb, 1.0).logp) for k, mb in mbs.items()}
@@ -153,19 +155,21 @@ def _score_with_backend(rank: int, port: int, model_dir: str, out: str) -> None:
         backend.shutdown()
 
 
-def test_packed_sequences_do_not_attend_across_boundaries_with_transformer_engine(tmp_path):
-    """Packed rows (several sequences each, given to TE as THD with cu_seqlens) score as the same
-    sequences padded one per row: with the block-diagonal mask TE ignored, every sequence after the
-    first of a row read its predecessors and its log-probs moved by O(1)."""
+@pytest.mark.parametrize("kernel", ["te", "varlen"])
+def test_packed_sequences_do_not_attend_across_boundaries(tmp_path, kernel):
+    """Packed rows (several sequences each, given to TE as THD or to varlen flash attention as one row
+    with cu_seqlens) score as the same sequences padded one per row: with the block-diagonal mask TE
+    ignored, every sequence after the first of a row read its predecessors and its log-probs moved by
+    O(1); a wrong RoPE offset or bound in the varlen row would move them too."""
     import torch.multiprocessing as mp
 
     from async_rl.models.tiny import resolve_model_path
 
-    if not mm.transformer_engine_available():
+    if kernel == "te" and not mm.transformer_engine_available():
         pytest.skip("transformer_engine is not importable")
     model_dir = resolve_model_path("tiny-qwen2", str(tmp_path / "models"))
     out = tmp_path / "logp.pt"
-    mp.spawn(_score_with_backend, args=(free_port(), str(model_dir), str(out)), nprocs=1, join=True)
+    mp.spawn(_score_with_backend, args=(free_port(), str(model_dir), str(out), kernel), nprocs=1, join=True)
     logp = torch.load(out, weights_only=False)
     for packed, padded in zip(logp["packed"], logp["padded"], strict=True):
         assert abs(packed - padded).max() < 5e-2, abs(packed - padded).max()  # bf16

@@ -1,6 +1,6 @@
 """The Megatron backend on one GPU at the 1-GPU recipe's size: a Qwen2.5-0.5B-shaped random-init
 model (bf16, distributed optimizer, the local spec without Transformer Engine, with megatron's
-attention and with torch's SDPA: `learner.megatron.attention`) trains one
+attention, with torch's SDPA and with varlen flash attention: `learner.megatron.attention`) trains one
 micro-batch of 16384 tokens (rows of at most 712, as the recipe's prompts and completions make them)
 within the start-up estimate (`learner.megatron.memory`) and the GPU's memory.
 
@@ -106,7 +106,7 @@ def _train_one_micro_batch(rank: int, port: int, model_dir: str, out: str, atten
         backend.shutdown()
 
 
-@pytest.mark.parametrize("attention", ["local", "sdpa"])
+@pytest.mark.parametrize("attention", ["local", "sdpa", "varlen"])
 def test_the_recipe_model_trains_16384_tokens_within_the_estimate(tmp_path, attention):
     import torch.multiprocessing as mp
 

@@ -3,6 +3,8 @@ and differentiated with each core attention swapped into its layers."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,7 +36,26 @@ def _swap(backend, kernel: str, saved: list) -> None:
                 attention_type="self",
             )
     backend.attention = kernel
-    backend.thd = kernel == "varlen"
+    backend.packed_as = "row" if kernel == "varlen" else "mask"
+
+
+@contextlib.contextmanager
+def counting_thd_rope(calls: list) -> Iterator[None]:
+    """Appends one entry to `calls` per call of megatron's per-sequence RoPE for THD inputs (without
+    Transformer Engine: a host read of the lengths and one rotation per sequence) in the block."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    rope_utils._apply_rotary_pos_emb_thd = counted
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_thd = original
 
 
 def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
@@ -57,7 +78,7 @@ def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir
         }
         config = backend.policy.model.module.config
         result: dict = {"loss_mask": {}, "spec": {k: core_attention_names(config, k) for k in KERNELS},
-                        "reads": {k: {} for k in KERNELS}}
+                        "reads": {k: {} for k in KERNELS}, "thd_rope": {k: {} for k in KERNELS}}
         for kernel in KERNELS:
             _swap(backend, kernel, saved)
             result[kernel] = {}
@@ -70,7 +91,10 @@ def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir
                 def loss_fn(i, s, mbs=mbs, tokens=tokens):
                     return -(s.logp * mbs[i].loss_mask.to(s.logp.device)).sum() / tokens
 
-                backend.forward_backward(mbs, 0.8, loss_fn)
+                thd_rope: list = []
+                with counting_thd_rope(thd_rope):
+                    backend.forward_backward(mbs, 0.8, loss_fn)
+                result["thd_rope"][kernel][layout] = len(thd_rope)
                 grads = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
                 backend.policy.model.zero_grad_buffer()
                 reads = []  # host reads of a forward/backward over one micro-batch, then over all

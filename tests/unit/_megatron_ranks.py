@@ -114,11 +114,11 @@ def thd_attention(backend):
     saved = [layer.self_attention.core_attention for layer in layers]
     for layer, local in zip(layers, saved, strict=True):
         layer.self_attention.core_attention = ThdCoreAttention(local)
-    backend.thd = True
+    backend.packed_as = "thd"
     try:
         yield
     finally:
-        backend.thd = False
+        backend.packed_as = "mask"
         for layer, local in zip(layers, saved, strict=True):
             layer.self_attention.core_attention = local
 

@@ -1,6 +1,6 @@
 """The local spec's core attention through torch's kernels (`learner.megatron.attention`): sdpa
-(the backend's masks, additive) and varlen (packed micro-batches as THD, the CPU reference of varlen
-flash attention) against megatron's `DotProductAttention`, in fp32 on two gloo ranks with TP=2:
+(the backend's masks, additive) and varlen (packed micro-batches as one row with their bounds, the CPU
+reference of varlen flash attention) against megatron's `DotProductAttention`, in fp32 on two gloo ranks with TP=2:
 per-token log-probs (max abs < 1e-5) and every parameter's gradient (relative < 1e-4) of packed and
 padded micro-batches; a micro-batch adds no host read (sync) to a step with the local and sdpa kernels.
 One spawn for the module; the kernels are swapped into the same model, so the
@@ -59,13 +59,23 @@ def test_a_micro_batch_adds_no_host_read(ranks, kernel, layout):
         assert reads_many - reads_one <= 0, got["reads"][kernel][layout]
 
 
+def test_varlen_rotates_a_packed_row_whole(ranks):
+    """varlen gets a packed micro-batch as one row with its bounds, not as THD, whose RoPE without
+    Transformer Engine runs sequence by sequence after a host read, in every layer."""
+    for got in ranks.values():
+        assert got["thd_rope"]["varlen"] == {"packed": 0, "padded": 0}, got["thd_rope"]
+
+
 def test_the_local_spec_is_replaced(ranks):
     for got in ranks.values():
         assert got["spec"] == {"local": {"DotProductAttention"}, "sdpa": {"TorchCoreAttention"}, "varlen": {"TorchCoreAttention"}}
 
 
 def test_setting_resolves():
-    assert resolve("auto", "cuda", torch.bfloat16) == "sdpa"
+    assert resolve("auto", "cuda", torch.bfloat16) == "varlen"
+    assert resolve("auto", "cuda", torch.float16) == "varlen"
+    assert resolve("auto", "cuda", torch.float32) == "sdpa"  # flash attention takes no fp32
+    assert resolve("auto", "cpu", torch.bfloat16) == "sdpa"
     assert resolve("local", "cpu", torch.float32) == "local"
     assert resolve("varlen", "cpu", torch.float32) == "varlen"
     with pytest.raises(ValueError, match="varlen on CUDA needs model.dtype"):

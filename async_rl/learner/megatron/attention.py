@@ -9,11 +9,16 @@ memory at 16k tokens on the 0.5B shape, ../shared/gpu/README.md).
   softmax generates that one). Causal without a mask lets CUDA pick flash attention, GQA native
   (`enable_gqa`); with a mask the K/V heads are repeated as megatron's local attention does, so the
   memory-efficient kernel (which takes a mask, not GQA) runs, not the math one.
-- `varlen`: megatron's packed-sequence format (`PackedSeqParams(qkv_format="thd")`: the micro-batch
-  flattened to one row, RoPE per sequence): `torch.nn.attention.varlen.varlen_attn` from the
-  cumulative sequence lengths on CUDA (16-bit only: flash attention), no mask, GQA native; on CPU
-  the same contract as per-sequence SDPA (`learner.attention.reference_varlen`), so it is tested
-  without CUDA. The `sdpa` module takes THD inputs too: the choice is whether the backend sends them.
+- `varlen`: a packed micro-batch flattened to one row of tokens, its sequences bounded by cumulative
+  lengths (`PackedRow`, below): `torch.nn.attention.varlen.varlen_attn` on CUDA (16-bit only: flash
+  attention), no mask, GQA native; on CPU the same contract as per-sequence SDPA
+  (`learner.attention.reference_varlen`), so it is tested without CUDA. The row is not megatron's
+  THD format: with THD, megatron's RoPE without Transformer Engine (`_apply_rotary_pos_emb_thd`) cuts
+  the row into its sequences on the host (`tolist`, a sync) and rotates each one in its own kernels,
+  in every layer, for queries and keys, forward and backward (about 40 sequences in a 16k micro-batch
+  of the 1-GPU recipe). As one row megatron rotates all of it at once, by positions 0..T-1 across the
+  row, as the sdpa path does: RoPE is relative, so where no token attends across a boundary the
+  scores are those of per-sequence positions. THD (what TE's attention reads) still works here.
 
 Scores computed this way are the local spec's up to rounding: the same scale, causal and mask
 rules; megatron's masked entries (-10000 before the fp32 softmax) and SDPA's (-inf) both give 0.
@@ -33,10 +38,11 @@ Kernel = Literal["local", "sdpa", "varlen"]
 
 
 def resolve(setting: str, device_type: str, dtype: torch.dtype) -> Kernel:
-    """The kernel `learner.megatron.attention` names. auto = sdpa (varlen is unmeasured on a GPU so
-    far); varlen on CUDA needs a 16-bit model (flash attention takes no fp32)."""
+    """The kernel `learner.megatron.attention` names. auto = varlen on CUDA in a 16-bit model (the
+    kernel the torch backend's auto runs there, measured faster than SDPA with a mask: docs/learner.md),
+    else sdpa; varlen on CUDA needs a 16-bit model (flash attention takes no fp32)."""
     if setting == "auto":
-        return "sdpa"
+        return "varlen" if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
     if setting not in ("local", "sdpa", "varlen"):
         raise ValueError(f"learner.megatron.attention={setting!r}: expected auto, local, sdpa or varlen")
     if setting == "varlen" and device_type == "cuda" and dtype == torch.float32:
@@ -60,6 +66,31 @@ def core_attention_class() -> type:
 
 
 _CLASS: type | None = None
+_ROW: type | None = None
+
+
+def packed_row(bounds: torch.Tensor, longest: int, tokens: int) -> Any:
+    """megatron's `PackedSeqParams` for a packed micro-batch given as one row of `tokens` tokens
+    (`varlen`, module docstring): `qkv_format` "sbhd" so that megatron keeps the row's layout and
+    rotates it whole; `max_seqlen_q/kv` = `tokens`, the length megatron sizes the RoPE table by
+    (`get_rotary_seq_len`); `cu_seqlens_q/kv` = `bounds`, and `longest`, the longest sequence,
+    bounds the flash kernel's grid (the row's length there would launch ~T/128 query blocks per
+    sequence, nearly all empty)."""
+    global _ROW
+    if _ROW is None:
+        from dataclasses import dataclass
+
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        @dataclass
+        class PackedRow(PackedSeqParams):
+            longest: int = 0
+
+        _ROW = PackedRow
+    return _ROW(
+        qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=tokens, max_seqlen_kv=tokens,
+        longest=longest,
+    )
 
 
 def _define(base: type) -> type:
@@ -136,16 +167,21 @@ def _define(base: type) -> type:
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/TP x d]
 
         def _varlen(self, query, key, value, p):
-            if p.qkv_format != "thd":
-                raise ValueError(f"learner.megatron.attention: packed format {p.qkv_format!r} (only thd)")
-            # [t, heads, d]: megatron squeezed the batch dimension of the one packed row
+            if p.qkv_format == "thd":  # [t, heads, d]: megatron squeezed the one row's batch dimension
+                longest_q, longest_kv, row = p.max_seqlen_q, p.max_seqlen_kv, False
+            elif _ROW is not None and isinstance(p, _ROW):  # `packed_row`: [t, 1, heads, d]
+                query, key, value = (x.squeeze(1) for x in (query, key, value))
+                longest_q = longest_kv = p.longest
+                row = True
+            else:
+                raise ValueError(f"learner.megatron.attention: packed format {p.qkv_format!r} (thd or packed_row)")
             if query.is_cuda:
                 out = varlen_attention(
-                    query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, p.max_seqlen_q, p.max_seqlen_kv,
-                    self.softmax_scale,
+                    query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, longest_q, longest_kv, self.softmax_scale,
                 )
             else:
                 out = reference_varlen(query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, self.softmax_scale)
-            return out.reshape(out.shape[0], -1)
+            # megatron reshapes THD's [t, heads x d] itself; a row goes back as [s, b=1, heads x d]
+            return out.reshape(out.shape[0], 1, -1) if row else out.reshape(out.shape[0], -1)
 
     return TorchCoreAttention

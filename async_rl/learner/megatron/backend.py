@@ -21,7 +21,9 @@ starts where its position id is 0):
   when none is given. RoPE is relative, so positions that do not restart change nothing once no
   token attends across a boundary. With `learner.megatron.attention` sdpa (`megatron.attention`) the
   same mask goes to torch's SDPA, additive in the model dtype, built once per micro-batch; with
-  varlen the micro-batch goes as THD, as to TE, to varlen flash attention.
+  varlen (auto on CUDA in bf16) the micro-batch goes flattened to one row with the same cu_seqlens
+  (`megatron.attention.packed_row`: not THD, so megatron rotates the row whole rather than sequence
+  by sequence) to varlen flash attention, no mask.
 A padded row is right-padded, so the causal mask is enough. With pipeline parallelism all
 micro-batches of a step are padded to one shape (megatron's p2p sends fixed-shape activations).
 
@@ -53,6 +55,7 @@ from async_rl.learner.head import keeps_logits
 from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
+from async_rl.learner.megatron.attention import packed_row
 from async_rl.learner.megatron.attention import resolve as resolve_attention
 from async_rl.learner.megatron.head import VocabShard, chunked_scores
 from async_rl.learner.packing import MicroBatch
@@ -110,6 +113,12 @@ def thd_params(mb: MicroBatch, device: torch.device) -> object:
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest, max_seqlen_kv=longest
     )
+
+
+def row_params(mb: MicroBatch, device: torch.device) -> object:
+    """`packed_row`'s parameters for a packed micro-batch flattened to one row (the varlen kernel)."""
+    bounds, longest = packed_bounds(mb)
+    return packed_row(bounds.to(device, non_blocking=True), longest, mb.input_ids.numel())
 
 
 def pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
@@ -293,8 +302,9 @@ class MegatronBackend(ModelBackend):
         self.te_spec = te_spec
         self.sharded_optimizer = distributed
         self.attention = kernel
-        # packed sequences as THD: TE's attention or varlen (megatron's local one refuses it)
-        self.thd = te_spec or kernel == "varlen"
+        # how a packed micro-batch goes in: THD to TE's attention, one row with its bounds to varlen,
+        # else rows with a block-diagonal mask (megatron's local attention refuses packed params)
+        self.packed_as: Literal["thd", "row", "mask"] = "thd" if te_spec else "row" if kernel == "varlen" else "mask"
         self.policy = MegatronPolicy(
             self.arch,
             mm.SafetensorsCheckpoint(model_dir),
@@ -371,18 +381,19 @@ class MegatronBackend(ModelBackend):
         items = iter(list(enumerate(sized)))
         dev = self.device
 
-        # Packed micro-batches go to Transformer Engine as one row of tokens with their cu_seqlens
-        # (see the module docstring); a step's micro-batches are all packed or all padded.
-        thd = self.thd and sized[0].position_ids is not None
+        # Packed micro-batches go to TE's or the varlen attention as one row of tokens with their
+        # cu_seqlens (see the module docstring); a step's micro-batches are all packed or all padded.
+        layout = self.packed_as if sized[0].position_ids is not None else "mask"
+        one_row = layout != "mask"
 
         def forward_step(data_iterator, model):
             i, mb = next(data_iterator)
             ids = mb.input_ids.to(dev)
             rows, cols = ids.shape
             packed = None
-            if thd:
+            if one_row:
                 ids = ids.reshape(1, rows * cols)
-                packed, mask = thd_params(mb, dev), None
+                packed, mask = (thd_params if layout == "thd" else row_params)(mb, dev), None
             elif self.on_cpu or mb.position_ids is not None:
                 mask = attention_mask(rows, cols, mb.position_ids, dev)
                 if self.attention == "sdpa":  # additive, built once: every layer's SDPA reads it as is
@@ -409,8 +420,8 @@ class MegatronBackend(ModelBackend):
                 data_iterator=items,
                 model=[self.policy.model],
                 num_microbatches=len(sized),
-                seq_length=shape[0] * shape[1] if thd else shape[1],
-                micro_batch_size=1 if thd else shape[0],
+                seq_length=shape[0] * shape[1] if one_row else shape[1],
+                micro_batch_size=1 if one_row else shape[0],
                 forward_only=forward_only,
             )
 
