@@ -213,3 +213,36 @@ def test_policy_steps_lower_the_loss_and_export_what_it_trained(model_parallel, 
     with torch.no_grad():
         ref = token_logprobs(hf(input_ids=b.input_ids).logits[:, :-1], b.input_ids[:, 1:])
     assert torch.allclose(after, ref, atol=1e-5), (after - ref).abs().max()
+
+
+def test_the_fused_swiglu_equals_the_unfused_mlp(pair, monkeypatch):
+    """Off the CPU the MLP runs megatron's SwiGLU fusion (`bias_activation_fusion`: torch.compile'd
+    forward and backward); the CPU keeps the unfused ops. Both give one layer's MLP the same output,
+    input gradient and weight gradients."""
+    from megatron.core.transformer import mlp as megatron_mlp
+
+    fused_calls = []
+    fused_impl = megatron_mlp.bias_swiglu_impl
+    monkeypatch.setattr(megatron_mlp, "bias_swiglu_impl", lambda *a, **k: fused_calls.append(1) or fused_impl(*a, **k))
+    _, arch, model = pair
+    assert mm.transformer_config(arch, torch.float32, cpu_init=False, pipeline=1).bias_activation_fusion
+    assert not mm.transformer_config(arch, torch.float32, cpu_init=True, pipeline=1).bias_activation_fusion
+    mlp = model.decoder.layers[0].mlp
+    assert not mlp.config.bias_activation_fusion
+    x = torch.randn(7, 2, arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    got = {}
+    try:
+        for fused in (False, True):
+            mlp.config.bias_activation_fusion = fused
+            mlp.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            out, _ = mlp(xi)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            got[fused] = [out.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()]
+    finally:
+        mlp.config.bias_activation_fusion = False
+        mlp.zero_grad(set_to_none=True)
+    assert len(fused_calls) == 1  # the fused path ran once, the unfused one did not call it
+    assert len(got[True]) == len(got[False]) >= 4
+    for a, b in zip(got[True], got[False], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
