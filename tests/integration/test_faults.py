@@ -88,20 +88,32 @@ class Killer:
         stop_burners(self.burners)
 
 
+def found_and_acted(log: list[dict], at: float, watched: str, recovered: str) -> tuple[float, float]:
+    """Seconds from a kill at wall time `at` to its death being found and to its recovery: the first
+    'recovery' event after it whose reason starts with `recovered` and says "died". Found: the watcher's
+    'watch' event whose reason starts with `watched`, or the recovery itself when another path (a failed
+    call, the health check) got there first; the watcher then stays silent about a process already
+    taken out of the run (docs/faults.md). No such recovery fails with every event logged since `at`."""
+    since = [e for e in log if e["at"] >= at]
+    acted = next(
+        (e["at"] for e in since if e["source"] == "recovery" and e["reason"].startswith(recovered) and "died" in e["reason"]),
+        None,
+    )
+    assert acted is not None, (
+        f"no recovery of {recovered.strip()!r} logged after the kill at {at:.2f}; the events since:\n"
+        + ("\n".join(json.dumps(e) for e in since) or "none")
+    )
+    found = [e["at"] for e in since if e["source"] == "watch" and e["at"] <= acted and e["reason"].startswith(watched)]
+    return min([acted, *found]) - at, acted - at
+
+
 def delays(log: list[dict], kills: list[tuple[str, str, float]]) -> dict[str, tuple[float, float]]:
-    """For every kill: seconds to its death being found and to its recovery (the first 'recovery'
-    event for its kind after it). Found: the watcher's 'watch' event, or the recovery itself when
-    another path (a failed call, the health check) got there first; the watcher then stays silent
-    about a process already taken out of the run."""
+    """For every kill: seconds to its death being found and to its recovery (found_and_acted, the
+    first 'recovery' event for its kind after it)."""
     out = {}
     for label, kind, at in kills:
         name = {"buffer": "buffer", "learner": "learner "}.get(kind, "engine ")
-        acted = next(
-            e["at"] for e in log
-            if e["source"] == "recovery" and e["at"] >= at and e["reason"].startswith(name) and "died" in e["reason"]
-        )
-        watched = [e["at"] for e in log if e["source"] == "watch" and at <= e["at"] <= acted and e["reason"].startswith(name)]
-        out[label] = (min([acted, *watched]) - at, acted - at)
+        out[label] = found_and_acted(log, at, name, name)
     return out
 
 

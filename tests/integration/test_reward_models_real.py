@@ -3,9 +3,9 @@
 1. A short run of the tiny policy whose reward is an LLM judge (smollm2-135m) on a vLLM engine of its own:
    every sample is scored by the judge through its OpenAI-compatible endpoint (the reward workers' calls
    counted in the step metrics); after step 2 the judge's vLLM engine core is killed with every CPU core
-   kept busy, the run's watcher finds the replica dead and its supervisor restarts it (both timed, within
-   the fault tests' bounds), every engine is pointed at its new address, and later samples are scored by
-   the new engine.
+   kept busy, the run's watcher (or its health check, whichever comes first) finds the replica dead and
+   its supervisor restarts it (both timed, within the fault tests' bounds), every engine is pointed at its
+   new address, and later samples are scored by the new engine.
 2. A tiny random sequence-classification model (built here, SmolLM2's tokenizer) in a reward-model actor
    scores a batch from real reward workers, equal to the model's own outputs.
 """
@@ -21,7 +21,7 @@ import time
 import pytest
 from _load import start_burners
 from test_elastic import events
-from test_faults import ACT_S, DETECT_S, burn_until_found
+from test_faults import ACT_S, DETECT_S, burn_until_found, found_and_acted
 
 from async_rl.config import load_config
 from async_rl.generator.rewards import RewardRunner
@@ -49,7 +49,8 @@ JUDGE = [
 
 def _kill_judge(controller, step: int, seen: dict) -> None:
     """After step KILL_AFTER: SIGKILL the judge's vLLM engine core with every core kept busy until the
-    run logs the death; the run's own watcher must find it and its supervisor restart the replica."""
+    run logs the death; the run itself (its watcher, or its health check) must find it and its supervisor
+    restart the replica."""
     pool = controller.runtime.reward_models
     if step == STEPS - 1:  # before the run's end stops the replica
         seen["last_stats"], seen["after"] = pool.stats(), pool.endpoints()
@@ -74,12 +75,13 @@ def test_a_judge_scores_the_run_and_is_restarted_after_its_engine_dies(tmp_path,
         between=lambda controller, step: _kill_judge(controller, step, seen),
     )
     assert [r["step"] for r in records] == list(range(STEPS))
-    # found by the watcher and acted on by the supervisor within seconds, every core busy (docs/faults.md)
-    log, at = events(tmp_path), seen["killed_at"]
-    found = min(e["at"] for e in log if e["at"] >= at and e["source"] == "watch" and e["reason"].startswith("reward model 0"))
-    acted = min(e["at"] for e in log if e["at"] >= at and e["source"] == "recovery" and "replica(s) [0] died" in e["reason"])
-    print(f"judge engine core killed: found after {found - at:.2f} s, acted on after {acted - at:.2f} s")
-    assert found - at < DETECT_S and acted - at < ACT_S, (found - at, acted - at)
+    # found and acted on within seconds, every core busy (docs/faults.md): by the watcher, or by the
+    # supervisor's health check when it gets there first (the watcher then says nothing about the
+    # replica it restarted), as the kill tests take it
+    found, acted = found_and_acted(events(tmp_path), seen["killed_at"], "reward model 0 ", "judge replica(s) [0]")
+    by = "the watcher" if found < acted else "the health check (no watcher event before the recovery)"
+    print(f"judge engine core killed: found by {by} after {found:.2f} s, acted on after {acted:.2f} s")
+    assert found < DETECT_S and acted < ACT_S, (found, acted)
     print("judge counters per step (calls, unparseable, failures, timeouts, restarts):",
           [(r["reward_model_calls"], r["reward_model_unparseable"], r["reward_model_failures"],
             r["reward_model_timeouts"], r["reward_model_restarts"]) for r in records])
