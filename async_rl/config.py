@@ -546,8 +546,9 @@ class LearnerConfig(_Section):
         bool,
         _f("one prompt per group: a group's samples share one copy of their prompt in a micro-batch (the "
            "completions attend to it through a block attention mask), forward and backward; equal to the "
-           "unshared layout (false: every sample carries its prompt, for comparison). Torch backend only: "
-           "megatron ignores it with a logged note"),
+           "unshared layout (false: every sample carries its prompt, for comparison). megatron takes it with "
+           "learner.megatron.attention varlen (auto on CUDA in bf16) on one pipeline stage, else ignores it with "
+           "a logged note"),
     ] = True
     attention: Annotated[
         Literal["auto", "sdpa", "varlen", "flex"],

@@ -87,8 +87,8 @@ class ModelBackend(abc.ABC):
 
     @property
     def takes_block_masks(self) -> bool:
-        """Micro-batches may carry a 4D attention mask (`shared_prefix.py`, `learner.share_prompt`):
-        the backend hands it to its attention as it is."""
+        """Micro-batches may share a prompt per group (`shared_prefix.py`, `learner.share_prompt`): the
+        backend's attention follows their segment table (or the 4D mask built from it)."""
         return False
 
     @property

@@ -58,6 +58,55 @@ def counting_thd_rope(calls: list) -> Iterator[None]:
         rope_utils._apply_rotary_pos_emb_thd = original
 
 
+def shared_prompt_samples(vocab: int, seed: int = 11) -> list:
+    """Two groups of three samples, each group one prompt (5 and 3 tokens) with its own completions."""
+    import numpy as np
+
+    from async_rl.learner.packing import SeqSample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for prompt_len, completions in [(5, (4, 2, 6)), (3, (3, 5, 1))]:
+        prompt = rng.integers(3, vocab, size=prompt_len)
+        for n in completions:
+            out.append(SeqSample(
+                tokens=np.concatenate([prompt, rng.integers(3, vocab, size=n)]).astype(np.int64), start=prompt_len,
+                behav_logp=np.zeros(n, dtype=np.float32), advantages=np.ones(n, dtype=np.float32),
+            ))
+    return out
+
+
+def shared_prompt_results(backend, saved: list) -> dict:
+    """With the varlen kernel: the same samples unshared (each carries its prompt) and with one prompt
+    per group (`learner.share_prompt`, the row's key index and per-token RoPE): each layout's
+    per-sequence log-probs and every parameter's gradient of the loss over all their tokens, and
+    whether the backend takes shared micro-batches with each kernel."""
+    from async_rl.learner import packing
+    from async_rl.learner.shared_prefix import shared_micro_batches
+
+    out: dict = {"takes": {}}
+    for kernel in ("sdpa", "varlen"):
+        _swap(backend, kernel, saved)
+        out["takes"][kernel] = backend.takes_block_masks
+    samples = shared_prompt_samples(min(backend.arch.vocab_size, 1000))
+    for name, build in (("unshared", packing.micro_batches), ("shared", shared_micro_batches)):
+        mbs = build(samples, True, 0, 0, 24)  # one micro-batch: the sequences in sample order
+        assert len(mbs) == 1
+        tokens = sum(mb.loss_tokens for mb in mbs)
+
+        def loss_fn(i, s, mbs=mbs, tokens=tokens):
+            return -(s.logp * mbs[i].loss_mask.to(s.logp.device)).sum() / tokens
+
+        backend.forward_backward(mbs, 0.8, loss_fn)
+        grads = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
+        backend.policy.model.zero_grad_buffer()
+        out[name] = {
+            "logp": mbs[0].per_sequence(backend.score(mbs[0], 0.8).logp), "grads": grads,
+            "tokens": mbs[0].input_ids.numel(), "shares": mbs[0].segments.shares_prefixes,
+        }
+    return out
+
+
 def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     from async_rl.learner import packing
     from async_rl.learner.megatron.backend import MegatronBackend
@@ -106,6 +155,7 @@ def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir
                 result["reads"][kernel][layout] = reads
                 result[kernel][layout] = {"logp": backend.score(mbs[0], 0.8).logp.detach().clone(), "grads": grads}
                 result["loss_mask"][layout] = mbs[0].loss_mask
+        result["shared"] = shared_prompt_results(backend, saved)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         backend.shutdown()

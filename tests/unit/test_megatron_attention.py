@@ -66,6 +66,25 @@ def test_varlen_rotates_a_packed_row_whole(ranks):
         assert got["thd_rope"]["varlen"] == {"packed": 0, "padded": 0}, got["thd_rope"]
 
 
+def test_shared_prompts_through_the_varlen_row_equal_the_unshared_layout(ranks):
+    """`learner.share_prompt` with megatron's varlen row: each suffix reads its prefix through the
+    layout's key index and is rotated by its own position ids (`megatron.rotary`), so every sequence
+    scores as when it carries its prompt, and the gradients are the same; in fewer tokens. The sdpa
+    kernel (the block-diagonal mask from position ids) takes no shared prompts."""
+    for r, got in ranks.items():
+        shared, unshared = got["shared"]["shared"], got["shared"]["unshared"]
+        assert got["shared"]["takes"] == {"sdpa": False, "varlen": True}
+        assert shared["shares"] and not unshared["shares"]
+        assert shared["tokens"] < unshared["tokens"], (shared["tokens"], unshared["tokens"])
+        assert len(shared["logp"]) == len(unshared["logp"]) == 6
+        for a, b in zip(shared["logp"], unshared["logp"], strict=True):
+            assert a.shape == b.shape and abs(a - b).max() < 1e-5, (r, abs(a - b).max())
+        assert len(shared["grads"]) == len(unshared["grads"]) > 0
+        for a, b in zip(shared["grads"], unshared["grads"], strict=True):
+            rel = (a - b).norm() / b.norm().clamp_min(1e-12)
+            assert rel < 1e-4, (r, rel)
+
+
 def test_the_local_spec_is_replaced(ranks):
     for got in ranks.values():
         assert got["spec"] == {"local": {"DotProductAttention"}, "sdpa": {"TorchCoreAttention"}, "varlen": {"TorchCoreAttention"}}

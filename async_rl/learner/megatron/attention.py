@@ -16,9 +16,10 @@ memory at 16k tokens on the 0.5B shape, ../shared/gpu/README.md).
   THD format: with THD, megatron's RoPE without Transformer Engine (`_apply_rotary_pos_emb_thd`) cuts
   the row into its sequences on the host (`tolist`, a sync) and rotates each one in its own kernels,
   in every layer, for queries and keys, forward and backward (about 40 sequences in a 16k micro-batch
-  of the 1-GPU recipe). As one row megatron rotates all of it at once, by positions 0..T-1 across the
-  row, as the sdpa path does: RoPE is relative, so where no token attends across a boundary the
-  scores are those of per-sequence positions. THD (what TE's attention reads) still works here.
+  of the 1-GPU recipe). As one row megatron rotates all of it at once, each token by its own position
+  id (`megatron.rotary`). Shared prompts (`learner.share_prompt`) take the same path: each suffix's
+  keys are gathered as its prefix's then its own (the torch backend's layout, `varlen_layout`). THD
+  (what TE's attention reads) still works here.
 
 Scores computed this way are the local spec's up to rounding: the same scale, causal and mask
 rules; megatron's masked entries (-10000 before the fp32 softmax) and SDPA's (-inf) both give 0.
@@ -31,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from async_rl.learner.attention import reference_varlen, varlen_attention
+from async_rl.learner.attention import AttentionLayout, reference_varlen, varlen_attention
 
 Setting = Literal["auto", "local", "sdpa", "varlen"]
 Kernel = Literal["local", "sdpa", "varlen"]
@@ -69,13 +70,14 @@ _CLASS: type | None = None
 _ROW: type | None = None
 
 
-def packed_row(bounds: torch.Tensor, longest: int, tokens: int) -> Any:
+def packed_row(layout: AttentionLayout, tokens: int) -> Any:
     """megatron's `PackedSeqParams` for a packed micro-batch given as one row of `tokens` tokens
-    (`varlen`, module docstring): `qkv_format` "sbhd" so that megatron keeps the row's layout and
-    rotates it whole; `max_seqlen_q/kv` = `tokens`, the length megatron sizes the RoPE table by
-    (`get_rotary_seq_len`); `cu_seqlens_q/kv` = `bounds`, and `longest`, the longest sequence,
-    bounds the flash kernel's grid (the row's length there would launch ~T/128 query blocks per
-    sequence, nearly all empty)."""
+    (`varlen`, module docstring), carrying the varlen `layout` (`learner.attention.varlen_layout`:
+    cumulative query and key lengths, the longest of each, and for shared prompts the gather index of
+    each suffix's keys). `qkv_format` "sbhd" so that megatron keeps the row's layout and rotates it
+    whole (by position id: `megatron.rotary`); `max_seqlen_q/kv` = `tokens`, the length megatron sizes
+    its RoPE table by (`get_rotary_seq_len`); the flash kernel's bounds are the layout's longest
+    (the row's length there would launch ~T/128 query blocks per sequence, nearly all empty)."""
     global _ROW
     if _ROW is None:
         from dataclasses import dataclass
@@ -84,12 +86,12 @@ def packed_row(bounds: torch.Tensor, longest: int, tokens: int) -> Any:
 
         @dataclass
         class PackedRow(PackedSeqParams):
-            longest: int = 0
+            layout: AttentionLayout | None = None
 
         _ROW = PackedRow
     return _ROW(
-        qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=tokens, max_seqlen_kv=tokens,
-        longest=longest,
+        qkv_format="sbhd", cu_seqlens_q=layout.cu_q, cu_seqlens_kv=layout.cu_k, max_seqlen_q=tokens,
+        max_seqlen_kv=tokens, layout=layout,
     )
 
 
@@ -167,21 +169,21 @@ def _define(base: type) -> type:
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/TP x d]
 
         def _varlen(self, query, key, value, p):
-            if p.qkv_format == "thd":  # [t, heads, d]: megatron squeezed the one row's batch dimension
-                longest_q, longest_kv, row = p.max_seqlen_q, p.max_seqlen_kv, False
-            elif _ROW is not None and isinstance(p, _ROW):  # `packed_row`: [t, 1, heads, d]
+            if _ROW is not None and isinstance(p, _ROW):  # `packed_row`: [t, 1, heads, d]
                 query, key, value = (x.squeeze(1) for x in (query, key, value))
-                longest_q = longest_kv = p.longest
-                row = True
+                layout = p.layout
+                if layout.keys is not None:  # shared prompts: each suffix's keys are its prefix's, then its own
+                    key, value = key.index_select(0, layout.keys), value.index_select(0, layout.keys)
+                cu_q, cu_k, longest_q, longest_k = layout.cu_q, layout.cu_k, layout.max_q, layout.max_k
+            elif p.qkv_format == "thd":  # [t, heads, d]: megatron squeezed the one row's batch dimension
+                cu_q, cu_k, longest_q, longest_k = p.cu_seqlens_q, p.cu_seqlens_kv, p.max_seqlen_q, p.max_seqlen_kv
             else:
                 raise ValueError(f"learner.megatron.attention: packed format {p.qkv_format!r} (thd or packed_row)")
             if query.is_cuda:
-                out = varlen_attention(
-                    query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, longest_q, longest_kv, self.softmax_scale,
-                )
+                out = varlen_attention(query, key, value, cu_q, cu_k, longest_q, longest_k, self.softmax_scale)
             else:
-                out = reference_varlen(query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, self.softmax_scale)
+                out = reference_varlen(query, key, value, cu_q, cu_k, self.softmax_scale)
             # megatron reshapes THD's [t, heads x d] itself; a row goes back as [s, b=1, heads x d]
-            return out.reshape(out.shape[0], 1, -1) if row else out.reshape(out.shape[0], -1)
+            return out.reshape(out.shape[0], 1, -1) if p.qkv_format != "thd" else out.reshape(out.shape[0], -1)
 
     return TorchCoreAttention

@@ -49,12 +49,13 @@ import torch
 import torch.distributed as dist
 
 from async_rl.errors import RunError
-from async_rl.learner.attention import cumulative
+from async_rl.learner.attention import AttentionLayout, cumulative, varlen_layout
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import keeps_logits
 from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
+from async_rl.learner.megatron import rotary
 from async_rl.learner.megatron.attention import packed_row
 from async_rl.learner.megatron.attention import resolve as resolve_attention
 from async_rl.learner.megatron.head import VocabShard, chunked_scores
@@ -116,9 +117,17 @@ def thd_params(mb: MicroBatch, device: torch.device) -> object:
 
 
 def row_params(mb: MicroBatch, device: torch.device) -> object:
-    """`packed_row`'s parameters for a packed micro-batch flattened to one row (the varlen kernel)."""
-    bounds, longest = packed_bounds(mb)
-    return packed_row(bounds.to(device, non_blocking=True), longest, mb.input_ids.numel())
+    """`packed_row`'s parameters for a packed micro-batch flattened to one row (the varlen kernel):
+    the varlen layout of its segment table where it has one that covers it, shared prompts included
+    (built on the device), else the bounds from its position ids (a micro-batch grown by `pad_to`)."""
+    seg = mb.segments
+    if seg is not None and seg.rows * seg.width == mb.input_ids.numel():
+        layout = varlen_layout(seg.to(device))
+    else:
+        bounds, longest = cu_seqlens(mb.position_ids)
+        bounds = bounds.to(device, non_blocking=True)
+        layout = AttentionLayout("varlen", bounds, bounds, longest, longest)
+    return packed_row(layout, mb.input_ids.numel())
 
 
 def pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
@@ -319,6 +328,9 @@ class MegatronBackend(ModelBackend):
             attention="local" if te_spec else kernel,
         )
         self.device = self.policy.device
+        # the varlen row rotates each token by its position id (`megatron.rotary`); megatron's own
+        # rotary runs unchanged for every other layout
+        self.rotary = rotary.install(self._gpt, self.arch.max_position_embeddings)
         first_stage = parallel_state.is_pipeline_first_stage()
         self.info = ParallelInfo(
             rank=self.rank,
@@ -384,16 +396,19 @@ class MegatronBackend(ModelBackend):
         # Packed micro-batches go to TE's or the varlen attention as one row of tokens with their
         # cu_seqlens (see the module docstring); a step's micro-batches are all packed or all padded.
         layout = self.packed_as if sized[0].position_ids is not None else "mask"
-        one_row = layout != "mask"
+        one_row = layout != "mask"  # the schedule's shapes; a padded micro-batch among them (a rank's
+        # dummy, `driver._micro_batches`) still runs as rows
 
         def forward_step(data_iterator, model):
             i, mb = next(data_iterator)
             ids = mb.input_ids.to(dev)
             rows, cols = ids.shape
-            packed = None
-            if one_row:
+            packed, at = None, contextlib.nullcontext()
+            if one_row and mb.position_ids is not None:
                 ids = ids.reshape(1, rows * cols)
                 packed, mask = (thd_params if layout == "thd" else row_params)(mb, dev), None
+                if layout == "row":
+                    at = self.rotary.at(mb.position_ids.to(dev, non_blocking=True).reshape(-1))
             elif self.on_cpu or mb.position_ids is not None:
                 mask = attention_mask(rows, cols, mb.position_ids, dev)
                 if self.attention == "sdpa":  # additive, built once: every layer's SDPA reads it as is
@@ -401,7 +416,8 @@ class MegatronBackend(ModelBackend):
             else:
                 mask = None  # megatron's own causal mask (fused kernels)
             positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand(ids.shape[0], -1)
-            output = model(ids, positions, mask, packed_seq_params=packed)
+            with at:
+                output = model(ids, positions, mask, packed_seq_params=packed)
 
             def as_rows(x: torch.Tensor) -> torch.Tensor:
                 """A batch-first tensor of the model's layout [1, B*T, ...] (THD) or [B, T, ...]
@@ -424,6 +440,13 @@ class MegatronBackend(ModelBackend):
                 micro_batch_size=1 if one_row else shape[0],
                 forward_only=forward_only,
             )
+
+    @property
+    def takes_block_masks(self) -> bool:
+        """Shared prompts where a packed micro-batch goes as the varlen row (the attention reads each
+        suffix's prefix through the layout's key index, RoPE each token's position id), on one pipeline
+        stage: `pad_to` grows the rows past their segment table."""
+        return self.packed_as == "row" and self.pp == 1
 
     @property
     def _gpt(self):
