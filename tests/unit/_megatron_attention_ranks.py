@@ -104,6 +104,11 @@ def shared_prompt_results(backend, saved: list) -> dict:
             "logp": mbs[0].per_sequence(backend.score(mbs[0], 0.8).logp), "grads": grads,
             "tokens": mbs[0].input_ids.numel(), "shares": mbs[0].segments.shares_prefixes,
         }
+        if name == "shared":  # a rank with fewer micro-batches runs dummies (padded, one token) after them
+            padded_out = [*mbs, packing.dummy_micro_batch()]
+            backend.forward_backward(padded_out, 0.8, lambda i, s, m=padded_out: loss_fn(i, s, m))
+            out["with_dummy"] = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
+            backend.policy.model.zero_grad_buffer()
     return out
 
 

@@ -83,6 +83,9 @@ def test_shared_prompts_through_the_varlen_row_equal_the_unshared_layout(ranks):
         for a, b in zip(shared["grads"], unshared["grads"], strict=True):
             rel = (a - b).norm() / b.norm().clamp_min(1e-12)
             assert rel < 1e-4, (r, rel)
+        # a dummy micro-batch (no position ids, no loss) after the row ones runs as rows and adds nothing
+        for a, b in zip(got["shared"]["with_dummy"], shared["grads"], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_the_local_spec_is_replaced(ranks):
