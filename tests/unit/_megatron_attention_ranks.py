@@ -39,6 +39,15 @@ def _swap(backend, kernel: str, saved: list) -> None:
     backend.packed_as = "row" if kernel == "varlen" else "mask"
 
 
+def mean_logp_loss(mbs: list, tokens: int):
+    """The loss over `mbs`: minus the log-probs of their loss tokens, over `tokens` (all of them)."""
+
+    def loss_fn(i, s):
+        return -(s.logp * mbs[i].loss_mask.to(s.logp.device)).sum() / tokens
+
+    return loss_fn
+
+
 @contextlib.contextmanager
 def counting_thd_rope(calls: list) -> Iterator[None]:
     """Appends one entry to `calls` per call of megatron's per-sequence RoPE for THD inputs (without
@@ -93,11 +102,7 @@ def shared_prompt_results(backend, saved: list) -> dict:
         mbs = build(samples, True, 0, 0, 24)  # one micro-batch: the sequences in sample order
         assert len(mbs) == 1
         tokens = sum(mb.loss_tokens for mb in mbs)
-
-        def loss_fn(i, s, mbs=mbs, tokens=tokens):
-            return -(s.logp * mbs[i].loss_mask.to(s.logp.device)).sum() / tokens
-
-        backend.forward_backward(mbs, 0.8, loss_fn)
+        backend.forward_backward(mbs, 0.8, mean_logp_loss(mbs, tokens))
         grads = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
         backend.policy.model.zero_grad_buffer()
         out[name] = {
@@ -106,7 +111,7 @@ def shared_prompt_results(backend, saved: list) -> dict:
         }
         if name == "shared":  # a rank with fewer micro-batches runs dummies (padded, one token) after them
             padded_out = [*mbs, packing.dummy_micro_batch()]
-            backend.forward_backward(padded_out, 0.8, lambda i, s, m=padded_out: loss_fn(i, s, m))
+            backend.forward_backward(padded_out, 0.8, mean_logp_loss(padded_out, tokens))
             out["with_dummy"] = [p.main_grad.detach().clone() for p in backend.policy.model.parameters()]
             backend.policy.model.zero_grad_buffer()
     return out
@@ -141,10 +146,7 @@ def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir
             )
             for layout, mbs in layouts.items():
                 tokens = sum(mb.loss_tokens for mb in mbs)
-
-                def loss_fn(i, s, mbs=mbs, tokens=tokens):
-                    return -(s.logp * mbs[i].loss_mask.to(s.logp.device)).sum() / tokens
-
+                loss_fn = mean_logp_loss(mbs, tokens)
                 thd_rope: list = []
                 with counting_thd_rope(thd_rope):
                     backend.forward_backward(mbs, 0.8, loss_fn)

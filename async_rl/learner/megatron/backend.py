@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.errors import RunError
-from async_rl.learner.attention import AttentionLayout, cumulative, varlen_layout
+from async_rl.learner.attention import AttentionLayout, Segments, cumulative, varlen_layout
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.head import keeps_logits
 from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
@@ -95,12 +95,18 @@ def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return bounds, int((bounds[1:] - bounds[:-1]).max())
 
 
-def packed_bounds(mb: MicroBatch) -> tuple[torch.Tensor, int]:
-    """`cu_seqlens` of a packed micro-batch: from its segment table where it has one that covers it
-    (O(sequences) numbers, read with no pass over the tokens), else from its position ids (a
-    micro-batch grown by `pad_to` has none)."""
+def covering_table(mb: MicroBatch) -> Segments | None:
+    """The micro-batch's segment table where it covers all of its tokens (O(sequences) numbers, read
+    with no pass over the tokens), else None (none, or a micro-batch grown by `pad_to` past it)."""
     seg = mb.segments
-    if seg is not None and not seg.shares_prefixes and seg.rows * seg.width == mb.input_ids.numel():
+    return seg if seg is not None and seg.rows * seg.width == mb.input_ids.numel() else None
+
+
+def packed_bounds(mb: MicroBatch) -> tuple[torch.Tensor, int]:
+    """`cu_seqlens` of a packed micro-batch without shared prompts: from its covering segment table,
+    else from its position ids."""
+    seg = covering_table(mb)
+    if seg is not None and not seg.shares_prefixes:
         return cumulative(seg.lengths), seg.max_len
     return cu_seqlens(mb.position_ids)
 
@@ -120,8 +126,8 @@ def row_params(mb: MicroBatch, device: torch.device) -> object:
     """`packed_row`'s parameters for a packed micro-batch flattened to one row (the varlen kernel):
     the varlen layout of its segment table where it has one that covers it, shared prompts included
     (built on the device), else the bounds from its position ids (a micro-batch grown by `pad_to`)."""
-    seg = mb.segments
-    if seg is not None and seg.rows * seg.width == mb.input_ids.numel():
+    seg = covering_table(mb)
+    if seg is not None:
         layout = varlen_layout(seg.to(device))
     else:
         bounds, longest = cu_seqlens(mb.position_ids)
