@@ -499,7 +499,7 @@ class LearnerConfig(_Section):
         Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"],
         _f("tokens (prompt + completion) per micro-batch, for the gradient passes and the no-grad scoring "
            "passes (proximal log-probs, the KL reference, ppo's hidden states); the shard is cut in order into "
-           "the fewest micro-batches within it, balanced by tokens (learner/token_budget.py, packing.py); 0 = "
+           "the fewest micro-batches within it, balanced by tokens (learner/batch/token_budget.py, packing.py); 0 = "
            "the whole shard in one pass (memory then grows with the shard: the trunk's activations per token); "
            "auto = on CUDA from the GPU's memory (its total less a tenth less what the rank holds, gradients and "
            "AdamW state) over the model's activation bytes per token, stated in one line at start-up; 8192 on CPU"),
@@ -525,14 +525,14 @@ class LearnerConfig(_Section):
         _f("the chunked head's per-chunk softmax arithmetic (log-sum-exp, the target's log-prob, the entropy; in "
            "backward the softmax and one-hot gradient), both backends and the KL reference pass (which runs the "
            "policy head's kernel): compiled = kernels that read the chunk's compute-dtype logits and make no fp32 "
-           "copy of them (torch.compile, once per process, the chunk's length dynamic: learner/head_fused.py); "
+           "copy of them (torch.compile, once per process, the chunk's length dynamic: learner/model/head_fused.py); "
            "eager = torch ops over fp32 copies; triton = the forward's statistics from a hand-written Triton "
            "kernel, one online-softmax pass over each row, its block size autotuned on the first call "
-           "(learner/head_triton.py; CUDA only), the backward compiled (megatron: where one TP rank holds the "
+           "(learner/model/head_triton.py; CUDA only), the backward compiled (megatron: where one TP rank holds the "
            "whole vocabulary; its vocabulary-shard kernels are compiled); auto = on CUDA the fastest of the three "
            "measured at start-up on this GPU and the model's own output layer (forward and backward of two "
            "chunks, each kernel compiled first, the slowest rank's times; one line at start-up: "
-           "learner/head_probe.py; megatron with TP or PP > 1: compiled), eager on CPU"),
+           "learner/model/head_probe.py; megatron with TP or PP > 1: compiled), eager on CPU"),
     ] = "auto"
     packing: Annotated[
         bool, _f("padding-free micro-batches: sequences concatenated, position ids restart per sequence")

@@ -18,7 +18,7 @@ from async_rl import checkpoint
 from async_rl.errors import RunError
 from async_rl.learner.base import checkpoint_adapter_dir
 from async_rl.learner.hf_io import read_model_files, write_hf_folder
-from async_rl.learner.lora import ADAPTER_CONFIG
+from async_rl.learner.model.lora import ADAPTER_CONFIG
 
 
 def base_model_dir(ckpt: Path) -> Path:

@@ -274,10 +274,10 @@ def learner_step_times(model_dir: Path, groups: list, micro_groups: int, reps: i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from async_rl.learner.advantages import grpo_advantages
-    from async_rl.learner.algorithms import token_logprobs
-    from async_rl.learner.losses import policy_loss
-    from async_rl.learner.padded import PaddedShard
+    from async_rl.learner.batch.padded import PaddedShard
+    from async_rl.learner.rl.advantages import grpo_advantages
+    from async_rl.learner.rl.algorithms import token_logprobs
+    from async_rl.learner.rl.losses import policy_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()

@@ -320,7 +320,7 @@ class RegionClock:
     batching) is what these leave."""
 
     def __init__(self, driver) -> None:
-        from async_rl.learner.head import ChunkedHead
+        from async_rl.learner.model.head import ChunkedHead
         from async_rl.learner.torch_backend import decoder_layers
 
         self.seconds: dict[str, float] = {"attention": 0.0, "mlp": 0.0, "head": 0.0, "optimizer": 0.0}

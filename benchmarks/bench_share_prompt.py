@@ -28,8 +28,8 @@ import torch
 
 from async_rl.config import LearnerConfig, load_config
 from async_rl.data import load_prompt_files, make_renderer, max_prompt_tokens
-from async_rl.learner.packing import MicroBatch, SeqSample, micro_batches
-from async_rl.learner.shared_prefix import shared_micro_batches
+from async_rl.learner.batch.packing import MicroBatch, SeqSample, micro_batches
+from async_rl.learner.batch.shared_prefix import shared_micro_batches
 from async_rl.learner.torch_backend import TorchBackend
 
 ROOT = Path(__file__).resolve().parent.parent

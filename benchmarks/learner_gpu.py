@@ -21,7 +21,7 @@ memory: torch.cuda.max_memory_allocated over the timed step.
 
 Variants (learner.* overrides; `today` is the learner before issue 31: autocast, eager kernels):
   today          mixed_precision=bf16 (autocast), kernels=none, attention=sdpa where the field exists
-  bf16_params    today + the bf16 working copy (learner/precision.py)
+  bf16_params    today + the bf16 working copy (learner/model/precision.py)
   liger          today + kernels=liger (needs the liger-kernel package; the row says so if it is absent)
   compile        today + kernels=compile (regional torch.compile of the decoder layers)
   varlen, flex   today + learner.attention=varlen / flex (skipped with a note where the field is absent)
@@ -32,12 +32,12 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   combined_auto  combined with micro_batch_tokens=auto
   combined_flex  combined with attention=flex (compiled block masks, dynamic shapes) for every block
   combined_compile combined with kernels=compile (regional torch.compile) in place of Liger
-  combined_eager_head combined with head_kernel=eager: the compiled head's gain (learner/head_fused.py)
+  combined_eager_head combined with head_kernel=eager: the compiled head's gain (learner/model/head_fused.py)
   combined_compiled_head combined with head_kernel=compiled (inductor's kernels, the vocabulary static)
   combined_recompute combined with logprob_keep_logits=false: the head recomputes each chunk's logits
                  in the backward (kept, the CUDA default, saves one GEMM a chunk for their memory)
   combined_triton_head combined with head_kernel=triton: the forward statistics in the hand-written
-                 Triton kernel (learner/head_triton.py), the backward compiled.
+                 Triton kernel (learner/model/head_triton.py), the backward compiled.
   combined_unshared combined with share_prompt=false: every sample computes its own prompt, as megatron
                  did before its varlen row took shared prompts (`megatron_sdpa` still does)
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
@@ -55,7 +55,7 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
 The chunked head's savings (weight cast hoisted, one exponent pass, weight gradient in the GEMM, no
 entropy in scoring passes) are in every row of ours: they have no switch. Its per-chunk kernel
 (learner.head_kernel) is the probe's choice in the combined rows and the megatron ones (auto: the fastest
-of eager, compiled and triton measured at start-up, learner/head_probe.py; megatron at TP = PP = 1), eager
+of eager, compiled and triton measured at start-up, learner/model/head_probe.py; megatron at TP = PP = 1), eager
 in `today` and the single-switch rows; the three `combined_*_head` rows fix it, so the probe's choice can be
 checked against whole steps.
 """

@@ -31,7 +31,7 @@ from typing import Literal
 import msgspec
 import torch
 
-from async_rl.learner.packing import MicroBatch
+from async_rl.learner.batch.packing import MicroBatch
 from async_rl.protocol import TrajectoryGroup
 
 

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from async_rl.cluster.net import node_ip
 from async_rl.cluster.placement import pin_current_process
 from async_rl.errors import RunError
-from async_rl.learner.algorithms import LOSS_STATS, Algorithm, Prepared
 from async_rl.learner.backend import ModelBackend, TokenScores
 from async_rl.learner.base import (
     LearnerRank,
@@ -39,15 +38,16 @@ from async_rl.learner.base import (
     episode_rewards,
     truncated_count,
 )
+from async_rl.learner.batch.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
+from async_rl.learner.batch.padded import PaddedShard
+from async_rl.learner.batch.shared_prefix import shared_micro_batches
+from async_rl.learner.batch.token_budget import resolve_budget
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.hf_io import rng_state, set_rng_state
 from async_rl.learner.host_memory import set_malloc_mmap_threshold
-from async_rl.learner.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
-from async_rl.learner.padded import PaddedShard
 from async_rl.learner.rendezvous import host_store
+from async_rl.learner.rl.algorithms import LOSS_STATS, Algorithm, Prepared
 from async_rl.learner.schedule import lr_factor
-from async_rl.learner.shared_prefix import shared_micro_batches
-from async_rl.learner.token_budget import resolve_budget
 from async_rl.learner.weight_source import WeightSource
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -488,7 +488,7 @@ class LearnerDriver(LearnerRank):
         return msgspec.structs.replace(receipt, served=self._served_checksum(adapter))
 
     def _served_checksum(self, adapter) -> ParamChecksum:
-        from async_rl.learner.lora import served_tensors
+        from async_rl.learner.model.lora import served_tensors
 
         wire = getattr(torch, self.spec.weight_sync.wire_dtype) if self.spec.weight_sync.wire_dtype else None
         return checksum_of(served_tensors(adapter.tensors, adapter.config, wire))

@@ -16,17 +16,17 @@ from torch.profiler import record_function
 
 from async_rl.config import LearnerConfig
 from async_rl.errors import RunError
-from async_rl.learner.attention import register
-from async_rl.learner.attention import resolve as resolve_attention
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
-from async_rl.learner.head import keeps_logits, model_scores, unsupported
-from async_rl.learner.head_fused import FusedPath
-from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
+from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
-from async_rl.learner.kernels import apply_kernels, compile_layers, decoder_layers
+from async_rl.learner.model.attention import register
+from async_rl.learner.model.attention import resolve as resolve_attention
+from async_rl.learner.model.head import keeps_logits, model_scores, unsupported
+from async_rl.learner.model.head_fused import FusedPath
+from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
+from async_rl.learner.model.kernels import apply_kernels, compile_layers, decoder_layers
+from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
 from async_rl.learner.optimizer import adamw
-from async_rl.learner.packing import MicroBatch
-from async_rl.learner.precision import WorkingCopy, all_reduce_grads
 from async_rl.learner.rendezvous import join_group
 
 OPTIMIZER_STATE = "optimizer.pt"
@@ -77,7 +77,7 @@ class TorchBackend(ModelBackend):
         self.master = master
         self.rendezvous_store = rendezvous_store
         self._full: dict[str, torch.Tensor] | None = None  # FSDP2: gathered full weights (rank 0)
-        self.peft = None  # learner.lora: the PeftModel around self.model (see learner/lora.py)
+        self.peft = None  # learner.lora: the PeftModel around self.model (see learner/model/lora.py)
         self.working: WorkingCopy | None = None  # mixed_precision=bf16_params: what the forward runs on
         self.head_probe: HeadProbe | None = None  # learner.head_kernel auto on CUDA: what was measured
 
@@ -108,7 +108,7 @@ class TorchBackend(ModelBackend):
         )
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
         if self.cfg.lora.enabled:
-            from async_rl.learner.lora import adapter_config_dict, apply_lora
+            from async_rl.learner.model.lora import adapter_config_dict, apply_lora
 
             # PEFT injects its layers into self.model in place; the rest of the backend keeps using the
             # HF model (now with the adapter), and only the adapter requires grad.
@@ -296,7 +296,7 @@ class TorchBackend(ModelBackend):
     def adapter(self) -> Adapter | None:
         if self.peft is None:
             return None
-        from async_rl.learner.lora import adapter_parameters, is_adapter, saved_name
+        from async_rl.learner.model.lora import adapter_parameters, is_adapter, saved_name
 
         if not self.sharded:
             return Adapter(adapter_parameters(self.model), self._adapter_config)
@@ -307,8 +307,8 @@ class TorchBackend(ModelBackend):
     def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int, head_kernel: str = "eager"):
         if self.peft is None or self.sharded:
             return None  # FSDP2 shards the model: its forward outside the root would miss the gathers
-        from async_rl.learner.lora import adapter_disabled
-        from async_rl.learner.reference import ReferencePolicy
+        from async_rl.learner.model.lora import adapter_disabled
+        from async_rl.learner.rl.reference import ReferencePolicy
 
         return ReferencePolicy.of_base(
             self.model, lambda: adapter_disabled(self.peft), micro_batch_tokens, logprob_chunk_tokens, head_kernel
@@ -341,7 +341,7 @@ class TorchBackend(ModelBackend):
             optim = self.optimizer.state_dict()  # replicas: rank 0's is everyone's
         if self.rank == 0:
             if self.peft is not None:  # the adapter alone, in PEFT's format (the base never changes)
-                from async_rl.learner.lora import save_adapter
+                from async_rl.learner.model.lora import save_adapter
 
                 adapter = self.adapter()
                 save_adapter(checkpoint_adapter_dir(d), adapter.tensors, adapter.config)
@@ -384,7 +384,7 @@ class TorchBackend(ModelBackend):
         """The checkpoint's adapter under the HF model's parameter names, with the base weights as they
         are (frozen: the same as at setup), so the loading below treats both alike."""
         from async_rl.learner.base import checkpoint_adapter_dir
-        from async_rl.learner.lora import is_adapter, load_adapter, saved_name
+        from async_rl.learner.model.lora import is_adapter, load_adapter, saved_name
 
         tensors, _ = load_adapter(checkpoint_adapter_dir(d))
         out = {}

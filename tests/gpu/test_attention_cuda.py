@@ -1,4 +1,4 @@
-"""GPU tier, part A: the torch learner's attention kernels (learner/attention.py) on CUDA.
+"""GPU tier, part A: the torch learner's attention kernels (learner/model/attention.py) on CUDA.
 
 - varlen (torch's varlen flash attention) and flex (compiled FlexAttention) in bf16 score within the
   bf16 tolerance of the fp32 dense-mask SDPA reference, no further from it than SDPA in bf16 is, and
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from async_rl.config import LearnerConfig
-from async_rl.learner.attention import KernelChoice, register
-from async_rl.learner.head import flat_index, model_scores
-from async_rl.learner.packing import SeqSample, micro_batches
-from async_rl.learner.shared_prefix import shared_micro_batches
+from async_rl.learner.batch.packing import SeqSample, micro_batches
+from async_rl.learner.batch.shared_prefix import shared_micro_batches
+from async_rl.learner.model.attention import KernelChoice, register
+from async_rl.learner.model.head import flat_index, model_scores
 from tests.gpu._gpu_util import model_dir_or_skip
 
 CUDA = torch.device("cuda", 0)

@@ -55,7 +55,7 @@ def test_compiled_head_equals_the_eager_head_in_bf16_and_compiles_once():
     import torch
     from torch._dynamo.utils import counters
 
-    from async_rl.learner.head import flat_index, head_scores
+    from async_rl.learner.model.head import flat_index, head_scores
 
     def run(fused: bool, n_rows: int, seed: int):
         torch.manual_seed(seed)
@@ -84,7 +84,7 @@ def test_the_triton_head_statistics_equal_the_eager_head_in_bf16():
     vocabulary (not a multiple of the kernel's block) with bf16 logits at temperature 0.9."""
     import torch
 
-    from async_rl.learner.head import flat_index, head_scores
+    from async_rl.learner.model.head import flat_index, head_scores
 
     torch.manual_seed(0)
     hidden = torch.randn(4, 97, 896, device="cuda", dtype=torch.bfloat16)
@@ -107,7 +107,7 @@ def test_auto_measures_every_head_kernel_on_the_gpu_and_the_learner_runs_the_fas
     that kernel, its KL reference pass too. The probe's line goes into part A's junit XML."""
     import torch
 
-    from async_rl.learner import head_probe
+    from async_rl.learner.model import head_probe
 
     weight = (0.02 * torch.randn(151936, 896, device="cuda")).to(torch.bfloat16)
     probe = head_probe.measure(weight, 1024, torch.bfloat16)
@@ -133,8 +133,8 @@ def test_kept_logits_give_the_recomputing_heads_results_in_bf16_on_both_backends
     operands), on Qwen2.5's 151,936-token vocabulary."""
     import torch
 
-    from async_rl.learner.head import ChunkedHead
     from async_rl.learner.megatron.head import VocabShard, chunked_scores
+    from async_rl.learner.model.head import ChunkedHead
 
     torch.manual_seed(0)
     hidden = torch.randn(300, 896, device="cuda", dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import torch
 
 from async_rl.cluster.net import free_port
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.head import flat_index, head_scores
+from async_rl.learner.model.head import flat_index, head_scores
 from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, settings
 
@@ -69,7 +69,7 @@ def test_kernels_compile_and_the_auto_budget_train_within_memory(model_dir):
 
 def test_a_liger_model_leaves_later_models_in_the_process_their_own_modules(model_dir):
     """Liger's patch rebinds the HF modeling module's norm and MLP classes and its RoPE function; a
-    model built later in the same process with kernels none keeps HF's (learner/kernels.py)."""
+    model built later in the same process with kernels none keeps HF's (learner/model/kernels.py)."""
     pytest.importorskip("liger_kernel")
     from transformers.models.qwen2 import modeling_qwen2
 

@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[gpu]')")
 
-from async_rl.learner.algorithms import token_logprobs  # noqa: E402
 from async_rl.learner.megatron import convert as mcv  # noqa: E402
 from async_rl.learner.megatron import model as mm  # noqa: E402
 from async_rl.learner.megatron.learner import MegatronPolicy  # noqa: E402
+from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.gpu._gpu_util import free_port, model_dir_or_skip  # noqa: E402
 from tests.unit._megatron_models import fixed_batch, on_policy_loss, tiny_llama, tiny_qwen2  # noqa: E402
 
@@ -135,7 +135,7 @@ def _score_with_backend(rank: int, port: int, model_dir: str, out: str, kernel: 
     """MegatronBackend (bf16, one GPU; `kernel` te: Transformer Engine's attention, packed as THD;
     varlen: the local spec with torch's varlen flash attention, packed as one row): scores of one
     packed and one padded micro-batch of the same sequences, written to `out`."""
-    from async_rl.learner import packing
+    from async_rl.learner.batch import packing
     from async_rl.learner.megatron.backend import MegatronBackend
     from tests.unit._megatron_ranks import seq_samples
 

@@ -49,7 +49,7 @@ def _samples(vocab: int):
     """Sequences of 90-200 prompt and 64-512 completion tokens, TOKENS in all (the last cut short)."""
     import numpy as np
 
-    from async_rl.learner.packing import SeqSample
+    from async_rl.learner.batch.packing import SeqSample
 
     rng = np.random.default_rng(0)
     out, total = [], 0
@@ -67,7 +67,7 @@ def _samples(vocab: int):
 
 
 def _train_one_micro_batch(rank: int, port: int, model_dir: str, out: str, attention: str) -> None:
-    from async_rl.learner import packing
+    from async_rl.learner.batch import packing
     from async_rl.learner.megatron import memory
     from async_rl.learner.megatron.backend import MegatronBackend
     from async_rl.learner.megatron.convert import padded_vocab_size

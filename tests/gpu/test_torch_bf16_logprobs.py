@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_rl.config import LearnerConfig
-from async_rl.learner.packing import SeqSample, micro_batches
+from async_rl.learner.batch.packing import SeqSample, micro_batches
 from async_rl.learner.torch_backend import TorchBackend
 from tests.gpu._gpu_util import model_dir_or_skip
 

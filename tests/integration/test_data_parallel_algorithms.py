@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from async_rl.cluster.net import free_port
-from async_rl.learner.advantages import masked_whiten
-from async_rl.learner.algorithms import data_parallel_sum
-from async_rl.learner.critic import Critic
+from async_rl.learner.rl.advantages import masked_whiten
+from async_rl.learner.rl.algorithms import data_parallel_sum
+from async_rl.learner.rl.critic import Critic
 
 pytestmark = pytest.mark.integration
 

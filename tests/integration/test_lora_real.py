@@ -26,7 +26,7 @@ from async_rl.controller import Controller
 from async_rl.errors import RunError
 from async_rl.generator.engine import EngineSettings, GeneratorEngine
 from async_rl.learner.base import Probe, checkpoint_adapter_dir
-from async_rl.learner.lora import load_adapter, served_tensors
+from async_rl.learner.model.lora import load_adapter, served_tensors
 from async_rl.metrics import MetricsSink
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from tests.integration._chat_task import MAX_TOKENS_ENV, MODEL_ENV, STOP

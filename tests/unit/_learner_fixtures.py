@@ -15,8 +15,8 @@ from async_rl.config import (
     WeightSyncConfig,
 )
 from async_rl.learner.base import LearnerSpec
+from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.padded import PaddedShard
 from async_rl.protocol import TrajectoryGroup
 
 LEARNER_FIELDS = set(LearnerConfig.__struct_fields__)

@@ -71,7 +71,7 @@ def shared_prompt_samples(vocab: int, seed: int = 11) -> list:
     """Two groups of three samples, each group one prompt (5 and 3 tokens) with its own completions."""
     import numpy as np
 
-    from async_rl.learner.packing import SeqSample
+    from async_rl.learner.batch.packing import SeqSample
 
     rng = np.random.default_rng(seed)
     out = []
@@ -90,8 +90,8 @@ def shared_prompt_results(backend, saved: list) -> dict:
     per group (`learner.share_prompt`, the row's key index and per-token RoPE): each layout's
     per-sequence log-probs and every parameter's gradient of the loss over all their tokens, and
     whether the backend takes shared micro-batches with each kernel."""
-    from async_rl.learner import packing
-    from async_rl.learner.shared_prefix import shared_micro_batches
+    from async_rl.learner.batch import packing
+    from async_rl.learner.batch.shared_prefix import shared_micro_batches
 
     out: dict = {"takes": {}}
     for kernel in ("sdpa", "varlen"):
@@ -118,7 +118,7 @@ def shared_prompt_results(backend, saved: list) -> dict:
 
 
 def run_attention_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    from async_rl.learner import packing
+    from async_rl.learner.batch import packing
     from async_rl.learner.megatron.backend import MegatronBackend
 
     torch.set_num_threads(1)

@@ -153,7 +153,7 @@ def seq_samples(vocab: int, seed: int = 7) -> list:
     """Six sequences of different lengths (prompt + completion) with random tokens."""
     import numpy as np
 
-    from async_rl.learner.packing import SeqSample
+    from async_rl.learner.batch.packing import SeqSample
 
     rng = np.random.default_rng(seed)
     out = []
@@ -173,7 +173,7 @@ def seq_samples(vocab: int, seed: int = 7) -> list:
 def critic_step(hidden: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """ppo's value head after one update on `hidden` (fixed returns), as the driver runs it on every
     learner rank: its gradients all-reduced over the whole process group when there is one."""
-    from async_rl.learner.critic import Critic
+    from async_rl.learner.rl.critic import Critic
 
     critic = Critic(hidden.shape[-1], 16, 1e-2, seed=3, max_grad_norm=1e9)
     returns = torch.linspace(-1.0, 1.0, hidden.shape[1]).expand(hidden.shape[:2])
@@ -185,7 +185,7 @@ def run_backend_rank(rank: int, world: int, port: int, model_dir: str, tp: int, 
     """MegatronBackend on one rank: scores of packed and padded micro-batches, one step of the loss
     -sum(logp)/tokens over two micro-batches (gradient norm before clipping), HF weights before and
     after, and a save/load round trip."""
-    from async_rl.learner import packing
+    from async_rl.learner.batch import packing
     from async_rl.learner.megatron.backend import MegatronBackend
 
     torch.set_num_threads(1)

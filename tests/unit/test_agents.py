@@ -306,10 +306,10 @@ def test_a_split_episode_counts_once_in_its_group_and_in_the_accounting(split):
     import torch
 
     from async_rl.config import AlgorithmConfig
-    from async_rl.learner.advantages import grpo_advantages, rloo_advantages
-    from async_rl.learner.algorithms import Algorithm
     from async_rl.learner.base import across_updates_count, episode_infos, episode_rewards
-    from async_rl.learner.padded import PaddedShard
+    from async_rl.learner.batch.padded import PaddedShard
+    from async_rl.learner.rl.advantages import grpo_advantages, rloo_advantages
+    from async_rl.learner.rl.algorithms import Algorithm
 
     group = decode_groups(encode_groups("run", [split[0]]), "run")[1][0]
     shard = PaddedShard([group])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from async_rl.config import AlgorithmConfig
-from async_rl.learner.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
-from async_rl.learner.algorithms import Algorithm, score_tokens, token_logprobs
+from async_rl.learner.rl.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
+from async_rl.learner.rl.algorithms import Algorithm, score_tokens, token_logprobs
 
 MAX_TOKENS = 4
 

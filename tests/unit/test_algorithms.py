@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from async_rl.learner.advantages import grpo_advantages
-from async_rl.learner.algorithms import token_logprobs
-from async_rl.learner.losses import PolicyLossStats, policy_loss
+from async_rl.learner.rl.advantages import grpo_advantages
+from async_rl.learner.rl.algorithms import token_logprobs
+from async_rl.learner.rl.losses import PolicyLossStats, policy_loss
 
 EPS_LOW, EPS_HIGH, TIS_CAP = 0.2, 0.2, 2.0
 

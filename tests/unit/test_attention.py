@@ -1,4 +1,4 @@
-"""The torch learner's attention kernels (learner/attention.py, `learner.attention`) on CPU.
+"""The torch learner's attention kernels (learner/model/attention.py, `learner.attention`) on CPU.
 
 - The layout built from the segment table (position ids, the dense SDPA mask) equals the host-built
   one: the packing's position ids, HF's packed-sequence mask, the shared-prefix block mask.
@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from async_rl.config import AlgorithmConfig
 from async_rl.errors import RunError
-from async_rl.learner import attention
-from async_rl.learner.attention import KernelChoice, dense_mask, position_ids, register, resolve
+from async_rl.learner.batch.packing import micro_batches
+from async_rl.learner.batch.shared_prefix import shared_micro_batches
 from async_rl.learner.driver import shard_samples
-from async_rl.learner.head import flat_index, model_scores
-from async_rl.learner.packing import micro_batches
-from async_rl.learner.shared_prefix import shared_micro_batches
+from async_rl.learner.model import attention
+from async_rl.learner.model.attention import KernelChoice, dense_mask, position_ids, register, resolve
+from async_rl.learner.model.head import flat_index, model_scores
 from tests.unit._learner_fixtures import assert_equal_steps, episode_groups, make_rank, spied_step
 
 CPU = torch.device("cpu")

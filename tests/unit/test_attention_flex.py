@@ -1,4 +1,4 @@
-"""FlexAttention's device-built block mask (learner/attention_flex.py) on CPU.
+"""FlexAttention's device-built block mask (learner/model/attention_flex.py) on CPU.
 
 - Its tile tables equal what torch's `create_block_mask` builds from the same rule: packed rows,
   shared-prompt blocks (a prefix read whole by several suffixes), padding, tiles full, partial and
@@ -22,9 +22,9 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from async_rl.learner import attention_flex
-from async_rl.learner.attention import Segments, SegmentTable, dense_mask
-from async_rl.learner.attention_flex import BLOCK, build, padded_segments, tile_maps
+from async_rl.learner.model import attention_flex
+from async_rl.learner.model.attention import Segments, SegmentTable, dense_mask
+from async_rl.learner.model.attention_flex import BLOCK, build, padded_segments, tile_maps
 from tests.unit.test_attention import layouts
 
 

@@ -1,4 +1,4 @@
-"""The chunked head (learner/head.py): log-probs, entropies and gradients equal to the full head's,
+"""The chunked head (learner/model/head.py): log-probs, entropies and gradients equal to the full head's,
 no [positions x vocabulary] tensor larger than a chunk, the scoring passes micro-batched, and the KL
 reference and ppo's critic on the backend's device."""
 
@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from async_rl.config import AlgorithmConfig
 from async_rl.learner import driver as driver_mod
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.head import ChunkedHead, flat_index, full_token_scores, head_scores
-from async_rl.learner.reference import row_chunks
+from async_rl.learner.model.head import ChunkedHead, flat_index, full_token_scores, head_scores
+from async_rl.learner.rl.reference import row_chunks
 from tests.unit._learner_fixtures import groups, make_rank, settings
 
 
@@ -191,7 +191,7 @@ def test_scoring_passes_follow_micro_batch_tokens(model_dir, monkeypatch):
         handle = ref_model.register_forward_pre_hook(
             lambda _m, args, kwargs, seen=ref_shapes: seen.append(kwargs["input_ids"].shape), with_kwargs=True
         )
-        from async_rl.learner.padded import PaddedShard
+        from async_rl.learner.batch.padded import PaddedShard
 
         shard = PaddedShard(gs)
         results[budget] = [
@@ -222,7 +222,7 @@ def test_ppo_behaviour_hidden_pass_skips_the_output_layer(model_dir, monkeypatch
     heads = []
     real_score = rank.backend.score
     monkeypatch.setattr(rank.backend, "score", lambda mb, t, **kw: heads.append(kw["head"]) or real_score(mb, t, **kw))
-    from async_rl.learner.padded import PaddedShard
+    from async_rl.learner.batch.padded import PaddedShard
 
     gs = groups(7)
     shard = PaddedShard(gs)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from async_rl.config import AlgorithmConfig
-from async_rl.learner.algorithms import Algorithm, Prepared
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.head import flat_index, full_token_scores, head_scores
-from async_rl.learner.losses import covariance_selection, policy_loss, token_covariance
+from async_rl.learner.model.head import flat_index, full_token_scores, head_scores
+from async_rl.learner.rl.algorithms import Algorithm, Prepared
+from async_rl.learner.rl.losses import covariance_selection, policy_loss, token_covariance
 from async_rl.models.tiny import resolve_model_path
 from tests.unit._learner_fixtures import groups, settings
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from async_rl.learner.advantages import (
+from async_rl.learner.rl.advantages import (
     discounted_returns,
     dr_grpo_advantages,
     gae,
@@ -16,7 +16,7 @@ from async_rl.learner.advantages import (
     rloo_advantages,
     token_rewards,
 )
-from async_rl.learner.losses import extreme_ratio_mask, kl_estimate, kl_penalty, policy_loss, value_loss
+from async_rl.learner.rl.losses import extreme_ratio_mask, kl_estimate, kl_penalty, policy_loss, value_loss
 
 KW = dict(eps_low=0.2, eps_high=0.2, tis_cap=2.0)
 

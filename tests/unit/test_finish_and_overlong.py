@@ -13,11 +13,11 @@ import torch
 from async_rl.config import AlgorithmConfig, load_config
 from async_rl.controller import length_stats
 from async_rl.errors import ConfigError
-from async_rl.learner.advantages import grpo_advantages, overlong_penalty
-from async_rl.learner.algorithms import Algorithm
 from async_rl.learner.base import StepMetrics, completion_lengths, truncated_count
-from async_rl.learner.packing import SeqSample, packed, padded
-from async_rl.learner.padded import PaddedShard
+from async_rl.learner.batch.packing import SeqSample, packed, padded
+from async_rl.learner.batch.padded import PaddedShard
+from async_rl.learner.rl.advantages import grpo_advantages, overlong_penalty
+from async_rl.learner.rl.algorithms import Algorithm
 from async_rl.metrics import console_line
 from async_rl.protocol import (
     FINISH_ABORT,

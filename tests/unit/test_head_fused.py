@@ -1,4 +1,4 @@
-"""The chunked head's compiled arithmetic (learner/head_fused.py, `learner.head_kernel`): the same
+"""The chunked head's compiled arithmetic (learner/model/head_fused.py, `learner.head_kernel`): the same
 log-probs, entropies and gradients as the eager loop of `ChunkedHead`, for every combination of
 outputs the losses use, at temperature 1 and not, and compiled by inductor on the CPU."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.learner import head_fused
-from async_rl.learner.head import flat_index, head_scores
+from async_rl.learner.model import head_fused
+from async_rl.learner.model.head import flat_index, head_scores
 
 
 def run_head(fused: bool, temperature: float, entropy_grad: bool, logp_grad: bool, with_entropy: bool = True,
@@ -148,8 +148,8 @@ def test_inductor_compiled_megatron_shard_head_equals_the_eager_head():
 def test_the_kl_reference_pass_runs_the_compiled_head_where_the_policy_does(model_dir, monkeypatch):
     """ReferencePolicy follows learner.head_kernel: compiled -> the fused per-chunk arithmetic (here
     head_fused's functions run as written, counted), the same log-probs as the eager head."""
-    from async_rl.learner.padded import PaddedShard
-    from async_rl.learner.reference import ReferencePolicy
+    from async_rl.learner.batch.padded import PaddedShard
+    from async_rl.learner.rl.reference import ReferencePolicy
     from tests.unit._learner_fixtures import groups
 
     calls = []
@@ -254,7 +254,7 @@ def test_a_learner_keeping_the_logits_takes_the_same_step(model_dir):
 def test_kept_logits_survive_a_second_backward():
     """retain_graph: the eager backward computes its gradient in place, never in the kept logits (fp32 at
     temperature 1, where the scaled copy would be the kept tensor itself)."""
-    from async_rl.learner.head import ChunkedHead
+    from async_rl.learner.model.head import ChunkedHead
 
     torch.manual_seed(0)
     hidden, weight = torch.randn(20, 16, requires_grad=True), torch.randn(97, 16, requires_grad=True)

@@ -1,4 +1,4 @@
-"""`learner.head_kernel: auto` measured at start-up (learner/head_probe.py): every kernel that can run
+"""`learner.head_kernel: auto` measured at start-up (learner/model/head_probe.py): every kernel that can run
 is timed on the given output layer and the fastest is chosen; a kernel that cannot run or raises is
 reported and never chosen; ranks agree on the slowest rank's times; the output layer is left as it
 was; on the CPU the torch backend measures nothing and runs eager."""
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from async_rl.learner import head_fused, head_probe
-from async_rl.learner.head_probe import HeadProbe, measure
+from async_rl.learner.model import head_fused, head_probe
+from async_rl.learner.model.head_probe import HeadProbe, measure
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The hand-written Triton statistics kernel (learner/head_triton.py, `learner.head_kernel: triton`) on
+"""The hand-written Triton statistics kernel (learner/model/head_triton.py, `learner.head_kernel: triton`) on
 the CPU, under Triton's interpreter: the same (log p, log-sum-exp, entropy) as `head_fused.chunk_stats`
 run as written, and the chunked head with it the same values and gradients as the eager head.
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from async_rl.errors import RunError
-from async_rl.learner import head_fused, head_triton
+from async_rl.learner.model import head_fused, head_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def reference64(z: torch.Tensor, targets: torch.Tensor, temperature: float):
 
 
 def check_stats() -> None:
-    import async_rl.learner.head  # noqa: F401  (the head imports no triton either)
+    import async_rl.learner.model.head  # noqa: F401  (the head imports no triton either)
 
     assert "triton" not in sys.modules, "importing head_triton or the head imported triton"
     head_triton.BLOCK = 256

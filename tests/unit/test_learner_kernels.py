@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from async_rl.errors import RunError
-from async_rl.learner import kernels
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.kernels import apply_kernels, decoder_layers
+from async_rl.learner.model import kernels
+from async_rl.learner.model.kernels import apply_kernels, decoder_layers
 from tests.unit._learner_fixtures import settings
 
 

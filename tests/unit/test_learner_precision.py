@@ -98,8 +98,8 @@ def test_weights_are_cast_once_per_optimizer_step_not_per_micro_batch(model_dir)
 def _reduce_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from async_rl.learner import precision
-    from async_rl.learner.precision import WorkingCopy, all_reduce_grads
+    from async_rl.learner.model import precision
+    from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     precision.REDUCE_BUCKET = 100  # several buckets, one parameter larger than a bucket

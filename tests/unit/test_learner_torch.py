@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from async_rl.learner.base import checkpoint_model_dir
+from async_rl.learner.batch.packing import SeqSample, pack_rows, packed, padded, split
 from async_rl.learner.driver import shard_samples
-from async_rl.learner.packing import SeqSample, pack_rows, packed, padded, split
 from async_rl.learner.schedule import lr_factor
 from tests.unit._learner_fixtures import groups, make_rank
 
@@ -55,8 +55,8 @@ def test_pack_rows_first_fit_bounded():
 
 def prepared_samples(model, model_dir, gs, **algorithm):
     from async_rl.config import AlgorithmConfig
-    from async_rl.learner.algorithms import Algorithm, score_tokens
-    from async_rl.learner.padded import PaddedShard as Collated
+    from async_rl.learner.batch.padded import PaddedShard as Collated
+    from async_rl.learner.rl.algorithms import Algorithm, score_tokens
 
     algo = Algorithm(
         AlgorithmConfig(**algorithm), max_tokens=8, temperature=1.0, model_dir=str(model_dir), dtype=torch.float32,
@@ -72,7 +72,7 @@ def test_padded_preparation_reaches_packed_micro_batches(model_dir):
     log-probs, so the packed forward must reproduce them token by token."""
     from transformers import AutoModelForCausalLM
 
-    from async_rl.learner.algorithms import token_logprobs
+    from async_rl.learner.rl.algorithms import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gs = groups(1, n_groups=2, group_size=3)
@@ -95,7 +95,7 @@ def test_padded_preparation_reaches_packed_micro_batches(model_dir):
 def test_packed_logprobs_equal_padded(model_dir):
     from transformers import AutoModelForCausalLM
 
-    from async_rl.learner.algorithms import token_logprobs
+    from async_rl.learner.rl.algorithms import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     samples = prepared_samples(model, model_dir, groups(0, n_groups=3, group_size=4))

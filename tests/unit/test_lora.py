@@ -12,10 +12,10 @@ from peft import get_peft_model_state_dict
 from async_rl.config import AlgorithmConfig, LoraConfig
 from async_rl.errors import ConfigError
 from async_rl.learner.base import checkpoint_adapter_dir
+from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, served_tensors
-from async_rl.learner.padded import PaddedShard
-from async_rl.learner.reference import ReferencePolicy
+from async_rl.learner.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, served_tensors
+from async_rl.learner.rl.reference import ReferencePolicy
 from async_rl.weight_sync.bucketing import build_manifest
 from async_rl.weight_sync.checksum import checksum_of
 from async_rl.weight_sync.transport import join_receiver, join_sender, open_membership

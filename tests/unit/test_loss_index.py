@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from async_rl.learner.batch.packing import packed, padded
+from async_rl.learner.batch.shared_prefix import shared
 from async_rl.learner.driver import shard_samples
-from async_rl.learner.head import flat_index
-from async_rl.learner.packing import packed, padded
-from async_rl.learner.shared_prefix import shared
+from async_rl.learner.model.head import flat_index
 from tests.unit._learner_fixtures import episode_groups
 
 

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
 from async_rl.cluster.net import free_port  # noqa: E402
-from async_rl.learner.algorithms import token_logprobs  # noqa: E402
+from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from async_rl.models.tiny import resolve_model_path  # noqa: E402
 from tests.unit._megatron_ranks import run_backend_rank  # noqa: E402
 

@@ -141,7 +141,7 @@ def test_kept_logits_give_the_recomputing_heads_values_and_gradients_exactly(
     product of the same operands as its recomputation), so every output and gradient is bitwise the same,
     eager and fused (head_fused's functions as written), on a whole and an offset shard; the forward
     saves one tensor a chunk more (4 chunks)."""
-    from async_rl.learner import head_fused
+    from async_rl.learner.model import head_fused
 
     monkeypatch.setattr(head_fused, "compiled", lambda: head_fused.EAGER)
     recomputed = _scored(False, shard, temperature, entropy_in_loss, dtype, fused)

@@ -15,10 +15,10 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-from async_rl.learner.algorithms import token_logprobs  # noqa: E402
 from async_rl.learner.megatron import convert as mcv  # noqa: E402
 from async_rl.learner.megatron import cpu as megatron_cpu  # noqa: E402
 from async_rl.learner.megatron import model as mm  # noqa: E402
+from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_models import (  # noqa: E402
     fixed_batch,
     on_policy_loss,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.learner import packing
+from async_rl.learner.batch import packing
 from async_rl.learner.megatron.backend import cu_seqlens, packed_bounds, pad_to
 
 

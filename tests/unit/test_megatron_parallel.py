@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
 from async_rl.cluster.net import free_port  # noqa: E402
-from async_rl.learner.algorithms import token_logprobs  # noqa: E402
+from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_ranks import hf_model, run_rank  # noqa: E402
 
 LAYOUTS = [

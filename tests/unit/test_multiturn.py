@@ -18,11 +18,11 @@ from async_rl.envs.factory import build_environment, combined_system_prompt
 from async_rl.envs.guess import GuessNumberEnvironment, GuessNumberTask, game_prompt
 from async_rl.envs.tool_env import ToolEnvironment
 from async_rl.errors import ConfigError
-from async_rl.learner.advantages import discounted_returns, gae, token_rewards
 from async_rl.learner.base import StepMetrics
+from async_rl.learner.batch.packing import packed
+from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.driver import LearnerDriver, shard_samples
-from async_rl.learner.packing import packed
-from async_rl.learner.padded import PaddedShard
+from async_rl.learner.rl.advantages import discounted_returns, gae, token_rewards
 from async_rl.protocol import (
     ChatMessage,
     EpisodeInfo,

@@ -13,7 +13,7 @@ import torch
 
 from async_rl.errors import RunError
 from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.losses import kl_estimate, kl_penalty, policy_loss
+from async_rl.learner.rl.losses import kl_estimate, kl_penalty, policy_loss
 from tests.unit._learner_fixtures import groups, settings
 
 # ---------------------------------------------------------------- clamped log-ratios

@@ -1,4 +1,4 @@
-"""One prompt per group (learner/shared_prefix.py, `learner.share_prompt`): the layout holds each
+"""One prompt per group (learner/batch/shared_prefix.py, `learner.share_prompt`): the layout holds each
 prompt once per block, and a learner step with it equals the unshared step (fp32: log-probs max abs
 < 1e-5, gradients relative < 1e-4) for grpo, ppo (values from hidden states) and the decoupled
 objective, packed and padded, with multi-turn loss-mask holes, temperature != 1 and a group split
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from async_rl.config import AlgorithmConfig
-from async_rl.learner.attention import dense_mask
+from async_rl.learner.batch.shared_prefix import block_tokens, prompt_runs, shared, split_shared
 from async_rl.learner.driver import shard_samples
-from async_rl.learner.shared_prefix import block_tokens, prompt_runs, shared, split_shared
+from async_rl.learner.model.attention import dense_mask
 from tests.unit._learner_fixtures import assert_equal_steps, episode_groups, groups, make_rank, spied_step
 
 # ---------------------------------------------------------------- the layout

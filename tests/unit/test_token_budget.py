@@ -10,9 +10,9 @@ import torch
 from transformers import Qwen2Config
 
 from async_rl.buffer.balance import balanced_shards, group_cost
-from async_rl.learner.packing import SeqSample, balanced, split
-from async_rl.learner.shared_prefix import block_tokens, split_shared
-from async_rl.learner.token_budget import CPU_BUDGET, activation_bytes_per_token, resolve_budget
+from async_rl.learner.batch.packing import SeqSample, balanced, split
+from async_rl.learner.batch.shared_prefix import block_tokens, split_shared
+from async_rl.learner.batch.token_budget import CPU_BUDGET, activation_bytes_per_token, resolve_budget
 from async_rl.models.shape import ModelShape, sequence_cost
 from tests.unit._learner_fixtures import groups
 
@@ -142,7 +142,7 @@ def test_the_activation_cost_reads_the_model_shape(tmp_path):
     """A loaded HF config and its config.json give one shape; the per-token cost counts its layers
     (8h + 4 kv + 4 I elements each, x2 bytes, x MARGIN); a config without the MLP width is refused in
     one line."""
-    from async_rl.learner.token_budget import MARGIN, activation_bytes_per_token
+    from async_rl.learner.batch.token_budget import MARGIN, activation_bytes_per_token
 
     (tmp_path / "config.json").write_text(QWEN_05B.to_json_string())
     shape = ModelShape.of(QWEN_05B)

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from async_rl.learner.attention import AttentionLayout, reference_varlen, varlen_attention
+from async_rl.learner.model.attention import AttentionLayout, reference_varlen, varlen_attention
 
 Setting = Literal["auto", "local", "sdpa", "varlen"]
 Kernel = Literal["local", "sdpa", "varlen"]

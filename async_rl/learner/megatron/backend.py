@@ -49,17 +49,17 @@ import torch
 import torch.distributed as dist
 
 from async_rl.errors import RunError
-from async_rl.learner.attention import AttentionLayout, Segments, cumulative, varlen_layout
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
-from async_rl.learner.head import keeps_logits
-from async_rl.learner.head_probe import HeadProbe, agreed_measure, chosen
+from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.hf_io import read_model_files
 from async_rl.learner.megatron import model as mm
 from async_rl.learner.megatron import rotary
 from async_rl.learner.megatron.attention import packed_row
 from async_rl.learner.megatron.attention import resolve as resolve_attention
 from async_rl.learner.megatron.head import VocabShard, chunked_scores
-from async_rl.learner.packing import MicroBatch
+from async_rl.learner.model.attention import AttentionLayout, Segments, cumulative, varlen_layout
+from async_rl.learner.model.head import keeps_logits
+from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.rendezvous import join_group
 from async_rl.protocol import TrajectoryGroup
 

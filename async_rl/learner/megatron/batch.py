@@ -1,10 +1,10 @@
 """The megatron backend's batch: a padded shard with GRPO advantages (the other algorithms of
-`learner/algorithms.py` run on the torch backend only so far)."""
+`learner/rl/algorithms.py` run on the torch backend only so far)."""
 
 from __future__ import annotations
 
-from async_rl.learner.advantages import grpo_advantages
-from async_rl.learner.padded import PaddedShard
+from async_rl.learner.batch.padded import PaddedShard
+from async_rl.learner.rl.advantages import grpo_advantages
 from async_rl.protocol import TrajectoryGroup
 
 

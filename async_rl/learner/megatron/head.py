@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from async_rl.learner import head_fused
+from async_rl.learner.model import head_fused
 
 
 @dataclass(frozen=True)

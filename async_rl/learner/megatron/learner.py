@@ -18,11 +18,11 @@ import msgspec
 import torch
 
 from async_rl.errors import RunError
-from async_rl.learner.losses import PolicyLossStats as LossStats
-from async_rl.learner.losses import policy_loss
 from async_rl.learner.megatron import model as mm
 from async_rl.learner.megatron.batch import Collated
 from async_rl.learner.megatron.convert import HFArch
+from async_rl.learner.rl.losses import PolicyLossStats as LossStats
+from async_rl.learner.rl.losses import policy_loss
 
 
 class MicroBatch(msgspec.Struct):

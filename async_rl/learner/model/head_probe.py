@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from async_rl.learner import head_fused, head_triton
-from async_rl.learner.head import ChunkedHead
+from async_rl.learner.model import head_fused, head_triton
+from async_rl.learner.model.head import ChunkedHead
 
 # learner.head_kernel's concrete kernels, as the head's `fused` argument (head_fused.fused_setting).
 FUSED = {"eager": False, "compiled": True, "triton": "triton"}

@@ -44,7 +44,7 @@ def fused_setting(setting: str, device_type: str) -> FusedPath:
     (compiled) or "triton" (`head_triton`'s forward statistics, the compiled backward). Raises a
     RunError where triton is asked for and cannot run."""
     if setting == "triton":
-        from async_rl.learner import head_triton
+        from async_rl.learner.model import head_triton
 
         head_triton.check(device_type)
         return "triton"
@@ -55,7 +55,7 @@ def kernels(fused: FusedPath) -> HeadKernels:
     """The per-chunk functions of the fused path `fused` (True: `compiled()`; "triton": the same with
     `head_triton.chunk_stats` for the forward statistics)."""
     if fused == "triton":
-        from async_rl.learner import head_triton
+        from async_rl.learner.model import head_triton
 
         return dataclasses.replace(compiled(), stats=head_triton.chunk_stats)
     return compiled()

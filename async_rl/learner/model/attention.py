@@ -48,8 +48,8 @@ from typing import Literal
 
 import torch
 
-from async_rl.learner import attention_flex
-from async_rl.learner.attention_flex import FlexMask
+from async_rl.learner.model import attention_flex
+from async_rl.learner.model.attention_flex import FlexMask
 
 Kernel = Literal["sdpa", "varlen", "flex"]
 IMPLEMENTATION = "async_rl"  # the name registered in transformers' attention interfaces

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import AlgorithmConfig
-from async_rl.learner.advantages import (
+from async_rl.learner.model.head import DEFAULT_CHUNK
+from async_rl.learner.rl.advantages import (
     discounted_returns,
     dr_grpo_advantages,
     gae,
@@ -24,19 +25,18 @@ from async_rl.learner.advantages import (
     rloo_advantages,
     token_rewards,
 )
-from async_rl.learner.critic import Critic
-from async_rl.learner.head import DEFAULT_CHUNK
-from async_rl.learner.losses import (
+from async_rl.learner.rl.critic import Critic
+from async_rl.learner.rl.losses import (
     covariance_selection,
     kl_estimate,
     kl_penalty_term,
     policy_loss_terms,
     token_covariance,
 )
-from async_rl.learner.reference import ReferencePolicy
+from async_rl.learner.rl.reference import ReferencePolicy
 
 if TYPE_CHECKING:
-    from async_rl.learner.packing import MicroBatch
+    from async_rl.learner.batch.packing import MicroBatch
 
 GROUP_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
 

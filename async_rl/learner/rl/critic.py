@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from async_rl.learner.losses import value_loss
+from async_rl.learner.rl.losses import value_loss
 
 
 class ValueHead(torch.nn.Module):

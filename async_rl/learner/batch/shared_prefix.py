@@ -30,8 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from async_rl.learner.attention import SegmentTable
-from async_rl.learner.packing import (
+from async_rl.learner.batch.packing import (
     MicroBatch,
     SeqSample,
     _fill,
@@ -42,6 +41,7 @@ from async_rl.learner.packing import (
     row_layout,
     row_tensors,
 )
+from async_rl.learner.model.attention import SegmentTable
 
 
 def _prompt_key(s: SeqSample) -> bytes:

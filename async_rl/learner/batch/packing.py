@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from async_rl.learner.attention import (
+from async_rl.learner.model.attention import (
     LAYOUT_KWARG,
     SDPA,
     AttentionLayout,
@@ -29,8 +29,8 @@ from async_rl.learner.attention import (
     dense_mask,
     layout_for,
 )
-from async_rl.learner.attention import position_ids as segment_positions
-from async_rl.learner.head import flat_index
+from async_rl.learner.model.attention import position_ids as segment_positions
+from async_rl.learner.model.head import flat_index
 
 
 @dataclass

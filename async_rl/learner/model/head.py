@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from async_rl.learner import head_fused
+from async_rl.learner.model import head_fused
 
 # What the no-grad scoring passes and training use when `learner.logprob_chunk_tokens` is not set
 # (kept equal to the config default).

@@ -14,8 +14,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from async_rl.learner import head_fused
-from async_rl.learner.head import DEFAULT_CHUNK, flat_index, model_scores, unsupported
+from async_rl.learner.model import head_fused
+from async_rl.learner.model.head import DEFAULT_CHUNK, flat_index, model_scores, unsupported
 
 
 def row_chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
