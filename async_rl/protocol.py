@@ -32,6 +32,25 @@ SCHEMA_VERSION = 4
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 
+# An MoE sample's routes (rollout routing replay): the experts each MoE layer chose for each token the
+# engine ran forward, as an unsigned integer array [tokens, moe_layers, top_k] (uint8 up to 255
+# experts, uint16 above: vLLM's own choice). Rows: prompt_len + completion_len - 1 (the last sampled
+# token never runs forward; the learner's forward over it affects no scored position, so the live
+# router takes it). Layers: the model's MoE layers in order (dense layers have no row). A row whose
+# entries are all ROUTE_MISSING (the dtype's maximum) has no recorded route: the learner's live router
+# takes that token, and counts it.
+ROUTE_DTYPES = (np.dtype("<u1"), np.dtype("<u2"))
+
+
+def route_missing(dtype: np.dtype) -> int:
+    """The 'no route recorded' value of a routes dtype: its maximum."""
+    return int(np.iinfo(dtype).max)
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The routes dtype of a model with `num_experts` experts (one value kept for ROUTE_MISSING)."""
+    return ROUTE_DTYPES[0] if num_experts < 255 else ROUTE_DTYPES[1]
+
 # Outcome of the reward call of one sample; carried on the wire so the buffer can count it.
 REWARD_OK = 0
 REWARD_ERROR = 1
@@ -162,6 +181,9 @@ class TrajectoryGroup:
     # episode (an agent episode split at prefix breaks trains each segment as a sample, all with the
     # episode's reward). None: sample i is episode i. Accounting and group advantages count episodes.
     episode_of: list[int] | None = None
+    # MoE models with routing capture: per sample its routes (see ROUTE_DTYPES above for the shape and
+    # the rows); None: no routes recorded (a dense model, or capture off)
+    routes: list[np.ndarray] | None = None
 
     def loss_mask(self, i: int) -> np.ndarray:
         """Sample i's loss mask as uint8 0/1 (all 1 without one)."""
