@@ -84,3 +84,42 @@ def one_rank_model_parallel() -> Iterator[None]:
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def tiny_qwen3_moe(norm_topk_prob: bool = True, experts: int = 8, seed: int = 3):
+    """A random Qwen3-MoE (transformers' own class): 2 layers, 8 experts, top-2, per-head q/k norms."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=50, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=experts, num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob, max_position_embeddings=128, rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).float()
+    _spread_routers(model)
+    return model
+
+
+def tiny_qwen2_moe(seed: int = 4):
+    """A random Qwen2-MoE: q/k/v biases, no top-k renormalisation, a shared expert with a sigmoid gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=50, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=128, rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(cfg).float()
+    _spread_routers(model)
+    return model
+
+
+def _spread_routers(model: torch.nn.Module) -> None:
+    """transformers initialises the routers to zero (every token ties, top-k by index): random
+    weights large enough that the experts a token picks depend on it."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)

@@ -1,4 +1,5 @@
-"""Megatron-core GPTModel for a HF Llama/Qwen2 checkpoint: build, load, per-token log-probs, export.
+"""Megatron-core GPTModel for a HF Llama/Qwen2/Qwen3 checkpoint, dense or a mixture of experts
+(Qwen3-MoE, Qwen2-MoE: megatron's MoELayer): build, load, per-token log-probs, export.
 
 Everything here imports megatron-core inside the functions that need it, so importing this module
 is cheap and works where megatron-core is not installed. `parallel_state` must be initialised
@@ -35,7 +36,7 @@ def transformer_engine_available() -> bool:
 
 def transformer_config(
     arch: HFArch, dtype: torch.dtype, cpu_init: bool, pipeline: int, recompute: bool = False,
-    fused_swiglu: bool | None = None,
+    fused_swiglu: bool | None = None, te_spec: bool = False,
 ) -> Any:
     """Megatron's TransformerConfig for `arch`: RMSNorm, SwiGLU, GQA, RoPE, no dropout, no fusions
     that need Apex/TE kernels (Transformer Engine, when used, brings its own). `cpu_init`: the model
@@ -45,10 +46,14 @@ def transformer_config(
     `torch.compile`d kernel forward and one backward (megatron.core.jit) that keep only the MLP's
     [tokens, 2 x ffn] input, where the unfused path runs chunk, silu, product and their backwards
     (about 0.3 s of the 0.5B step's 2.25 s of CUDA time on 2026-11-28). The CPU keeps it off: every
-    process would pay inductor's C++ build (tests spawn many); the two are equal (test_megatron_model)."""
+    process would pay inductor's C++ build (tests spawn many); the two are equal (test_megatron_model).
+    A mixture of experts gets megatron's MoE fields (`moe_config`; `te_spec`: its experts are TE's
+    grouped GEMM)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        **moe_config(arch, te_spec, on_cpu=cpu_init),
+        qk_layernorm=arch.qk_norm,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -86,6 +91,44 @@ def transformer_config(
     )
 
 
+def moe_config(arch: HFArch, te_spec: bool, on_cpu: bool) -> dict[str, Any]:
+    """TransformerConfig's MoE fields for `arch` (none for a dense model). The router is HF's: a
+    softmax over every expert's logit in fp32, the top-k of it; Qwen3-MoE's norm_topk_prob
+    renormalises the k probabilities to sum 1, which is megatron's top-k of the logits followed by a
+    softmax over those k (`moe_router_pre_softmax` off); without it (Qwen2-MoE) the k probabilities
+    are the full softmax's (pre-softmax on). No token dropping, no load-balancing loss, no expert
+    bias. Routing replay is built in (`megatron.routing`: a router without a replay target routes
+    live). The fused top-k (`moe_router_fusion`) returns before megatron's replay hook, so replay
+    would be skipped silently: it stays off (`megatron.routing.check_replayable` refuses a model
+    where it is on). Experts are megatron's SequentialMLP without Transformer Engine (one GEMM pair
+    per local expert), TE's grouped GEMM with it. Expert parallelism: `parallel_state`'s sizes. Token
+    dispatch: megatron's all-to-all on CUDA; its all-gather on CPU (the all-to-all dispatcher builds a
+    CUDA stream for its device-to-host copies when it is constructed, `token_dispatcher.py:445`, and
+    syncs on CUDA events: GPU only)."""
+    if not arch.is_moe:
+        return {}
+    from megatron.core import parallel_state
+
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_topk": arch.moe_top_k,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.norm_topk_prob,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",
+        "moe_router_fusion": False,
+        "moe_enable_routing_replay": True,
+        "moe_token_dispatcher_type": "allgather" if on_cpu else "alltoall",
+        "moe_grouped_gemm": te_spec,
+        "moe_shared_expert_intermediate_size": arch.shared_expert_ffn or None,
+        "moe_shared_expert_gate": arch.shared_expert_ffn > 0,
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": parallel_state.get_expert_tensor_parallel_world_size(),
+    }
+
+
 def _tp_size() -> int:
     from megatron.core import parallel_state
 
@@ -101,8 +144,9 @@ def build_model(
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    mcv.check_parallel_layout(arch, tp, pp)
-    config = transformer_config(arch, dtype, cpu_init, pp, recompute)
+    mcv.check_parallel_layout(arch, tp, pp, parallel_state.get_expert_model_parallel_world_size(),
+                              parallel_state.get_expert_tensor_parallel_world_size())
+    config = transformer_config(arch, dtype, cpu_init, pp, recompute, te_spec=te_spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(config, te_spec, attention),
@@ -118,7 +162,19 @@ def build_model(
         parallel_output=True,  # logits stay vocab-parallel; the loss uses vocab-parallel CE
     )
     cast_parameters(model, dtype)
+    if arch.is_moe:
+        _router_gemm_without_te()
     return model
+
+
+def _router_gemm_without_te() -> None:
+    """megatron-core 0.16.1's router gating (`moe_utils.RouterGatingLinearFunction`) tests
+    `te_general_gemm is not None`, a name its module binds only where Transformer Engine imports: without
+    TE every MoE forward raised NameError. Bound to None there, the gating takes its torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -162,14 +218,16 @@ def decoder_spec(config: Any, te_spec: bool, attention: str = "local") -> Any:
         get_num_layers_to_build,
     )
 
+    moe = {"num_experts": config.num_moe_experts, "moe_grouped_gemm": config.moe_grouped_gemm,
+           "qk_layernorm": config.qk_layernorm}
     if te_spec:
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer, norm = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), TENorm
+        layer, norm = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe), TENorm
     else:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        layer, norm = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"), WrappedTorchNorm
+        layer, norm = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe), WrappedTorchNorm
         if attention != "local":
             from async_rl.learner.megatron.attention import core_attention_class
 
@@ -196,13 +254,19 @@ def load_hf_weights(
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     full = mcv.hf_to_megatron_full(hf, arch, tp, pp, stage, te_spec)
+    if arch.is_moe:
+        ep, ep_rank = parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank()
+        full = mcv.expert_shard(full, arch, ep, ep_rank, te_spec)
+        etp, etp_rank = (parallel_state.get_expert_tensor_parallel_world_size(),
+                         parallel_state.get_expert_tensor_parallel_rank())
     params = parameters_by_name(model)
     missing, unused = sorted(set(params) - set(full)), sorted(set(full) - set(params))
     if missing or unused:
         raise RuntimeError(f"HF->Megatron conversion mismatch: missing {missing[:4]}, unused {unused[:4]}")
     with torch.no_grad():
         for name, p in params.items():
-            part = mcv.shard(full[name], mcv.shard_kind(name), tp_rank, tp)
+            expert = arch.is_moe and mcv.is_expert(name)  # split over the expert tensor-parallel ranks
+            part = mcv.shard(full[name], mcv.shard_kind(name), *((etp_rank, etp) if expert else (tp_rank, tp)))
             if part.shape != p.shape:
                 raise RuntimeError(f"{name}: converted shard {tuple(part.shape)} != parameter {tuple(p.shape)}")
             p.copy_(part)
@@ -282,22 +346,44 @@ def vocab_parallel_logprobs(
 # ---- export under HF names ------------------------------------------------------------------------
 
 
-def gathered_stage_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This stage's full Megatron tensors: every TP shard all-gathered (collective over the TP group)."""
+def gathered_stage_tensors(model: torch.nn.Module, arch: HFArch) -> dict[str, torch.Tensor]:
+    """This stage's full Megatron tensors: every TP shard all-gathered (collective over the TP group);
+    a mixture of experts' experts all-gathered over the expert tensor-parallel group, then over the
+    expert-parallel group, under their global expert names."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     out = {}
     for name, p in parameters_by_name(model).items():
-        kind = mcv.shard_kind(name)
-        if tp == 1 or kind is mcv.ShardKind.REPLICATED:
-            out[name] = p.detach()
+        if arch.is_moe and mcv.is_expert(name):
+            out.update(_gathered_expert(name, p, arch))
             continue
-        parts = [torch.empty_like(p) for _ in range(tp)]
-        dist.all_gather(parts, p.detach().contiguous(), group=group)
-        out[name] = mcv.gather(parts, kind)
+        out[name] = _tp_gathered(p, mcv.shard_kind(name), tp, group)
     return out
+
+
+def _tp_gathered(p: torch.Tensor, kind: mcv.ShardKind, size: int, group: Any) -> torch.Tensor:
+    if size == 1 or kind is mcv.ShardKind.REPLICATED:
+        return p.detach()
+    parts = [torch.empty_like(p) for _ in range(size)]
+    dist.all_gather(parts, p.detach().contiguous(), group=group)
+    return mcv.gather(parts, kind)
+
+
+def _gathered_expert(name: str, p: torch.Tensor, arch: HFArch) -> dict[str, torch.Tensor]:
+    """One local expert parameter of every expert-parallel rank, whole, under its global name
+    (collective over the expert tensor-parallel and the expert-parallel groups)."""
+    from megatron.core import parallel_state
+
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    whole = _tp_gathered(p, mcv.shard_kind(name), etp, parallel_state.get_expert_tensor_parallel_group())
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return {mcv.expert_global_name(name, arch, 1, 0): whole}
+    parts = [torch.empty_like(whole) for _ in range(ep)]
+    dist.all_gather(parts, whole.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+    return {mcv.expert_global_name(name, arch, ep, r): t for r, t in enumerate(parts)}
 
 
 def hf_param_shapes(arch: HFArch, pp: int, stage: int) -> dict[str, tuple[int, ...]]:
@@ -313,10 +399,14 @@ def hf_param_shapes(arch: HFArch, pp: int, stage: int) -> dict[str, tuple[int, .
             if arch.qkv_bias:
                 shapes[a + proj + ".bias"] = (heads * hd,)
         shapes[a + "o_proj.weight"] = (h, arch.num_heads * hd)
+        if arch.qk_norm:
+            shapes[a + "q_norm.weight"] = shapes[a + "k_norm.weight"] = (hd,)
         m = f"model.layers.{i}.mlp."
-        shapes[m + "gate_proj.weight"] = (arch.ffn_hidden_size, h)
-        shapes[m + "up_proj.weight"] = (arch.ffn_hidden_size, h)
-        shapes[m + "down_proj.weight"] = (h, arch.ffn_hidden_size)
+        shapes.update(_moe_shapes(arch, m) if arch.is_moe else {
+            m + "gate_proj.weight": (arch.ffn_hidden_size, h),
+            m + "up_proj.weight": (arch.ffn_hidden_size, h),
+            m + "down_proj.weight": (h, arch.ffn_hidden_size),
+        })
         shapes[f"model.layers.{i}.input_layernorm.weight"] = (h,)
         shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (h,)
     if stage == pp - 1:
@@ -324,6 +414,20 @@ def hf_param_shapes(arch: HFArch, pp: int, stage: int) -> dict[str, tuple[int, .
         if not arch.tie_embeddings:
             shapes["lm_head.weight"] = (arch.vocab_size, h)
     return shapes
+
+
+def _moe_shapes(arch: HFArch, m: str) -> dict[str, tuple[int, ...]]:
+    """One MoE layer's HF shapes under the prefix `m` (its `mlp.`), in the HF model's order."""
+    h, e, ffn = arch.hidden_size, arch.num_experts, arch.moe_ffn_hidden_size
+    router = {m + "gate.weight": (e, h)}
+    experts = {m + "experts.gate_up_proj": (e, 2 * ffn, h), m + "experts.down_proj": (e, h, ffn)}
+    shared = {}
+    if arch.shared_expert_ffn:
+        s = arch.shared_expert_ffn
+        shared = {m + "shared_expert.gate_proj.weight": (s, h), m + "shared_expert.up_proj.weight": (s, h),
+                  m + "shared_expert.down_proj.weight": (h, s), m + "shared_expert_gate.weight": (1, h)}
+    ordered = router | experts if arch.model_type == "qwen2_moe" else experts | router
+    return ordered | shared
 
 
 def hf_state_dict(model: torch.nn.Module, arch: HFArch, te_spec: bool, dst: int = 0) -> dict[str, torch.Tensor] | None:
@@ -335,7 +439,7 @@ def hf_state_dict(model: torch.nn.Module, arch: HFArch, te_spec: bool, dst: int 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    mine = dict(mcv.megatron_full_to_hf(gathered_stage_tensors(model), arch, pp, stage, te_spec))
+    mine = dict(mcv.megatron_full_to_hf(gathered_stage_tensors(model, arch), arch, pp, stage, te_spec))
     me = dist.get_rank() if dist.is_initialized() else 0
     if pp == 1:
         return mine if me == dst else None
