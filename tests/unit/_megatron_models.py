@@ -123,3 +123,37 @@ def _spread_routers(model: torch.nn.Module) -> None:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
+
+
+@contextlib.contextmanager
+def hf_routes(model: torch.nn.Module, forced: torch.Tensor | None = None) -> Iterator[list[torch.Tensor]]:
+    """Inside: every forward of the HF MoE `model` appends its routers' choices, long [tokens, layers,
+    k] (tokens row-major over [B, T]), to the yielded list. `forced` (long [tokens, layers, k]): the
+    routers run those experts instead, their weights gathered from the router's own softmax (and
+    renormalised where the model renormalises): the HF side of a replay."""
+    gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    seen: list[list[torch.Tensor]] = [[] for _ in gates]
+    out: list[torch.Tensor] = []
+
+    def hook(layer: int):
+        def record(module, _inputs, output):
+            logits, scores, indices = output
+            if forced is not None:
+                indices = forced[:, layer].to(indices.device)
+                probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, indices)
+                if module.norm_topk_prob:
+                    probs = probs / probs.sum(dim=-1, keepdim=True)
+                scores = probs.to(logits.dtype)
+            seen[layer].append(indices.detach())
+            return logits, scores, indices
+
+        return record
+
+    handles = [g.register_forward_hook(hook(i)) for i, g in enumerate(gates)]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+        if seen[0]:
+            out.extend(torch.stack([s[i] for s in seen], dim=1) for i in range(len(seen[0])))
