@@ -164,7 +164,32 @@ def build_model(
     cast_parameters(model, dtype)
     if arch.is_moe:
         _router_gemm_without_te()
+        if tp > 1:
+            _moe_under_tensor_parallelism(model, tp)
     return model
+
+
+def _moe_under_tensor_parallelism(model: torch.nn.Module, tp: int) -> None:
+    """MoE layers with TP > 1 and no sequence parallelism (this backend does not build megatron's).
+
+    Every TP rank holds the whole sequence; megatron's token dispatcher gathers the tokens of the
+    TP (and EP) ranks, so each rank's experts see every token once per TP rank, and its combine
+    reduce-scatters each rank's own tokens back. The forward is exact (the inference path), but in
+    training megatron 0.16.1 refuses it (`MoELayer.forward`: "performance may degrade ... without
+    also enabling sequence parallelism"), and the backward gives each expert parameter the sum over
+    the TP copies of the same loss: TP times its gradient (the router, on each rank's own copy, is
+    not affected). So: the MoE layers run in eval mode (with dropout 0 and no aux loss, z-loss, jitter
+    or sinkhorn, `moe_config`, the two modes compute the same) and each expert parameter's gradient is
+    divided by TP before it reaches megatron's grad buffer. The cost: the experts' activations and,
+    with EP, their FLOPs count each token TP times (sequence parallelism would split them)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.train(False)
+    for name, p in parameters_by_name(model).items():
+        if mcv.is_expert(name):
+            p.register_hook(lambda g: g / tp)
 
 
 def _router_gemm_without_te() -> None:

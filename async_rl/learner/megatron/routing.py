@@ -171,6 +171,11 @@ class RoutingReplay:
             if routes is not None:
                 self._count_tokens(routes[:, self.first_layer])
 
+    def clear(self) -> None:
+        """No replay target left in place: later forwards route live (the end of a schedule's run)."""
+        for layer in self.layers:
+            layer.target, layer.replay = None, False
+
     def _count_tokens(self, first: torch.Tensor) -> None:
         """Routed and unrouted tokens of the forward (from the first layer's rows), and the tokens
         that agreed in every layer."""

@@ -1,0 +1,119 @@
+"""One gloo rank of a Megatron MoE model on CPU with tensor and/or expert parallelism (spawned by
+test_megatron_moe_parallel.py).
+
+Each rank builds the same tiny Qwen3-MoE, loads its shard (its TP shard of the attention, its experts
+of the expert-parallel group, each split over the expert tensor-parallel ranks) into a MegatronPolicy
+with megatron's own optimizer, and writes to `out_dir/rank{R}.pt`: the log-probs of a fixed batch
+with the live router and with forced routes replayed, the experts each replayed forward ran, the
+full weights under HF names before and after one training step (rank 0), and the log-probs after it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def forced_routes(tokens: int, layers: int, experts: int, top_k: int, seed: int = 7) -> torch.Tensor:
+    """Distinct random experts per token and layer: long [tokens, layers, top_k] (the same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    picks = [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens * layers)]
+    return torch.stack(picks).reshape(tokens, layers, top_k)
+
+
+def logp_sum_grads(policy, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The gradient of sum(log p * mask) over `ids` through megatron's schedule, DDP reduction included,
+    under HF names on rank 0 (None elsewhere): each parameter's reduced `main_grad` gathered as its
+    weights are."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from async_rl.learner.megatron import model as mm
+
+    dev = policy.device
+
+    def forward_step(data_iterator, model):
+        x = next(data_iterator)
+        output = mm.forward_logits(model, x)
+
+        def loss(logits: torch.Tensor):
+            logp = mm.vocab_parallel_logprobs(logits[:, :-1], x[:, 1:], policy.arch.vocab_size)
+            return (logp * mask.to(dev)).sum(), {}
+
+        return output, loss
+
+    policy.model.zero_grad_buffer()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ids.to(dev)]), model=[policy.model],
+                                num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
+                                forward_only=False)
+    params = list(policy.model.parameters())
+    weights = [p.data for p in params]
+    for p in params:
+        p.data = p.main_grad
+    try:  # copies: a gathered tensor of one rank may be a view of the gradient buffer zeroed below
+        grads = {n: g.detach().clone() for n, g in (policy.hf_state_dict() or {}).items()}
+    finally:
+        for p, w in zip(params, weights, strict=True):
+            p.data = w
+    policy.model.zero_grad_buffer()
+    return grads or None
+
+
+def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, out_dir: str) -> None:
+    from megatron.core import parallel_state
+
+    from async_rl.learner.megatron import convert as mcv
+    from async_rl.learner.megatron import cpu as megatron_cpu
+    from async_rl.learner.megatron import routing
+    from async_rl.learner.megatron.learner import MegatronPolicy, megatron_optimizer
+    from tests.unit._megatron_models import fixed_batch, tiny_qwen3_moe
+
+    torch.set_num_threads(1)
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # the experts split over EP ranks whole (expert tensor parallelism 1) unless EP is 1: then over TP
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if ep == 1 else 1
+    )
+    megatron_cpu.enable()
+    try:
+        hf = tiny_qwen3_moe().eval()
+        arch = mcv.arch_from_hf_config(hf.config)
+        lr = 1e-3
+        policy = MegatronPolicy(
+            arch, dict(hf.named_parameters()), dtype=torch.float32, lr=lr, weight_decay=0.0, max_grad_norm=1.0,
+            distributed_optimizer=False, te_spec=False, cpu_init=True,
+            make_optimizer=lambda ddp: megatron_optimizer(ddp, torch.float32, lr, 0.0, 1.0, False),
+        )
+        replay = routing.RoutingReplay.install(policy.model, 0)
+        b = fixed_batch(arch.vocab_size)
+        rows, cols = b.input_ids.shape
+        forced = forced_routes(rows * cols, arch.num_layers, arch.num_experts, arch.moe_top_k)
+        with replay.feeding(None, replay=False):
+            live = policy.logprobs(b.input_ids)
+        with replay.feeding(routing.token_routes(forced.reshape(rows, cols, *forced.shape[1:]), rows, cols, False), True):
+            replayed = policy.logprobs(b.input_ids)
+        ran = replay.ran()
+        counts = replay.counts().metrics()
+        mask = torch.zeros(rows, cols - 1)
+        mask[:, cols // 2:] = 1.0
+        with replay.feeding(routing.token_routes(forced.reshape(rows, cols, *forced.shape[1:]), rows, cols, False), True):
+            grads_replay = logp_sum_grads(policy, b.input_ids, mask)
+        replay.clear()
+        grads_live = logp_sum_grads(policy, b.input_ids, mask)
+        before = {n: t.detach().clone() for n, t in (policy.hf_state_dict() or {}).items()}
+        b.behav_logp = live.detach() * b.loss_mask  # on-policy
+        _, grad_norm = policy.train_batch(b, 2, 1.0, 0.2, 0.2, 2.0)
+        after = {n: t.detach().clone() for n, t in (policy.hf_state_dict() or {}).items()}
+        torch.save({
+            "input_ids": b.input_ids, "loss_mask": b.loss_mask, "forced": forced, "logp_live": live,
+            "logp_replay": replayed, "ran": ran, "grad_mask": mask, "grads_live": grads_live,
+            "grads_replay": grads_replay, "metrics": counts, "grad_norm": grad_norm,
+            "hf_before": before, "hf_after": after, "logp_after": policy.logprobs(b.input_ids),
+            "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+        }, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
