@@ -421,6 +421,14 @@ class TrainConfig(_Section):
 class MegatronConfig(_Section):
     tensor_parallel_size: Annotated[int, _f("megatron: tensor-parallel ranks per model replica", ge=1)] = 1
     pipeline_parallel_size: Annotated[int, _f("megatron: pipeline stages per model replica", ge=1)] = 1
+    expert_model_parallel_size: Annotated[
+        int,
+        _f("megatron, MoE models: expert-parallel ranks; each holds num_experts / this many experts whole (expert "
+           "tensor parallelism 1; at 1 the experts split over the tensor-parallel ranks instead). Drawn from the "
+           "tensor x data-parallel ranks of a pipeline stage (megatron's expert grid): learner.world_size / "
+           "pipeline_parallel_size must be a multiple of it. Tokens reach their experts by megatron's all-to-all "
+           "dispatcher on CUDA, its all-gather one on CPU (learner/megatron/model.py)", ge=1),
+    ] = 1
     distributed_optimizer: Annotated[
         bool, _f("megatron: shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)")
     ] = True
@@ -584,6 +592,14 @@ class LearnerConfig(_Section):
            "Llama and Qwen2 on CUDA; the liger-kernel package), compile (torch.compile of each decoder layer, "
            "as learner.compile), none (the model's eager modules); auto = none on CPU, liger on CUDA where it "
            "imports and fits the model, else none (chosen before any GPU measurement: see docs/learner.md)"),
+    ] = "auto"
+    routing_replay: Annotated[
+        Literal["auto", "on", "off"],
+        _f("MoE models: rollout routing replay. on = every token with a route the engine recorded "
+           "(TrajectoryGroup.routes) runs the experts the engine ran, its routing weights taken from the learner's "
+           "live router (so the router still learns); tokens without a route take the live router and are counted; "
+           "off = the live router everywhere; auto = on for an MoE model, off for a dense one (on with a dense "
+           "model is an error). Megatron: learner/megatron/routing.py"),
     ] = "auto"
     activation_checkpointing: Annotated[
         bool,
@@ -1262,6 +1278,11 @@ def _validate_megatron(cfg: Config) -> None:
         raise ConfigError(
             f"learner.world_size={world} is not a multiple of learner.megatron.tensor_parallel_size x "
             f"pipeline_parallel_size = {model_parallel}"
+        )
+    if (world // m.pipeline_parallel_size) % m.expert_model_parallel_size:
+        raise ConfigError(
+            f"learner.megatron.expert_model_parallel_size={m.expert_model_parallel_size} does not divide the "
+            f"{world // m.pipeline_parallel_size} ranks of a pipeline stage (learner.world_size / pipeline_parallel_size)"
         )
     if m.attention == "varlen" and cfg.learner.device == "cuda" and cfg.model.dtype == "float32":
         raise ConfigError(

@@ -95,6 +95,8 @@ def make_backend(
             activation_checkpointing=spec.learner.activation_checkpointing,
             micro_batch_tokens=spec.learner.micro_batch_tokens,
             row_tokens=spec.learner.pack_row_tokens or spec.generators.max_model_len,
+            expert_parallel_size=m.expert_model_parallel_size,
+            routing_replay=spec.learner.routing_replay,
         )
     raise RunError(f"learner.backend={spec.learner.backend} has no model backend for the learner driver yet")
 

@@ -117,3 +117,57 @@ def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, out_dir: st
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def run_moe_backend_rank(rank: int, world: int, port: int, model_dir: str, ep: int, attention: str, out_dir: str) -> None:
+    """MegatronBackend on one rank of an MoE model (EP=`ep`, learner.routing_replay auto): scores of a
+    packed micro-batch with forced routes (some rows without one) replayed and not, the experts run,
+    a replay of the live choices, the routing metrics, and one training step with replay."""
+    from async_rl.learner.batch import packing
+    from async_rl.learner.megatron.backend import MegatronBackend
+    from tests.unit._megatron_ranks import seq_samples
+
+    torch.set_num_threads(1)
+    backend = MegatronBackend(
+        rank=rank, world_size=world, master=f"127.0.0.1:{port}", tensor_parallel_size=1, pipeline_parallel_size=1,
+        dtype="float32", lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, distributed_optimizer=False,
+        transformer_engine="off", device="cpu", seed=0, attention=attention, expert_parallel_size=ep,
+    )
+    try:
+        backend.setup(model_dir)
+        arch = backend.arch
+        mb = packing.packed(seq_samples(arch.vocab_size), row_tokens=16)
+        rows, cols = mb.input_ids.shape
+        routes = forced_routes(rows * cols, arch.num_layers, arch.num_experts, arch.moe_top_k, seed=11)
+        routes = routes.reshape(rows, cols, arch.num_layers, arch.moe_top_k).to(torch.int32)
+        routes[0, 2:5] = -1  # tokens the engine recorded no route for
+        mb.routes = routes
+        backend.moe_metrics()
+        replayed = backend.score(mb, 1.0)
+        ran_replayed = backend.routing.ran()
+        metrics = backend.moe_metrics()
+        live = backend.score_routing(mb, 1.0, replay=False)
+        ran_live = backend.routing.ran()
+        backend.moe_metrics()
+        # the live choices as routes: replaying them gives the live log-probs
+        order = "row" if backend.packed_as == "row" else "mask"
+        as_rows = (ran_live.reshape(1, rows, cols, *ran_live.shape[1:])[0] if order == "row"
+                   else ran_live.reshape(cols, rows, *ran_live.shape[1:]).transpose(0, 1))
+        mb.routes = as_rows.to(torch.int32)
+        replayed_live = backend.score(mb, 1.0)
+        mb.routes = routes
+        backend.gather_weights()
+        before = {n: t.clone() for n, t in backend.hf_weights().items()} if rank == 0 else None
+        tokens = mb.loss_tokens
+        backend.forward_backward([mb], 1.0, lambda i, s: -(s.logp * mb.loss_mask.to(s.logp.device)).sum() / tokens)
+        grad_norm = backend.optimizer_step(1e-3, 1e9)
+        backend.gather_weights()
+        after = backend.hf_weights() if rank == 0 else None
+        torch.save({
+            "routes": routes, "packed_as": backend.packed_as, "replayed": replayed.logp, "live": live.logp,
+            "replayed_live": replayed_live.logp, "ran_replayed": ran_replayed, "metrics": metrics,
+            "loss_mask": mb.loss_mask, "grad_norm": grad_norm, "before": before, "after": after,
+            "train_metrics": backend.moe_metrics(),
+        }, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        backend.shutdown()

@@ -75,6 +75,9 @@ class MicroBatch:
     # the host from the samples when the batch is packed, so the head gathers them on the device with
     # no data-dependent sync (a `nonzero` per micro-batch); None: `head_index` derives it from the mask
     loss_index: torch.Tensor | None = None
+    # int32 [B, T, moe_layers, top_k]: the experts to replay per input token (`batch/routes.py`); None
+    # when no sample carries routes
+    routes: torch.Tensor | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -134,6 +137,7 @@ class MicroBatch:
             cov_select=None if self.cov_select is None else self.cov_select.to(device),
             segments=None if self.segments is None else self.segments.to(device),
             loss_index=None if self.loss_index is None else self.loss_index.to(device),
+            routes=None if self.routes is None else self.routes.to(device),
         )
 
     def head_index(self) -> torch.Tensor:

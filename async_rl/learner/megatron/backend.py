@@ -48,7 +48,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from async_rl.errors import RunError
+from async_rl.errors import ConfigError, RunError
 from async_rl.learner.backend import LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.hf_io import read_model_files
@@ -56,7 +56,9 @@ from async_rl.learner.megatron import model as mm
 from async_rl.learner.megatron import rotary
 from async_rl.learner.megatron.attention import packed_row
 from async_rl.learner.megatron.attention import resolve as resolve_attention
+from async_rl.learner.megatron.convert import stage_layers
 from async_rl.learner.megatron.head import VocabShard, chunked_scores
+from async_rl.learner.megatron.routing import RoutingCounts, RoutingReplay, check_layout, token_routes
 from async_rl.learner.model.attention import AttentionLayout, Segments, cumulative, varlen_layout
 from async_rl.learner.model.head import keeps_logits
 from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
@@ -157,7 +159,7 @@ def pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
     return MicroBatch(
         grow(mb.input_ids), position_ids, grow(mb.attention_mask), grow(mb.targets), grow(mb.loss_mask),
         grow(mb.behav_logp), grow(mb.advantages), mb.spans, grow(mb.prox_logp), grow(mb.ref_logp),
-        grow(mb.cov_select),
+        grow(mb.cov_select), routes=mb.routes,  # routes grow with `routing.token_routes`
     )
 
 
@@ -258,16 +260,23 @@ class MegatronBackend(ModelBackend):
         attention: str = "auto",
         head_kernel: str = "auto",
         keep_logits: bool | str = "auto",
+        expert_parallel_size: int = 1,
+        routing_replay: str = "auto",
     ) -> None:
         """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
         start-up line without Transformer Engine (`megatron.memory`); they change nothing else.
         `attention` (learner.megatron.attention): the local spec's core attention (`megatron.attention`).
         `head_kernel` (learner.head_kernel): the chunked head's per-chunk kernel, decided in `setup` (auto on
         CUDA with one model-parallel rank: measured, `head_probe`; else compiled on CUDA, eager on CPU).
-        `keep_logits` (learner.logprob_keep_logits): the chunked head keeps its logits for the backward."""
+        `keep_logits` (learner.logprob_keep_logits): the chunked head keeps its logits for the backward.
+        `expert_parallel_size` (learner.megatron.expert_model_parallel_size) and `routing_replay`
+        (learner.routing_replay): MoE models (`megatron.routing`)."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.rendezvous_store = rendezvous_store  # rank 0's store at `master`, or None (`rendezvous.join_group`)
-        self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
+        self.tp, self.pp, self.ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
+        self.routing_setting = routing_replay
+        self.routing: RoutingReplay | None = None  # MoE models: the routers' replay and counts
+        self.replays = False  # MoE models with learner.routing_replay on/auto: routed tokens run their routes
         self.dtype = getattr(torch, dtype)
         self.lr, self.weight_decay, self.max_grad_norm = lr, weight_decay, max_grad_norm
         self.distributed_optimizer = distributed_optimizer
@@ -306,8 +315,10 @@ class MegatronBackend(ModelBackend):
         else:
             torch.cuda.set_device(0)  # Ray gives each rank one visible GPU
         join_group("gloo" if self.on_cpu else "nccl", self.master, self.rank, self.world_size, self.rendezvous_store)
+        # MoE: EP ranks hold their experts whole (expert TP 1); without EP the experts split over TP
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.tp if self.ep == 1 else 1,
         )
         if not self.on_cpu:
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
@@ -337,6 +348,7 @@ class MegatronBackend(ModelBackend):
         # the varlen row rotates each token by its position id (`megatron.rotary`); megatron's own
         # rotary runs unchanged for every other layout
         self.rotary = rotary.install(self._gpt, self.arch.max_position_embeddings)
+        self._setup_routing(parallel_state.get_pipeline_model_parallel_rank())
         first_stage = parallel_state.is_pipeline_first_stage()
         self.info = ParallelInfo(
             rank=self.rank,
@@ -354,6 +366,53 @@ class MegatronBackend(ModelBackend):
         if not self.on_cpu and not te_spec and self.rank == 0:
             print(self._local_spec_line(params), flush=True)
         return params
+
+    def _setup_routing(self, stage: int) -> None:
+        """learner.routing_replay for this model: the replay on the routers of an MoE model; refused in
+        one line on a dense one, and where a recompute would replay another micro-batch's routes."""
+        if not self.arch.is_moe:
+            if self.routing_setting == "on":
+                raise RunError(f"learner.routing_replay=on needs a mixture-of-experts model, not the dense "
+                               f"{self.arch.model_type}")
+            return
+        self.replays = self.routing_setting != "off"
+        try:
+            check_layout(self.pp, self.recompute, self.replays)
+        except ConfigError as e:
+            raise RunError(str(e)) from None
+        # every layer is an MoE layer (`convert.arch_from_hf_config`): the stage's first is its first layer
+        self.routing = RoutingReplay.install(self._gpt, stage_layers(self.arch.num_layers, self.pp, stage)[0])
+
+    def _routes(self, mb: MicroBatch, rows: int, cols: int, one_row: bool) -> torch.Tensor | None:
+        """The micro-batch's routes in the order megatron's routers see its tokens (`routing.token_routes`),
+        checked against the model in one line; None without routes."""
+        if mb.routes is None:
+            return None
+        want = (self.arch.num_layers, self.arch.moe_top_k)
+        fits = mb.routes.shape[0] <= rows and mb.routes.shape[1] <= cols  # `pad_to` grows the tokens, not the routes
+        if tuple(mb.routes.shape[2:]) != want or mb.routes.dim() != 4 or not fits:
+            raise RunError(f"megatron routing replay: routes of shape {tuple(mb.routes.shape)} for a micro-batch of "
+                           f"{tuple(mb.input_ids.shape)} tokens and a model of {want[0]} MoE layers, top-{want[1]}")
+        return token_routes(mb.routes.to(self.device, non_blocking=True), rows, cols, one_row)
+
+    def moe_metrics(self) -> dict[str, float]:
+        """The routing metrics of the forwards since the last call (`routing.RoutingCounts.metrics`),
+        summed over the data-parallel ranks (collective over them; TP ranks count the same tokens),
+        for this pipeline stage's MoE layers; {} for a dense model."""
+        from megatron.core import parallel_state
+
+        if self.routing is None:
+            return {}
+        counts = self.routing.counts()
+        self.routing.reset()
+        if self.info.dp_size > 1:
+            flat = torch.cat([counts.routed[None], counts.agree_all[None], counts.unrouted[None],
+                              counts.agree_layer, counts.load.reshape(-1)])
+            dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+            layers = counts.agree_layer.numel()
+            counts = RoutingCounts(routed=flat[0], agree_all=flat[1], unrouted=flat[2], agree_layer=flat[3:3 + layers],
+                                   load=flat[3 + layers:].reshape(counts.load.shape))
+        return counts.metrics()
 
     def _probe_head(self) -> HeadProbe | None:
         """learner.head_kernel auto on CUDA where one model-parallel rank holds the whole output layer
@@ -422,7 +481,11 @@ class MegatronBackend(ModelBackend):
             else:
                 mask = None  # megatron's own causal mask (fused kernels)
             positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand(ids.shape[0], -1)
-            with at:
+            feeding = contextlib.nullcontext()
+            if self.routing is not None:  # MoE: this micro-batch's routes, or the live router
+                routes = self._routes(mb, rows, cols, one_row and mb.position_ids is not None)
+                feeding = self.routing.feeding(routes, self.replays)
+            with at, feeding:
                 output = model(ids, positions, mask, packed_seq_params=packed)
 
             def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -436,7 +499,7 @@ class MegatronBackend(ModelBackend):
 
             return output, loss_func
 
-        with self._hidden_out():
+        with self._hidden_out(), self._routes_cleared():
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=items,
@@ -446,6 +509,26 @@ class MegatronBackend(ModelBackend):
                 micro_batch_size=1 if one_row else shape[0],
                 forward_only=forward_only,
             )
+
+    @contextlib.contextmanager
+    def _routes_cleared(self):
+        """No replay target outlives a schedule's run (the last micro-batch's stays for its recompute)."""
+        try:
+            yield
+        finally:
+            if self.routing is not None:
+                self.routing.clear()
+
+    def score_routing(self, mb: MicroBatch, temperature: float, replay: bool) -> TokenScores | None:
+        """`score` with routing replay on or off whatever learner.routing_replay says (the mismatch
+        probe: the engine's log-probs against the learner's, both ways)."""
+        if self.routing is None:
+            raise RunError("megatron: score_routing on a dense model")
+        setting, self.replays = self.replays, replay
+        try:
+            return self.score(mb, temperature)
+        finally:
+            self.replays = setting
 
     @property
     def takes_block_masks(self) -> bool:

@@ -1,0 +1,75 @@
+"""The megatron backend on a Qwen3-MoE checkpoint with expert parallelism (two gloo ranks on CPU, EP=2):
+learner.routing_replay auto replays the micro-batch's routes (`MicroBatch.routes`) in the scoring and
+training passes, in megatron's token order for rows (sdpa: a block-diagonal mask) and for the packed
+row (varlen); rows without a route take the live router and are counted; the metrics are reduced
+over the data-parallel ranks. Starts torch.distributed (two gloo ranks on loopback)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+
+from async_rl.cluster.net import free_port  # noqa: E402
+from tests.unit._megatron_models import tiny_qwen3_moe  # noqa: E402
+from tests.unit._megatron_moe_ranks import run_moe_backend_rank  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["sdpa", "varlen"])
+def run(request, tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    model_dir = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    tiny_qwen3_moe().save_pretrained(model_dir)
+    out: Path = tmp_path_factory.mktemp("megatron-moe-backend")
+    mp.spawn(run_moe_backend_rank, args=(2, free_port(), str(model_dir), 2, request.param, str(out)), nprocs=2, join=True)
+    return request.param, {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}
+
+
+def test_the_layout_is_the_attentions(run):
+    attention, ranks = run
+    assert ranks[0]["packed_as"] == ("row" if attention == "varlen" else "mask")
+
+
+def test_routed_tokens_run_their_routes_in_megatrons_token_order(run):
+    _, ranks = run
+    for r in ranks.values():
+        routes, ran = r["routes"].long(), r["ran_replayed"]
+        rows, cols = routes.shape[:2]
+        if r["packed_as"] == "row":
+            ran = ran.reshape(rows, cols, *ran.shape[1:])
+        else:
+            ran = ran.reshape(cols, rows, *ran.shape[1:]).transpose(0, 1)
+        routed = routes[..., 0, 0] >= 0
+        assert torch.equal(ran[routed], routes[routed])
+        assert not torch.equal(ran[~routed], routes[~routed])  # those took the live router
+
+
+def test_replay_changes_the_log_probs_and_replaying_the_live_routes_does_not(run):
+    _, ranks = run
+    for r in ranks.values():
+        mask = r["loss_mask"].bool()
+        assert (r["replayed"] - r["live"]).abs()[mask].max() > 1e-3
+        assert torch.allclose(r["replayed_live"], r["live"], atol=1e-5, rtol=0)
+
+
+def test_metrics_count_every_data_parallel_ranks_tokens(run):
+    _, ranks = run
+    m = ranks[0]["metrics"]
+    assert m == ranks[1]["metrics"]  # reduced over the two data-parallel ranks
+    assert m["moe_unrouted_tokens"] == 2 * 3
+    assert 0.0 <= m["moe_agreement"] < 0.5 and m["moe_agreement"] <= m["moe_agreement_worst_layer"]
+    assert m["moe_expert_load_max_over_mean"] >= 1.0
+    assert ranks[0]["train_metrics"]["moe_unrouted_tokens"] == 2 * 3  # the training pass counts too
+
+
+def test_a_training_step_with_replay_moves_every_weight(run):
+    _, ranks = run
+    assert math.isfinite(ranks[0]["grad_norm"]) and ranks[0]["grad_norm"] > 0
+    before, after = ranks[0]["before"], ranks[0]["after"]
+    unchanged = [n for n in before if torch.equal(before[n], after[n])]
+    assert not unchanged, unchanged[:4]
