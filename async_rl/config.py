@@ -475,7 +475,7 @@ class LearnerConfig(_Section):
     backend: Annotated[
         Literal["torch", "megatron"],
         _f("learner implementation: torch (HF model, DDP; CPU and GPU) or megatron (megatron-core GPTModel "
-           "with TP/PP/DP; CUDA, or CPU with learner.device=cpu; Llama and Qwen2 checkpoints)"),
+           "with TP/PP/DP (and EP for MoE); CUDA, or CPU with learner.device=cpu; Llama, Qwen2, Qwen3 checkpoints and the Qwen3-MoE and Qwen2-MoE mixtures of experts)"),
     ] = "torch"
     device: Annotated[
         Device,

@@ -32,11 +32,20 @@ def test_megatron_runs_every_algorithm_and_writes_checkpoints():
         (["learner.megatron.attention=flash"], "learner.megatron.attention"),
         (["learner.megatron.attention=varlen", "learner.device=cuda", "model.dtype=float32"],
          "attention=varlen on CUDA needs model.dtype bfloat16"),
+        (["learner.world_size=4", "learner.megatron.pipeline_parallel_size=2", "learner.megatron.expert_model_parallel_size=4",
+          "train.prompts_per_step=8"], "expert_model_parallel_size=4 does not divide the 2 ranks of a pipeline stage"),
+        (["learner.routing_replay=always"], "learner.routing_replay"),
     ],
 )
 def test_megatron_layout_errors_name_the_fields(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["learner.backend=megatron", *overrides])
+
+
+def test_expert_parallelism_draws_from_the_ranks_of_a_stage():
+    cfg = load_config(None, ["learner.backend=megatron", "learner.world_size=4", "learner.megatron.tensor_parallel_size=2",
+                             "learner.megatron.expert_model_parallel_size=4", "train.prompts_per_step=8"])
+    assert cfg.learner.megatron.expert_model_parallel_size == 4 and cfg.learner.routing_replay == "auto"
 
 
 def test_world_size_that_only_megatron_model_parallelism_explains_is_accepted():

@@ -222,6 +222,60 @@ def test_replay_gives_the_router_a_gradient(pair):
     model.zero_grad()
 
 
+def _forced(arch, tokens: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(arch.num_experts, generator=gen)[: arch.moe_top_k]
+                        for _ in range(tokens * arch.num_layers)]).reshape(tokens, arch.num_layers, arch.moe_top_k)
+
+
+def _replayed_grads(model, arch, replay, ids: torch.Tensor, order: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    with megatron_cpu.patched():
+        with replay.feeding(order, True):
+            logits = mm.forward_logits(model, ids)
+        # the backward runs after the block, as megatron's schedule runs it: a recompute replays the
+        # targets still in place
+        mm.vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], arch.vocab_size).sum().backward()
+    grads = {n: p.grad.clone() for n, p in mm.parameters_by_name(model).items()}
+    model.zero_grad()
+    return grads
+
+
+def test_activation_recompute_replays_the_same_routes(pair):
+    """learner.activation_checkpointing: megatron recomputes each layer in the backward, its router
+    included; the recompute runs the micro-batch's routes again (gradients equal to the pass without
+    recompute) and counts nothing twice."""
+    hf, arch, model, replay = pair
+    ids = _ids(arch.vocab_size, rows=2, cols=9)
+    b, t = ids.shape
+    order = routing.token_routes(_as_rows(_forced(arch, b * t, 5), b, t), b, t, one_row=False)
+    recomputed = mm.build_model(arch, torch.float32, cpu_init=True, te_spec=False, recompute=True)
+    mm.load_hf_weights(recomputed, dict(hf.named_parameters()), arch, te_spec=False)
+    assert recomputed.config.recompute_granularity == "full" and recomputed.training
+    replay_rc = routing.RoutingReplay.install(recomputed, 0)
+    want = _replayed_grads(model, arch, replay, ids, order)
+    replay_rc.reset()
+    got = _replayed_grads(recomputed, arch, replay_rc, ids, order)
+    for name, g in want.items():
+        assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-4), name
+    assert float(replay_rc.counts().load.sum()) == b * t * arch.num_layers * arch.moe_top_k  # one forward's
+    replay_rc.clear()
+    assert all(layer.target is None for layer in replay_rc.layers)
+
+
+def test_the_router_weight_stays_the_cpu_parameter_it_was(pair):
+    """megatron's Router.gating moves its weight to torch.cuda.current_device() before each forward;
+    under the CPU patches that is the CPU: the same storage (what DDP's buffers hold) after a forward."""
+    _, arch, model, replay = pair
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    where = [(r.weight.device.type, r.weight.data_ptr()) for r in routers]
+    _megatron_logprobs(model, arch, _ids(arch.vocab_size), replay, None, on=False)
+    assert [(r.weight.device.type, r.weight.data_ptr()) for r in routers] == where
+    assert all(device == "cpu" for device, _ in where)
+
+
 def test_fused_routing_is_refused_with_replay(pair):
     _, _, model, _ = pair
     from megatron.core.transformer.moe.router import TopKRouter

@@ -7,7 +7,10 @@ names the place it covers; together they are all that forward, backward (TP and 
 the fp32 optimizer step reach in that version:
 
 - `torch.cuda.current_device()` is the device of the RoPE frequencies, the attention's causal-mask
-  buffers, the pipeline's receive buffers and DDP's grad buffers: it answers "cpu".
+  buffers, the pipeline's receive buffers and DDP's grad buffers: it answers "cpu". It is also where
+  an MoE router's `gating` moves its weight (and bias) before every forward, unconditionally
+  (`Router.gating`, router.py:88-92: meant for a router initialised on the CPU and trained on CUDA):
+  the move is then to the CPU, a no-op that keeps the parameter DDP's grad buffer holds.
 - `tensor_parallel.get_cuda_rng_tracker().fork()` wraps attention dropout and reads the CUDA RNG:
   a tracker whose fork does nothing (the CPU path runs with dropout 0; `check_config` enforces it).
   Activation recompute (`tensor_parallel.random.CheckpointFunction`, learner.activation_checkpointing)
@@ -148,6 +151,10 @@ def check_targets() -> list[str]:
     for name in ("_get_cuda_rng_state", "_set_cuda_rng_state", "get_cuda_rng_tracker"):
         if not callable(getattr(tp_random, name, None)):
             problems.append(f"megatron.core.tensor_parallel.random.{name} (activation recompute's RNG states) is gone")
+    from megatron.core.transformer.moe.router import Router
+
+    if "torch.cuda.current_device()" not in inspect.getsource(Router.gating):
+        problems.append("Router.gating no longer takes its weight's device from torch.cuda.current_device()")
     from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     if "torch.cuda.current_device()" not in inspect.getsource(rotary_pos_embedding):
