@@ -35,6 +35,18 @@ def tiny_llama(tie: bool = False):
     return LlamaForCausalLM(cfg).float()
 
 
+def megatron_copy(hf: torch.nn.Module):
+    """(arch, a one-rank Megatron GPTModel holding `hf`'s weights); parallel state initialised."""
+    from async_rl.learner.megatron import convert as mcv
+    from async_rl.learner.megatron import model as mm
+
+    arch = mcv.arch_from_hf_config(hf.config)
+    torch.manual_seed(0)
+    model = mm.build_model(arch, torch.float32, cpu_init=True, te_spec=False)
+    mm.load_hf_weights(model, dict(hf.named_parameters()), arch, te_spec=False)
+    return arch, model
+
+
 def fixed_batch(vocab: int, seed: int = 5):
     """Two prompt groups of four completions with varied rewards (so GRPO advantages are non-zero)."""
     import numpy as np

@@ -21,6 +21,7 @@ from async_rl.learner.megatron import model as mm  # noqa: E402
 from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_models import (  # noqa: E402
     fixed_batch,
+    megatron_copy,
     on_policy_loss,
     one_rank_model_parallel,
     tiny_llama,
@@ -41,10 +42,7 @@ MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama}
 def pair(request, model_parallel):
     """(HF model, arch, Megatron GPTModel loaded with the HF weights)."""
     hf = MODELS[request.param]().eval()
-    arch = mcv.arch_from_hf_config(hf.config)
-    torch.manual_seed(0)
-    model = mm.build_model(arch, torch.float32, cpu_init=True, te_spec=False)
-    mm.load_hf_weights(model, dict(hf.named_parameters()), arch, te_spec=False)
+    arch, model = megatron_copy(hf)
     return hf, arch, model.eval()
 
 

@@ -22,10 +22,12 @@ from async_rl.learner.megatron import routing  # noqa: E402
 from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_models import (  # noqa: E402
     hf_routes,
+    megatron_copy,
     one_rank_model_parallel,
     tiny_qwen2_moe,
     tiny_qwen3_moe,
 )
+from tests.unit._megatron_moe_ranks import forced_routes  # noqa: E402
 
 MODELS = {"qwen3_moe": tiny_qwen3_moe, "qwen2_moe": tiny_qwen2_moe}
 
@@ -40,10 +42,7 @@ def model_parallel():
 def pair(request, model_parallel):
     """(HF model, arch, Megatron GPTModel with the HF weights, its RoutingReplay)."""
     hf = MODELS[request.param]().eval()
-    arch = mcv.arch_from_hf_config(hf.config)
-    torch.manual_seed(0)
-    model = mm.build_model(arch, torch.float32, cpu_init=True, te_spec=False)
-    mm.load_hf_weights(model, dict(hf.named_parameters()), arch, te_spec=False)
+    arch, model = megatron_copy(hf)
     return hf, arch, model.eval(), routing.RoutingReplay.install(model, 0)
 
 
@@ -73,6 +72,18 @@ def _megatron_order_to_rows(ran: torch.Tensor, b: int, t: int) -> torch.Tensor:
 
 def _sorted(x: torch.Tensor) -> torch.Tensor:
     return x.sort(dim=-1).values
+
+
+def _forced(arch, tokens: int, seed: int) -> torch.Tensor:
+    """Distinct random experts per token and layer: long [tokens, layers, k] (not the live choice)."""
+    return forced_routes(tokens, arch.num_layers, arch.num_experts, arch.moe_top_k, seed)
+
+
+def _hf_live(hf, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's log-probs of `ids` and its routers' choices (long [tokens, layers, k], row-major over [B, T])."""
+    with torch.no_grad(), hf_routes(hf) as seen:
+        ref = token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:])
+    return ref, seen[0]
 
 
 def test_arch_reads_the_moe_config(pair):
@@ -122,14 +133,18 @@ def test_logprobs_match_the_hf_model_and_the_live_routes_are_hfs(pair):
     hf, arch, model, replay = pair
     ids = _ids(arch.vocab_size)
     b, t = ids.shape
-    with torch.no_grad(), hf_routes(hf) as seen:
-        ref = token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:])
+    ref, seen = _hf_live(hf, ids)
     replay.reset()
     got = _megatron_logprobs(model, arch, ids, replay, None, on=False)
     assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
     live = _megatron_order_to_rows(replay.ran(), b, t)
-    assert torch.equal(_sorted(live), _sorted(_as_rows(seen[0], b, t)))
+    assert torch.equal(_sorted(live), _sorted(_as_rows(seen, b, t)))
     assert float(replay.counts().load.sum()) == b * t * arch.num_layers * arch.moe_top_k
+    # replaying the live choices (what an engine on the same weights records) changes nothing
+    replay.reset()
+    got = _megatron_logprobs(model, arch, ids, replay, _as_rows(seen, b, t), on=True)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=0)
+    assert replay.counts().metrics()[routing.AGREEMENT] == 1.0
 
 
 def test_replay_runs_the_given_routes_and_matches_hf_on_the_same_routes(pair):
@@ -139,22 +154,17 @@ def test_replay_runs_the_given_routes_and_matches_hf_on_the_same_routes(pair):
     hf, arch, model, replay = pair
     ids = _ids(arch.vocab_size)
     b, t = ids.shape
-    gen = torch.Generator().manual_seed(7)
-    forced = torch.stack([torch.randperm(arch.num_experts, generator=gen)[: arch.moe_top_k]
-                          for _ in range(b * t * arch.num_layers)]).reshape(b * t, arch.num_layers, arch.moe_top_k)
-    with torch.no_grad():
-        with hf_routes(hf) as live_seen:
-            hf(input_ids=ids)
-        with hf_routes(hf, forced=forced):
-            ref = token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:])
-        live_ref = token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:])
+    forced = _forced(arch, b * t, 7)
+    live_ref, live_seen = _hf_live(hf, ids)
+    with torch.no_grad(), hf_routes(hf, forced=forced):
+        ref = token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:])
     assert (ref - live_ref).abs().max() > 1e-3  # the forced routes change the model's output
     replay.reset()
     got = _megatron_logprobs(model, arch, ids, replay, _as_rows(forced, b, t), on=True)
     assert torch.equal(_megatron_order_to_rows(replay.ran(), b, t), _as_rows(forced, b, t))
     assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
     # the agreement of the live router with these routes, as counted on the host
-    live = _sorted(live_seen[0])
+    live = _sorted(live_seen)
     agree_layer = (live == _sorted(forced)).all(dim=-1)  # [tokens, layers]
     counts = replay.counts()
     assert float(counts.routed) == b * t and float(counts.unrouted) == 0
@@ -165,25 +175,11 @@ def test_replay_runs_the_given_routes_and_matches_hf_on_the_same_routes(pair):
     assert metrics[routing.AGREEMENT_WORST_LAYER] == pytest.approx(float(agree_layer.double().mean(dim=0).min()))
 
 
-def test_replay_of_the_recorded_routes_keeps_the_live_log_probs_and_agrees_fully(pair):
-    hf, arch, model, replay = pair
-    ids = _ids(arch.vocab_size)
-    b, t = ids.shape
-    with torch.no_grad(), hf_routes(hf) as seen:
-        ref = token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:])
-    replay.reset()
-    got = _megatron_logprobs(model, arch, ids, replay, _as_rows(seen[0], b, t), on=True)
-    assert torch.allclose(got, ref, atol=1e-5, rtol=0)
-    assert replay.counts().metrics()[routing.AGREEMENT] == 1.0
-
-
 def test_tokens_without_a_route_take_the_live_router_and_are_counted(pair):
     hf, arch, model, replay = pair
     ids = _ids(arch.vocab_size)
     b, t = ids.shape
-    gen = torch.Generator().manual_seed(9)
-    forced = torch.stack([torch.randperm(arch.num_experts, generator=gen)[: arch.moe_top_k]
-                          for _ in range(b * t * arch.num_layers)]).reshape(b, t, arch.num_layers, arch.moe_top_k)
+    forced = _as_rows(_forced(arch, b * t, 9), b, t)
     routes = forced.clone()
     routes[:, -1] = -1  # every sample's last token: it never ran forward in the engine
     routes[0, 3:6] = -1  # rows the engine did not record
@@ -220,12 +216,6 @@ def test_replay_gives_the_router_a_gradient(pair):
     grads = [p.grad for n, p in mm.parameters_by_name(model).items() if n.endswith("router.weight")]
     assert len(grads) == arch.num_layers and all(g is not None and g.abs().sum() > 0 for g in grads)
     model.zero_grad()
-
-
-def _forced(arch, tokens: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(arch.num_experts, generator=gen)[: arch.moe_top_k]
-                        for _ in range(tokens * arch.num_layers)]).reshape(tokens, arch.num_layers, arch.moe_top_k)
 
 
 def _replayed_grads(model, arch, replay, ids: torch.Tensor, order: torch.Tensor) -> dict[str, torch.Tensor]:
