@@ -98,6 +98,18 @@ def one_rank_model_parallel() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def tiny_qwen3():
+    """A random dense Qwen3 (per-head q/k RMSNorms, no biases)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(5)
+    return Qwen3ForCausalLM(cfg).float()
+
+
 def tiny_qwen3_moe(norm_topk_prob: bool = True, experts: int = 8, seed: int = 3):
     """A random Qwen3-MoE (transformers' own class): 2 layers, 8 experts, top-2, per-head q/k norms."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

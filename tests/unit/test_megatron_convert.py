@@ -9,7 +9,7 @@ import torch
 from async_rl.errors import ConfigError
 from async_rl.learner.megatron import convert as mcv
 from async_rl.learner.megatron.model import hf_param_shapes
-from tests.unit._megatron_models import tiny_llama, tiny_qwen2
+from tests.unit._megatron_models import tiny_llama, tiny_qwen2, tiny_qwen2_moe, tiny_qwen3_moe
 
 MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama, "llama-tied": lambda: tiny_llama(tie=True)}
 
@@ -145,3 +145,30 @@ def test_parallel_layout_errors_name_the_field():
         mcv.check_parallel_layout(arch, 1, 3)
     with pytest.raises(ValueError, match="no tensor-parallel rule"):
         mcv.shard_kind("decoder.layers.0.self_attention.q_layernorm.bias")
+
+
+@pytest.mark.parametrize("te_spec", [False, True])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("model", [tiny_qwen3_moe, tiny_qwen2_moe])
+def test_experts_over_expert_parallel_ranks_come_back_exactly(model, ep, te_spec):
+    """HF -> full Megatron -> each EP rank's local experts (megatron's local names, or TE's grouped
+    `linear_fc1.weight{j}`) -> global names -> HF: every tensor bit for bit, in the HF model's order;
+    each rank holds E/EP experts, the others' none."""
+    hf_model = model()
+    arch = mcv.arch_from_hf_config(hf_model.config)
+    hf = dict(hf_model.named_parameters())
+    full = mcv.hf_to_megatron_full(hf, arch, 1, 1, 0, te_spec)
+    back: dict[str, torch.Tensor] = {}
+    for rank in range(ep):
+        local = mcv.expert_shard(full, arch, ep, rank, te_spec)
+        experts = [n for n in local if mcv.is_expert(n)]
+        assert len(experts) == 2 * arch.num_layers * arch.num_experts // ep
+        assert all(("local_experts" not in n) == te_spec for n in experts)
+        back.update({mcv.expert_global_name(n, arch, ep, rank) if mcv.is_expert(n) else n: t for n, t in local.items()})
+    assert set(back) == set(full)
+    assert mcv.shard_kind("decoder.layers.0.mlp.experts.linear_fc1.weight3") is mcv.ShardKind.GATED_ROWS
+    assert mcv.shard_kind("decoder.layers.0.mlp.router.weight") is mcv.ShardKind.REPLICATED
+    out = dict(mcv.megatron_full_to_hf(back, arch, 1, 0, te_spec))
+    assert list(out) == list(hf)
+    assert all(torch.equal(out[n], t) for n, t in hf.items())
+    assert hf_param_shapes(arch, 1, 0) == {n: tuple(t.shape) for n, t in hf.items()}

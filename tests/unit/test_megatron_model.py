@@ -26,6 +26,7 @@ from tests.unit._megatron_models import (  # noqa: E402
     one_rank_model_parallel,
     tiny_llama,
     tiny_qwen2,
+    tiny_qwen3,
 )
 
 
@@ -35,7 +36,7 @@ def model_parallel():
         yield
 
 
-MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama}
+MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama, "qwen3": tiny_qwen3}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
