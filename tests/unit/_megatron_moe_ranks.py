@@ -61,7 +61,7 @@ def logp_sum_grads(policy, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, t
     return grads or None
 
 
-def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, out_dir: str) -> None:
+def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, pp: int, out_dir: str) -> None:
     from megatron.core import parallel_state
 
     from async_rl.learner.megatron import convert as mcv
@@ -75,7 +75,8 @@ def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, out_dir: st
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     # the experts split over EP ranks whole (expert tensor parallelism 1) unless EP is 1: then over TP
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if ep == 1 else 1
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp if ep == 1 else 1,
     )
     megatron_cpu.enable()
     try:
@@ -87,7 +88,9 @@ def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, out_dir: st
             distributed_optimizer=False, te_spec=False, cpu_init=True,
             make_optimizer=lambda ddp: megatron_optimizer(ddp, torch.float32, lr, 0.0, 1.0, False),
         )
-        replay = routing.RoutingReplay.install(policy.model, 0)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        first = mcv.stage_layers(arch.num_layers, pp, stage)[0]
+        replay = routing.RoutingReplay.install(policy.model, first)
         b = fixed_batch(arch.vocab_size)
         rows, cols = b.input_ids.shape
         forced = forced_routes(rows * cols, arch.num_layers, arch.num_experts, arch.moe_top_k)
@@ -104,7 +107,8 @@ def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, out_dir: st
         replay.clear()
         grads_live = logp_sum_grads(policy, b.input_ids, mask)
         before = {n: t.detach().clone() for n, t in (policy.hf_state_dict() or {}).items()}
-        b.behav_logp = live.detach() * b.loss_mask  # on-policy
+        if live is not None:  # the last pipeline stage
+            b.behav_logp = live.detach() * b.loss_mask  # on-policy
         _, grad_norm = policy.train_batch(b, 2, 1.0, 0.2, 0.2, 2.0)
         after = {n: t.detach().clone() for n, t in (policy.hf_state_dict() or {}).items()}
         torch.save({
@@ -112,7 +116,7 @@ def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, out_dir: st
             "logp_replay": replayed, "ran": ran, "grad_mask": mask, "grads_live": grads_live,
             "grads_replay": grads_replay, "metrics": counts, "grad_norm": grad_norm,
             "hf_before": before, "hf_after": after, "logp_after": policy.logprobs(b.input_ids),
-            "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+            "ep_rank": parallel_state.get_expert_model_parallel_rank(), "first_layer": first,
         }, Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()

@@ -3,7 +3,7 @@ all-gather token dispatcher (megatron's all-to-all one runs on CUDA only: `megat
 
 Layouts: TP=2 (the experts split over the two TP ranks too), EP=2 (each rank holds four of the eight
 experts whole; the attention is data-parallel), TP=2 with EP=2 (attention split over TP, experts over
-EP: megatron's expert grid on the same two ranks). For each: the log-probs of a fixed batch equal
+EP: megatron's expert grid on the same two ranks), PP=2 (a stage's routers take its layers' routes). For each: the log-probs of a fixed batch equal
 HF's (fp32), with the live router and with forced routes replayed (HF forced onto the same routes),
 the experts megatron ran equal the forced ones for every token, the weights gathered under HF names
 are HF's bit for bit, and one optimizer step changes every weight, the HF model loaded with them
@@ -26,17 +26,23 @@ from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_models import hf_routes, tiny_qwen3_moe  # noqa: E402
 from tests.unit._megatron_moe_ranks import run_moe_rank  # noqa: E402
 
-LAYOUTS = [pytest.param((2, 1), id="tp2"), pytest.param((1, 2), id="ep2"), pytest.param((2, 2), id="tp2-ep2")]
+LAYOUTS = [pytest.param((2, 1, 1), id="tp2"), pytest.param((1, 2, 1), id="ep2"), pytest.param((2, 2, 1), id="tp2-ep2"),
+           pytest.param((1, 1, 2), id="pp2")]
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def run(request, tmp_path_factory):
     import torch.multiprocessing as mp
 
-    tp, ep = request.param
+    tp, ep, pp = request.param
     out: Path = tmp_path_factory.mktemp("megatron-moe")
-    mp.spawn(run_moe_rank, args=(2, free_port(), tp, ep, str(out)), nprocs=2, join=True)
+    mp.spawn(run_moe_rank, args=(2, free_port(), tp, ep, pp, str(out)), nprocs=2, join=True)
     return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}, tiny_qwen3_moe().eval()
+
+
+def _output_ranks(ranks: dict[int, dict]) -> list[dict]:
+    """The ranks holding log-probs (the last pipeline stage's)."""
+    return [r for r in ranks.values() if r["logp_live"] is not None]
 
 
 def _hf_logprobs(hf, ids: torch.Tensor, forced: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,7 +52,7 @@ def _hf_logprobs(hf, ids: torch.Tensor, forced: torch.Tensor | None = None) -> t
 
 def test_logprobs_match_hf_live_and_replayed(run):
     ranks, hf = run
-    for r in ranks.values():
+    for r in _output_ranks(ranks):
         ids, mask = r["input_ids"], r["loss_mask"].bool()
         live = (r["logp_live"] - _hf_logprobs(hf, ids)).abs()
         assert live[mask].max() < 1e-5, live.max()
@@ -61,7 +67,8 @@ def test_the_replayed_experts_are_the_forced_ones_for_every_token(run):
         rows, cols = r["input_ids"].shape
         forced = r["forced"].reshape(rows, cols, *r["forced"].shape[1:])
         ran = r["ran"].reshape(cols, rows, *r["ran"].shape[1:]).transpose(0, 1)  # megatron's [T, B] order
-        assert torch.equal(ran, forced)
+        stage = slice(r["first_layer"], r["first_layer"] + ran.shape[2])  # a pipeline stage's MoE layers
+        assert torch.equal(ran, forced[:, :, stage])
         assert r["metrics"]["moe_unrouted_tokens"] == 0.0 and r["metrics"]["moe_agreement"] < 1.0
 
 
@@ -106,6 +113,6 @@ def test_a_training_step_changes_every_weight_and_exports_what_it_trained(run):
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     assert len(changed) == len(before), f"unchanged after the step: {sorted(set(before) - set(changed))[:4]}"
     hf.load_state_dict(after)
-    for r in ranks.values():
+    for r in _output_ranks(ranks):
         mask = r["loss_mask"].bool()
         assert (r["logp_after"] - _hf_logprobs(hf, r["input_ids"])).abs()[mask].max() < 1e-5
