@@ -1,7 +1,7 @@
 """Megatron backend on one GPU (nccl, world size 1, TP=PP=1): log-probs match the HF model, megatron's
 optimizer (distributed and not) lowers the loss in a few steps, export matches what was trained; the backend with
 Transformer Engine (packed as THD), and with varlen flash attention (packed as one row), scores packed sequences as
-padded ones.
+padded ones; Qwen3-MoE with megatron's all-to-all dispatcher (and TE's grouped experts) matches HF, replay included.
 Marked `gpu` by tests/gpu/conftest.py; skipped without CUDA or without megatron-core."""
 
 from __future__ import annotations
@@ -205,3 +205,39 @@ def test_distributed_optimizer_checkpoint_resumes_the_same_step(model_parallel, 
     got = resumed.hf_state_dict()
     for n, t in want.items():
         assert torch.equal(got[n], t), (n, (got[n].float() - t.float()).abs().max())
+
+
+@pytest.mark.parametrize("te_spec", [False, True])
+def test_moe_logprobs_and_replay_match_hf_on_gpu(model_parallel, te_spec):
+    """Qwen3-MoE on CUDA: megatron's all-to-all token dispatcher (GPU only), SequentialMLP experts (local
+    spec) or Transformer Engine's grouped experts (`TEGroupedMLP`, names `linear_fc1.weight{j}`): the
+    export is HF's bit for bit, the log-probs HF's, and replayed forced routes run exactly and match
+    HF forced onto them (fp32)."""
+    from async_rl.learner.megatron import routing
+    from tests.unit._megatron_models import hf_routes, tiny_qwen3_moe
+    from tests.unit._megatron_moe_ranks import forced_routes
+
+    if te_spec and not mm.transformer_engine_available():
+        pytest.skip("transformer_engine is not importable")
+    hf = tiny_qwen3_moe().cuda().eval()
+    policy = make_policy(hf, distributed_optimizer=False, te_spec=te_spec)
+    assert policy.config.moe_token_dispatcher_type == "alltoall" and policy.config.moe_grouped_gemm == te_spec
+    exported = policy.hf_state_dict()
+    for n, t in hf.named_parameters():
+        assert torch.equal(exported[n], t), n
+    replay = routing.RoutingReplay.install(policy.model, 0)
+    arch = policy.arch
+    ids = torch.randint(0, arch.vocab_size, (2, 17), device="cuda")
+    with replay.feeding(None, False):
+        got = policy.logprobs(ids)
+    assert torch.allclose(got, hf_logprobs(hf, ids), atol=1e-4, rtol=0)
+    b, t = ids.shape
+    forced = forced_routes(b * t, arch.num_layers, arch.num_experts, arch.moe_top_k).cuda()
+    rows = forced.reshape(b, t, *forced.shape[1:])
+    with replay.feeding(routing.token_routes(rows, b, t, one_row=False), True):
+        got = policy.logprobs(ids)
+    ran = replay.ran().reshape(t, b, *forced.shape[1:]).transpose(0, 1)
+    assert torch.equal(ran, rows)
+    with hf_routes(hf, forced=forced):
+        ref = hf_logprobs(hf, ids)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=0)
