@@ -363,7 +363,9 @@ class MegatronBackend(ModelBackend):
         self.head_kernel, self.fused_head = chosen(self.head_probe, self.head_setting, "cpu" if self.on_cpu else "cuda")
         self.gather_weights()  # rank 0 serves the sync manifest from the start
         params = sum(math.prod(shape) for shape in mm.hf_param_shapes(self.arch, 1, 0).values())
-        if not self.on_cpu and not te_spec and self.rank == 0:
+        # the estimate counts a dense MLP's saved tensors; an MoE layer's (permuted tokens, k experts'
+        # intermediates per token, the dispatcher's buffers) are not modelled yet: no line rather than a wrong one
+        if not self.on_cpu and not te_spec and self.rank == 0 and not self.arch.is_moe:
             print(self._local_spec_line(params), flush=True)
         return params
 
