@@ -140,6 +140,11 @@ def tiny_qwen2_moe(seed: int = 4):
     return model
 
 
+def tiny_moe(kind: str):
+    """The tiny MoE model of a family by its HF model_type (qwen3_moe, qwen2_moe)."""
+    return {"qwen3_moe": tiny_qwen3_moe, "qwen2_moe": tiny_qwen2_moe}[kind]()
+
+
 def _spread_routers(model: torch.nn.Module) -> None:
     """transformers initialises the routers to zero (every token ties, top-k by index): random
     weights large enough that the experts a token picks depend on it."""

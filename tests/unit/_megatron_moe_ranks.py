@@ -1,7 +1,7 @@
 """One gloo rank of a Megatron MoE model on CPU with tensor and/or expert parallelism (spawned by
 test_megatron_moe_parallel.py).
 
-Each rank builds the same tiny Qwen3-MoE, loads its shard (its TP shard of the attention, its experts
+Each rank builds the same tiny Qwen3-MoE (or Qwen2-MoE), loads its shard (its TP shard of the attention, its experts
 of the expert-parallel group, each split over the expert tensor-parallel ranks) into a MegatronPolicy
 with megatron's own optimizer, and writes to `out_dir/rank{R}.pt`: the log-probs of a fixed batch
 with the live router and with forced routes replayed, the experts each replayed forward ran, the
@@ -61,14 +61,14 @@ def logp_sum_grads(policy, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, t
     return grads or None
 
 
-def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, pp: int, out_dir: str) -> None:
+def run_moe_rank(rank: int, world: int, port: int, kind: str, tp: int, ep: int, pp: int, out_dir: str) -> None:
     from megatron.core import parallel_state
 
     from async_rl.learner.megatron import convert as mcv
     from async_rl.learner.megatron import cpu as megatron_cpu
     from async_rl.learner.megatron import routing
     from async_rl.learner.megatron.learner import MegatronPolicy, megatron_optimizer
-    from tests.unit._megatron_models import fixed_batch, tiny_qwen3_moe
+    from tests.unit._megatron_models import fixed_batch, tiny_moe
 
     torch.set_num_threads(1)
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -80,7 +80,7 @@ def run_moe_rank(rank: int, world: int, port: int, tp: int, ep: int, pp: int, ou
     )
     megatron_cpu.enable()
     try:
-        hf = tiny_qwen3_moe().eval()
+        hf = tiny_moe(kind).eval()
         arch = mcv.arch_from_hf_config(hf.config)
         lr = 1e-3
         policy = MegatronPolicy(

@@ -3,7 +3,8 @@ all-gather token dispatcher (megatron's all-to-all one runs on CUDA only: `megat
 
 Layouts: TP=2 (the experts split over the two TP ranks too), EP=2 (each rank holds four of the eight
 experts whole; the attention is data-parallel), TP=2 with EP=2 (attention split over TP, experts over
-EP: megatron's expert grid on the same two ranks), PP=2 (a stage's routers take its layers' routes). For each: the log-probs of a fixed batch equal
+EP: megatron's expert grid on the same two ranks), PP=2 (a stage's routers take its layers' routes);
+Qwen2-MoE (shared expert, sigmoid gate) with TP=2 and EP=2. For each: the log-probs of a fixed batch equal
 HF's (fp32), with the live router and with forced routes replayed (HF forced onto the same routes),
 the experts megatron ran equal the forced ones for every token, the weights gathered under HF names
 are HF's bit for bit, and one optimizer step changes every weight, the HF model loaded with them
@@ -23,21 +24,26 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from async_rl.cluster.net import free_port  # noqa: E402
 from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
-from tests.unit._megatron_models import hf_routes, tiny_qwen3_moe  # noqa: E402
+from tests.unit._megatron_models import hf_routes, tiny_moe  # noqa: E402
 from tests.unit._megatron_moe_ranks import run_moe_rank  # noqa: E402
 
-LAYOUTS = [pytest.param((2, 1, 1), id="tp2"), pytest.param((1, 2, 1), id="ep2"), pytest.param((2, 2, 1), id="tp2-ep2"),
-           pytest.param((1, 1, 2), id="pp2")]
+LAYOUTS = [
+    pytest.param(("qwen3_moe", 2, 1, 1), id="tp2"),
+    pytest.param(("qwen3_moe", 1, 2, 1), id="ep2"),
+    pytest.param(("qwen3_moe", 2, 2, 1), id="tp2-ep2"),
+    pytest.param(("qwen3_moe", 1, 1, 2), id="pp2"),
+    pytest.param(("qwen2_moe", 2, 2, 1), id="qwen2_moe-tp2-ep2"),  # the shared expert and its gate under TP
+]
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def run(request, tmp_path_factory):
     import torch.multiprocessing as mp
 
-    tp, ep, pp = request.param
+    kind, tp, ep, pp = request.param
     out: Path = tmp_path_factory.mktemp("megatron-moe")
-    mp.spawn(run_moe_rank, args=(2, free_port(), tp, ep, pp, str(out)), nprocs=2, join=True)
-    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}, tiny_qwen3_moe().eval()
+    mp.spawn(run_moe_rank, args=(2, free_port(), kind, tp, ep, pp, str(out)), nprocs=2, join=True)
+    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}, tiny_moe(kind).eval()
 
 
 def _output_ranks(ranks: dict[int, dict]) -> list[dict]:
