@@ -306,3 +306,34 @@ def test_dense_layers_among_expert_layers_are_refused():
     cfg = tiny_qwen3_moe().config.to_dict() | {"mlp_only_layers": [0]}
     with pytest.raises(ConfigError, match="mlp_only_layers=\\[0\\]"):
         mcv.arch_from_hf_config(Qwen3MoeConfig(**cfg))
+
+
+def _backend(arch, setting: str = "auto"):
+    """A MegatronBackend that has read `arch` (no process group: what its routing checks read)."""
+    from async_rl.learner.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(rank=0, world_size=1, master="127.0.0.1:0", tensor_parallel_size=1,
+                              pipeline_parallel_size=1, dtype="float32", lr=1e-3, weight_decay=0.0, max_grad_norm=1.0,
+                              distributed_optimizer=False, transformer_engine="off", device="cpu", seed=0,
+                              routing_replay=setting)
+    backend.arch, backend.device = arch, torch.device("cpu")
+    return backend
+
+
+def test_replay_on_a_dense_model_and_routes_of_another_shape_are_refused_in_one_line():
+    from async_rl.errors import RunError
+    from async_rl.learner.batch import packing
+    from tests.unit._megatron_models import tiny_llama
+    from tests.unit._megatron_ranks import seq_samples
+
+    with pytest.raises(RunError, match="routing_replay=on needs a mixture-of-experts model, not the dense llama"):
+        _backend(mcv.arch_from_hf_config(tiny_llama().config), "on")._setup_routing(0)
+    _backend(mcv.arch_from_hf_config(tiny_llama().config), "auto")._setup_routing(0)  # auto: off for dense
+    arch = mcv.arch_from_hf_config(tiny_qwen3_moe().config)
+    mb = packing.packed(seq_samples(arch.vocab_size), row_tokens=16)
+    rows, cols = mb.input_ids.shape
+    mb.routes = torch.zeros(rows, cols, arch.num_layers + 1, arch.moe_top_k, dtype=torch.int32)
+    with pytest.raises(RunError, match=r"routes of shape .* a model of 2 MoE layers, top-2"):
+        _backend(arch)._routes(mb, rows, cols, one_row=False)
+    mb.routes = torch.zeros(rows, cols, arch.num_layers, arch.moe_top_k, dtype=torch.int32)
+    assert _backend(arch)._routes(mb, rows, cols, one_row=False).shape == (rows * cols, arch.num_layers, arch.moe_top_k)
