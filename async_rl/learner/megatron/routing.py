@@ -107,13 +107,16 @@ class LayerReplay:
         return values, chosen
 
     def _count(self, chosen: torch.Tensor, same: torch.Tensor | None, real: torch.Tensor | None) -> None:
+        """Device ops only (no bincount, no boolean indexing: both read sizes on the host)."""
         if not self.counting:
             return
         self.ran, self.agree = chosen.detach(), same
-        ran = chosen.detach() if real is None else chosen.detach()[real]
-        if self.load.device != ran.device:
-            self.load, self.agree_count = self.load.to(ran.device), self.agree_count.to(ran.device)
-        self.load += torch.bincount(ran.reshape(-1), minlength=self.experts).to(torch.float64)
+        if self.load.device != chosen.device:
+            self.load, self.agree_count = self.load.to(chosen.device), self.agree_count.to(chosen.device)
+        weight = torch.ones(chosen.shape, dtype=torch.float64, device=chosen.device)
+        if real is not None:  # padding runs the live router but is no token: left out of the load
+            weight = weight * real[:, None]
+        self.load.index_add_(0, chosen.detach().reshape(-1), weight.reshape(-1))
         if same is not None:
             self.agree_count += same.sum()
 
