@@ -36,10 +36,13 @@ import torch
 
 from async_rl.errors import ConfigError
 
-# metrics.jsonl names (flat, as the learner's other step metrics, e.g. clip_frac, grad_norm)
-AGREEMENT = "moe_agreement"  # routed tokens whose live top-k set equals the route in every MoE layer
-AGREEMENT_WORST_LAYER = "moe_agreement_worst_layer"  # the lowest per-layer agreement
-EXPERT_LOAD = "moe_expert_load_max_over_mean"  # tokens of the busiest expert / the mean, worst layer
+# metrics.jsonl names: flat, as the learner's other step metrics (clip_frac, grad_norm), and the torch
+# backend's for the same quantities (its StepRecord fields)
+AGREEMENT = "router_agreement"  # routed tokens whose live top-k set equals the route in every MoE layer
+AGREEMENT_WORST_LAYER = "router_agreement_worst_layer"  # the lowest per-layer agreement
+WORST_LAYER = "router_worst_layer"  # which (this stage's MoE layers, in order)
+EXPERT_LOAD = "expert_load_max_mean"  # tokens of the busiest expert / the mean, worst layer
+ROUTED = "moe_routed_tokens"  # tokens with a recorded route
 UNROUTED = "moe_unrouted_tokens"  # tokens (not padding) the live router took: no route recorded
 
 
@@ -57,11 +60,14 @@ class RoutingCounts:
         """The step metrics of these counts (one host read)."""
         routed = float(self.routed)
         layer = (self.agree_layer / max(routed, 1.0)).tolist()
+        worst = min(range(len(layer)), key=layer.__getitem__) if layer else 0
         mean = self.load.mean(dim=1).clamp(min=1e-9)
         return {
             AGREEMENT: float(self.agree_all) / routed if routed else float("nan"),
-            AGREEMENT_WORST_LAYER: min(layer) if routed and layer else float("nan"),
+            AGREEMENT_WORST_LAYER: layer[worst] if routed and layer else float("nan"),
+            WORST_LAYER: float(worst),
             EXPERT_LOAD: float((self.load.max(dim=1).values / mean).max()) if self.load.numel() else float("nan"),
+            ROUTED: routed,
             UNROUTED: float(self.unrouted),
         }
 
