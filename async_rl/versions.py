@@ -23,8 +23,8 @@ RECORDED = ("torch", "transformers", "megatron-core", "ray", "msgspec", "pyzmq")
 RECORD = "versions.jsonl"  # in the run directory: one line per launch (a run and each of its resumes)
 
 
-class Launch(msgspec.Struct, kw_only=True):
-    """What one launch of a run ran on (a line of RUN_DIR/versions.jsonl)."""
+class Launch(msgspec.Struct, kw_only=True, tag="launch", tag_field="kind"):
+    """What one launch of a run ran on (a line of RUN_DIR/versions.jsonl, written before anything starts)."""
 
     started_at: float
     resumed_from: str  # the checkpoint folder, '' for the run's first launch
@@ -77,6 +77,20 @@ def stack_versions() -> dict[str, str]:
     for name in RECORDED:
         out[name] = installed(name)
     return out
+
+
+class ModelRunners(msgspec.Struct, kw_only=True, tag="model_runners", tag_field="kind"):
+    """vLLM's model runner each engine's workers run (a line of versions.jsonl once the engines are up)."""
+
+    engines: dict[int, str]
+
+
+def record_model_runners(run_dir: Path, engines: dict[int, str]) -> str:
+    """Append the engines' model runners to RUN_DIR/versions.jsonl; returns them in one short text."""
+    with open(Path(run_dir) / RECORD, "ab") as f:
+        f.write(msgspec.json.encode(ModelRunners(engines=engines)) + b"\n")
+    kinds = sorted(set(engines.values()))
+    return ", ".join(f"{k} (engine(s) {sorted(e for e, v in engines.items() if v == k)})" for k in kinds)
 
 
 def _torch_cuda() -> str:

@@ -56,7 +56,8 @@ def run(name: str, command: list[str], timeout_s: float, env: dict[str, str] | N
     except subprocess.TimeoutExpired as exc:
         rc, out = None, f"{exc.stdout or ''}{exc.stderr or ''}"
         out = out.decode() if isinstance(out, bytes) else out
-    lines = [line for line in out.splitlines() if not line.startswith("WARNING: Location")]
+    # pip's index and link lines name this machine's package sources: not for a committed report
+    lines = [line for line in out.splitlines() if not line.startswith(("WARNING: Location", "Looking in "))]
     step = Step(name, command, rc, time.monotonic() - t0, "\n".join(lines[-25:]))
     print(f"[upgrade-check] {name}: {step.status} in {step.seconds:.0f} s", flush=True)
     return step

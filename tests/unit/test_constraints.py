@@ -64,3 +64,18 @@ def test_untested_vllm_is_one_warning_line_and_the_tested_one_is_silent():
     assert versions.vllm_untested_line("0.32.1+cpu") is None
     line = versions.vllm_untested_line("0.33.0")
     assert line is not None and "\n" not in line and "0.33.0" in line and "0.32.x" in line
+
+
+def test_each_launch_and_its_engines_model_runners_are_recorded(tmp_path):
+    import json
+
+    first = versions.record_launch(tmp_path, None)
+    versions.record_launch(tmp_path, tmp_path / "checkpoints" / "step_4")
+    text = versions.record_model_runners(tmp_path, {0: "a.V1Runner", 1: "a.V1Runner", 2: "b.V2Runner"})
+    assert text == "a.V1Runner (engine(s) [0, 1]), b.V2Runner (engine(s) [2])"
+    lines = [json.loads(line) for line in (tmp_path / versions.RECORD).read_text().splitlines()]
+    assert [x["kind"] for x in lines] == ["launch", "launch", "model_runners"]
+    assert lines[0]["resumed_from"] == "" and lines[1]["resumed_from"].endswith("step_4")
+    assert lines[0]["torch"] == versions.installed("torch") and first.python.count(".") == 2
+    assert lines[2]["engines"] == {"0": "a.V1Runner", "1": "a.V1Runner", "2": "b.V2Runner"}
+    assert "torch " + first.torch in versions.summary(first)
