@@ -7,6 +7,7 @@ launch is left: the next launch stops what is still there, in one line."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -52,12 +53,19 @@ def still_running(procs: dict[int, float]) -> list[int]:
     return left
 
 
-def wait_for(cond, p, what: str, timeout_s: float = 600) -> None:
+def wait_for(cond, p, what: str, timeout_s: float = 600, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert p.poll() is None, f"the run ended before {what}: " + p.stderr.read()[-2000:]
         assert time.monotonic() < deadline, f"timeout waiting for {what}"
-        time.sleep(0.1)
+        time.sleep(poll_s)
+
+
+def writing_checkpoint(ckpts: Path) -> bool:
+    try:
+        return any(e.name.startswith(".tmp-") for e in os.scandir(ckpts))
+    except FileNotFoundError:
+        return False
 
 
 def kill(p) -> dict[int, float]:
@@ -84,7 +92,8 @@ def test_sigkill_mid_run_and_right_after_a_checkpoint_starts_then_resume_alone(t
     # 2. resumed alone; killed again as soon as its next checkpoint starts (a .tmp- folder appears)
     p = resume(run_dir)
     ckpts = run_dir / CHECKPOINTS
-    wait_for(lambda: any(c.name.startswith(".tmp-") for c in ckpts.iterdir()), p, "a checkpoint being written")
+    # a tiny model's checkpoint takes a few hundred ms to write: look every millisecond
+    wait_for(lambda: writing_checkpoint(ckpts), p, "a checkpoint being written", poll_s=0.001)
     second_kill = kill(p)
     out_2 = p.stdout.read()
 
@@ -98,6 +107,7 @@ def test_sigkill_mid_run_and_right_after_a_checkpoint_starts_then_resume_alone(t
     # What the killed launches left is gone: stopped by the next launch (one line), or gone by itself.
     assert not still_running(first_kill) and not still_running(second_kill)
     stopped = [line for line in (out_2 + out).splitlines() if line.startswith("stopped ")]
+    print("\n".join(stopped) or "nothing left to stop")  # shown with -s
     assert all("process(es) an earlier, killed launch left running" in line for line in stopped)
 
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
