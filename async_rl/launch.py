@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
             resume_from = latest(Path(args.resume))  # no checkpoint: one-line ConfigError, exit 2
             if config is not None:  # a CONFIG beside --resume: what differs from the run's own, key by key
-                resume_line = check_given(saved_config(Path(args.resume)), cfg)
+                saved_path = saved_config(Path(args.resume))
+                resume_line = check_given(saved_path, resolve_devices(load_config(saved_path), view), cfg)
             if resume_line:
                 print(resume_line, flush=True)
         if args.dry_run:

@@ -56,10 +56,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_given(saved_path: Path, given: Config) -> str | None:
-    """One line naming the keys where CONFIG (devices resolved, as the saved one is) differs from the
-    run's saved config (None: none differ); a one-line ConfigError where going on would be wrong."""
-    diff = changed_keys(load_config(saved_path), given)
+def check_given(saved_path: Path, saved: Config, given: Config) -> str | None:
+    """One line naming the keys where CONFIG differs from the run's saved config (None: none differ);
+    a one-line ConfigError where going on would be wrong. Both with their devices resolved alike."""
+    diff = changed_keys(saved, given)
     for key in REFUSED:
         if key in diff:
             old, new = diff[key]

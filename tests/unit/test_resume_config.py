@@ -48,15 +48,16 @@ def test_a_run_dir_without_saved_config_is_one_line(tmp_path):
 def test_a_differing_config_is_named_key_by_key_in_one_line(tmp_path):
     run_dir = saved_run(tmp_path, "train.total_steps=40")
     given = load_config(QUICKSTART, ["logging.run_name=other"])  # logging does not change the run
-    line = check_given(run_dir / "config.yaml", given)
+    saved = load_config(run_dir / "config.yaml")
+    line = check_given(run_dir / "config.yaml", saved, given)
     assert line == "resume: CONFIG differs from the run's saved config (config.yaml) in 1 key(s): train.total_steps 40 -> 100"
-    assert check_given(run_dir / "config.yaml", load_config(QUICKSTART, ["train.total_steps=40"])) is None
+    assert check_given(run_dir / "config.yaml", saved, load_config(QUICKSTART, ["train.total_steps=40"])) is None
 
 
 def test_another_model_is_refused(tmp_path):
     run_dir = saved_run(tmp_path)
     with pytest.raises(ConfigError, match=r"^--resume: model.path is 'tiny-qwen2-wide' but the run was trained from"):
-        check_given(run_dir / "config.yaml", load_config(QUICKSTART, ["model.path=tiny-qwen2-wide"]))
+        check_given(run_dir / "config.yaml", load_config(run_dir / "config.yaml"), load_config(QUICKSTART, ["model.path=tiny-qwen2-wide"]))
 
 
 def test_an_override_in_the_config_slot_is_an_override(tmp_path):
