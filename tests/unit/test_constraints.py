@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from importlib.metadata import distributions
 from pathlib import Path
 
@@ -52,11 +53,11 @@ def test_a_venv_made_by_make_install_holds_exactly_the_pinned_versions():
     have = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
     have = {name: v for name, v in have.items() if name not in NOT_FROZEN}
     differ = sorted(f"{n} {have[n]} (pinned {expected[n]})" for n in have.keys() & expected.keys() if have[n] != expected[n])
-    unpinned = sorted(f"{n} {have[n]}" for n in have.keys() - expected.keys())
     missing = sorted(expected.keys() - have.keys())
-    assert not differ and not unpinned and not missing, (
-        f"venv {sys.prefix} vs {CPU.name}: differ {differ}; installed but not pinned {unpinned}; pinned but absent {missing}"
-    )
+    assert not differ and not missing, f"venv {sys.prefix} vs {CPU.name}: differ {differ}; pinned but absent {missing}"
+    # A package installed by hand beside the tested set changes none of its versions: named, not fatal.
+    if unpinned := sorted(f"{n} {have[n]}" for n in have.keys() - expected.keys()):
+        warnings.warn(f"venv {sys.prefix}: installed but not in {CPU.name}: {', '.join(unpinned)}", stacklevel=1)
 
 
 def test_untested_vllm_is_one_warning_line_and_the_tested_one_is_silent():
