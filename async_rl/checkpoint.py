@@ -5,6 +5,7 @@
         trainer_state.pt     optimizer, LR scheduler, step count (learner rank 0)
         rng_rank{r}.pt       every learner rank's RNG states
         run_state.json       step, policy version, buffer accounting and prompt stream position
+        buffer_groups.msgpack  the groups generated but not yet trained (the resumed run trains them)
 
 A checkpoint is written into a hidden temporary folder and renamed into place: a folder named
 `step_N` is always complete, whenever the run was killed. A checkpoint cut short (a rank or the
@@ -30,6 +31,7 @@ from async_rl.errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
 RUN_STATE = "run_state.json"
+GROUPS_FILE = "buffer_groups.msgpack"  # the buffer's untrained groups (binary frames), beside run_state.json
 _PREFIX = "step_"
 _TMP = ".tmp-"
 
@@ -63,7 +65,10 @@ def _fsync_dir(path: Path) -> None:
 
 def commit(tmp: Path, state: RunCheckpoint, keep: int) -> Path:
     """Write the run state, rename `tmp` to `step_N`, drop all but the newest `keep` checkpoints."""
-    (tmp / RUN_STATE).write_bytes(msgspec.json.encode(state))
+    # the groups' frames are binary: msgpack beside the readable JSON, not base64 inside it
+    (tmp / GROUPS_FILE).write_bytes(msgspec.msgpack.encode(state.buffer.groups))
+    readable = msgspec.structs.replace(state, buffer=msgspec.structs.replace(state.buffer, groups=[]))
+    (tmp / RUN_STATE).write_bytes(msgspec.json.encode(readable))
     for f in tmp.rglob("*"):  # data on disk before the rename makes it visible
         if f.is_file():
             with open(f, "rb") as fh:
@@ -129,7 +134,11 @@ def latest(run_dir: Path) -> Path:
 
 
 def load_state(checkpoint: Path) -> RunCheckpoint:
-    return msgspec.json.decode((Path(checkpoint) / RUN_STATE).read_bytes(), type=RunCheckpoint)
+    state = msgspec.json.decode((Path(checkpoint) / RUN_STATE).read_bytes(), type=RunCheckpoint)
+    groups = Path(checkpoint) / GROUPS_FILE
+    if groups.is_file():  # absent in checkpoints written before groups were kept
+        state.buffer.groups = msgspec.msgpack.decode(groups.read_bytes(), type=list[list[bytes]])
+    return state
 
 
 def trim_metrics(run_dir: Path, step: int, name: str = "metrics.jsonl") -> int:

@@ -17,7 +17,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from async_rl import checkpoint
+from async_rl import checkpoint, versions
 from async_rl.autoscale import ScaleSignal
 from async_rl.buffer.actor import BufferStats
 from async_rl.cluster.placement import PlacementPlan
@@ -98,6 +98,8 @@ class Controller:
         t_ready = time.perf_counter()
         self.start()
         rt = self.runtime
+        runners = versions.record_model_runners(self.run_dir, rt.generators.model_runners())
+        print(f"model runner: {runners}", file=metrics.stream, flush=True)
         sup = self.supervisor = Supervisor(rt, self.cfg, self.run_dir, self.run_id, metrics.stream)
         sup.start()  # every process watched from here on, whatever the loop does (death_watch.py)
         print(

@@ -15,11 +15,14 @@ import time
 import traceback
 from pathlib import Path
 
+from async_rl import versions
 from async_rl.cluster.devices import ClusterView, local_view, ray_view, resolve_devices
 from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, reward_model_serving, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
+from async_rl.leftovers import marked, stop_orphans
 from async_rl.models.tiny import ALL_PRESETS, resolve_model_path
+from async_rl.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.tasks.registry import load_task
 from async_rl.tasks.rewards import load_reward
 
@@ -45,7 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--describe", action="store_true", help="print every config key with default and meaning")
     ap.add_argument(
-        "--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (same step and version numbering)"
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its latest checkpoint (same step and version numbering) with the run's saved "
+        "config (overrides apply on top); a CONFIG given too is compared with it key by key",
     )
     return ap.parse_intermixed_args(argv)  # flags before or after the overrides
 
@@ -121,12 +127,9 @@ def _raise_interrupt(signum, frame):  # SIGTERM -> the same clean shutdown as Ct
 
 
 def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> int:
-    import ray
-
     from async_rl import checkpoint
-    from async_rl.controller import Controller
     from async_rl.data import check_train_data
-    from async_rl.metrics import EVAL_FILE, MetricsSink
+    from async_rl.metrics import EVAL_FILE
 
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     loaded = check_train_data(cfg, model_dir)  # a bad data row fails here, before anything starts
@@ -143,17 +146,32 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
         checkpoint.discard_partial(run_dir, "resume")  # nothing writes one before the run starts
     print(f"run directory: {run_dir}", flush=True)
     print(f"model: {model_dir}", flush=True)
+    launched = versions.record_launch(run_dir, resume_from)
+    print(f"versions: {versions.summary(launched)} (in {run_dir / versions.RECORD})", flush=True)
+    if warning := versions.vllm_untested_line(launched.vllm.rpartition(" ")[2]):
+        print(warning, flush=True)
     if loaded is not None:
         skipped = f", {sum(loaded.skipped.values())} bad row(s) skipped {dict(loaded.skipped)}" if loaded.skipped else ""
         print(f"data: {len(loaded.prompts)} training prompts x {cfg.data.epochs} epoch(s){skipped}", flush=True)
     print(plan.render(), flush=True)
     print(weight_sync_line(cfg), flush=True)
+    with marked():  # every process the run starts carries this launcher's mark (leftovers.py)
+        return _run_marked(cfg, plan, run_dir, model_dir, resume_from)
+
+
+def _run_marked(cfg: Config, plan: PlacementPlan, run_dir: Path, model_dir: Path, resume_from: Path | None) -> int:
+    import ray
+
+    from async_rl.controller import Controller
+    from async_rl.metrics import MetricsSink
+
     start_ray(cfg, plan)
     controller = Controller(cfg, model_dir, run_dir, plan, resume_from)
     metrics = None
     try:
         print("starting buffer, generators (vLLM) and learner ...", flush=True)
-        metrics = MetricsSink(run_dir, cfg.logging.wandb, to_dict(cfg), cfg.train.total_steps)
+        wandb_config = {**to_dict(cfg), "versions": versions.stack_versions()}
+        metrics = MetricsSink(run_dir, cfg.logging.wandb, wandb_config, cfg.train.total_steps)
         summary = controller.run(metrics)
         if controller.resumed_checksum is not None:
             ck = controller.resumed_checksum
@@ -185,15 +203,23 @@ def main(argv: list[str] | None = None) -> int:
         for key, default, desc in describe():
             print(f"{key:<38} {default:<22} {desc}")
         return 0
-    if args.config is None:
-        print("error: a CONFIG file is required (or --describe)", file=sys.stderr)
+    config, overrides = split_positionals(args.config, args.overrides) if args.resume else (args.config, args.overrides)
+    if config is None and not args.resume:
+        print("error: a CONFIG file is required (or --describe, or --resume RUN_DIR)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)
     # A run started in the background by a non-interactive shell inherits SIGINT ignored, so `kill -INT`
     # did nothing; Ctrl-C and `kill -INT` now both stop it cleanly wherever it was started.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        cfg = load_config(args.config, args.overrides)
+        resume_line = None
+        if args.resume and config is None:  # the run's own config, overrides on top
+            from async_rl.checkpoint import latest
+
+            latest(Path(args.resume))  # no checkpoint: that one line first, not a missing config.yaml
+            cfg, resume_line = saved_with_overrides(Path(args.resume), overrides)
+        else:
+            cfg = load_config(config, overrides)
         check_inputs(cfg)
         view = cluster_view(cfg)
         cfg = resolve_devices(cfg, view)  # generators.device / learner.device: auto -> cuda or cpu
@@ -203,12 +229,19 @@ def main(argv: list[str] | None = None) -> int:
             from async_rl.checkpoint import latest
 
             resume_from = latest(Path(args.resume))  # no checkpoint: one-line ConfigError, exit 2
+            if config is not None:  # a CONFIG beside --resume: what differs from the run's own, key by key
+                saved_path = saved_config(Path(args.resume))
+                resume_line = check_given(saved_path, resolve_devices(load_config(saved_path), view), cfg)
+            if resume_line:
+                print(resume_line, flush=True)
         if args.dry_run:
             print(to_yaml(cfg), end="")
             print(plan.render())
             print(weight_sync_line(cfg))
             disconnect_ray()
             return 0
+        if stopped := stop_orphans():  # what an earlier launch, killed, left on this machine
+            print(stopped, flush=True)
         return run(cfg, plan, resume_from)
     except (ConfigError, RunError) as exc:
         disconnect_ray()

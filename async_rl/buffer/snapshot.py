@@ -27,6 +27,8 @@ from async_rl.protocol import Prompt, decode_groups, encode_groups
 
 SNAPSHOT_SCHEMA = 1
 SNAPSHOT_NAME = "buffer_snapshot.msgpack"
+# The run id a checkpoint's groups are framed with: a resumed run has a new run id of its own.
+CHECKPOINT_FRAMES = "checkpoint"
 
 __all__ = ["Lease", "BufferSnapshot", "BufferState", "BufferParts", "write_snapshot", "read_snapshot"]
 
@@ -66,6 +68,10 @@ class BufferState(msgspec.Struct, kw_only=True):
     reward_crashes: int = 0  # samples whose reward worker died mid-call
     reward_pool_restarts: int = 0  # engines' reward pools restarted
     replayed_steps: int = 0  # steps trained again after learner recoveries (admission counts them)
+    # Complete groups generated but not yet trained at checkpoint time (those of batches built ahead
+    # first, then the waiting ones), each in wire framing: the resumed run trains them. Kept apart from
+    # run_state.json (checkpoint.GROUPS_FILE); empty in older checkpoints, whose waiting groups are lost.
+    groups: list[list[bytes]] = msgspec.field(default_factory=list)
 
 
 def _position(position: DataPosition | None, drawn: int) -> DataPosition:
@@ -178,20 +184,33 @@ class BufferParts:
             position=self.source.position,
             skipped_prompts=self.source.skipped,
             replayed_steps=self.ledger.replayed_steps,
+            groups=[encode_groups(CHECKPOINT_FRAMES, [g]) for g in self._untrained()],
         )
+
+    def _untrained(self):
+        """Every complete group not yet trained: those of batches built ahead (in step order), then
+        the waiting ones; the order the resumed run trains them in."""
+        built = self.server.built()
+        ahead = [g for step in sorted(built) for shard in built[step] for g in shard]
+        return [*ahead, *self.server.waiting()]
 
     def restore_state(self, state: BufferState) -> None:
         """Resume from a checkpoint, before any lease: the prompt stream continues after the last
         prompt drawn, the accounting goes on from the saved counts, and the prompts handed back or in
         flight at checkpoint time are leased first (in flight ones counted `requeued`: generated
-        again, not lost). Groups that were waiting died with that run: they are counted lost."""
+        again, not lost). Groups generated but not yet trained come back waiting, and are trained
+        first (still subject to the staleness bound); only a checkpoint that kept none (older ones)
+        counts them lost."""
         a = msgspec.structs.replace(state.accounts)
         if state.returned:  # older checkpoints kept no prompts: their in-flight samples are lost
             a.requeued += a.in_flight
         else:
             a.lost += a.in_flight
-        a.lost += a.waiting
-        a.in_flight = a.waiting = 0
+        groups = [g for frames in state.groups for g in decode_groups(frames, CHECKPOINT_FRAMES, self.max_frame_bytes)[1]]
+        kept = sum(g.episode_count for g in groups)
+        a.lost += a.waiting - kept
+        a.in_flight, a.waiting = 0, kept
+        self.server.restore(groups, {})
         self.ledger.accounts = a
         self.ledger.generator_version = state.generator_version
         self.ledger.replayed_steps = state.replayed_steps

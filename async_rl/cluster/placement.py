@@ -78,7 +78,8 @@ class PlacementPlan(msgspec.Struct, frozen=True):
             lines.append(f"  {'controller':<18} this process")
             return "\n".join(lines)
         note = ", OVERSUBSCRIBED" if self.oversubscribed else ""
-        note += ", colocated: generators and learner alternate on the same cores" if self.colocated else ""
+        shared = {c for e in self.engines for c in e.cores} & {c for r in self.learner_ranks for c in r.cores}
+        note += ", colocated: generators and learner alternate on the same cores" if self.colocated and shared else ""
         lines = [f"placement plan ({self.num_cores} cores{note}{gpus}):"]
         for p in procs:
             gpu = self._gpu_text(p)
@@ -377,8 +378,8 @@ def _plan_cores(cfg: Config, cores: list[int]) -> PlacementPlan:
     g = cfg.generators
     colocated = cfg.placement == "colocated"
     engines = [ProcessPlacement(f"engine {i}", take(g.cpus_per_engine)) for i in range(g.num_engines)]
-    if colocated:
-        next_index = 0  # the learner takes the same cores; the two sides take turns
+    if colocated and next_index + cfg.learner.world_size * cfg.learner.cpus_per_rank > len(cores):
+        next_index = 0  # too few cores for both: the learner takes the engines' cores; the two sides take turns
     ranks = [
         ProcessPlacement(f"learner rank {r}", take(cfg.learner.cpus_per_rank)) for r in range(cfg.learner.world_size)
     ]

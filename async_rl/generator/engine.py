@@ -297,6 +297,10 @@ class GeneratorEngine:
     async def param_checksums(self) -> list[ShardChecksum]:
         return await self.model.param_checksums()
 
+    async def model_runner(self) -> str:
+        """vLLM's model runner this engine's workers run (recorded in RUN_DIR/versions.jsonl)."""
+        return await self.model.model_runner()
+
     async def logprobs(self, probe: Probe) -> list[list[float]]:
         """vLLM's log-probs of the probe's tokens at its positions, with the weights served now (the
         probe's own log-probs are not read)."""

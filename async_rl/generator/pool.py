@@ -285,6 +285,10 @@ class GeneratorPool:
                 continue
         return out
 
+    def model_runners(self) -> dict[int, str]:
+        """The model runner every engine's workers run, by engine id."""
+        return dict(zip(self.engines, ray.get([a.model_runner.remote() for a in self.actors]), strict=True))
+
     def checksums(self) -> dict[int, list[ShardChecksum]]:
         """Every engine's TP workers' checksum parts, by engine id (see checksum.engine_checksum)."""
         return dict(zip(self.engines, ray.get([a.param_checksums.remote() for a in self.actors]), strict=True))

@@ -149,6 +149,9 @@ class ServedModel:
     async def param_checksums(self) -> list[ShardChecksum]:
         return await vc.param_checksums(self._llm)
 
+    async def model_runner(self) -> str:
+        return await vc.model_runner(self._llm)
+
     # ---- health and processes --------------------------------------------------------------------
 
     def dead(self) -> bool:

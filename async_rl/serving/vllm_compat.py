@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -16,6 +17,7 @@ import msgspec
 from async_rl.serving import core_watch, lora_serving
 from async_rl.serving import worker_extension as ext
 from async_rl.serving.sampling import SamplingSpec
+from async_rl.versions import vllm_untested_line
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum
@@ -25,6 +27,7 @@ EXTENSION_CLS = f"{ext.__name__}.{ext.WeightReceiverExtension.__name__}"
 _JOIN = ext.WeightReceiverExtension.async_rl_join_weight_group.__name__
 _RECEIVE = ext.WeightReceiverExtension.async_rl_receive_weights.__name__
 _CHECKSUM = ext.WeightReceiverExtension.async_rl_param_checksum.__name__
+_MODEL_RUNNER = ext.WeightReceiverExtension.async_rl_model_runner.__name__
 _RECEIVE_ADAPTER = ext.WeightReceiverExtension.async_rl_receive_adapter.__name__
 _ZERO_ADAPTER = ext.WeightReceiverExtension.async_rl_install_zero_adapter.__name__
 
@@ -119,9 +122,12 @@ def _adapter_serving_llm():
 
 
 def make_engine(spec: EngineSpec):
+    import vllm
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    if warning := vllm_untested_line(vllm.__version__):  # the run goes on; the line says what to check
+        print(f"engine: {warning}", file=sys.stderr, flush=True)
     cuda = spec.device == "cuda"
     kv_cache = {}
     if not cuda and spec.kv_cache_bytes > 0:
@@ -365,6 +371,11 @@ async def param_checksums(llm) -> list[ShardChecksum]:
     """Every TP worker's part of the engine's weight checksum, by TP rank (see checksum.engine_checksum)."""
     raw = await watched(llm, llm.collective_rpc(_CHECKSUM), "param_checksum")
     return [msgspec.msgpack.decode(r, type=ShardChecksum) for r in raw]
+
+
+async def model_runner(llm) -> str:
+    """The model runner class of the engine's workers (TP rank 0's; every rank runs the same)."""
+    return (await watched(llm, llm.collective_rpc(_MODEL_RUNNER), "model_runner"))[0]
 
 
 def is_dead(llm) -> bool:

@@ -76,6 +76,12 @@ class WeightReceiverExtension:
         """learner.lora, at start: the served adapter id holds zeros (the base model) until the first sync."""
         lora_serving.install_zero_adapter(self, rank, lora_serving.SERVED_LORA_ID)
 
+    def async_rl_model_runner(self) -> str:
+        """Which model runner this worker runs, by class: on a GPU vLLM picks its second runner (V2)
+        whenever Triton works, the CPU build always the first; the run records which one ran."""
+        runner = type(self.model_runner)
+        return f"{runner.__module__}.{runner.__qualname__}"
+
     def async_rl_param_checksum(self) -> bytes:
         """This TP worker's part of its engine's weight checksum (see `loaded_weight_parts`); with LoRA
         serving, the checksum of the adapter it serves (TP 1: `replicated` is the whole)."""

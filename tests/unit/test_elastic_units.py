@@ -298,7 +298,7 @@ def test_all_interfaces_are_advertised_as_the_node_ip():
 
 def test_checkpoint_restore_leases_handed_back_and_in_flight_prompts_first(tmp_path):
     """A resumed run generates again the prompts that were handed back or in flight at checkpoint
-    time (counted requeued, none skipped); only groups already waiting die with the old run."""
+    time (counted requeued, none skipped) and trains the groups that were waiting (none lost)."""
 
     async def scenario():
         old = make_buffer(tmp_path)
@@ -311,11 +311,40 @@ def test_checkpoint_restore_leases_handed_back_and_in_flight_prompts_first(tmp_p
         new = make_buffer(tmp_path / "resumed")
         await new.restore(msgspec.json.decode(msgspec.json.encode(state), type=BufferState))
         a = new.ledger.accounts
-        assert a.balanced() and (a.in_flight, a.waiting) == (0, 0)
-        assert a.lost == 2  # the waiting group of prompt 2 (group size 2)
+        assert a.balanced() and (a.in_flight, a.waiting, a.lost) == (0, 2, 0)  # prompt 2's group kept
         assert a.requeued == 2 + 4  # prompt 1 before the checkpoint, prompts 0 and 3 at restore
         leased = [p.prompt_id for p in await new.lease(engine_id=7, max_groups=4, wait_s=0)]
-        assert sorted(leased[:3]) == [0, 1, 3] and leased[3] == 4  # then the stream goes on after 3
+        assert sorted(leased) == [0, 1, 3]  # admission counts the kept group: 3 of the 4 groups' room
+        deliver(new, group(0, engine_id=7))
+        shards = await new.server.build(step=0, world_size=1)
+        assert [g.prompt_id for g in shards[0]] == [2, 0]  # the kept group is trained first
+        assert new.server.ack(0) == 4 and new.ledger.accounts.lost == 0
+
+    (tmp_path / "resumed").mkdir()
+    asyncio.run(scenario())
+
+
+def test_groups_built_or_waiting_at_checkpoint_time_survive_the_checkpoint_files(tmp_path):
+    """A batch built ahead and a waiting group go through checkpoint.commit/load_state (their frames
+    beside run_state.json) and come back waiting, in the order they were to be trained."""
+    from async_rl import checkpoint
+
+    async def scenario():
+        old = make_buffer(tmp_path)
+        await old.lease(engine_id=0, max_groups=3, wait_s=0)
+        for pid in (0, 1, 2):
+            deliver(old, group(pid, engine_id=0))
+        await old.server.build(step=0, world_size=1)  # groups 0, 1: built, not yet trained
+        tmp = checkpoint.begin(tmp_path / "run")
+        state = checkpoint.RunCheckpoint(step=0, version=0, buffer=old.checkpoint_state(), saved_at=0.0)
+        final = checkpoint.commit(tmp, state, keep=2)
+        assert b"buffer_groups" not in (final / checkpoint.RUN_STATE).read_bytes()
+        assert len(msgspec.json.decode((final / checkpoint.RUN_STATE).read_bytes())["buffer"]["groups"]) == 0
+        new = make_buffer(tmp_path / "resumed")
+        await new.restore(checkpoint.load_state(final).buffer)
+        assert [g.prompt_id for g in new.server.waiting()] == [0, 1, 2]
+        a = new.ledger.accounts
+        assert a.balanced() and (a.waiting, a.lost) == (6, 0)
 
     (tmp_path / "resumed").mkdir()
     asyncio.run(scenario())

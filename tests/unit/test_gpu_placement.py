@@ -218,3 +218,30 @@ def test_the_recipes_read_gsm8k_as_prepare_gsm8k_writes_it(tmp_path):
         (got,) = [row_to_prompt(r, i, "f", recipe_cfg.data, "f") for i, r in enumerate(read_rows(tmp_path / "train.parquet"))]
         assert got.answer == "1234" and got.data_source == "openai/gsm8k", recipe.name
         assert got.messages[0].role == "user" and "####" in got.messages[0].content
+
+
+def test_every_recipe_gives_each_engine_and_learner_rank_more_than_one_core(tmp_path):
+    """With the cores the recipe asks for (at least 16: the lent 1-GPU device had 16), the plan that
+    `--dry-run` prints gives every engine and every learner rank cores of its own, more than one each;
+    the 1-GPU colocated recipe's engine and rank too (apart, when the machine has the cores for both)."""
+    from datasets import Dataset
+
+    gpu = Path(__file__).resolve().parents[2] / "configs" / "gpu"
+    Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}]).to_parquet(
+        tmp_path / "d.parquet"
+    )
+    files = f"[{tmp_path / 'd.parquet'}]"
+    for recipe in sorted(gpu.glob("*.yaml")):
+        c = load_config(recipe, [f"data.train_files={files}", f"data.eval_files={files}", "ray.address="])
+        gpus = c.generators.num_engines * c.generators.tensor_parallel_size
+        gpus = gpus if c.placement == "colocated" else gpus + c.learner.world_size
+        custom = {k: 64.0 for k in (*c.generators.ray_resources, *c.learner.ray_resources)}  # 2node: both roles here
+        view = ClusterView([NodeView("this machine", {"CPU": 64.0, "GPU": float(gpus), **custom})], "local Ray")
+        needed = c.generators.num_engines * c.generators.cpus_per_engine + c.learner.world_size * c.learner.cpus_per_rank
+        p = plan_placement(resolve_devices(c, view), cores=list(range(max(16, needed))), view=view)
+        procs = [*p.engines, *p.learner_ranks]
+        assert all(len(proc.cores) > 1 for proc in procs), (recipe.name, [(x.role, x.cores) for x in procs])
+        taken = [core for proc in procs for core in proc.cores]
+        assert len(taken) == len(set(taken)) and not p.oversubscribed, recipe.name
+        rendered = p.render()
+        assert all(f"{proc.role:<18} cores {','.join(map(str, proc.cores))}" in rendered for proc in procs), rendered
