@@ -90,10 +90,17 @@ def test_sigkill_mid_run_and_right_after_a_checkpoint_starts_then_resume_alone(t
     first_kill = kill(p)
 
     # 2. resumed alone; killed again as soon as its next checkpoint starts (a .tmp- folder appears)
+    resumed_at = completed(run_dir)[-1].name
     p = resume(run_dir)
     ckpts = run_dir / CHECKPOINTS
-    # a tiny model's checkpoint takes a few hundred ms to write: look every millisecond
-    wait_for(lambda: writing_checkpoint(ckpts), p, "a checkpoint being written", poll_s=0.001)
+    # A tiny model's checkpoint takes a few hundred ms to write: look every millisecond. On a loaded
+    # machine this poller may sleep through the whole write; then it kills right after the next
+    # checkpoint completed (still mid-run: steps remain), never waiting on luck for the run's end.
+    wait_for(
+        lambda: writing_checkpoint(ckpts) or completed(run_dir)[-1].name != resumed_at,
+        p, "a checkpoint being written", poll_s=0.001,
+    )
+    print("second kill:", "while a checkpoint was written" if writing_checkpoint(ckpts) else "after one completed")
     second_kill = kill(p)
     out_2 = p.stdout.read()
 
