@@ -478,6 +478,16 @@ class LearnerConfig(_Section):
     world_size: Annotated[
         int, _f("learner ranks (torch: data parallel; megatron: tensor x pipeline x data parallel)", ge=1)
     ] = 1
+    sequence_parallel_size: Annotated[
+        int,
+        _f("torch backend: Ulysses sequence parallelism, SP ranks per data-parallel rank (world_size = data "
+           "parallel x SP): the ranks of a group split each micro-batch's tokens by position and trade positions "
+           "for heads around attention (all-to-all), so one long sequence's activations spread over SP ranks; "
+           "the loss and gradients equal SP = 1's. It must divide world_size and the model's attention heads "
+           "(K/V heads are repeated where SP does not divide them). micro_batch_tokens counts the micro-batch's "
+           "tokens over the group (auto: SP x one rank's budget). 1 = off (learner/model/ulysses.py, "
+           "docs/learner.md)", ge=1),
+    ] = 1
     cpus_per_rank: Annotated[int, _f("CPU cores pinned to each learner rank", ge=1)] = 1
     ray_resources: Annotated[
         dict[str, float],
