@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -70,6 +71,12 @@ def _joined(parts: list[dict]) -> dict:
     """The DP ranks' results as one rank's over their shards together (gradients and parameters are
     every rank's already)."""
     first = parts[0]
+    # the controller's loss: the ranks' mean (each is its share of the global token mean x DP); the
+    # other statistics are each rank's token-weighted means (loss tokens = completion tokens here)
+    loss = float(np.mean([p["metrics"].loss for p in parts]))
+    tokens = np.array([p["metrics"].tokens for p in parts], dtype=np.float64)
+    weighted = {f: float(np.dot([getattr(p["metrics"], f) for p in parts], tokens) / tokens.sum())
+                for f in ("kl_behav", "logprob_abs_diff", "entropy", "cov_frac")}
     scored = [p["scored"] for p in parts]
     width = max(s[0].shape[1] for s in scored)
 
@@ -84,8 +91,8 @@ def _joined(parts: list[dict]) -> dict:
         "mask": torch.cat([pad(p["mask"]) for p in parts]),
         "grads": first["grads"],
         "params": first["params"],
-        "metrics": first["metrics"],
-        "loss": float(np.mean([p["metrics"].loss for p in parts])),
+        "metrics": msgspec.structs.replace(first["metrics"], loss=loss, **weighted),
+        "loss": loss,
     }
 
 
@@ -124,7 +131,7 @@ def test_sp4_with_repeated_kv_heads_equals_sp1(model_dir, tmp_path):
 
 
 def test_dp2_x_sp2_equals_one_rank_on_both_shards(model_dir, tmp_path):
-    _run(model_dir, tmp_path, world=4, sp=2, cases=["packed"])
+    _run(model_dir, tmp_path, world=4, sp=2, cases=["packed"])  # no loss masks: statistics weigh by tokens
 
 
 def test_heads_and_world_that_sp_cannot_split_are_refused_in_one_line():
@@ -133,3 +140,15 @@ def test_heads_and_world_that_sp_cannot_split_are_refused_in_one_line():
     assert "9 attention heads" in check(2, 2, 9)  # SmolLM2 at SP = 2
     assert check(3, 3, 9) is None and kv_repeat(3, 3) == 1  # SmolLM2 at SP = 3: one K/V head each
     assert kv_repeat(4, 2) == 2 and kv_repeat(8, 1) == 8 and kv_repeat(4, 6) == 2
+
+
+def test_a_sample_longer_than_max_model_len_stops_the_step_in_one_line():
+    from async_rl.errors import RunError
+    from async_rl.learner.driver import check_lengths
+
+    gs = groups(3, n_groups=2, group_size=2)
+    longest = max(len(g.prompt_tokens) + len(c) for g in gs for c in g.completions)
+    check_lengths(gs, longest)
+    with pytest.raises(RunError, match=r"generators.max_model_len=") as info:
+        check_lengths(gs, longest - 1)
+    assert "\n" not in str(info.value) and "prompt " in str(info.value)
