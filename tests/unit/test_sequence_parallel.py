@@ -1,7 +1,8 @@
 """learner.sequence_parallel_size (Ulysses, learner/model/ulysses.py) on CPU over gloo: SP = 2, SP = 4
 (GQA: the tiny model's 2 K/V heads repeated) and DP = 2 x SP = 2 give SP = 1's log-probs, entropies,
 scoring passes (log-probs and hidden states), gradients and whole learner step, on packed rows,
-shared prompts, multi-turn loss masks and padded rows; and the one-line refusals."""
+shared prompts, multi-turn loss masks and padded rows, with LoRA and a KL reference, and ppo's critic;
+and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from async_rl.config import AlgorithmConfig, LoraConfig
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.model.ulysses import check, kv_repeat
 from tests.unit._learner_fixtures import assert_equal_steps, episode_groups, groups, settings, spied_step
@@ -23,6 +25,11 @@ CASES = {
     "packed": ({"share_prompt": False, "pack_row_tokens": 16, "micro_batch_tokens": 40}, "plain"),
     "shared_multiturn": ({"share_prompt": True, "micro_batch_tokens": 48}, "episodes"),
     "padded": ({"packing": False, "share_prompt": False}, "episodes"),
+    # LoRA, its frozen base as the KL reference (run whole on every rank), a KL loss term
+    "lora_kl": ({"lora": LoraConfig(enabled=True, rank=4, init="gaussian"), "algorithm": AlgorithmConfig(kl_coef=0.1),
+                 "micro_batch_tokens": 48}, "episodes"),
+    # ppo: the critic reads the policy's hidden states, gathered over the SP group
+    "ppo": ({"algorithm": AlgorithmConfig(name="ppo"), "micro_batch_tokens": 40}, "plain"),
 }
 
 
@@ -120,7 +127,7 @@ def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str]) -> None:
             assert float(torch.where(sure, diff, 0).max()) < 1e-5 and float(diff.max()) <= 2e-2, f"{case}: {name}"
 
 
-def test_sp2_equals_sp1_on_packed_shared_multiturn_and_padded_rows(model_dir, tmp_path):
+def test_sp2_equals_sp1_on_packed_shared_multiturn_padded_lora_kl_and_ppo(model_dir, tmp_path):
     _run(model_dir, tmp_path, world=2, sp=2, cases=list(CASES))
 
 
