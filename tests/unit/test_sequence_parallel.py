@@ -25,6 +25,8 @@ CASES = {
     "packed": ({"share_prompt": False, "pack_row_tokens": 16, "micro_batch_tokens": 40}, "plain"),
     "shared_multiturn": ({"share_prompt": True, "micro_batch_tokens": 48}, "episodes"),
     "padded": ({"packing": False, "share_prompt": False}, "episodes"),
+    # the varlen layout (on CPU its per-segment reference) of shared-prompt blocks inside the exchange
+    "varlen_shared": ({"attention": "varlen", "share_prompt": True, "micro_batch_tokens": 48}, "episodes"),
     # LoRA, its frozen base as the KL reference (run whole on every rank), a KL loss term
     "lora_kl": ({"lora": LoraConfig(enabled=True, rank=4, init="gaussian"), "algorithm": AlgorithmConfig(kl_coef=0.1),
                  "micro_batch_tokens": 48}, "episodes"),
@@ -128,7 +130,7 @@ def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str]) -> None:
 
 
 def test_sp2_equals_sp1_on_packed_shared_multiturn_padded_lora_kl_and_ppo(model_dir, tmp_path):
-    _run(model_dir, tmp_path, world=2, sp=2, cases=list(CASES))
+    _run(model_dir, tmp_path, world=2, sp=2, cases=list(CASES))  # every case
 
 
 def test_sp4_with_repeated_kv_heads_equals_sp1(model_dir, tmp_path):
