@@ -25,6 +25,8 @@ CASES = {
     "packed": ({"share_prompt": False, "pack_row_tokens": 16, "micro_batch_tokens": 40}, "plain"),
     "shared_multiturn": ({"share_prompt": True, "micro_batch_tokens": 48}, "episodes"),
     "padded": ({"packing": False, "share_prompt": False}, "episodes"),
+    # one sequence a micro-batch: every row one causal sequence, SDPA's is_causal without a mask
+    "one_a_row": ({"share_prompt": False, "micro_batch_size": 1}, "plain"),
     # the varlen layout (on CPU its per-segment reference) of shared-prompt blocks inside the exchange
     "varlen_shared": ({"attention": "varlen", "share_prompt": True, "micro_batch_tokens": 48}, "episodes"),
     # LoRA, its frozen base as the KL reference (run whole on every rank), a KL loss term

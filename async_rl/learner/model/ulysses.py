@@ -185,12 +185,25 @@ class SequenceLayout:
     rows: int
     width: int
     kv_repeat: int
-    mask: torch.Tensor | None = None  # sdpa: bool [rows, 1, width, width] (`attention.dense_mask`)
+    # sdpa: bool [rows, 1, width, width] (`attention.dense_mask`); None with `inner`, or where every row is
+    # one causal sequence (SDPA's is_causal: no [width x width] tensor at all, the long-sequence case)
+    mask: torch.Tensor | None = None
     inner: AttentionLayout | None = None  # varlen / flex: the kernel's layout of the whole micro-batch
+    _additive: dict[torch.dtype, torch.Tensor] | None = None
 
     @property
     def tokens(self) -> int:
         return self.rows * self.width
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as SDPA's additive float mask in `dtype`, made once per forward: SDPA would convert a
+        bool mask in every layer and keep each copy for backward (L^2 floats a layer)."""
+        if self._additive is None:
+            self._additive = {}
+        if dtype not in self._additive:
+            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
+            self._additive[dtype] = torch.where(self.mask, zero, torch.finfo(dtype).min)
+        return self._additive[dtype]
 
 
 @dataclass
@@ -233,7 +246,8 @@ def split(input_ids: torch.Tensor, targets: torch.Tensor, seg: Segments | None, 
     kernel = kernels.of(seg)
     layout = SequenceLayout(groups, rows, width, kv)
     if kernel == "sdpa":
-        layout.mask = dense_mask(seg)
+        if len(seg.lengths) != rows or seg.shares_prefixes:  # else: one causal sequence a row
+            layout.mask = dense_mask(seg)
     else:
         layout.inner = layout_for(seg, kernel)
     # `index` ascends: its slice inside [lo, hi) by two binary searches (a host read of two numbers)
@@ -281,8 +295,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
     q, k, v = to_rows(query), to_rows(key), to_rows(value)
     if layout.inner is None:  # SDPA with the segment table's mask (GQA: K/V heads read by their query groups)
+        mask = None if layout.mask is None else layout.additive_mask(q.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=layout.mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
         ).transpose(1, 2)
     else:
         out, _ = plain_attention_forward(module, q, k, v, None, scaling=scaling, **{KERNEL_LAYOUT_KWARG: layout.inner})
