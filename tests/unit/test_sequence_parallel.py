@@ -107,7 +107,7 @@ def _joined(parts: list[dict]) -> dict:
     }
 
 
-def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str]) -> None:
+def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str], atol: float = 1e-5) -> None:
     ports = [_free_port() for _ in cases]
     mp.spawn(_rank, args=(world, sp, ports, str(model_dir), str(tmp_path), cases), nprocs=world, join=True)
     dp = world // sp
@@ -120,7 +120,7 @@ def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str]) -> None:
                 assert other["metrics"].loss == group[0]["metrics"].loss
                 assert other["metrics"].samples == 0 and group[0]["metrics"].samples > 0  # counted once
         got = _joined([ranks[d * sp] for d in range(dp)])
-        assert_equal_steps(ref, got)
+        assert_equal_steps(ref, got, atol)
         assert got["loss"] == pytest.approx(ref["metrics"].loss, rel=1e-5, abs=1e-7), case
         assert got["metrics"].grad_norm == pytest.approx(ref["metrics"].grad_norm, rel=1e-5), case
         for name, p in ref["params"].items():  # the whole step: AdamW from equal gradients (lr 1e-2)
@@ -143,6 +143,13 @@ def test_sp4_with_repeated_kv_heads_equals_sp1(model_dir, tmp_path):
 
 def test_dp2_x_sp2_equals_one_rank_on_both_shards(model_dir, tmp_path):
     _run(model_dir, tmp_path, world=4, sp=2, cases=["packed"])  # no loss masks: statistics weigh by tokens
+
+
+def test_sp3_on_smollm2_real_weights_equals_sp1(smollm2, tmp_path):
+    # SmolLM2-135M: 30 layers, 9 query heads and 3 K/V heads: one K/V head and 3 query heads a rank. Each
+    # rank's matmuls see a third of the rows (other GEMM blockings, other fp32 rounding), over 30 layers:
+    # log-probs of -16 differ by ~1e-5 (3e-6 relative)
+    _run(smollm2, tmp_path, world=3, sp=3, cases=["shared_multiturn"], atol=1e-4)
 
 
 def test_heads_and_world_that_sp_cannot_split_are_refused_in_one_line():
