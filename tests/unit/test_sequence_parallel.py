@@ -32,6 +32,8 @@ CASES = {
     # LoRA, its frozen base as the KL reference (run whole on every rank), a KL loss term
     "lora_kl": ({"lora": LoraConfig(enabled=True, rank=4, init="gaussian"), "algorithm": AlgorithmConfig(kl_coef=0.1),
                  "micro_batch_tokens": 48}, "episodes"),
+    # FSDP2: sharded over all four ranks of DP x SP (the reference: one plain rank)
+    "fsdp2": ({"parallel": "fsdp2", "share_prompt": False, "pack_row_tokens": 16, "micro_batch_tokens": 40}, "plain"),
     # ppo: the critic reads the policy's hidden states, gathered over the SP group
     "ppo": ({"algorithm": AlgorithmConfig(name="ppo"), "micro_batch_tokens": 40}, "plain"),
 }
@@ -48,6 +50,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _full(tensors: dict) -> dict:
+    """Plain tensors (FSDP2's DTensor shards gathered: a collective, the same names in the same order on
+    every rank)."""
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in tensors.items()}
+
+
 def _rank(rank: int, world: int, sp: int, ports: list[int], model_dir: str, out: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     for case, port in zip(cases, ports, strict=True):
@@ -59,7 +67,8 @@ def _rank(rank: int, world: int, sp: int, ports: list[int], model_dir: str, out:
         assert driver.backend.info.dp_rank == rank // sp and driver.backend.info.dp_size == world // sp
         result = spied_step(driver, shard(kind, rank // sp))
         result.pop("mbs")
-        result["params"] = {n: p.detach().clone() for n, p in driver.backend.model.named_parameters()}
+        result["grads"] = _full(result["grads"])
+        result["params"] = _full(dict(driver.backend.model.named_parameters()))
         torch.save(result, f"{out}/{case}_{rank}.pt")
         driver.shutdown()
 
@@ -68,6 +77,7 @@ def _reference(model_dir, case: str, dp: int) -> dict:
     """SP = 1 on one rank, over the DP ranks' shards together (the loss is the global token mean, so
     one rank on their union has their summed gradient)."""
     learner, kind = CASES[case]
+    learner = {k: v for k, v in learner.items() if k != "parallel"}  # one rank: DDP's step is FSDP2's
     torch.manual_seed(0)
     driver = LearnerDriver(settings(model_dir, **learner), 0, 1, "", [])
     driver.setup()
@@ -132,7 +142,7 @@ def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str], atol: float
 
 
 def test_sp2_equals_sp1_on_packed_shared_multiturn_padded_lora_kl_and_ppo(model_dir, tmp_path):
-    _run(model_dir, tmp_path, world=2, sp=2, cases=list(CASES))  # every case
+    _run(model_dir, tmp_path, world=2, sp=2, cases=[c for c in CASES if c != "fsdp2"])
 
 
 def test_sp4_with_repeated_kv_heads_equals_sp1(model_dir, tmp_path):
@@ -142,7 +152,7 @@ def test_sp4_with_repeated_kv_heads_equals_sp1(model_dir, tmp_path):
 
 
 def test_dp2_x_sp2_equals_one_rank_on_both_shards(model_dir, tmp_path):
-    _run(model_dir, tmp_path, world=4, sp=2, cases=["packed"])  # no loss masks: statistics weigh by tokens
+    _run(model_dir, tmp_path, world=4, sp=2, cases=["packed", "fsdp2"])  # no loss masks: statistics weigh by tokens
 
 
 def test_sp3_on_smollm2_real_weights_equals_sp1(smollm2, tmp_path):
