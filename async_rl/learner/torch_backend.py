@@ -325,7 +325,7 @@ class TorchBackend(ModelBackend):
             assert groups is not None
             return groups
         box = [groups]
-        dist.broadcast_object_list(box, src=self.groups.first, group=self.groups.sequence)
+        dist.broadcast_object_list(box, src=self.groups.first, group=self.groups.sequence, device=self.device)
         return box[0]
 
     # ---- weights ------------------------------------------------------------------------------------
