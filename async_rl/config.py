@@ -486,6 +486,16 @@ class LearnerConfig(_Section):
     world_size: Annotated[
         int, _f("learner ranks (torch: data parallel; megatron: tensor x pipeline x data parallel)", ge=1)
     ] = 1
+    sequence_parallel_size: Annotated[
+        int,
+        _f("torch backend: Ulysses sequence parallelism, SP ranks per data-parallel rank (world_size = data "
+           "parallel x SP): the ranks of a group split each micro-batch's tokens by position and trade positions "
+           "for heads around attention (all-to-all), so one long sequence's activations spread over SP ranks; "
+           "the loss and gradients equal SP = 1's. It must divide world_size and the model's attention heads "
+           "(K/V heads are repeated where SP does not divide them). micro_batch_tokens counts the micro-batch's "
+           "tokens over the group (auto: SP x one rank's budget). 1 = off (learner/model/ulysses.py, "
+           "docs/learner.md)", ge=1),
+    ] = 1
     cpus_per_rank: Annotated[int, _f("CPU cores pinned to each learner rank", ge=1)] = 1
     ray_resources: Annotated[
         dict[str, float],
@@ -988,10 +998,11 @@ def validate(cfg: Config) -> None:
             f"train.max_lag={t.max_lag} is below train.sync_every-1={t.sync_every - 1}: "
             "the learner would wait for samples no generator may produce"
         )
-    if t.prompts_per_step % cfg.learner.world_size and cfg.learner.backend == "torch":
+    _validate_sequence_parallel(cfg)
+    if t.prompts_per_step % data_parallel_size(cfg.learner) and cfg.learner.backend == "torch":
         raise ConfigError(
-            f"train.prompts_per_step={t.prompts_per_step} is not divisible by learner.world_size="
-            f"{cfg.learner.world_size}"
+            f"train.prompts_per_step={t.prompts_per_step} is not divisible by the data-parallel size "
+            f"{data_parallel_size(cfg.learner)} (learner.world_size / learner.sequence_parallel_size)"
         )
     if cfg.learner.backend == "megatron":
         _validate_megatron(cfg)
@@ -1253,12 +1264,36 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
         raise ConfigError(f"algorithm.ratio_mask_low={a.ratio_mask_low} must be below 1 (it masks ratios under it)")
 
 
+def data_parallel_size(c: LearnerConfig) -> int:
+    """How many shards a step's batch is cut into: the learner ranks over their model-parallel size
+    (megatron: tensor x pipeline; torch: sequence parallel)."""
+    m = c.megatron
+    per_replica = m.tensor_parallel_size * m.pipeline_parallel_size if c.backend == "megatron" else c.sequence_parallel_size
+    return max(1, c.world_size // per_replica)
+
+
+def _validate_sequence_parallel(cfg: Config) -> None:
+    c = cfg.learner
+    sp = c.sequence_parallel_size
+    if sp == 1:
+        return
+    if c.backend != "torch":
+        raise ConfigError(
+            f"learner.sequence_parallel_size={sp} is the torch backend's Ulysses sequence parallelism: set "
+            "learner.backend=torch (megatron's context parallelism needs Transformer Engine and is not wired here)"
+        )
+    if c.world_size % sp:
+        raise ConfigError(
+            f"learner.sequence_parallel_size={sp} does not divide learner.world_size={c.world_size} "
+            "(world = data parallel x sequence parallel)"
+        )
+
+
 def _validate_minibatches(cfg: Config) -> None:
     """Every data-parallel rank cuts its shard (prompts_per_step / DP groups) into train.minibatches
     mini-batches of whole groups, and all ranks take the same number of optimizer steps."""
     t, c = cfg.train, cfg.learner
-    m = c.megatron
-    dp = c.world_size // (m.tensor_parallel_size * m.pipeline_parallel_size) if c.backend == "megatron" else c.world_size
+    dp = data_parallel_size(c)
     per_rank = t.prompts_per_step // max(1, dp)
     if t.minibatches > per_rank:
         raise ConfigError(

@@ -62,6 +62,9 @@ def check_inputs(cfg: Config) -> None:
         resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     load_task(cfg.task.name)
     load_reward(cfg.task)  # a bad task.reward or task.reward_pattern fails here, not in every reward worker
+    from async_rl.settings import frame_limit
+
+    frame_limit(cfg)  # a buffer.max_frame_mb below one full-length group: one line here, not rejected groups
 
 
 def make_run_dir(cfg: Config) -> Path:

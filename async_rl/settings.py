@@ -13,6 +13,7 @@ from async_rl.cluster.devices import device_of, serving_dtype, use_eager, use_pr
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config, DataConfig
 from async_rl.envs.factory import AGENT_PREFIX
+from async_rl.errors import ConfigError
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
 from async_rl.models.shape import ModelShape
@@ -62,6 +63,20 @@ def with_env_system_prompt(data: DataConfig, cfg: Config) -> DataConfig:
     return msgspec.structs.replace(data, system_prompt=combined_system_prompt(data.system_prompt, cfg.env))
 
 
+def frame_limit(cfg: Config) -> int:
+    """The buffer's frame limit in bytes (`buffer.max_frame_mb`, 0: one full-length group); a set limit
+    below what one group of full-length samples needs is one line, not groups rejected as too_large
+    in the run (long traces: 8 samples of 40,960 tokens need 2.6 MiB)."""
+    sequences = cfg.generators.group_size * sequences_per_episode(cfg)
+    need = frame_limit_bytes(0, sequences, cfg.generators.max_model_len)
+    if cfg.buffer.max_frame_mb and cfg.buffer.max_frame_mb << 20 < need:
+        raise ConfigError(
+            f"buffer.max_frame_mb={cfg.buffer.max_frame_mb} is below one group of {sequences} samples of "
+            f"generators.max_model_len={cfg.generators.max_model_len} tokens ({need >> 20} MiB): raise it, or 0 to compute it"
+        )
+    return frame_limit_bytes(cfg.buffer.max_frame_mb, sequences, cfg.generators.max_model_len)
+
+
 def sequences_per_episode(cfg: Config) -> int:
     """Trained sequences one episode may send: an agent episode split at prefix breaks sends one per
     segment, at most one per call (env.max_turns); every other episode sends one."""
@@ -78,11 +93,7 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         prompts_per_step=cfg.train.prompts_per_step,
         group_size=cfg.generators.group_size,
         filter_uniform_groups=cfg.algorithm.dynamic_sampling,
-        max_frame_bytes=frame_limit_bytes(
-            cfg.buffer.max_frame_mb,
-            cfg.generators.group_size * sequences_per_episode(cfg),
-            cfg.generators.max_model_len,
-        ),
+        max_frame_bytes=frame_limit(cfg),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
         model_dir=str(model_dir),

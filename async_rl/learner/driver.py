@@ -138,6 +138,17 @@ def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = Non
     return samples
 
 
+def check_lengths(groups: list[TrajectoryGroup], max_model_len: int) -> None:
+    """A sample longer than generators.max_model_len (which the engines cannot have produced, and which
+    the learner's budgets and sequence parallelism are not sized for) stops the step in one line."""
+    for g in groups:
+        for i, comp in enumerate(g.completions):
+            n = len(g.prompt_tokens) + len(comp)
+            if n > max_model_len:
+                raise RunError(f"prompt {g.prompt_id}, sample {i}: {n} tokens (prompt + completion) is above "
+                               f"generators.max_model_len={max_model_len}")
+
+
 def minibatch_rows(groups: list[TrajectoryGroup], minibatches: int) -> list[slice]:
     """The shard's rows (one per completion, groups in order) cut into `minibatches` runs of whole
     groups, as even in groups as the count allows (a group's advantages are relative to its own
@@ -230,10 +241,14 @@ class LearnerDriver(LearnerRank):
             s.learner.micro_batch_tokens, device=self.device, config=model_config, trainable_params=params,
             compute_bytes=self._compute_bytes(), checkpointing=s.learner.activation_checkpointing,
             chunk=s.learner.logprob_chunk_tokens, keeps_logits=self.backend.keeps_logits,
+            sequence_parallel=s.learner.sequence_parallel_size,
         )
         self.micro_batch_tokens = budget.tokens
         if s.learner.micro_batch_tokens == "auto" and self.rank == 0:
             print(f"[learner] {budget.line}", file=sys.stderr, flush=True)
+        # The KL reference and the critic run whole sequences on every rank (not split over an SP
+        # group): their micro-batches get one rank's share of the budget.
+        whole_tokens = self.micro_batch_tokens // s.learner.sequence_parallel_size
         self.algo = Algorithm(
             s.algorithm,
             max_tokens=s.generators.max_tokens,
@@ -244,10 +259,10 @@ class LearnerDriver(LearnerRank):
             seed=s.train.seed,
             max_grad_norm=s.learner.max_grad_norm,
             device=self.device,  # the reference model and the critic live where the policy does
-            micro_batch_tokens=self.micro_batch_tokens,
+            micro_batch_tokens=whole_tokens,
             logprob_chunk_tokens=s.learner.logprob_chunk_tokens,
             base_reference=self.backend.base_reference(
-                self.micro_batch_tokens, s.learner.logprob_chunk_tokens, self.backend.head_kernel
+                whole_tokens, s.learner.logprob_chunk_tokens, self.backend.head_kernel
             ),
             head_kernel=self.backend.head_kernel,
         )
@@ -277,6 +292,7 @@ class LearnerDriver(LearnerRank):
         client = self._batch_client()
         groups = client.fetch(step, self.spec.batch_timeout_s) if client is not None else None
         groups = self.backend.share_shard(groups)
+        check_lengths(groups, self.spec.generators.max_model_len)
         wait_s = time.perf_counter() - t0
         with self._weights_lock:
             metrics = self.train_on_shard(step, groups)

@@ -1,6 +1,8 @@
 """The torch model backend: an HF causal LM under DDP or FSDP2 (gloo on CPU, nccl on GPU), AdamW.
 
-Pure data parallel: every rank fetches its own shard and has outputs. See backend.py for the contract.
+Data parallel, optionally times Ulysses sequence parallel (`learner.sequence_parallel_size`,
+`model/ulysses.py`): the first rank of each SP group fetches the shard and shares it with its group;
+every rank has outputs. See backend.py for the contract.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from async_rl.errors import RunError
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
+from async_rl.learner.model import ulysses
 from async_rl.learner.model.attention import register
 from async_rl.learner.model.attention import resolve as resolve_attention
 from async_rl.learner.model.head import keeps_logits, model_scores, unsupported
@@ -28,6 +31,7 @@ from async_rl.learner.model.kernels import apply_kernels, compile_layers, decode
 from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.rendezvous import join_group
+from async_rl.protocol import TrajectoryGroup
 
 OPTIMIZER_STATE = "optimizer.pt"
 
@@ -99,14 +103,19 @@ class TorchBackend(ModelBackend):
         self.device = rank_device(self.cfg.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        sp = self.cfg.sequence_parallel_size
+        if self.world_size % sp:  # every rank raises alike, before any group waits for a peer
+            raise RunError(f"learner.sequence_parallel_size={sp} does not divide learner.world_size={self.world_size}")
         if self.world_size > 1 or self.sharded:  # FSDP2 needs a process group even for one rank
             join_group("nccl" if self.device.type == "cuda" else "gloo", self.master, self.rank, self.world_size,
                        self.rendezvous_store)
+        self.groups = ulysses.join(sp, self.rank, self.world_size)  # SP = 1: no new group
         self.info = ParallelInfo(
-            rank=self.rank, world_size=self.world_size, dp_rank=self.rank, dp_size=self.world_size,
-            fetches_batch=True, has_outputs=True, counts_samples=True,
+            rank=self.rank, world_size=self.world_size, dp_rank=self.groups.dp_rank, dp_size=self.groups.dp_size,
+            fetches_batch=self.groups.rank == 0, has_outputs=True, counts_samples=self.groups.rank == 0,
         )
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        self._kv_repeat = self._check_sequence_parallel(self.model.config)
         if self.cfg.lora.enabled:
             from async_rl.learner.model.lora import adapter_config_dict, apply_lora
 
@@ -128,7 +137,10 @@ class TorchBackend(ModelBackend):
             self.attention_kernels = resolve_attention(self.cfg.attention, self.device.type, half)
         except ValueError as e:
             raise RunError(f"learner.attention={self.cfg.attention}: {e}") from None
-        if self.attention_kernels.uses_registry:
+        if self.groups.size > 1:
+            # the exchange around every kernel (ulysses.py); set before the bf16 working copy is made, as below
+            self.model.set_attn_implementation(ulysses.register())
+        elif self.attention_kernels.uses_registry:
             # varlen/flex (attention.py); SDPA otherwise. Set before the bf16 working copy is made: it copies the config.
             self.model.set_attn_implementation(register())
         self._param_names = [name for name, _ in self.model.named_parameters()]
@@ -173,6 +185,17 @@ class TorchBackend(ModelBackend):
         )
         return sum(p.numel() for p in self.model.parameters())
 
+    def _check_sequence_parallel(self, config) -> int:
+        """The K/V heads' repeat count of learner.sequence_parallel_size on this model (1 without SP), or
+        the one line that says why it cannot split it."""
+        if self.groups.size == 1:
+            return 1
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        if why := ulysses.check(self.groups.size, self.world_size, heads):
+            raise RunError(f"learner.sequence_parallel_size={self.groups.size} {why}")
+        return ulysses.kv_repeat(self.groups.size, kv_heads)
+
     def _probe_head(self, model: torch.nn.Module, compute: torch.dtype) -> HeadProbe | None:
         """learner.head_kernel auto on CUDA: the head's kernels timed on the model's own output layer
         (`head_probe`), agreed over ranks and stated in one line by rank 0; None elsewhere (the setting
@@ -213,12 +236,27 @@ class TorchBackend(ModelBackend):
         autocast = (
             torch.autocast(self.device.type, dtype=self._autocast) if self._autocast else contextlib.nullcontext()
         )
+        if self.groups.size > 1:
+            return self._forward_sequence_parallel(mb, temperature, index, hidden, head, with_entropy, autocast)
         with autocast:
             logp, entropy, last = self.wrapped(
                 mb.model_inputs(self.device, self.attention_kernels), mb.targets.to(self.device),
                 self._to_device(index), temperature, hidden, head, with_entropy,
             )
         return TokenScores(logp=logp, entropy=entropy, hidden=last.detach() if hidden else None)
+
+    def _forward_sequence_parallel(self, mb: MicroBatch, temperature: float, index: torch.Tensor, hidden: bool,
+                                   head: bool, with_entropy: bool, autocast) -> TokenScores:
+        """`_forward` on this rank's slice of the micro-batch's tokens (`ulysses.split`), its per-token
+        scores gathered over the SP group into the micro-batch's layout (`ulysses.gather`)."""
+        local = ulysses.split(mb.input_ids, mb.targets, mb.segments, index, self.groups, self.attention_kernels,
+                              self._kv_repeat, self.device)
+        with autocast:
+            logp, entropy, last = self.wrapped(local.inputs, local.targets, local.index, temperature, hidden, head,
+                                               with_entropy)
+        g = self.groups
+        last = ulysses.gather(last.detach(), local, g) if hidden else None
+        return TokenScores(logp=ulysses.gather(logp, local, g), entropy=ulysses.gather(entropy, local, g), hidden=last)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A tensor on this rank's device; a host tensor bound for CUDA is copied from pinned memory
@@ -277,8 +315,18 @@ class TorchBackend(ModelBackend):
         if not dist.is_initialized() or self.world_size == 1:
             return x
         y = x.to(self.device if self.device.type == "cuda" else "cpu").clone()
-        dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        # over the data-parallel group: an SP group's ranks hold the same numbers (None: every rank)
+        dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.groups.data)
         return y.to(x.device)
+
+    def share_shard(self, groups: list[TrajectoryGroup] | None) -> list[TrajectoryGroup]:
+        """The SP group's first rank fetched the shard; its peers train the same one."""
+        if self.groups.size == 1:
+            assert groups is not None
+            return groups
+        box = [groups]
+        dist.broadcast_object_list(box, src=self.groups.first, group=self.groups.sequence, device=self.device)
+        return box[0]
 
     # ---- weights ------------------------------------------------------------------------------------
 

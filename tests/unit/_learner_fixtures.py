@@ -121,16 +121,17 @@ def spied_step(rank: LearnerDriver, gs) -> dict:
     return out
 
 
-def assert_equal_steps(a: dict, b: dict) -> None:
+def assert_equal_steps(a: dict, b: dict, atol: float = 1e-5) -> None:
+    """`atol`: of the per-token values (log-probs, entropies, hidden states)."""
     assert len(a["logp"]) == len(b["logp"])
     for x, y in zip(a["logp"], b["logp"], strict=True):
-        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(y, x, atol=atol, rtol=0)
     for x, y in zip(a["entropy"], b["entropy"], strict=True):
-        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(y, x, atol=atol, rtol=0)
     (lp_a, h_a), (lp_b, h_b) = a["scored"], b["scored"]
     mask = a["mask"]
-    torch.testing.assert_close(lp_b * mask, lp_a * mask, atol=1e-5, rtol=0)
-    torch.testing.assert_close(h_b * mask[..., None], h_a * mask[..., None], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp_b * mask, lp_a * mask, atol=atol, rtol=0)
+    torch.testing.assert_close(h_b * mask[..., None], h_a * mask[..., None], atol=atol, rtol=0)
     assert a["grads"].keys() == b["grads"].keys()
     total = sum(float(g.norm() ** 2) for g in a["grads"].values()) ** 0.5
     assert total > 0

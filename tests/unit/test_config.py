@@ -298,6 +298,18 @@ def test_prompts_per_step_not_divisible_by_world_size():
     assert cfg.learner.world_size == 3
 
 
+def test_sequence_parallel_size_is_checked_in_one_line():
+    msg = config_error(None, ["learner.world_size=3", "learner.sequence_parallel_size=2"])
+    assert "learner.sequence_parallel_size=2" in msg and "learner.world_size=3" in msg
+    msg = config_error(None, ["learner.backend=megatron", "learner.world_size=2", "learner.sequence_parallel_size=2"])
+    assert "learner.backend=torch" in msg and "Transformer Engine" in msg
+    # the batch is cut into world / SP shards: 6 prompts over 4 ranks at SP = 2 is 3 each
+    cfg = load_config(None, ["train.prompts_per_step=6", "learner.world_size=4", "learner.sequence_parallel_size=2"])
+    assert cfg.learner.sequence_parallel_size == 2
+    msg = config_error(None, ["train.prompts_per_step=3", "learner.world_size=4", "learner.sequence_parallel_size=2"])
+    assert "data-parallel size 2" in msg
+
+
 def test_max_tokens_must_be_below_max_model_len():
     msg = config_error(None, ["generators.max_tokens=128", "generators.max_model_len=128"])
     assert "generators.max_tokens" in msg and "generators.max_model_len" in msg

@@ -141,3 +141,16 @@ def test_wildcard_buffer_host_is_refused(host):
 
 def test_a_node_ip_is_a_valid_buffer_host():
     assert load_config(None, ["buffer.host=10.0.0.7"]).buffer.host == "10.0.0.7"
+
+
+def test_a_set_frame_limit_below_one_full_length_group_is_one_line():
+    from async_rl.config import load_config
+    from async_rl.errors import ConfigError
+    from async_rl.settings import frame_limit
+
+    long = ["generators.max_model_len=40960", "generators.max_tokens=32768", "generators.group_size=8"]
+    assert frame_limit(load_config(None, long)) == frame_limit_bytes(0, group_size=8, max_model_len=40960)
+    assert frame_limit(load_config(None, [*long, "buffer.max_frame_mb=3"])) == 3 << 20
+    with pytest.raises(ConfigError, match=r"buffer.max_frame_mb=2 .*generators.max_model_len=40960") as info:
+        frame_limit(load_config(None, [*long, "buffer.max_frame_mb=2"]))
+    assert "\n" not in str(info.value)

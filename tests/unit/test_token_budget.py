@@ -125,6 +125,18 @@ def test_auto_budget_from_free_memory():
     assert resolve_budget(4096, device=cuda, **kw).tokens == 4096
 
 
+def test_auto_budget_counts_the_sequence_parallel_group():
+    """learner.sequence_parallel_size: each rank holds 1 / SP of a micro-batch's activations, so the
+    micro-batch may hold SP times one rank's budget (and the line says so)."""
+    kw = dict(config=QWEN_05B, trainable_params=494_000_000, compute_bytes=2, checkpointing=False, chunk=1024)
+    cuda = torch.device("cuda", 0)
+    one = resolve_budget("auto", device=cuda, available_bytes=70 * 2**30, **kw)
+    four = resolve_budget("auto", device=cuda, available_bytes=70 * 2**30, sequence_parallel=4, **kw)
+    assert four.tokens == 4 * one.tokens and "x sequence_parallel_size 4" in four.line
+    assert resolve_budget("auto", device=torch.device("cpu"), sequence_parallel=2, **kw).tokens == 2 * CPU_BUDGET
+    assert resolve_budget(4096, device=cuda, sequence_parallel=2, **kw).tokens == 4096  # a number is the micro-batch's
+
+
 def test_kept_logits_are_counted_per_token():
     """learner.logprob_keep_logits: vocabulary x compute bytes more per token (297 KiB for Qwen2.5 in
     bf16), so the same memory holds fewer tokens, and the line says what they cost."""

@@ -60,17 +60,22 @@ def resolve_budget(
     chunk: int,
     keeps_logits: bool = False,
     available_bytes: int | None = None,
+    sequence_parallel: int = 1,
 ) -> Budget:
     """The micro-batch token budget for `learner.micro_batch_tokens` = `setting` (an int is kept as it is).
     `config`: the model's Hugging Face config (read as a `ModelShape`). `available_bytes`: the memory
     the step may use (None: the GPU's total less RESERVE less what this process has reserved).
     `keeps_logits`: the chunked head keeps each loss position's logits for the backward
     (`learner.logprob_keep_logits`), vocabulary x compute bytes more per token (every token counted as a
-    loss position: the budget cannot know the completions' share)."""
+    loss position: the budget cannot know the completions' share). `sequence_parallel` (SP): a micro-batch's
+    tokens are split over SP ranks (`model/ulysses.py`), each holding the activations of its 1 / SP: the
+    budget is SP times one rank's (on the CPU too)."""
     if setting != "auto":
         return Budget(int(setting), f"learner.micro_batch_tokens={setting}")
+    sp = f" x sequence_parallel_size {sequence_parallel}" if sequence_parallel > 1 else ""
     if device.type != "cuda":
-        return Budget(CPU_BUDGET, f"learner.micro_batch_tokens=auto: {CPU_BUDGET} tokens (the CPU default)")
+        return Budget(CPU_BUDGET * sequence_parallel,
+                      f"learner.micro_batch_tokens=auto: {CPU_BUDGET * sequence_parallel} tokens (the CPU default{sp})")
     if available_bytes is None:
         total = torch.cuda.mem_get_info(device)[1]
         available_bytes = int(total * (1 - RESERVE)) - torch.cuda.memory_reserved(device)
@@ -81,13 +86,13 @@ def resolve_budget(
     logits = shape.vocab_size * compute_bytes if keeps_logits and chunk else 0
     per_token = activations + logits
     room = available_bytes - step_state - head
-    tokens = int(min(max(room // per_token // GRANULE * GRANULE, BOUNDS[0]), BOUNDS[1]))
+    tokens = int(min(max(room // per_token // GRANULE * GRANULE, BOUNDS[0]), BOUNDS[1])) * sequence_parallel
     gib = 2**30
     line = (
         f"learner.micro_batch_tokens=auto: {tokens} tokens = (available {available_bytes / gib:.1f} GiB - gradients and "
         f"AdamW {step_state / gib:.1f} GiB - head chunk {head / gib:.1f} GiB) / {per_token / 2**20:.2f} MiB per token "
         f"({activations / 2**20:.2f} MiB of activations: {shape.num_hidden_layers} layers, {compute_bytes}-byte compute"
         f"{', checkpointed' if checkpointing else ''}, x{MARGIN} margin"
-        f"{f'; {logits / 2**20:.2f} MiB of kept logits' if logits else ''}), in [{BOUNDS[0]}, {BOUNDS[1]}]"
+        f"{f'; {logits / 2**20:.2f} MiB of kept logits' if logits else ''}), in [{BOUNDS[0]}, {BOUNDS[1]}]{sp}"
     )
     return Budget(tokens, line)

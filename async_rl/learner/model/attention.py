@@ -342,7 +342,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     return out.view(b, t, h, d), None
 
 
-def _padding_mask_only(**kwargs):
+def padding_mask_only(**kwargs):
     """The mask HF builds for the registered implementation: SDPA's when a 2D padding mask is given
     (a call without our layout), none otherwise (the layout is the mask)."""
     from transformers.masking_utils import sdpa_mask
@@ -358,7 +358,7 @@ def register() -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, _padding_mask_only)
+    AttentionMaskInterface.register(IMPLEMENTATION, padding_mask_only)
     return IMPLEMENTATION
 
 

@@ -1,0 +1,182 @@
+"""learner.sequence_parallel_size (Ulysses, learner/model/ulysses.py) on CPU over gloo: SP = 2, SP = 4
+(GQA: the tiny model's 2 K/V heads repeated) and DP = 2 x SP = 2 give SP = 1's log-probs, entropies,
+scoring passes (log-probs and hidden states), gradients and whole learner step, on packed rows,
+shared prompts, multi-turn loss masks and padded rows, with LoRA and a KL reference, and ppo's critic;
+and the one-line refusals."""
+
+from __future__ import annotations
+
+import socket
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from async_rl.config import AlgorithmConfig, LoraConfig
+from async_rl.learner.driver import LearnerDriver
+from async_rl.learner.model.ulysses import check, kv_repeat
+from tests.unit._learner_fixtures import assert_equal_steps, episode_groups, groups, settings, spied_step
+
+# name -> (learner settings, the shard's groups); the settings cut micro-batches into several packed
+# rows and several micro-batches, so row boundaries and the SP slice boundaries fall anywhere
+CASES = {
+    "packed": ({"share_prompt": False, "pack_row_tokens": 16, "micro_batch_tokens": 40}, "plain"),
+    "shared_multiturn": ({"share_prompt": True, "micro_batch_tokens": 48}, "episodes"),
+    "padded": ({"packing": False, "share_prompt": False}, "episodes"),
+    # one sequence a micro-batch: every row one causal sequence, SDPA's is_causal without a mask
+    "one_a_row": ({"share_prompt": False, "micro_batch_size": 1}, "plain"),
+    # the varlen layout (on CPU its per-segment reference) of shared-prompt blocks inside the exchange
+    "varlen_shared": ({"attention": "varlen", "share_prompt": True, "micro_batch_tokens": 48}, "episodes"),
+    # LoRA, its frozen base as the KL reference (run whole on every rank), a KL loss term
+    "lora_kl": ({"lora": LoraConfig(enabled=True, rank=4, init="gaussian"), "algorithm": AlgorithmConfig(kl_coef=0.1),
+                 "micro_batch_tokens": 48}, "episodes"),
+    # FSDP2: sharded over all four ranks of DP x SP (the reference: one plain rank)
+    "fsdp2": ({"parallel": "fsdp2", "share_prompt": False, "pack_row_tokens": 16, "micro_batch_tokens": 40}, "plain"),
+    # ppo: the critic reads the policy's hidden states, gathered over the SP group
+    "ppo": ({"algorithm": AlgorithmConfig(name="ppo"), "micro_batch_tokens": 40}, "plain"),
+}
+
+
+def shard(kind: str, dp_rank: int) -> list:
+    seed = 7 + dp_rank
+    return groups(seed, n_groups=3, group_size=3) if kind == "plain" else episode_groups(seed, n_groups=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _full(tensors: dict) -> dict:
+    """Plain tensors (FSDP2's DTensor shards gathered: a collective, the same names in the same order on
+    every rank)."""
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in tensors.items()}
+
+
+def _rank(rank: int, world: int, sp: int, ports: list[int], model_dir: str, out: str, cases: list[str]) -> None:
+    torch.set_num_threads(1)
+    for case, port in zip(cases, ports, strict=True):
+        learner, kind = CASES[case]
+        torch.manual_seed(0)
+        driver = LearnerDriver(settings(model_dir, sequence_parallel_size=sp, **learner), rank, world,
+                               f"127.0.0.1:{port}", [])
+        driver.setup()
+        assert driver.backend.info.dp_rank == rank // sp and driver.backend.info.dp_size == world // sp
+        result = spied_step(driver, shard(kind, rank // sp))
+        result.pop("mbs")
+        result["grads"] = _full(result["grads"])
+        result["params"] = _full(dict(driver.backend.model.named_parameters()))
+        torch.save(result, f"{out}/{case}_{rank}.pt")
+        driver.shutdown()
+
+
+def _reference(model_dir, case: str, dp: int) -> dict:
+    """SP = 1 on one rank, over the DP ranks' shards together (the loss is the global token mean, so
+    one rank on their union has their summed gradient)."""
+    learner, kind = CASES[case]
+    learner = {k: v for k, v in learner.items() if k != "parallel"}  # one rank: DDP's step is FSDP2's
+    torch.manual_seed(0)
+    driver = LearnerDriver(settings(model_dir, **learner), 0, 1, "", [])
+    driver.setup()
+    union = [g for d in range(dp) for g in shard(kind, d)]
+    result = spied_step(driver, union)
+    result["params"] = {n: p.detach().clone() for n, p in driver.backend.model.named_parameters()}
+    driver.shutdown()
+    return result
+
+
+def _joined(parts: list[dict]) -> dict:
+    """The DP ranks' results as one rank's over their shards together (gradients and parameters are
+    every rank's already)."""
+    first = parts[0]
+    # the controller's loss: the ranks' mean (each is its share of the global token mean x DP); the
+    # other statistics are each rank's token-weighted means (loss tokens = completion tokens here)
+    loss = float(np.mean([p["metrics"].loss for p in parts]))
+    tokens = np.array([p["metrics"].tokens for p in parts], dtype=np.float64)
+    weighted = {f: float(np.dot([getattr(p["metrics"], f) for p in parts], tokens) / tokens.sum())
+                for f in ("kl_behav", "logprob_abs_diff", "entropy", "cov_frac")}
+    scored = [p["scored"] for p in parts]
+    width = max(s[0].shape[1] for s in scored)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        extra = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
+        return torch.nn.functional.pad(t, extra)
+
+    return {
+        "logp": [x for p in parts for x in p["logp"]],
+        "entropy": [x for p in parts for x in p["entropy"]],
+        "scored": (torch.cat([pad(s[0]) for s in scored]), torch.cat([pad(s[1]) for s in scored])),
+        "mask": torch.cat([pad(p["mask"]) for p in parts]),
+        "grads": first["grads"],
+        "params": first["params"],
+        "metrics": msgspec.structs.replace(first["metrics"], loss=loss, **weighted),
+        "loss": loss,
+    }
+
+
+def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str], atol: float = 1e-5) -> None:
+    ports = [_free_port() for _ in cases]
+    mp.spawn(_rank, args=(world, sp, ports, str(model_dir), str(tmp_path), cases), nprocs=world, join=True)
+    dp = world // sp
+    for case in cases:
+        ranks = [torch.load(tmp_path / f"{case}_{r}.pt", weights_only=False) for r in range(world)]
+        ref = _reference(model_dir, case, dp)
+        for d in range(dp):  # the SP ranks of a group agree with each other exactly where they computed alike
+            group = ranks[d * sp : (d + 1) * sp]
+            for other in group[1:]:
+                assert other["metrics"].loss == group[0]["metrics"].loss
+                assert other["metrics"].samples == 0 and group[0]["metrics"].samples > 0  # counted once
+        got = _joined([ranks[d * sp] for d in range(dp)])
+        assert_equal_steps(ref, got, atol)
+        assert got["loss"] == pytest.approx(ref["metrics"].loss, rel=1e-5, abs=1e-7), case
+        assert got["metrics"].grad_norm == pytest.approx(ref["metrics"].grad_norm, rel=1e-5), case
+        for name, p in ref["params"].items():  # the whole step: AdamW from equal gradients (lr 1e-2)
+            # AdamW's first update is lr * g / (|g| + 1e-8): where a gradient is about eps, fp32 rounding of
+            # g (1e-9 against 1e-9) moves it by up to lr; elsewhere it is g's sign times lr, equal
+            sure = ref["grads"][name].abs() > 1e-6 if name in ref["grads"] else torch.ones_like(p, dtype=torch.bool)
+            diff = (got["params"][name] - p).abs()
+            assert float(torch.where(sure, diff, 0).max()) < 1e-5 and float(diff.max()) <= 2e-2, f"{case}: {name}"
+
+
+def test_sp2_equals_sp1_on_packed_shared_multiturn_padded_lora_kl_and_ppo(model_dir, tmp_path):
+    _run(model_dir, tmp_path, world=2, sp=2, cases=[c for c in CASES if c != "fsdp2"])
+
+
+def test_sp4_with_repeated_kv_heads_equals_sp1(model_dir, tmp_path):
+    # the tiny model: 4 query heads, 2 K/V heads; SP = 4 repeats each K/V head twice
+    assert kv_repeat(4, 2) == 2
+    _run(model_dir, tmp_path, world=4, sp=4, cases=["shared_multiturn"])
+
+
+def test_dp2_x_sp2_equals_one_rank_on_both_shards(model_dir, tmp_path):
+    _run(model_dir, tmp_path, world=4, sp=2, cases=["packed", "fsdp2"])  # no loss masks: statistics weigh by tokens
+
+
+def test_sp3_on_smollm2_real_weights_equals_sp1(smollm2, tmp_path):
+    # SmolLM2-135M: 30 layers, 9 query heads and 3 K/V heads: one K/V head and 3 query heads a rank. Each
+    # rank's matmuls see a third of the rows (other GEMM blockings, other fp32 rounding), over 30 layers:
+    # log-probs of -16 differ by ~1e-5 (3e-6 relative)
+    _run(smollm2, tmp_path, world=3, sp=3, cases=["shared_multiturn"], atol=1e-4)
+
+
+def test_heads_and_world_that_sp_cannot_split_are_refused_in_one_line():
+    assert check(2, 4, 4) is None
+    assert "world_size=3" in check(2, 3, 4)
+    assert "9 attention heads" in check(2, 2, 9)  # SmolLM2 at SP = 2
+    assert check(3, 3, 9) is None and kv_repeat(3, 3) == 1  # SmolLM2 at SP = 3: one K/V head each
+    assert kv_repeat(4, 2) == 2 and kv_repeat(8, 1) == 8 and kv_repeat(4, 6) == 2
+
+
+def test_a_sample_longer_than_max_model_len_stops_the_step_in_one_line():
+    from async_rl.errors import RunError
+    from async_rl.learner.driver import check_lengths
+
+    gs = groups(3, n_groups=2, group_size=2)
+    longest = max(len(g.prompt_tokens) + len(c) for g in gs for c in g.completions)
+    check_lengths(gs, longest)
+    with pytest.raises(RunError, match=r"generators.max_model_len=") as info:
+        check_lengths(gs, longest - 1)
+    assert "\n" not in str(info.value) and "prompt " in str(info.value)
