@@ -31,6 +31,7 @@ from async_rl.reward_models.pool import RewardModelPool
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.reward_models.setup import reward_model_pool
 from async_rl.security import RunKeys, make_run_keys, warn_insecure
+from async_rl.teacher.setup import check_tokenizers, teacher_dir, teacher_pool
 
 START_TIMEOUT_S = 600.0
 
@@ -53,6 +54,7 @@ class Runtime:
         self._learner: WorkerGroup | None = None
         self._pools: RunPools | None = None
         self._reward_models: RewardModelPool | None = None  # task.reward=judge:/classifier: its replicas
+        self._teacher: RewardModelPool | None = None  # teacher.model (algorithm.name=opd): its replicas
         self._generators_version = 0  # the version every engine holds (after the last sync)
         self._acked_step = -1  # the last batch acknowledged to the buffer (repeated to a restarted one)
         self._replayed_steps = 0  # steps trained again after learner restarts (told to a restarted buffer)
@@ -87,6 +89,18 @@ class Runtime:
         return self._reward_models.endpoints() if self._reward_models is not None else []
 
     @property
+    def teacher(self) -> RewardModelPool | None:
+        return self._teacher
+
+    def teacher_endpoints(self) -> list[RewardEndpoint]:
+        return self._teacher.endpoints() if self._teacher is not None else []
+
+    def served_pools(self) -> dict[str, RewardModelPool]:
+        """The pools of replicas served beside the generators, by the kind their deaths are noticed as."""
+        pools = {"reward_model": self._reward_models, "teacher": self._teacher}
+        return {kind: pool for kind, pool in pools.items() if pool is not None}
+
+    @property
     def generators_version(self) -> int:
         return self._generators_version
 
@@ -109,7 +123,8 @@ class Runtime:
         self._generators = GeneratorPool(
             # reads the addresses when an engine starts: a restarted buffer has new ones
             lambda i: settings.engine_settings(
-                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys, self.reward_endpoints()
+                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys, self.reward_endpoints(),
+                self.teacher_endpoints(),
             ),
             self._buffer,
             cfg.generators.cpus_per_engine,
@@ -120,6 +135,11 @@ class Runtime:
         self._reward_models = reward_model_pool(cfg)
         if self._reward_models is not None:  # engines start with its replicas' endpoints
             self._reward_models.start()
+        if cfg.teacher.model:  # refused in one line before anything heavy starts
+            check_tokenizers(self.model_dir, teacher_dir(cfg))
+        self._teacher = teacher_pool(cfg, cfg.generators.max_model_len)
+        if self._teacher is not None:
+            self._teacher.start()
         if cfg.placement == "colocated":
             # One GPU for both: vLLM sizes its KV cache from what it sees allocated while it starts,
             # so the engines start alone, then the learner sets up in what they left.
@@ -180,6 +200,9 @@ class Runtime:
         if self._reward_models is not None:
             self._reward_models.shutdown()
             self._reward_models = None
+        if self._teacher is not None:
+            self._teacher.shutdown()
+            self._teacher = None
         if self._buffer is not None:
             try:
                 final = ray.get(self._buffer.close.remote(), timeout=30)
@@ -272,6 +295,20 @@ class Runtime:
         self._reward_models.restart(dead)
         endpoints = self.reward_endpoints()
         ray.get([a.set_reward_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
+
+    def restart_teacher(self, dead: list[int]) -> None:
+        """Start dead teacher replicas anew and point every engine's teacher scorer at them."""
+        assert self._teacher is not None
+        self._teacher.restart(dead)
+        endpoints = self.teacher_endpoints()
+        ray.get([a.set_teacher_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
+
+    def restart_served(self, kind: str, dead: list[int]) -> None:
+        """Restart dead replicas of the served pool `kind` (served_pools)."""
+        if kind == "teacher":
+            self.restart_teacher(dead)
+        else:
+            self.restart_reward_models(dead)
 
     def restart_learner(self, checkpoint_dir: str | None, from_step: int) -> None:
         """Kill every rank of the learner group (a dead one, and the others, likely stuck in a

@@ -111,8 +111,10 @@ def engine_settings(
     ingest: str,
     keys: RunKeys | None,
     reward_endpoints: list[RewardEndpoint] | None = None,
+    teacher_endpoints: list[RewardEndpoint] | None = None,
 ) -> EngineSettings:
-    """`reward_endpoints`: the reward model's replicas (task.reward=judge:/classifier:)."""
+    """`reward_endpoints`: the reward model's replicas (task.reward=judge:/classifier:);
+    `teacher_endpoints`: the teacher's (teacher.model)."""
     g = cfg.generators
     device = device_of(g.device)
     return EngineSettings(
@@ -152,6 +154,8 @@ def engine_settings(
         ingest_address=ingest,
         curve=keys.engine if keys is not None else None,
         reward_endpoints=list(reward_endpoints or []),
+        teacher=cfg.teacher,
+        teacher_endpoints=list(teacher_endpoints or []),
     )
 
 
