@@ -394,6 +394,12 @@ class GeneratorConfig(_Section):
 
 
 class TrainConfig(_Section):
+    mode: Annotated[
+        Literal["rl", "sft"],
+        _f("rl: reinforcement learning (generators, buffer, learner); sft: supervised fine-tuning of the learner alone "
+           "on chat demonstrations (the sft section; loss on assistant tokens only), with the same backends, "
+           "checkpoints and resume; an RL run then starts from its checkpoint's model/ folder as model.path"),
+    ] = "rl"
     total_steps: Annotated[int, _f("training steps to run: batches, each of train.minibatches x epochs optimizer steps", ge=1)] = 60
     prompts_per_step: Annotated[int, _f("prompt groups per training step (batch = this * group_size)", ge=1)] = 8
     max_lag: Annotated[int, _f("max policy versions a trained sample may lag (0 = synchronous on-policy)", ge=0)] = 1
@@ -441,6 +447,28 @@ class TrainConfig(_Section):
         _f("a non-finite loss or gradient norm skips that optimizer step (weights and optimizer state kept; "
            "counted as nonfinite_steps); this many in a row stop the run (0 = never)", ge=0),
     ] = 3
+
+
+class SftConfig(_Section):
+    """train.mode=sft: supervised fine-tuning on chat demonstrations (docs/sft.md)."""
+
+    train_files: Annotated[
+        list[str], _f("demonstration files (.jsonl, .json or .parquet): one conversation per row in messages_key")
+    ] = msgspec.field(default_factory=list)
+    eval_files: Annotated[
+        list[str], _f("held-out demonstration files: their loss (NLL per assistant token) is evaluated during training")
+    ] = msgspec.field(default_factory=list)
+    messages_key: Annotated[
+        str, _f("column with the conversation: a list of chat messages {role, content}, at least one assistant turn")
+    ] = "messages"
+    batch_size: Annotated[int, _f("conversations per optimizer step, over all learner ranks", ge=1)] = 16
+    max_length: Annotated[
+        int, _f("conversations longer than this many tokens are cut (counted); 0 = generators.max_model_len", ge=0)
+    ] = 0
+    eval_every: Annotated[
+        int, _f("evaluate the eval_files' loss after every this many steps (0 = at the start and the end only)", ge=0)
+    ] = 0
+    shuffle: Annotated[bool, _f("a new order of the conversations each epoch (seeded by train.seed)")] = True
 
 
 class MegatronConfig(_Section):
@@ -891,6 +919,7 @@ class Config(_Section):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)
+    sft: SftConfig = msgspec.field(default_factory=SftConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
@@ -1047,6 +1076,7 @@ def validate(cfg: Config) -> None:
         )
     validate_algorithm(cfg.algorithm)
     validate_teacher(cfg)
+    validate_sft(cfg)
     validate_eval(cfg)
     validate_data(cfg)
     validate_env(cfg)
@@ -1237,14 +1267,19 @@ def validate_sampling(g: GeneratorConfig) -> None:
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def check_data_files(field: str, files: list[str]) -> None:
+    """Each of `files` (config key `field`) names a data file of a known kind that exists."""
+    for f in files:
+        if not f.endswith(_DATA_SUFFIXES):
+            raise ConfigError(f"{field}: '{f}' is not a {'/'.join(_DATA_SUFFIXES)} file")
+        if not Path(f).expanduser().is_file():
+            raise ConfigError(f"{field}: '{f}' does not exist")
+
+
 def validate_data(cfg: Config) -> None:
     d = cfg.data
-    for field, files in (("data.train_files", d.train_files), ("data.eval_files", d.eval_files)):
-        for f in files:
-            if not f.endswith(_DATA_SUFFIXES):
-                raise ConfigError(f"{field}: '{f}' is not a {'/'.join(_DATA_SUFFIXES)} file")
-            if not Path(f).expanduser().is_file():
-                raise ConfigError(f"{field}: '{f}' does not exist")
+    check_data_files("data.train_files", d.train_files)
+    check_data_files("data.eval_files", d.eval_files)
     if not d.prompt_key:
         raise ConfigError("data.prompt_key is empty: name the prompt column")
     if not d.eval_files and d.eval_task_seed == cfg.task.seed:
@@ -1261,6 +1296,22 @@ def validate_teacher(cfg: Config) -> None:
         raise ConfigError(f"teacher.model is set but algorithm.name={name} does not use it: set algorithm.name=opd")
     if t.model and t.model not in MODEL_PRESETS and not Path(t.model).expanduser().is_dir():
         raise ConfigError(f"teacher.model: '{t.model}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a folder")
+
+
+def validate_sft(cfg: Config) -> None:
+    s = cfg.sft
+    check_data_files("sft.train_files", s.train_files)
+    check_data_files("sft.eval_files", s.eval_files)
+    if cfg.train.mode != "sft":
+        return
+    if not s.train_files:
+        raise ConfigError("train.mode=sft needs sft.train_files (chat demonstrations)")
+    if cfg.learner.backend != "torch":
+        raise ConfigError(f"train.mode=sft runs on learner.backend=torch for now, not {cfg.learner.backend}")
+    if cfg.learner.lora.enabled:
+        raise ConfigError("train.mode=sft with learner.lora is not supported yet: its checkpoint would hold an adapter only")
+    if s.batch_size % cfg.learner.world_size:
+        raise ConfigError(f"sft.batch_size={s.batch_size} is not divisible by learner.world_size={cfg.learner.world_size}")
 
 
 def validate_algorithm(a: AlgorithmConfig) -> None:

@@ -17,6 +17,7 @@ import collections
 import itertools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,14 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise ConfigError(f"data file '{p}' cannot be read as {builder}: {text}") from None
     return ds.to_list()
+
+
+def file_rows(files: list[str], field: str) -> Iterator[tuple[str, int, dict[str, Any], str]]:
+    """(file, row index, row, where) for every row of `files` in order; `where` names the config key
+    `field`, the file and the row for a one-line error."""
+    for f in files:
+        for i, row in enumerate(read_rows(f)):
+            yield f, i, row, f"{field}: '{f}' row {i}"
 
 
 def _field(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
@@ -136,23 +145,21 @@ def load_prompt_files(
     ConfigError naming `field`, file and row, or is skipped and counted with data.skip_bad_rows."""
     prompts: list[Prompt] = []
     skipped: collections.Counter[str] = collections.Counter()
-    for f in files:
-        for i, row in enumerate(read_rows(f)):
-            where = f"{field}: '{f}' row {i}"
-            try:
-                prompt = row_to_prompt(row, i, Path(f).stem, data, where)
-                prompt = renderer.rendered(prompt, max_prompt_tokens)
-            except RenderError as exc:
-                if not data.skip_bad_rows:
-                    raise ConfigError(f"{where}: {exc}") from None
-                skipped[exc.reason] += 1
-                continue
-            except BadRow as exc:
-                if not data.skip_bad_rows:
-                    raise ConfigError(str(exc)) from None
-                skipped[exc.reason] += 1
-                continue
-            prompts.append(prompt)
+    for f, i, row, where in file_rows(files, field):
+        try:
+            prompt = row_to_prompt(row, i, Path(f).stem, data, where)
+            prompt = renderer.rendered(prompt, max_prompt_tokens)
+        except RenderError as exc:
+            if not data.skip_bad_rows:
+                raise ConfigError(f"{where}: {exc}") from None
+            skipped[exc.reason] += 1
+            continue
+        except BadRow as exc:
+            if not data.skip_bad_rows:
+                raise ConfigError(str(exc)) from None
+            skipped[exc.reason] += 1
+            continue
+        prompts.append(prompt)
     if not prompts and files:
         raise ConfigError(f"{field}: no usable row in {files} ({dict(skipped)} skipped)")
     return LoadedPrompts(prompts, skipped)

@@ -162,20 +162,30 @@ class Runtime:
         """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
         return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
 
-    def _make_learner(self, pool: ResourcePool | PoolShare | None = None) -> WorkerGroup:
+    def start_learner_alone(self, learner_cls: type[LearnerDriver]) -> WorkerGroup:
+        """train.mode=sft: the learner's ranks (of `learner_cls`) set up, without a buffer, engines or
+        weight sync: they read their data themselves."""
+        self._pools = RunPools(self.cfg)
+        self._learner = self._make_learner(learner_cls=learner_cls)
+        ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
+        return self._learner
+
+    def _make_learner(
+        self, pool: ResourcePool | PoolShare | None = None, learner_cls: type[LearnerDriver] = LearnerDriver
+    ) -> WorkerGroup:
         """The learner's ranks, in a new resource pool or in `pool` (a restarted group takes its
         predecessor's)."""
         cfg = self.cfg
         assert self._pools is not None
         pool = pool if pool is not None else self._pools.learner()
-        spec = self.learner_spec(self.addresses.serve)
+        spec = self.learner_spec(self._addresses.serve if self._addresses is not None else "")
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
             # Calls at once: a weight sync or buffer redirect while train_step waits for a batch, the
             # controller's pending `watch` (death_watch.py), and a liveness probe beside them.
             options = {**options, "max_concurrency": 4}
-            return ray.remote(LearnerDriver).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
+            return ray.remote(learner_cls).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
 
         return WorkerGroup(pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
 

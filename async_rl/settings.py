@@ -180,6 +180,7 @@ def learner_spec(
         buffer_address=serve,
         batch_timeout_s=BATCH_TIMEOUT_S,
         curve=keys.learner if keys is not None else None,
+        sft=cfg.sft,
     )
 
 

@@ -26,6 +26,7 @@ from async_rl.config import (
     GeneratorConfig,
     LearnerConfig,
     ModelConfig,
+    SftConfig,
     TrainConfig,
     WeightSyncConfig,
 )
@@ -52,6 +53,7 @@ class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     buffer_address: str
     batch_timeout_s: float = 600.0
     curve: ClientKeys | None = None  # the learner's CURVE keys for the buffer (None: security.curve off)
+    sft: SftConfig = msgspec.field(default_factory=SftConfig)  # train.mode=sft: the demonstrations
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):
