@@ -1294,6 +1294,9 @@ def validate_teacher(cfg: Config) -> None:
         raise ConfigError("algorithm.name=opd needs teacher.model (the model whose log-probs the student learns)")
     if t.model and name != "opd":
         raise ConfigError(f"teacher.model is set but algorithm.name={name} does not use it: set algorithm.name=opd")
+    if name == "opd" and cfg.algorithm.dynamic_sampling and cfg.algorithm.distill_rewards == "none":
+        raise ConfigError("algorithm.dynamic_sampling drops groups of equal task rewards, which opd with "
+                          "distill_rewards=none still learns from: turn one of them off")
     if t.model and t.model not in MODEL_PRESETS and not Path(t.model).expanduser().is_dir():
         raise ConfigError(f"teacher.model: '{t.model}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a folder")
 

@@ -171,6 +171,10 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
     if cfg.train.mode == "sft":
         return run_sft(cfg, plan, model_dir, resume_from)
     loaded = check_train_data(cfg, model_dir)  # a bad data row fails here, before anything starts
+    if cfg.teacher.model:  # a teacher with another tokenizer too (the runtime checks again, for its other callers)
+        from async_rl.teacher.setup import check_tokenizers, teacher_dir
+
+        check_tokenizers(model_dir, teacher_dir(cfg))
     run_dir = _run_dir(cfg, resume_from)
     print(f"run directory: {run_dir}", flush=True)
     print(f"model: {model_dir}", flush=True)

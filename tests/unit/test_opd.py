@@ -110,3 +110,5 @@ def test_opd_config_errors_are_one_line():
         load_config(None, ["algorithm.name=opd"])
     with pytest.raises(ConfigError, match="no learning signal"):
         load_config(None, ["algorithm.name=opd", "algorithm.distill_coef=0", "teacher.model=tiny-qwen2"])
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        load_config(None, ["algorithm.name=opd", "algorithm.dynamic_sampling=true", "teacher.model=tiny-qwen2"])

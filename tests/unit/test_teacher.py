@@ -261,3 +261,23 @@ def test_console_line_shows_the_teacher():
     r = record()
     r.kl_teacher, r.teacher_tokens, r.teacher_tokens_per_s, r.teacher_share = 0.25, 300, 150.0, 0.2
     assert "teacher KL 0.250 150 tok/s share 20%" in console_line(r, 10)
+
+
+def test_the_launch_refuses_a_teacher_with_another_tokenizer_before_anything_starts(tmp_path, capsys):
+    """One line on stderr, exit 2, no run directory, no Ray."""
+    import shutil
+
+    from async_rl import launch
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(resolve_model_path("tiny-qwen2-wide", model_cache()), teacher)
+    tok = AutoTokenizer.from_pretrained(str(teacher))
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(teacher)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  cache_dir: {model_cache()}\nalgorithm:\n  name: opd\nteacher:\n  model: {teacher}\n"
+                      f"logging:\n  run_dir: {tmp_path / 'runs'}\n")
+    assert launch.main([str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: teacher.model") and "'<extra>'" in err
+    assert not (tmp_path / "runs").exists()
