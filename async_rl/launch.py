@@ -102,6 +102,8 @@ def start_ray(cfg: Config, plan: PlacementPlan) -> None:
     needed += cfg.learner.world_size * cfg.learner.cpus_per_rank
     if serving := reward_model_serving(cfg.task):  # the reward model's replicas beside the pool
         needed += serving.replicas * serving.cpus_per_replica
+    if cfg.teacher.model:  # the distillation teacher's replicas beside the pool
+        needed += cfg.teacher.replicas * cfg.teacher.cpus_per_replica
     env = _RAY_ENV
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=cfg.ray.actor_logs, runtime_env={"env_vars": env})

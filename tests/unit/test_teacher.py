@@ -281,3 +281,11 @@ def test_the_launch_refuses_a_teacher_with_another_tokenizer_before_anything_sta
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: teacher.model") and "'<extra>'" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_plan_places_the_teachers_replicas_beside_the_pool():
+    from async_rl.cluster.placement import plan_placement
+
+    cfg = load_config(None, ["algorithm.name=opd", "teacher.model=tiny-qwen2-wide", "teacher.replicas=2"])
+    text = plan_placement(cfg, cores=[0, 1]).render()
+    assert "teacher: 2 replica(s) of 1 CPU(s)" in text
