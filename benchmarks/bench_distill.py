@@ -18,7 +18,8 @@ the 96 questions of configs/data/arith_eval.jsonl), the reverse KL to the teache
 3. `rl`: configs/smollm2_arith.yaml again (the comparison arm; its own seed).
 4. `sft-rl`: configs/smollm2_arith_sft.yaml (--sft-steps x 16 demonstrations), then
    configs/smollm2_arith.yaml from its last checkpoint's model/ folder.
-5. `report`: benchmarks/results/distill.md (tables), distill.json (every curve), distill.png.
+5. `report`: benchmarks/results/distill.md (tables), distill.json (every curve), distill.png
+   (`--quick`: distill-quick.*).
 
 Each arm runs --steps RL steps of 8 prompts x 6 samples (the config's). --repeats N runs each of
 opd, rl and sft-rl N times (seeds train.seed=0..N-1) and reports the range.
@@ -107,7 +108,8 @@ def report(args: argparse.Namespace) -> None:
     sft = {seed: read_jsonl(args.workdir / f"sft-{seed}" / "eval.jsonl") for seed in range(args.repeats)}
     out = {"teacher": teacher, "runs": runs, "sft_eval_loss": sft, "steps": args.steps}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "distill.json").write_text(json.dumps(out, indent=1))
+    name = "distill-quick" if args.quick else "distill"  # a check never overwrites the real results
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
     lines = ["# Learning from a teacher: OPD vs RL, SFT-then-RL vs RL (benchmarks/bench_distill.py)", "",
              f"Workdir {args.workdir}; {args.repeats} run(s) per arm; held-out pass@1 (greedy), range over runs.", ""]
     if teacher and teacher["eval"]:
@@ -125,9 +127,9 @@ def report(args: argparse.Namespace) -> None:
     if kls:
         lines += ["", "OPD mean reverse KL to the teacher per step (first run): "
                   + ", ".join(f"{x:.3f}" for x in kls[0])]
-    (RESULTS / "distill.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(runs, RESULTS / "distill.png")
+    plot(runs, RESULTS / f"{name}.png")
 
 
 def plot(runs: dict, path: Path) -> None:
