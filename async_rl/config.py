@@ -85,7 +85,20 @@ class RewardModelServing(_Section):
     ] = 4.0
 
 
-class JudgeConfig(RewardModelServing):
+class VllmReplicaServing(RewardModelServing):
+    """A replica that is a vLLM engine of its own (the LLM judge, the distillation teacher)."""
+
+    tensor_parallel_size: Annotated[int, _f("vLLM tensor-parallel workers per replica (cuda: its GPUs)", ge=1)] = 1
+    gpu_memory_utilization: Annotated[float, _f("fraction of each GPU vLLM may use (cuda only)", gt=0, le=1)] = 0.3
+    kv_cache_gib: Annotated[float, _f("KV cache per replica on CPU, GiB (vLLM's kv_cache_memory_bytes)", gt=0)] = 1.0
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        _f("dtype the model is served in; auto = bfloat16 on cuda, float32 on cpu"),
+    ] = "auto"
+    max_inflight: Annotated[int, _f("requests a replica runs at once (vLLM max_num_seqs)", ge=1)] = 16
+
+
+class JudgeConfig(VllmReplicaServing):
     """task.reward=judge:<model>: an LLM judge served by vLLM engines of its own, asked through their
     OpenAI-compatible /v1/chat/completions (the run's key) from the reward workers."""
 
@@ -109,14 +122,6 @@ class JudgeConfig(RewardModelServing):
     max_tokens: Annotated[int, _f("tokens the judge may write per verdict", ge=1)] = 32
     temperature: Annotated[float, _f("the judge's sampling temperature (0 = greedy)", ge=0)] = 0.0
     max_model_len: Annotated[int, _f("the judge engine's max sequence length (prompt + verdict)", ge=16)] = 1024
-    tensor_parallel_size: Annotated[int, _f("vLLM tensor-parallel workers per judge replica (cuda: its GPUs)", ge=1)] = 1
-    gpu_memory_utilization: Annotated[float, _f("fraction of each GPU vLLM may use (cuda only)", gt=0, le=1)] = 0.3
-    kv_cache_gib: Annotated[float, _f("KV cache per judge replica on CPU, GiB (vLLM's kv_cache_memory_bytes)", gt=0)] = 1.0
-    dtype: Annotated[
-        Literal["auto", "float32", "bfloat16", "float16"],
-        _f("dtype the judge is served in; auto = bfloat16 on cuda, float32 on cpu"),
-    ] = "auto"
-    max_inflight: Annotated[int, _f("requests a judge replica runs at once (vLLM max_num_seqs)", ge=1)] = 16
 
     def prompt_template(self) -> str:
         """The template in use: `template`, or the built-in one."""
@@ -151,6 +156,26 @@ class ClassifierConfig(RewardModelServing):
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"], _f("dtype of the classifier; auto = bfloat16 on cuda, float32 on cpu")
     ] = "auto"
+
+
+class TeacherConfig(VllmReplicaServing):
+    """On-policy distillation (algorithm.name=opd): a teacher model served beside the generator pool on
+    vLLM replicas of its own; every finished group's sampled tokens are scored by it (prompt log-probs
+    over prompt + completion) before the engine pushes the group (docs/distillation.md)."""
+
+    model: Annotated[
+        str,
+        _f("the teacher: a preset or a local HF causal-LM folder with the student's tokenizer (a different "
+           "vocabulary is refused at start); '' = no teacher"),
+    ] = ""
+    timeout_s: Annotated[
+        float, _f("one scoring call (a group's samples) taking longer than this fails and is tried again", gt=0)
+    ] = 30.0
+    max_wait_s: Annotated[
+        float,
+        _f("how long a group waits for a teacher score, trying every replica and waiting out restarts, before it "
+           "is pushed unscored (counted as teacher_unscored; its tokens then carry no distillation signal)", gt=0),
+    ] = 300.0
 
 
 class TaskConfig(_Section):
@@ -369,6 +394,12 @@ class GeneratorConfig(_Section):
 
 
 class TrainConfig(_Section):
+    mode: Annotated[
+        Literal["rl", "sft"],
+        _f("rl: reinforcement learning (generators, buffer, learner); sft: supervised fine-tuning of the learner alone "
+           "on chat demonstrations (the sft section; loss on assistant tokens only), with the same backends, "
+           "checkpoints and resume; an RL run then starts from its checkpoint's model/ folder as model.path"),
+    ] = "rl"
     total_steps: Annotated[int, _f("training steps to run: batches, each of train.minibatches x epochs optimizer steps", ge=1)] = 60
     prompts_per_step: Annotated[int, _f("prompt groups per training step (batch = this * group_size)", ge=1)] = 8
     max_lag: Annotated[int, _f("max policy versions a trained sample may lag (0 = synchronous on-policy)", ge=0)] = 1
@@ -416,6 +447,28 @@ class TrainConfig(_Section):
         _f("a non-finite loss or gradient norm skips that optimizer step (weights and optimizer state kept; "
            "counted as nonfinite_steps); this many in a row stop the run (0 = never)", ge=0),
     ] = 3
+
+
+class SftConfig(_Section):
+    """train.mode=sft: supervised fine-tuning on chat demonstrations (docs/sft.md)."""
+
+    train_files: Annotated[
+        list[str], _f("demonstration files (.jsonl, .json or .parquet): one conversation per row in messages_key")
+    ] = msgspec.field(default_factory=list)
+    eval_files: Annotated[
+        list[str], _f("held-out demonstration files: their loss (NLL per assistant token) is evaluated during training")
+    ] = msgspec.field(default_factory=list)
+    messages_key: Annotated[
+        str, _f("column with the conversation: a list of chat messages {role, content}, at least one assistant turn")
+    ] = "messages"
+    batch_size: Annotated[int, _f("conversations per optimizer step, over all learner ranks", ge=1)] = 16
+    max_length: Annotated[
+        int, _f("conversations longer than this many tokens are cut (counted); 0 = generators.max_model_len", ge=0)
+    ] = 0
+    eval_every: Annotated[
+        int, _f("evaluate the eval_files' loss after every this many steps (0 = at the start and the end only)", ge=0)
+    ] = 0
+    shuffle: Annotated[bool, _f("a new order of the conversations each epoch (seeded by train.seed)")] = True
 
 
 class MegatronConfig(_Section):
@@ -635,10 +688,20 @@ class AlgorithmConfig(_Section):
     """The RL algorithm: advantage estimator, policy loss, off-policy corrections, KL, critic."""
 
     name: Annotated[
-        Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"],
+        Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "opd"],
         _f("grpo (group mean/std), dr_grpo (group mean, loss summed over tokens / a constant), rloo "
-           "(leave-one-out baseline), reinforce_pp (REINFORCE++: batch-normalised returns), ppo (critic + GAE)"),
+           "(leave-one-out baseline), reinforce_pp (REINFORCE++: batch-normalised returns), ppo (critic + GAE), "
+           "opd (on-policy distillation: each sampled token's advantage is distill_coef * (log teacher - log pi_old), "
+           "the per-token reverse KL to teacher.model, plus distill_rewards' group advantage; needs teacher.model)"),
     ] = "grpo"
+    distill_coef: Annotated[
+        float, _f("opd: weight of the teacher term -(log pi_old - log teacher) in each token's advantage", ge=0)
+    ] = 1.0
+    distill_rewards: Annotated[
+        Literal["none", "grpo", "dr_grpo", "rloo"],
+        _f("opd: the task rewards' group advantage added to every token's teacher term (RL with a teacher's KL); "
+           "none = pure distillation (the task's rewards are logged, not trained on)"),
+    ] = "none"
     clip_eps_low: Annotated[float, _f("PPO clip: ratio lower bound is 1 - this", ge=0)] = 0.2
     clip_eps_high: Annotated[
         float, _f("PPO clip: ratio upper bound is 1 + this (above clip_eps_low = DAPO clip-higher)", ge=0)
@@ -881,6 +944,8 @@ class Config(_Section):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)
+    sft: SftConfig = msgspec.field(default_factory=SftConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
@@ -1037,6 +1102,8 @@ def validate(cfg: Config) -> None:
             f"{cfg.generators.max_tokens}: the penalty zone must fit inside the completion budget"
         )
     validate_algorithm(cfg.algorithm)
+    validate_teacher(cfg)
+    validate_sft(cfg)
     validate_eval(cfg)
     validate_data(cfg)
     validate_env(cfg)
@@ -1227,21 +1294,59 @@ def validate_sampling(g: GeneratorConfig) -> None:
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def check_data_files(field: str, files: list[str]) -> None:
+    """Each of `files` (config key `field`) names a data file of a known kind that exists."""
+    for f in files:
+        if not f.endswith(_DATA_SUFFIXES):
+            raise ConfigError(f"{field}: '{f}' is not a {'/'.join(_DATA_SUFFIXES)} file")
+        if not Path(f).expanduser().is_file():
+            raise ConfigError(f"{field}: '{f}' does not exist")
+
+
 def validate_data(cfg: Config) -> None:
     d = cfg.data
-    for field, files in (("data.train_files", d.train_files), ("data.eval_files", d.eval_files)):
-        for f in files:
-            if not f.endswith(_DATA_SUFFIXES):
-                raise ConfigError(f"{field}: '{f}' is not a {'/'.join(_DATA_SUFFIXES)} file")
-            if not Path(f).expanduser().is_file():
-                raise ConfigError(f"{field}: '{f}' does not exist")
+    check_data_files("data.train_files", d.train_files)
+    check_data_files("data.eval_files", d.eval_files)
     if not d.prompt_key:
         raise ConfigError("data.prompt_key is empty: name the prompt column")
     if not d.eval_files and d.eval_task_seed == cfg.task.seed:
         raise ConfigError(f"data.eval_task_seed={d.eval_task_seed} equals task.seed: evaluation would use training prompts")
 
 
+def validate_teacher(cfg: Config) -> None:
+    """algorithm.name=opd and teacher.model go together; a folder teacher exists (its tokenizer is
+    compared with the student's at start, teacher/setup.py: that needs transformers)."""
+    t, name = cfg.teacher, cfg.algorithm.name
+    if name == "opd" and not t.model:
+        raise ConfigError("algorithm.name=opd needs teacher.model (the model whose log-probs the student learns)")
+    if t.model and name != "opd":
+        raise ConfigError(f"teacher.model is set but algorithm.name={name} does not use it: set algorithm.name=opd")
+    if name == "opd" and cfg.algorithm.dynamic_sampling and cfg.algorithm.distill_rewards == "none":
+        raise ConfigError("algorithm.dynamic_sampling drops groups of equal task rewards, which opd with "
+                          "distill_rewards=none still learns from: turn one of them off")
+    if t.model and t.model not in MODEL_PRESETS and not Path(t.model).expanduser().is_dir():
+        raise ConfigError(f"teacher.model: '{t.model}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a folder")
+
+
+def validate_sft(cfg: Config) -> None:
+    s = cfg.sft
+    check_data_files("sft.train_files", s.train_files)
+    check_data_files("sft.eval_files", s.eval_files)
+    if cfg.train.mode != "sft":
+        return
+    if not s.train_files:
+        raise ConfigError("train.mode=sft needs sft.train_files (chat demonstrations)")
+    if cfg.learner.backend != "torch":
+        raise ConfigError(f"train.mode=sft runs on learner.backend=torch for now, not {cfg.learner.backend}")
+    if cfg.learner.lora.enabled:
+        raise ConfigError("train.mode=sft with learner.lora is not supported yet: its checkpoint would hold an adapter only")
+    if s.batch_size % cfg.learner.world_size:
+        raise ConfigError(f"sft.batch_size={s.batch_size} is not divisible by learner.world_size={cfg.learner.world_size}")
+
+
 def validate_algorithm(a: AlgorithmConfig) -> None:
+    if a.name == "opd" and a.distill_coef == 0 and a.distill_rewards == "none":
+        raise ConfigError("algorithm.name=opd with distill_coef=0 and distill_rewards=none has no learning signal")
     if a.kl_in_reward and a.name not in ("reinforce_pp", "ppo"):
         raise ConfigError(
             f"algorithm.kl_in_reward needs a token-level estimator (reinforce_pp or ppo), not algorithm.name={a.name}"

@@ -32,6 +32,7 @@ from async_rl.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
 from async_rl.reward_models.calls import RewardModelCounts
 from async_rl.runtime import START_TIMEOUT_S, Runtime
 from async_rl.supervisor import LearnerRestarted, PromptsExhausted, Supervisor
+from async_rl.teacher.meter import TeacherMeter, TeacherStep
 from async_rl.weight_sync.checksum import ParamChecksum, ShardChecksum, engine_checksum
 
 
@@ -72,6 +73,7 @@ class Controller:
         self.run_id = uuid.uuid4().hex[:12]
         self.version = 0
         self._last_logged_step = -1  # the highest step logged (a step logged again after a recovery is marked)
+        self.teacher_meter = TeacherMeter()  # teacher.model: per-step rates from the engines' counters
         self.runtime = Runtime(cfg, self.run_id, self.model_dir, run_dir, plan, self.initial_model_dir)
         self.supervisor: Supervisor | None = None
         eval_set = eval_prompts(cfg, self.model_dir) if cfg.eval.enabled else []  # rendered once, here
@@ -168,11 +170,16 @@ class Controller:
         record.recoveries = sup.recovery.recoveries
         record.replayed = step <= self._last_logged_step
         self._last_logged_step = max(self._last_logged_step, step)
-        if rt.reward_models is not None or self.cfg.env.name:
+        record.kl_teacher = per_rank[0].kl_teacher  # a global mean: the same on every rank
+        record.teacher_missing = sum(m.teacher_missing for m in per_rank)
+        if rt.reward_models is not None or self.cfg.env.name or rt.teacher is not None:
             engines = rt.generators.stats()
             add_rollout_counts(record, engines)
             if rt.reward_models is not None:
                 add_reward_model_counts(record, engines, rt.reward_models.restarts)
+            if rt.teacher is not None:
+                add_teacher_counts(record, self.teacher_meter.step([e.teacher for e in engines if e.teacher], elapsed))
+                record.teacher_restarts = rt.teacher.restarts
         metrics.log(record)
         sup.check_failures(buffer)  # a run whose rewards all fail stops here
         if self.checkpoint_due(step):
@@ -350,6 +357,15 @@ def add_reward_model_counts(record: StepRecord, engines: list[EngineStats], rest
     record.reward_model_failures = total.failures
     record.reward_model_timeouts = total.timeouts
     record.reward_model_restarts = restarts
+
+
+def add_teacher_counts(record: StepRecord, t: TeacherStep) -> None:
+    record.teacher_tokens = t.tokens
+    record.teacher_tokens_per_s = t.tokens_per_s
+    record.teacher_share = t.share
+    record.teacher_unscored = t.unscored
+    record.teacher_failures = t.failures
+    record.teacher_timeouts = t.timeouts
 
 
 def make_record(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,20 +45,77 @@ class LoadedPrompts:
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Every row of a .jsonl/.json or .parquet file as a dict (the `datasets` library, offline)."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import datasets
-
-    datasets.disable_progress_bars()
+    """Every row of a .jsonl/.json or .parquet file as a dict. Every way the file can be unreadable is
+    a one-line ConfigError naming the file, and the row (and line) where there is one: gone, a
+    directory, not permitted, empty, not UTF-8, a line that is not JSON or not an object, not parquet."""
     p = Path(path).expanduser()
-    builder = "parquet" if p.suffix == ".parquet" else "json"
+    what = f"data file '{p}'"
     try:
-        ds = datasets.load_dataset(builder, data_files=[str(p)], split="train", keep_in_memory=True)
-    except Exception as exc:  # the reader's error (often the cause) names the row where it knows it
-        cause = exc.__cause__ or exc
-        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise ConfigError(f"data file '{p}' cannot be read as {builder}: {text}") from None
-    return ds.to_list()
+        raw = p.read_bytes()
+    except IsADirectoryError:
+        raise ConfigError(f"{what} is a directory, not a file") from None
+    except FileNotFoundError:
+        raise ConfigError(f"{what} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"{what} cannot be opened: permission denied") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    rows = _parquet_rows(raw, what) if p.suffix == ".parquet" else _json_rows(raw, what, whole=p.suffix == ".json")
+    if not rows:
+        raise ConfigError(f"{what} has no rows")
+    return rows
+
+
+def _parquet_rows(raw: bytes, what: str) -> list[dict[str, Any]]:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(io.BytesIO(raw)).to_pylist()
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{what} cannot be read as parquet: {text}") from None
+
+
+def _json_rows(raw: bytes, what: str, whole: bool) -> list[dict[str, Any]]:
+    """JSON lines (one object a line, blank lines ignored), or with `whole` a .json file that holds one
+    array of objects (a .json file of JSON lines is read as lines)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{what} is not UTF-8 text: byte {exc.start} (line {line}) is {raw[exc.start:exc.start + 1]!r}") from None
+    if whole and text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{what} cannot be read as json: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        lines = list(range(len(values)))  # rows of an array have no line of their own
+        where = [f"row {i}" for i in lines]
+    else:
+        values, where = [], []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                values.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{what} cannot be read as json: row {len(values)} (line {n}) is not JSON: {exc.msg}") from None
+            where.append(f"row {len(values) - 1} (line {n})")
+    for value, at in zip(values, where, strict=True):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{what} cannot be read as json: {at} is a {type(value).__name__}, not an object of columns")
+    return values
+
+
+def file_rows(files: list[str], field: str) -> Iterator[tuple[str, int, dict[str, Any], str]]:
+    """(file, row index, row, where) for every row of `files` in order; `where` names the config key
+    `field`, the file and the row for a one-line error."""
+    for f in files:
+        for i, row in enumerate(read_rows(f)):
+            yield f, i, row, f"{field}: '{f}' row {i}"
 
 
 def _field(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
@@ -136,23 +193,21 @@ def load_prompt_files(
     ConfigError naming `field`, file and row, or is skipped and counted with data.skip_bad_rows."""
     prompts: list[Prompt] = []
     skipped: collections.Counter[str] = collections.Counter()
-    for f in files:
-        for i, row in enumerate(read_rows(f)):
-            where = f"{field}: '{f}' row {i}"
-            try:
-                prompt = row_to_prompt(row, i, Path(f).stem, data, where)
-                prompt = renderer.rendered(prompt, max_prompt_tokens)
-            except RenderError as exc:
-                if not data.skip_bad_rows:
-                    raise ConfigError(f"{where}: {exc}") from None
-                skipped[exc.reason] += 1
-                continue
-            except BadRow as exc:
-                if not data.skip_bad_rows:
-                    raise ConfigError(str(exc)) from None
-                skipped[exc.reason] += 1
-                continue
-            prompts.append(prompt)
+    for f, i, row, where in file_rows(files, field):
+        try:
+            prompt = row_to_prompt(row, i, Path(f).stem, data, where)
+            prompt = renderer.rendered(prompt, max_prompt_tokens)
+        except RenderError as exc:
+            if not data.skip_bad_rows:
+                raise ConfigError(f"{where}: {exc}") from None
+            skipped[exc.reason] += 1
+            continue
+        except BadRow as exc:
+            if not data.skip_bad_rows:
+                raise ConfigError(str(exc)) from None
+            skipped[exc.reason] += 1
+            continue
+        prompts.append(prompt)
     if not prompts and files:
         raise ConfigError(f"{field}: no usable row in {files} ({dict(skipped)} skipped)")
     return LoadedPrompts(prompts, skipped)

@@ -32,7 +32,7 @@ PROBE_EVERY_S = 1.0  # a liveness probe per process about this often
 class Watched(NamedTuple):
     """One process the run watches, by actor instance: a replaced process is a new Watched."""
 
-    kind: str  # 'buffer' | 'engine' | 'learner' | 'reward_model'
+    kind: str  # 'buffer' | 'engine' | 'learner' | 'reward_model' | 'teacher'
     ident: int  # engine id, learner rank, replica id (-1 for the buffer)
     actor_id: str  # the actor instance's id (hex)
 

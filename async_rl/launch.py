@@ -111,6 +111,8 @@ def start_ray(cfg: Config, plan: PlacementPlan) -> None:
     needed += cfg.learner.world_size * cfg.learner.cpus_per_rank
     if serving := reward_model_serving(cfg.task):  # the reward model's replicas beside the pool
         needed += serving.replicas * serving.cpus_per_replica
+    if cfg.teacher.model:  # the distillation teacher's replicas beside the pool
+        needed += cfg.teacher.replicas * cfg.teacher.cpus_per_replica
     env = _RAY_ENV
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=cfg.ray.actor_logs, runtime_env={"env_vars": env})
@@ -125,28 +127,63 @@ def start_ray(cfg: Config, plan: PlacementPlan) -> None:
     )
 
 
+def _run_dir(cfg: Config, resume_from: Path | None) -> Path:
+    """A new run directory with its config, or the resumed checkpoint's (its later metrics trimmed)."""
+    from async_rl import checkpoint
+    from async_rl.metrics import EVAL_FILE
+
+    if resume_from is None:
+        run_dir = make_run_dir(cfg)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        return run_dir
+    run_dir = resume_from.parent.parent  # RUN_DIR/checkpoints/step_N
+    step = checkpoint.load_state(resume_from).step
+    (run_dir / f"config.resume-{step}.yaml").write_text(to_yaml(cfg))
+    dropped = checkpoint.trim_metrics(run_dir, step)
+    checkpoint.trim_metrics(run_dir, step, EVAL_FILE)
+    print(f"resuming from {resume_from} (step {step}); {dropped} later metrics record(s) dropped", flush=True)
+    checkpoint.discard_partial(run_dir, "resume")  # nothing writes one before the run starts
+    return run_dir
+
+
+def run_sft(cfg: Config, plan: PlacementPlan, model_dir: Path, resume_from: Path | None = None) -> int:
+    """train.mode=sft: the learner alone on chat demonstrations (sft/runner.py)."""
+    import ray
+
+    from async_rl.sft.runner import SftRun
+
+    run_dir = _run_dir(cfg, resume_from)
+    print(f"run directory: {run_dir}\nmodel: {model_dir}", flush=True)
+    start_ray(cfg, plan)
+    sft = SftRun(cfg, model_dir, run_dir, plan, resume_from)
+    try:
+        summary = sft.run()
+        last_eval = f"; held-out loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else ""
+        print(f"done: {summary.steps} sft steps, loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}{last_eval}; "
+              f"checkpoints in {run_dir / 'checkpoints'} (model/ is an HF folder: use it as model.path)", flush=True)
+        return 0
+    finally:
+        sft.shutdown()
+        ray.shutdown()
+
+
 def _raise_interrupt(signum, frame):  # SIGTERM -> the same clean shutdown as Ctrl-C
     raise KeyboardInterrupt
 
 
 def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> int:
-    from async_rl import checkpoint
     from async_rl.data import check_train_data
-    from async_rl.metrics import EVAL_FILE
 
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    if cfg.train.mode == "sft":
+        with marked():  # an SFT run's processes carry the launcher's mark too (leftovers.py)
+            return run_sft(cfg, plan, model_dir, resume_from)
     loaded = check_train_data(cfg, model_dir)  # a bad data row fails here, before anything starts
-    if resume_from is None:
-        run_dir = make_run_dir(cfg)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    else:
-        run_dir = resume_from.parent.parent  # RUN_DIR/checkpoints/step_N
-        step = checkpoint.load_state(resume_from).step
-        (run_dir / f"config.resume-{step}.yaml").write_text(to_yaml(cfg))
-        dropped = checkpoint.trim_metrics(run_dir, step)
-        checkpoint.trim_metrics(run_dir, step, EVAL_FILE)
-        print(f"resuming from {resume_from} (step {step}); {dropped} later metrics record(s) dropped", flush=True)
-        checkpoint.discard_partial(run_dir, "resume")  # nothing writes one before the run starts
+    if cfg.teacher.model:  # a teacher with another tokenizer too (the runtime checks again, for its other callers)
+        from async_rl.teacher.setup import check_tokenizers, teacher_dir
+
+        check_tokenizers(model_dir, teacher_dir(cfg))
+    run_dir = _run_dir(cfg, resume_from)
     print(f"run directory: {run_dir}", flush=True)
     print(f"model: {model_dir}", flush=True)
     launched = versions.record_launch(run_dir, resume_from)

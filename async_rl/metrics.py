@@ -123,6 +123,20 @@ class StepRecord(msgspec.Struct, kw_only=True):
     agent_timeouts: int = 0
     agent_crashes: int = 0
     agent_refused: int = 0  # endpoint requests without the engine's key
+    # teacher.model (algorithm.name=opd): the batch's mean per-token reverse KL to the teacher (log pi_old -
+    # log teacher over the scored model tokens), its samples without a teacher score; since the last step
+    # (engines alive): completion tokens the teacher scored, per second of the step, and the share of
+    # the scored groups' time (generation + rewards + teacher) spent waiting for the teacher; so far:
+    # samples pushed unscored after teacher.max_wait_s, failed and timed-out calls (tried again), restarts
+    kl_teacher: float = 0.0
+    teacher_missing: int = 0
+    teacher_tokens: int = 0
+    teacher_tokens_per_s: float = 0.0
+    teacher_share: float = 0.0
+    teacher_unscored: int = 0
+    teacher_failures: int = 0
+    teacher_timeouts: int = 0
+    teacher_restarts: int = 0
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:
@@ -146,6 +160,12 @@ def console_line(r: StepRecord, total_steps: int) -> str:
             f" | agent calls {r.agent_calls} prefix breaks {r.agent_prefix_breaks} failed "
             f"{r.agent_errors}/{r.agent_timeouts}/{r.agent_crashes} (error/timeout/crash)"
             if r.agent_calls or r.agent_errors or r.agent_timeouts or r.agent_crashes
+            else ""
+        )
+        + (
+            f" | teacher KL {r.kl_teacher:.3f} {r.teacher_tokens_per_s:.0f} tok/s share {r.teacher_share:.0%}"
+            + (f" unscored {r.teacher_unscored}" if r.teacher_unscored else "")
+            if r.teacher_tokens or r.teacher_unscored or r.kl_teacher
             else ""
         )
     )

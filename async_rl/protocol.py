@@ -5,6 +5,9 @@ A trajectory message is a ZMQ multipart frame of three parts:
   [0] msgpack header (`GroupsHeader`): schema version, run id, and per group/sample metadata
   [1] int32 little-endian token ids: for each group its prompt tokens, then each completion's tokens
   [2] float32 little-endian behaviour log-probs: one per completion token, in the same order
+  [3] (only when a sample of the frame was scored by a teacher, `SampleMeta.teacher_scored`) float32
+      little-endian teacher log-probs: one per completion token of each scored sample, in the same order
+      (0.0 on a multi-turn episode's environment tokens, which no teacher scores)
 
 A multi-turn episode's completion holds the model's turns and the environment's turns (tool results,
 feedback) in order; its sample carries a loss mask (1 byte per completion token: 1 the model's, 0 the
@@ -26,8 +29,8 @@ import msgspec
 import numpy as np
 
 # 2: finish reason per sample; 3: multi-turn episodes (loss mask, turns, tool counts); 4: a sample may be
-# one segment of an episode (`episode_index`)
-SCHEMA_VERSION = 4
+# one segment of an episode (`episode_index`); 5: teacher log-probs (on-policy distillation: part [3])
+SCHEMA_VERSION = 5
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -90,6 +93,8 @@ class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # The group's episode this sample is a segment of (an agent episode split at prefix breaks);
     # None: the sample is its own episode. Within a group: all None, or 0, 1, ... in order.
     episode_index: int | None = None
+    # whether frame part [3] holds this sample's teacher log-probs (a teacher scored its tokens)
+    teacher_scored: bool = False
 
 
 class GroupMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -184,6 +189,13 @@ class TrajectoryGroup:
     # MoE models with routing capture: per sample its routes (see ROUTE_DTYPES above for the shape and
     # the rows); None: no routes recorded (a dense model, or capture off)
     routes: list[np.ndarray] | None = None
+    # On-policy distillation: per sample the teacher's log-prob of each completion token (float32
+    # [completion_len], 0.0 on environment tokens), or None where no teacher scored it; None: none was
+    teacher_logprobs: list[np.ndarray | None] | None = None
+
+    def teacher_logprob(self, i: int) -> np.ndarray | None:
+        """Sample i's teacher log-probs, or None when no teacher scored it."""
+        return self.teacher_logprobs[i] if self.teacher_logprobs is not None else None
 
     def loss_mask(self, i: int) -> np.ndarray:
         """Sample i's loss mask as uint8 0/1 (all 1 without one)."""
@@ -286,12 +298,16 @@ def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) ->
     metas = []
     token_parts: list[np.ndarray] = []
     logprob_parts: list[np.ndarray] = []
+    teacher_parts: list[np.ndarray] = []
     for g in groups:
         samples = []
         token_parts.append(np.asarray(g.prompt_tokens, dtype=TOKEN_DTYPE))
         for i, comp in enumerate(g.completions):
             token_parts.append(np.asarray(comp, dtype=TOKEN_DTYPE))
             logprob_parts.append(np.asarray(g.logprobs[i], dtype=LOGPROB_DTYPE))
+            teacher = g.teacher_logprob(i)
+            if teacher is not None:
+                teacher_parts.append(np.asarray(teacher, dtype=LOGPROB_DTYPE))
             samples.append(
                 SampleMeta(
                     completion_len=len(comp),
@@ -303,19 +319,23 @@ def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) ->
                     loss_mask=_mask_bytes(g.loss_masks[i]) if g.loss_masks is not None else None,
                     episode=g.episodes[i] if g.episodes is not None else None,
                     episode_index=g.episode_of[i] if g.episode_of is not None else None,
+                    teacher_scored=teacher is not None,
                 )
             )
         metas.append(GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples))
     header = GroupsHeader(schema=SCHEMA_VERSION, run_id=run_id, groups=metas, step=step)
     tokens = np.concatenate(token_parts) if token_parts else np.empty(0, TOKEN_DTYPE)
     logprobs = np.concatenate(logprob_parts) if logprob_parts else np.empty(0, LOGPROB_DTYPE)
-    return [_header_encoder.encode(header), tokens.tobytes(), logprobs.tobytes()]
+    frames = [_header_encoder.encode(header), tokens.tobytes(), logprobs.tobytes()]
+    if teacher_parts:
+        frames.append(np.concatenate(teacher_parts).tobytes())
+    return frames
 
 
 def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) -> tuple[GroupsHeader, list[TrajectoryGroup]]:
     """Decode and validate a groups frame; raises FrameError(reason) on anything malformed."""
-    if len(frames) != 3:
-        raise FrameError("frame_count", f"expected 3 parts, got {len(frames)}")
+    if len(frames) not in (3, 4):
+        raise FrameError("frame_count", f"expected 3 or 4 parts, got {len(frames)}")
     if len(frames[0]) > max_bytes:
         raise FrameError("too_large", f"header of {len(frames[0])} bytes > {max_bytes}")
     try:
@@ -348,9 +368,11 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
             "length_mismatch",
             f"header says {want_tokens} tokens/{want_logprobs} logprobs, got {len(tokens)}/{len(logprobs)}",
         )
+    teacher = _decode_teacher_part(header, frames)
     groups: list[TrajectoryGroup] = []
     t = 0
     lp = 0
+    tp = 0
     for g in header.groups:
         if g.prompt_len < 0 or not g.samples or any(s.completion_len < 0 for s in g.samples):
             raise FrameError("bad_value", f"prompt {g.prompt_id}: negative length or empty group")
@@ -366,7 +388,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 raise FrameError("bad_value", f"prompt {g.prompt_id}: finish reason {s.finish_reason} out of range")
         prompt = tokens[t : t + g.prompt_len]
         t += g.prompt_len
-        comps, lps = [], []
+        comps, lps, teachers = [], [], []
         masks = [_decode_mask(s, g.prompt_id) for s in g.samples]
         for s in g.samples:
             _check_episode(s, g.prompt_id)
@@ -374,8 +396,10 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
         for s in g.samples:
             comps.append(tokens[t : t + s.completion_len])
             lps.append(logprobs[lp : lp + s.completion_len])
+            teachers.append(teacher[tp : tp + s.completion_len] if s.teacher_scored else None)
             t += s.completion_len
             lp += s.completion_len
+            tp += s.completion_len if s.teacher_scored else 0
         groups.append(
             TrajectoryGroup(
                 prompt_id=g.prompt_id,
@@ -393,6 +417,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 if any(s.episode is not None for s in g.samples)
                 else None,
                 episode_of=episode_of,
+                teacher_logprobs=teachers if any(x is not None for x in teachers) else None,
             )
         )
     if tokens.size and int(tokens.min()) < 0:
@@ -402,6 +427,25 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
         # A log-probability is finite and never positive (1e-3 allows float rounding).
         raise FrameError("bad_value", "log-probs must be finite and <= 0")
     return groups
+
+
+def _decode_teacher_part(header: GroupsHeader, frames: list[bytes]) -> np.ndarray:
+    """Part [3], the teacher log-probs of the samples the header marks scored, checked: present exactly
+    when some sample is scored, one per completion token of each, finite and never positive."""
+    want = sum(s.completion_len for g in header.groups for s in g.samples if s.teacher_scored)
+    scored = any(s.teacher_scored for g in header.groups for s in g.samples)
+    if scored != (len(frames) == 4):
+        raise FrameError("frame_count", f"{len(frames)} parts for a frame {'with' if scored else 'without'} teacher log-probs")
+    if not scored:
+        return np.empty(0, LOGPROB_DTYPE)
+    if len(frames[3]) % LOGPROB_DTYPE.itemsize:
+        raise FrameError("buffer_size", "teacher log-prob buffer is not a whole number of items")
+    teacher = np.frombuffer(frames[3], dtype=LOGPROB_DTYPE)
+    if len(teacher) != want:
+        raise FrameError("length_mismatch", f"header says {want} teacher log-probs, got {len(teacher)}")
+    if teacher.size and not bool((np.isfinite(teacher) & (teacher <= 1e-3)).all()):
+        raise FrameError("bad_value", "teacher log-probs must be finite and <= 0")
+    return teacher
 
 
 def encode_request(req: BatchRequest) -> bytes:

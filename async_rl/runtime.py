@@ -31,6 +31,7 @@ from async_rl.reward_models.pool import RewardModelPool
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.reward_models.setup import reward_model_pool
 from async_rl.security import RunKeys, make_run_keys, warn_insecure
+from async_rl.teacher.setup import check_tokenizers, teacher_dir, teacher_pool
 
 START_TIMEOUT_S = 600.0
 
@@ -53,6 +54,7 @@ class Runtime:
         self._learner: WorkerGroup | None = None
         self._pools: RunPools | None = None
         self._reward_models: RewardModelPool | None = None  # task.reward=judge:/classifier: its replicas
+        self._teacher: RewardModelPool | None = None  # teacher.model (algorithm.name=opd): its replicas
         self._generators_version = 0  # the version every engine holds (after the last sync)
         self._acked_step = -1  # the last batch acknowledged to the buffer (repeated to a restarted one)
         self._replayed_steps = 0  # steps trained again after learner restarts (told to a restarted buffer)
@@ -87,6 +89,18 @@ class Runtime:
         return self._reward_models.endpoints() if self._reward_models is not None else []
 
     @property
+    def teacher(self) -> RewardModelPool | None:
+        return self._teacher
+
+    def teacher_endpoints(self) -> list[RewardEndpoint]:
+        return self._teacher.endpoints() if self._teacher is not None else []
+
+    def served_pools(self) -> dict[str, RewardModelPool]:
+        """The pools of replicas served beside the generators, by the kind their deaths are noticed as."""
+        pools = {"reward_model": self._reward_models, "teacher": self._teacher}
+        return {kind: pool for kind, pool in pools.items() if pool is not None}
+
+    @property
     def generators_version(self) -> int:
         return self._generators_version
 
@@ -109,7 +123,8 @@ class Runtime:
         self._generators = GeneratorPool(
             # reads the addresses when an engine starts: a restarted buffer has new ones
             lambda i: settings.engine_settings(
-                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys, self.reward_endpoints()
+                cfg, self.run_id, self.model_dir, self.plan, i, self.addresses.ingest, self.keys, self.reward_endpoints(),
+                self.teacher_endpoints(),
             ),
             self._buffer,
             cfg.generators.cpus_per_engine,
@@ -120,6 +135,11 @@ class Runtime:
         self._reward_models = reward_model_pool(cfg)
         if self._reward_models is not None:  # engines start with its replicas' endpoints
             self._reward_models.start()
+        if cfg.teacher.model:  # refused in one line before anything heavy starts
+            check_tokenizers(self.model_dir, teacher_dir(cfg))
+        self._teacher = teacher_pool(cfg, cfg.generators.max_model_len)
+        if self._teacher is not None:
+            self._teacher.start()
         if cfg.placement == "colocated":
             # One GPU for both: vLLM sizes its KV cache from what it sees allocated while it starts,
             # so the engines start alone, then the learner sets up in what they left.
@@ -142,20 +162,30 @@ class Runtime:
         """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
         return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
 
-    def _make_learner(self, pool: ResourcePool | PoolShare | None = None) -> WorkerGroup:
+    def start_learner_alone(self, learner_cls: type[LearnerDriver]) -> WorkerGroup:
+        """train.mode=sft: the learner's ranks (of `learner_cls`) set up, without a buffer, engines or
+        weight sync: they read their data themselves."""
+        self._pools = RunPools(self.cfg)
+        self._learner = self._make_learner(learner_cls=learner_cls)
+        ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
+        return self._learner
+
+    def _make_learner(
+        self, pool: ResourcePool | PoolShare | None = None, learner_cls: type[LearnerDriver] = LearnerDriver
+    ) -> WorkerGroup:
         """The learner's ranks, in a new resource pool or in `pool` (a restarted group takes its
         predecessor's)."""
         cfg = self.cfg
         assert self._pools is not None
         pool = pool if pool is not None else self._pools.learner()
-        spec = self.learner_spec(self.addresses.serve)
+        spec = self.learner_spec(self._addresses.serve if self._addresses is not None else "")
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
             # Calls at once: a weight sync or buffer redirect while train_step waits for a batch, the
             # controller's pending `watch` (death_watch.py), and a liveness probe beside them.
             options = {**options, "max_concurrency": 4}
-            return ray.remote(LearnerDriver).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
+            return ray.remote(learner_cls).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
 
         return WorkerGroup(pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
 
@@ -180,6 +210,9 @@ class Runtime:
         if self._reward_models is not None:
             self._reward_models.shutdown()
             self._reward_models = None
+        if self._teacher is not None:
+            self._teacher.shutdown()
+            self._teacher = None
         if self._buffer is not None:
             try:
                 final = ray.get(self._buffer.close.remote(), timeout=30)
@@ -272,6 +305,20 @@ class Runtime:
         self._reward_models.restart(dead)
         endpoints = self.reward_endpoints()
         ray.get([a.set_reward_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
+
+    def restart_teacher(self, dead: list[int]) -> None:
+        """Start dead teacher replicas anew and point every engine's teacher scorer at them."""
+        assert self._teacher is not None
+        self._teacher.restart(dead)
+        endpoints = self.teacher_endpoints()
+        ray.get([a.set_teacher_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
+
+    def restart_served(self, kind: str, dead: list[int]) -> None:
+        """Restart dead replicas of the served pool `kind` (served_pools)."""
+        if kind == "teacher":
+            self.restart_teacher(dead)
+        else:
+            self.restart_reward_models(dead)
 
     def restart_learner(self, checkpoint_dir: str | None, from_step: int) -> None:
         """Kill every rank of the learner group (a dead one, and the others, likely stuck in a

@@ -122,8 +122,10 @@ def engine_settings(
     ingest: str,
     keys: RunKeys | None,
     reward_endpoints: list[RewardEndpoint] | None = None,
+    teacher_endpoints: list[RewardEndpoint] | None = None,
 ) -> EngineSettings:
-    """`reward_endpoints`: the reward model's replicas (task.reward=judge:/classifier:)."""
+    """`reward_endpoints`: the reward model's replicas (task.reward=judge:/classifier:);
+    `teacher_endpoints`: the teacher's (teacher.model)."""
     g = cfg.generators
     device = device_of(g.device)
     return EngineSettings(
@@ -163,6 +165,8 @@ def engine_settings(
         ingest_address=ingest,
         curve=keys.engine if keys is not None else None,
         reward_endpoints=list(reward_endpoints or []),
+        teacher=cfg.teacher,
+        teacher_endpoints=list(teacher_endpoints or []),
     )
 
 
@@ -187,6 +191,7 @@ def learner_spec(
         buffer_address=serve,
         batch_timeout_s=BATCH_TIMEOUT_S,
         curve=keys.learner if keys is not None else None,
+        sft=cfg.sft,
     )
 
 

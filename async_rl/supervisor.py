@@ -220,10 +220,10 @@ class Supervisor:
             out[Watched("engine", eid, actor_key(handle.actor))] = Target(handle.actor, handle.started)
         for rank, actor in enumerate(list(rt.learner.actors)):
             out[Watched("learner", rank, actor_key(actor))] = Target(actor, not self._learner_starting)
-        if rt.reward_models is not None:
-            serving = rt.reward_models.serving()
-            for rid, actor in rt.reward_models.actors().items():
-                out[Watched("reward_model", rid, actor_key(actor))] = Target(actor, rid in serving)
+        for kind, pool in rt.served_pools().items():
+            serving = pool.serving()
+            for rid, actor in pool.actors().items():
+                out[Watched(kind, rid, actor_key(actor))] = Target(actor, rid in serving)
         return out
 
     def _noticed(self, notice: DeathNotice) -> None:
@@ -252,7 +252,8 @@ class Supervisor:
         if w.kind == "learner":
             actors = rt.learner.actors
             return w.ident < len(actors) and actor_key(actors[w.ident]) == w.actor_id
-        actor = rt.reward_models.actors().get(w.ident) if rt.reward_models is not None else None
+        pool = rt.served_pools().get(w.kind)
+        actor = pool.actors().get(w.ident) if pool is not None else None
         return actor is not None and actor_key(actor) == w.actor_id
 
     def _engines_found_dead(self) -> list[int]:
@@ -280,7 +281,7 @@ class Supervisor:
             elif w.kind == "learner":
                 self.recover_learner(step, learner_died(w.ident, RuntimeError(notice.why)))
             else:
-                self.recover_reward_models(step)
+                self.recover_served(step, w.kind)
         if dead_engines:
             self.replace(step, dead_engines)
             self.sync(version, during_step=during_step)
@@ -400,18 +401,20 @@ class Supervisor:
         learner's version `step` at once)."""
         if not self.rt.buffer_alive():
             self.restart_buffer(step)
-        self.recover_reward_models(step)
+        for kind in self.rt.served_pools():
+            self.recover_served(step, kind)
         dead = self.rt.generators.find_dead()
         if not dead:
             return
         self.replace(step, dead)
         self.sync(step, during_step=True)
 
-    def recover_reward_models(self, step: int) -> None:
-        """A reward-model replica that died (its actor, or the judge's vLLM engine core) is started anew
-        and every engine's reward workers call it at its new address. Calls made to it meanwhile failed
-        (counted as reward-model failures)."""
-        pool = self.rt.reward_models
+    def recover_served(self, step: int, kind: str) -> None:
+        """A replica served beside the pool that died (its actor, or its vLLM engine core) is started
+        anew and every engine calls it at its new address: a reward model's (`reward_model`, calls made
+        to it meanwhile failed, counted as reward-model failures) or the teacher's (`teacher`, the
+        engines' groups waiting for a score try again, up to teacher.max_wait_s)."""
+        pool = self.rt.served_pools().get(kind)
         if pool is None:
             return
         dead = pool.find_dead()
@@ -419,7 +422,7 @@ class Supervisor:
             return
         n = len(self.rt.generators.engines)
         self._event(step, "recovery", n, n, f"{pool.name} replica(s) {dead} died; restarting them")
-        self.rt.restart_reward_models(dead)
+        self.rt.restart_served(kind, dead)
 
     def replace_dead(self, version: int, dead: list[int]) -> dict[int, ActorHandle]:
         """Engines that died outside a training step (an evaluation) are replaced, and every engine

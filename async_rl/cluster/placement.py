@@ -57,7 +57,8 @@ class PlacementPlan(msgspec.Struct, frozen=True):
     colocated: bool = False
     cluster: bool = False  # a Ray cluster: processes are placed by Ray and not pinned
     gpu_summary: str = ""  # '' when no process uses a GPU
-    reward_models: str = ""  # task.reward=judge:/classifier: its replicas, as the plan shows them ('' = none)
+    # the replicas served beside the pool (task.reward=judge:/classifier:, teacher.model), as the plan shows them
+    reward_models: str = ""
 
     def _gpu_text(self, p: ProcessPlacement) -> str:
         if p.gpu is None:
@@ -73,7 +74,7 @@ class PlacementPlan(msgspec.Struct, frozen=True):
         if self.cluster:
             lines = [f"placement plan (Ray cluster: nothing pinned; Ray places by CPUs, GPUs and ray_resources{gpus}):"]
             lines += [f"  {p.role:<18} {self._gpu_text(p) or 'a node Ray picks'}" for p in procs]
-            lines += [f"  {'reward model':<18} {self.reward_models}"] if self.reward_models else []
+            lines += [f"  {'beside the pool':<18} {self.reward_models}"] if self.reward_models else []
             lines.append(f"  {'buffer':<18} the controller's node (its snapshot is in the run directory)")
             lines.append(f"  {'controller':<18} this process")
             return "\n".join(lines)
@@ -84,7 +85,7 @@ class PlacementPlan(msgspec.Struct, frozen=True):
         for p in procs:
             gpu = self._gpu_text(p)
             lines.append(f"  {p.role:<18} cores {','.join(map(str, p.cores))}" + (f"  {gpu}" if gpu else ""))
-        lines += [f"  {'reward model':<18} {self.reward_models}"] if self.reward_models else []
+        lines += [f"  {'beside the pool':<18} {self.reward_models}"] if self.reward_models else []
         lines.append(f"  {'buffer':<18} unpinned (ZMQ I/O)")
         lines.append(f"  {'controller':<18} unpinned (this process)")
         return "\n".join(lines)
@@ -189,6 +190,10 @@ def _demands(cfg: Config) -> list[_Demand]:
         bundle = replica_bundle(serving, gpus)
         why = {"GPU": f"{gpus} per replica", "CPU": f"cpus_per_replica {serving.cpus_per_replica}"}
         demands.append(_Demand("reward model", serving.replicas, "replica", [bundle] * serving.replicas, why))
+    if cfg.teacher.model:  # the distillation teacher's replicas, beside the pool
+        t = cfg.teacher
+        why = {"GPU": f"{t.tensor_parallel_size} per replica", "CPU": f"cpus_per_replica {t.cpus_per_replica}"}
+        demands.append(_Demand("teacher", t.replicas, "replica", [replica_bundle(t, t.tensor_parallel_size)] * t.replicas, why))
     return demands
 
 
@@ -349,12 +354,14 @@ def plan_placement(cfg: Config, cores: list[int] | None = None, view: ClusterVie
 
 
 def _reward_model_text(cfg: Config) -> str:
-    serving = reward_model_serving(cfg.task)
-    if serving is None:
-        return ""
-    kind = cfg.task.reward.partition(":")[0]
-    return (f"{kind}: {serving.replicas} replica(s) of {serving.cpus_per_replica} CPU(s), device {serving.device}, "
-            "unpinned, each in a placement group of its own")
+    """The replicas served beside the pool (the reward model's, the teacher's), as the plan shows them."""
+    parts = []
+    if (serving := reward_model_serving(cfg.task)) is not None:
+        parts.append((cfg.task.reward.partition(":")[0], serving))
+    if cfg.teacher.model:
+        parts.append(("teacher", cfg.teacher))
+    return "; ".join(f"{kind}: {s.replicas} replica(s) of {s.cpus_per_replica} CPU(s), device {s.device}, unpinned, each "
+                     "in a placement group of its own" for kind, s in parts)
 
 
 def _plan_cores(cfg: Config, cores: list[int]) -> PlacementPlan:

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from async_rl.agents.episodes import AgentCounters
-from async_rl.config import EnvConfig, TaskConfig
+from async_rl.config import EnvConfig, TaskConfig, TeacherConfig
 from async_rl.evaluation.scores import EvalBatch, EvalParams
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.rollout import Rollout, RolloutCounters
@@ -32,6 +32,8 @@ from async_rl.serving import vllm_compat as vc
 from async_rl.serving.lora_serving import SERVED_LORA_ID
 from async_rl.serving.model import ServedModel
 from async_rl.serving.sampling import SamplingSpec, stop_token_ids
+from async_rl.teacher.scorer import TeacherScorer
+from async_rl.teacher.wire import TeacherCounts
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum
@@ -61,6 +63,8 @@ class EngineSettings(msgspec.Struct, frozen=True):
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)  # multi-turn episodes (env.name '' = single-turn samples)
     endpoint_host: str = "127.0.0.1"  # env=agent: the address the engine's OpenAI endpoint binds (its agents run here)
     reward_endpoints: list[RewardEndpoint] = []  # task.reward=judge:/classifier: the reward model's replicas
+    teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)  # teacher.model '' = no teacher
+    teacher_endpoints: list[RewardEndpoint] = []  # the teacher's replicas (on-policy distillation)
 
 
 class EngineStats(msgspec.Struct):
@@ -80,6 +84,7 @@ class EngineStats(msgspec.Struct):
     agents: AgentCounters | None = None  # env=agent: episodes, calls, prefix breaks, agent failures (= rollout.agents)
     reward_model: RewardModelCounts | None = None  # task.reward=judge:/classifier: its calls by outcome
     rollout: RolloutCounters | None = None  # what the engine's rollout kind counted (None: not started)
+    teacher: TeacherCounts | None = None  # teacher.model: its scoring calls (None: no teacher)
 
 
 class EnginePids(msgspec.Struct, frozen=True):
@@ -100,6 +105,13 @@ class GeneratorEngine:
             cpu_threads.leave_engine_unbound(settings.threads, settings.spec.tensor_parallel_size)
         self.model = ServedModel(settings.spec, settings.pause_mode)
         self.rollout: Rollout | None = None  # chosen at start
+        t = settings.teacher
+        # teacher.model: each finished group is scored by a teacher replica before it is pushed
+        self.teacher = (
+            TeacherScorer(settings.teacher_endpoints, t.timeout_s, t.max_wait_s, first=settings.engine_id)
+            if t.model
+            else None
+        )
         self._stop = False
         self._inflight: dict[str, asyncio.Task] = {}
         self._requests = 0  # request ids are e{engine}-r{n}-p{prompt}: unique for the run, also when a
@@ -179,9 +191,13 @@ class GeneratorEngine:
                 await asyncio.sleep(1.0)
 
     async def _run_prompt(self, prompt: Prompt, request_id: str) -> None:
-        """Lease -> roll out (scored) -> push, for one prompt."""
+        """Lease -> roll out (scored) -> the teacher's scores (teacher.model) -> push, for one prompt."""
         try:
-            await self._push_group(await self.rollout.group(prompt, request_id, self.sampling, self.s.group_size))
+            t0 = asyncio.get_running_loop().time()
+            group = await self.rollout.group(prompt, request_id, self.sampling, self.s.group_size)
+            if self.teacher is not None:
+                group = await self.teacher.score(group, asyncio.get_running_loop().time() - t0)
+            await self._push_group(group)
         except Exception as exc:  # one bad request must not stop the engine; the buffer counts it lost
             self._failed += 1
             self._last_error = f"{type(exc).__name__}: {exc}"
@@ -329,6 +345,12 @@ class GeneratorEngine:
         now on go to these."""
         self.rewards.endpoints = list(endpoints)
 
+    def set_teacher_endpoints(self, endpoints: list[RewardEndpoint]) -> None:
+        """The teacher's replicas changed (a dead one was restarted at a new address): groups waiting
+        for a score try these from their next attempt on."""
+        if self.teacher is not None:
+            self.teacher.endpoints = list(endpoints)
+
     def stats(self) -> EngineStats:
         rewards = getattr(self, "rewards", None)  # set at start
         rollout = self.rollout.counters() if self.rollout is not None else None
@@ -349,6 +371,7 @@ class GeneratorEngine:
             agents=rollout.agents if rollout is not None else None,
             reward_model=rewards.model_counts if rewards is not None and rewards.uses_model else None,
             rollout=rollout,
+            teacher=msgspec.structs.replace(self.teacher.counts) if self.teacher is not None else None,
         )
 
     async def shutdown(self) -> None:
@@ -362,6 +385,8 @@ class GeneratorEngine:
         await asyncio.gather(*self._inflight.values(), return_exceptions=True)
         if self.rollout is not None:
             await self.rollout.close()
+        if self.teacher is not None:
+            await self.teacher.close()
         self.model.shutdown()
         if hasattr(self, "rewards"):
             self.rewards.close()

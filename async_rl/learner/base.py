@@ -26,6 +26,7 @@ from async_rl.config import (
     GeneratorConfig,
     LearnerConfig,
     ModelConfig,
+    SftConfig,
     TrainConfig,
     WeightSyncConfig,
 )
@@ -52,6 +53,7 @@ class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     buffer_address: str
     batch_timeout_s: float = 600.0
     curve: ClientKeys | None = None  # the learner's CURVE keys for the buffer (None: security.curve off)
+    sft: SftConfig = msgspec.field(default_factory=SftConfig)  # train.mode=sft: the demonstrations
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):
@@ -77,6 +79,10 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     value_loss: float = 0.0  # ppo: the critic's value loss
     entropy: float = 0.0  # mean per-token entropy of the policy over the trained completion tokens
     cov_frac: float = 0.0  # fraction of kept loss tokens the covariance control acted on (algorithm.cov_control)
+    # algorithm.name=opd: the batch's mean per-token reverse KL to the teacher (log pi_old - log teacher,
+    # over the scored model tokens; the same on every rank) and this rank's samples no teacher scored
+    kl_teacher: float = 0.0
+    teacher_missing: int = 0
     completion_lens: list[int] = []  # tokens of every completion (sequence) of the shard (length percentiles)
     truncated: int = 0  # completions of the shard cut at max_tokens (finish reason length)
     episodes: list[EpisodeInfo] = []  # multi-turn episodes of the shard: turns and tool counts

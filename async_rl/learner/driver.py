@@ -383,6 +383,8 @@ class LearnerDriver(LearnerRank):
             episodes=episode_infos(groups) if counted else [],
             env_tokens=env_token_count(groups) if counted else 0,
             across_updates=across_updates_count(groups) if counted else 0,
+            kl_teacher=prepared.kl_teacher,
+            teacher_missing=shard.teacher_missing if counted and s.algorithm.name == "opd" else 0,
             **step_means(updates),
         )
 

@@ -140,21 +140,28 @@ class ClassifierCall(RewardModelCall):
             self._client = httpx.AsyncClient(timeout=self.timeout_s)
 
     async def _call(self, endpoint: RewardEndpoint, sample: Sample) -> tuple[float, str]:
-        import httpx
-
         body = msgspec.json.encode(ClassifyRequest([ClassifyInput(question_text(sample.prompt), sample.completion)]))
-        try:
-            response = await self._client.post(
-                endpoint.base_url + "/classify", content=body,
-                headers={"Authorization": f"Bearer {endpoint.key}", "Content-Type": "application/json"},
-            )
-        except httpx.TimeoutException:
-            raise TimeoutError from None
-        except httpx.HTTPError as exc:
-            raise RewardModelFailure(f"classifier replica {endpoint.replica_id}: {type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
-            raise RewardModelFailure(
-                f"classifier replica {endpoint.replica_id}: HTTP {response.status_code}: {response.text[:200]}"
-            )
-        (value,) = msgspec.json.decode(response.content, type=ClassifyReply).scores
+        raw = await post_body(self._client, endpoint, "/classify", body, "application/json", RewardModelFailure)
+        (value,) = msgspec.json.decode(raw, type=ClassifyReply).scores
         return value, OK
+
+
+async def post_body(client, endpoint: RewardEndpoint, path: str, body: bytes, content_type: str,
+                    failure: type[Exception]) -> bytes:
+    """POST `body` to a replica's `path` with the run's key through an httpx client; the reply's body.
+    Raises TimeoutError past the client's timeout and `failure` (one line naming the replica) for no
+    connection or an answer other than 200."""
+    import httpx
+
+    try:
+        response = await client.post(
+            endpoint.base_url + path, content=body,
+            headers={"Authorization": f"Bearer {endpoint.key}", "Content-Type": content_type},
+        )
+    except httpx.TimeoutException:
+        raise TimeoutError from None
+    except httpx.HTTPError as exc:
+        raise failure(f"{endpoint.kind} replica {endpoint.replica_id}: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise failure(f"{endpoint.kind} replica {endpoint.replica_id}: HTTP {response.status_code}: {response.text[:200]}")
+    return response.content

@@ -13,7 +13,6 @@ helper thread (one at a time: the event loop keeps accepting requests meanwhile)
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 from collections.abc import Sequence
 
@@ -28,7 +27,9 @@ from async_rl.reward_models.server import (
     ReplicaStats,
     RewardEndpoint,
     RewardModelServer,
+    bearer_auth,
     bind_address,
+    serve_app,
 )
 
 
@@ -186,30 +187,14 @@ class ClassifierServer(RewardModelServer):
         )
         self._batcher = Batcher(model.score, s.max_batch, s.batch_wait_ms / 1000)
         self._batcher.start()
-        app = web.Application(middlewares=[self._auth()], client_max_size=64 << 20)
+        app = web.Application(middlewares=[bearer_auth(self.s.key, self._refused)], client_max_size=64 << 20)
         app.router.add_post("/v1/classify", self._classify)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
         host = bind_address(s.host)
-        site = web.TCPSite(self._runner, host, 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        self._runner, port = await serve_app(app, host)
         return RewardEndpoint(CLASSIFIER, s.replica_id, f"http://{host}:{port}/v1", s.key, os.path.basename(s.folder))
 
-    def _auth(self):
-        from aiohttp import web
-
-        key = self.s.key.encode()
-
-        @web.middleware
-        async def auth(request, handler):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.removeprefix("Bearer ").encode() if given.startswith("Bearer ") else b"", key):
-                self._stats.refused += 1
-                return web.json_response({"error": {"message": "missing or wrong API key", "code": 401}}, status=401)
-            return await handler(request)
-
-        return auth
+    def _refused(self) -> None:
+        self._stats.refused += 1
 
     async def _classify(self, request):
         from aiohttp import web

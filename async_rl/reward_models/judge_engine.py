@@ -6,22 +6,16 @@ weight-synced: it holds the weights it was started with for the whole run."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-
 import msgspec
 
+from async_rl.reward_models.served_replica import ServedModelReplica
 from async_rl.reward_models.server import (
     JUDGE,
-    ReplicaPids,
     ReplicaStats,
     RewardEndpoint,
-    RewardModelServer,
     bind_address,
 )
-from async_rl.serving import cpu_threads
 from async_rl.serving import vllm_compat as vc
-from async_rl.serving.model import ServedModel
 from async_rl.serving.sampling import SamplingSpec
 
 
@@ -39,12 +33,10 @@ class JudgeSettings(msgspec.Struct, frozen=True):
         return f"JudgeSettings(replica {self.replica_id}, {self.spec.model_dir}, key <redacted>)"
 
 
-class JudgeEngine(RewardModelServer):
+class JudgeEngine(ServedModelReplica):
     def __init__(self, settings: JudgeSettings) -> None:
+        super().__init__(settings.spec, settings.threads)
         self.s = settings
-        # vLLM reads the thread settings when its engine process starts: set them before it does.
-        cpu_threads.leave_engine_unbound(settings.threads, settings.spec.tensor_parallel_size)
-        self.model = ServedModel(settings.spec)
         self._endpoint = None
 
     async def start(self) -> RewardEndpoint:
@@ -55,8 +47,7 @@ class JudgeEngine(RewardModelServer):
         from async_rl.serving.sampling import stop_token_ids
 
         s = self.s
-        await self.model.start()
-        self.model.open()  # never paused: no weight update ever reaches the judge
+        await self.start_model()
         stops = stop_token_ids(s.spec.model_dir)
         backend = ServedModelBackend(self.model, s.model_name, s.spec.max_model_len)
         renderer = ChatRenderer.for_model(AutoTokenizer.from_pretrained(s.spec.model_dir), stops, "the judge")
@@ -66,21 +57,9 @@ class JudgeEngine(RewardModelServer):
         await self._endpoint.start()
         return RewardEndpoint(JUDGE, s.replica_id, f"http://{host}:{self._endpoint.port}/v1", s.key, s.model_name)
 
-    def healthy(self) -> bool:
-        return self.model.started and not self.model.dead()
-
-    async def watch(self) -> str:
-        """Returns once vLLM's engine core died (the actor's own death fails the call instead)."""
-        while not self.model.started or self.healthy():
-            await asyncio.sleep(vc.DEATH_POLL_S)
-        return "vLLM's engine core died"
-
     def stats(self) -> ReplicaStats:
         e = self._endpoint
         return ReplicaStats(self.s.replica_id, requests=e.calls if e else 0, refused=e.refused if e else 0)
-
-    def pids(self) -> ReplicaPids:
-        return ReplicaPids(actor=os.getpid(), engine_core=self.model.engine_core_pids())
 
     async def shutdown(self) -> None:
         if self._endpoint is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hmac
+from collections.abc import Callable
 
 import msgspec
 
@@ -98,3 +100,32 @@ def bind_address(host: str) -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def bearer_auth(key: str, on_refused: Callable[[], None]):
+    """An aiohttp middleware that answers 401 (and calls `on_refused`) to a request without the run's
+    key (`Authorization: Bearer KEY`), compared in constant time."""
+    from aiohttp import web
+
+    want = key.encode()
+
+    @web.middleware
+    async def auth(request, handler):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.removeprefix("Bearer ").encode() if given.startswith("Bearer ") else b"", want):
+            on_refused()
+            return web.json_response({"error": {"message": "missing or wrong API key", "code": 401}}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+async def serve_app(app, host: str):
+    """Serve the aiohttp `app` on `host` at a free port; returns (its runner, to clean up, and the port)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]

@@ -156,6 +156,9 @@ class Runtime:
     def dead_learner_rank(self) -> int | None:
         return self.dead_rank
 
+    def served_pools(self) -> dict:
+        return {}  # no reward model, no teacher
+
     def _abort(self, member: int, reason: str, actor_id: str | None) -> None:
         self.aborted.append(f"{member}: {reason} ({actor_id})")
         self.abort_done.set()

@@ -484,7 +484,8 @@ def test_random_request_mutations_only_raise_frame_error():
 def test_header_types_are_array_like():
     # per-sample metadata is positional on the wire (compact headers)
     raw = msgspec.msgpack.encode(SampleMeta(2, 1.0, 3, 4, REWARD_OK))
-    # then finish reason (stop), loss mask, episode counts and episode index (none: a single-turn sample)
-    assert msgspec.msgpack.decode(raw) == [2, 1.0, 3, 4, 0, 0, None, None, None]
+    # then finish reason (stop), loss mask, episode counts and episode index (none: a single-turn sample),
+    # teacher-scored (no)
+    assert msgspec.msgpack.decode(raw) == [2, 1.0, 3, 4, 0, 0, None, None, None, False]
     raw = msgspec.msgpack.encode(GroupMeta(1, 2, 3, []))
     assert msgspec.msgpack.decode(raw) == [1, 2, 3, []]

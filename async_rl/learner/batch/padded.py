@@ -27,11 +27,12 @@ def episode_rows(groups: list[TrajectoryGroup]) -> torch.Tensor:
 
 class PaddedShard:
     def __init__(self, groups: list[TrajectoryGroup]) -> None:
-        seqs, behav, starts, lengths, masks = [], [], [], [], []
+        seqs, behav, teacher, starts, lengths, masks = [], [], [], [], [], []
         for g in groups:
             for i, (comp, lp) in enumerate(zip(g.completions, g.logprobs, strict=True)):
                 seqs.append(np.concatenate([g.prompt_tokens, comp]))
                 behav.append(lp)
+                teacher.append(g.teacher_logprob(i))
                 starts.append(len(g.prompt_tokens) - 1)
                 lengths.append(len(comp))
                 masks.append(g.loss_mask(i))
@@ -41,11 +42,17 @@ class PaddedShard:
         self.attention_mask = torch.zeros(n, width, dtype=torch.long)
         self.behav_logp = torch.zeros(n, width - 1)
         self.loss_mask = torch.zeros(n, width - 1)
+        # on-policy distillation: the teacher's log-probs where it scored a sample (teacher_mask 1)
+        self.teacher_logp = torch.zeros(n, width - 1)
+        self.teacher_mask = torch.zeros(n, width - 1)
         for i, (s, lp, start, length, m) in enumerate(zip(seqs, behav, starts, lengths, masks, strict=True)):
             self.input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
             self.attention_mask[i, : len(s)] = 1
             self.behav_logp[i, start : start + length] = torch.from_numpy(np.array(lp, dtype=np.float32))
             self.loss_mask[i, start : start + length] = torch.from_numpy(m.astype(np.float32))
+            if teacher[i] is not None:
+                self.teacher_logp[i, start : start + length] = torch.from_numpy(np.array(teacher[i], dtype=np.float32))
+                self.teacher_mask[i, start : start + length] = 1.0
         # One reward per episode, [groups, episodes]: a split agent episode's segments (rows) share
         # its reward and count once in its group's statistics; `episode_rows` maps rows to episodes.
         self.rewards = torch.tensor(
@@ -62,3 +69,4 @@ class PaddedShard:
         self.lengths = lengths
         self.tokens = int(sum(lengths))
         self.model_tokens = int(sum(int(m.sum()) for m in masks))  # tokens that carry loss
+        self.teacher_missing = sum(1 for t in teacher if t is None)  # samples no teacher scored

@@ -134,3 +134,15 @@ def masked_whiten(
     mean = moments[1] / count
     var = (moments[2] / count - mean * mean).clamp(min=0.0)
     return (((xd - mean) / (var.sqrt() + eps)) * mask).to(x.dtype)
+
+
+def distill_advantages(
+    student_logp: torch.Tensor, teacher_logp: torch.Tensor, scored: torch.Tensor, coef: float = 1.0
+) -> torch.Tensor:
+    """On-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): each sampled token's
+    advantage is minus the per-token reverse KL to the teacher, -coef * (log pi(y_t) - log teacher(y_t)),
+    so the policy gradient lowers KL(pi || teacher) on the student's own samples. `scored`: 1 on the
+    tokens the teacher scored and that carry loss (a model token), 0 elsewhere, where the advantage
+    is 0. All [B, T] -> [B, T] float32."""
+    scored = scored.to(torch.float32)
+    return -coef * (student_logp.to(torch.float32) - teacher_logp.to(torch.float32)) * scored

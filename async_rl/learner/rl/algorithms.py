@@ -17,6 +17,7 @@ from async_rl.config import AlgorithmConfig
 from async_rl.learner.model.head import DEFAULT_CHUNK
 from async_rl.learner.rl.advantages import (
     discounted_returns,
+    distill_advantages,
     dr_grpo_advantages,
     gae,
     grpo_advantages,
@@ -54,6 +55,8 @@ class TokenBatch(Protocol):
     episode_rows: torch.Tensor
     completion_lens: torch.Tensor  # [B] completion tokens per row
     truncated: torch.Tensor  # [B] bool: finish reason length (cut at max_tokens)
+    teacher_logp: torch.Tensor  # [B, T] the teacher's log-probs at completion positions (0 where unscored)
+    teacher_mask: torch.Tensor  # [B, T] 1 where the teacher scored the token
 
 
 class AlgoStats(msgspec.Struct, kw_only=True):
@@ -94,6 +97,10 @@ class Prepared:
     signal: bool = True
     # [B] 1.0 on each episode's first row (None: every row is an episode): Dr.GRPO counts episodes.
     episode_first: torch.Tensor | None = None
+    # opd: the global batch's mean per-token reverse KL to the teacher, log pi_old - log teacher, over
+    # the scored loss tokens (their count beside it); 0 and 0 without a teacher
+    kl_teacher: float = 0.0
+    teacher_tokens: float = 0.0
 
     def rows(self, sl: slice) -> Prepared:
         """The shard's rows `sl`, every batch-level value the shard's (`Algorithm.minibatch` then
@@ -114,6 +121,8 @@ class Prepared:
             value_loss=self.value_loss,
             signal=self.signal,
             episode_first=cut(self.episode_first),
+            kl_teacher=self.kl_teacher,
+            teacher_tokens=self.teacher_tokens,
         )
 
     def for_micro_batch(self, mb: MicroBatch) -> Prepared:
@@ -240,7 +249,21 @@ class Algorithm:
             old = prox if prox is not None else b.behav_logp
             kl_tokens = kl_estimate(old, ref, c.kl_estimator)
             kl_ref = float((kl_tokens * mask).sum() / mask.sum().clamp(min=1.0))
-        if c.name in GROUP_ESTIMATORS:
+        kl_teacher = teacher_tokens = 0.0
+        if c.name == "opd":
+            # The student's log-probs are those of the policy that sampled (the proximal one when
+            # recomputed), as the KL-in-reward term takes them: the advantage is fixed for the batch.
+            old = prox if prox is not None else b.behav_logp
+            scored = b.teacher_mask * mask
+            advantages = distill_advantages(old, b.teacher_logp, scored, c.distill_coef)
+            if c.distill_rewards != "none":
+                group = GROUP_ESTIMATORS[c.distill_rewards](rewards).reshape(-1)[rows].reshape(-1, 1)
+                advantages = advantages + group * mask
+            kl_sum, teacher_tokens = reduce(
+                torch.stack([((old - b.teacher_logp) * scored).sum(), scored.sum()]).to(torch.float64)
+            ).tolist()
+            kl_teacher = kl_sum / max(teacher_tokens, 1.0)
+        elif c.name in GROUP_ESTIMATORS:
             # Group statistics over episodes (one reward each), then each row gets its episode's.
             advantages = GROUP_ESTIMATORS[c.name](rewards).reshape(-1)[rows].reshape(-1, 1)
             if c.overlong == "mask":
@@ -282,6 +305,8 @@ class Algorithm:
             value_loss=vloss,
             signal=signal,
             episode_first=first,
+            kl_teacher=kl_teacher,
+            teacher_tokens=teacher_tokens,
         )
 
     def minibatch(

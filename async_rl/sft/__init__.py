@@ -1,0 +1,2 @@
+"""Supervised fine-tuning (train.mode=sft): chat demonstrations (`data.py`, read by every learner
+rank), and the run that trains the learner on them alone (`runner.py`)."""
