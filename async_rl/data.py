@@ -1,4 +1,6 @@
-"""Prompt datasets: JSONL or parquet files in the verl-style layout, read with Hugging Face `datasets`.
+"""Prompt datasets: JSONL or parquet files in the verl-style layout. JSON lines are read line by line
+with the standard library and parquet with pyarrow (not `datasets`, whose loader's errors named
+neither the row nor the line): an unreadable file is one line naming the file, row and line.
 
 A row holds a prompt (`data.prompt_key`: a string, or a list of chat messages {role, content}), an
 answer (`data.answer_key`, a dotted path may reach into a nested column, e.g. verl's
