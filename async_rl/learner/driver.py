@@ -111,17 +111,22 @@ def _per_token(t: torch.Tensor | None, row: int, col: int, n: int) -> np.ndarray
     return t[row, col : col + n].detach().float().cpu().numpy().copy()
 
 
-def sample_routes(g: TrajectoryGroup, i: int, tokens: int, moe: MoeShape | None) -> np.ndarray | None:
-    """Sample i's recorded routes for an MoE model (None: a dense model, or none recorded), checked
-    against its tokens and the model: a RunError in one line naming the group and sample otherwise."""
-    if moe is None or g.routes is None:
-        return None
-    routes = g.routes[i]
-    try:
-        check_routes(routes, tokens, moe.layers, moe.top_k, moe.experts, f"prompt {g.prompt_id} (engine {g.engine_id}) sample {i}")
-    except ValueError as e:
-        raise RunError(str(e)) from None
-    return routes
+def check_shard_routes(groups: list[TrajectoryGroup], moe: MoeShape | None) -> None:
+    """An MoE shard's recorded routes against its tokens and the model, before anything lays them out: a
+    RunError in one line naming the prompt and sample otherwise. A dense model ignores routes."""
+    if moe is None:
+        return
+    for g in groups:
+        if g.routes is None:
+            continue
+        if len(g.routes) != g.size:
+            raise RunError(f"prompt {g.prompt_id} (engine {g.engine_id}): {len(g.routes)} routes for {g.size} samples")
+        for i, (routes, comp) in enumerate(zip(g.routes, g.completions, strict=True)):
+            try:
+                where = f"prompt {g.prompt_id} (engine {g.engine_id}) sample {i}"
+                check_routes(routes, len(g.prompt_tokens) + len(comp), moe.layers, moe.top_k, moe.experts, where)
+            except ValueError as e:
+                raise RunError(str(e)) from None
 
 
 def shard_samples(
@@ -149,7 +154,7 @@ def shard_samples(
                     cov_select=_per_token(p.cov_select, row, col, n) if p else None,
                     in_loss=bool(p.mask[row].any()) if p else True,
                     loss_mask=g.loss_mask(i) if g.loss_masks is not None else None,
-                    routes=sample_routes(g, i, len(prompt) + n, moe),
+                    routes=g.routes[i] if moe is not None and g.routes is not None else None,
                 )
             )
             row += 1
@@ -268,6 +273,7 @@ class LearnerDriver(LearnerRank):
                 self.micro_batch_tokens, s.learner.logprob_chunk_tokens, self.backend.head_kernel
             ),
             head_kernel=self.backend.head_kernel,
+            routing_replay=self.backend.replays_routes,
         )
         return params
 
@@ -349,7 +355,8 @@ class LearnerDriver(LearnerRank):
         # The algorithm's no-grad passes and advantages run once on the shard as padded rows (the old
         # and proximal log-probs are the weights' before the batch's first update); the gradient
         # passes then run on packed micro-batches of each mini-batch, train.epochs times over.
-        shard = PaddedShard(groups)
+        check_shard_routes(groups, self.backend.moe)
+        shard = PaddedShard(groups, with_routes=self.backend.replays_routes)
         # The proximal log-probs only for the decoupled objective (ppo's behaviour objective wants
         # the hidden states alone: no output layer).
         decoupled = s.algorithm.objective == "decoupled"
@@ -490,6 +497,7 @@ class LearnerDriver(LearnerRank):
 
     def compute_logprobs(self, groups: list[TrajectoryGroup], temperature: float = 1.0) -> list[np.ndarray]:
         with self._weights_lock:
+            check_shard_routes(groups, self.backend.moe)
             return self._score(shard_samples(groups, moe=self.backend.moe), temperature)
 
     def probe_logprobs(self, max_samples: int) -> Probe:

@@ -4,6 +4,7 @@ metrics reported (not assumed), the experts' grouped GEMMs equal to HF's loop, o
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -210,3 +211,35 @@ def test_bad_settings_and_routes_are_one_line_errors(model_dir, moe_model_dir):
     with pytest.raises(RunError, match=r"prompt 1 \(engine 0\) sample 2: routes name expert 11, the model has 8"):
         rank.train_on_shard(0, gs)
     assert make_rank(model_dir).backend.moe is None  # a dense model: auto is off, nothing hooked
+
+
+def test_the_kl_reference_replays_the_routes_too(moe_model_dir):
+    """Before the first update the reference (the initial weights) is the policy: a zero KL only when
+    both route every token alike; with random routes the live reference would differ."""
+    gs = random_routes(shard(10), LAYERS, TOP_K, EXPERTS, seed=10)
+    rank = make_rank(moe_model_dir, algorithm=AlgorithmConfig(kl_coef=0.1))
+    assert rank.algo.reference.router_replay is not None
+    assert rank.train_on_shard(0, gs).kl_ref == pytest.approx(0.0, abs=1e-6)
+    live_ref = make_rank(moe_model_dir, algorithm=AlgorithmConfig(kl_coef=0.1))
+    live_ref.algo.reference.router_replay.remove()
+    live_ref.algo.reference.router_replay = None
+    assert live_ref.train_on_shard(0, random_routes(shard(10), LAYERS, TOP_K, EXPERTS, seed=10)).kl_ref > 1e-4
+
+
+def test_moe_metrics_reach_the_record_and_the_console_line():
+    from async_rl.controller import moe_fields
+    from async_rl.learner.base import MoeMetrics
+    from async_rl.metrics import StepRecord, console_line
+
+    required = {f.name: 0 for f in msgspec.structs.fields(StepRecord) if f.required}
+    dense = StepRecord(**{**required, "accounting_balanced": True, "logprob_mismatch": None, **moe_fields(None)})
+    assert dense.router_agreement is None and "moe" not in console_line(dense, 10)
+    m = MoeMetrics(replay=True, routed_tokens=90, unrouted_tokens=7, router_agreement=0.9,
+                   router_agreement_worst_layer=0.95, worst_layer=1, expert_load_max_mean=1.5,
+                   mismatch_replay=1e-6, mismatch_live=2e-3)
+    r = StepRecord(**{**required, "accounting_balanced": True, "logprob_mismatch": None, **moe_fields(m)})
+    assert (r.router_agreement, r.router_worst_layer, r.moe_unrouted_tokens) == (0.9, 1, 7)
+    line = console_line(r, 10)
+    assert "moe replay on agree 90.0% worst 95.0% (layer 1) load max/mean 1.50 unrouted 7" in line
+    assert "mismatch replay 1.0e-06 live 2.0e-03" in line
+    assert b'"router_agreement":0.9' in msgspec.json.encode(r)

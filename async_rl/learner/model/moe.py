@@ -150,6 +150,9 @@ class RouterReplay:
 
         return hook
 
+    # Eager inside a compiled decoder layer (learner.kernels=compile): one graph break per MoE layer, no
+    # guard on the plan (a new object every micro-batch would recompile the layer each time).
+    @torch.compiler.disable
     def _route(self, plan: _Plan, layer: int, module: torch.nn.Module, output):
         logits, scores, live = output
         n, experts = logits.shape
