@@ -27,6 +27,7 @@ from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.model.kernels import apply_kernels, compile_layers, decoder_layers
 from async_rl.learner.model.moe import MoeShape, RouterReplay, moe_shape, set_experts
 from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
+from async_rl.learner.moe_settings import settings_error
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.rendezvous import join_group
 
@@ -67,16 +68,9 @@ def rank_device(device: str) -> torch.device:
 def routing_replay(cfg: LearnerConfig, moe: MoeShape | None) -> bool:
     """learner.routing_replay for this model (auto: on for an MoE model), and the settings an MoE model
     does not take, refused in one line."""
-    if moe is None:
-        if cfg.routing_replay == "on":
-            raise RunError("learner.routing_replay=on: the model is dense (no MoE router); use auto or off")
-        return False
-    if cfg.lora.enabled:
-        raise RunError(
-            f"learner.lora: not with an MoE model ({moe.layers} MoE layers x {moe.experts} experts): its experts "
-            "are 3D parameters PEFT does not target; train it without lora"
-        )
-    return cfg.routing_replay != "off"
+    if why := settings_error(cfg, 0 if moe is None else moe.experts):
+        raise RunError(why)
+    return moe is not None and cfg.routing_replay != "off"
 
 
 class TorchBackend(ModelBackend):

@@ -170,7 +170,7 @@ class RouterReplay:
                 chosen = torch.where(has[:, None], recorded, live)
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float)
                 picked = probs.gather(1, chosen)
-                if getattr(module, "norm_topk_prob", False):
+                if module.norm_topk_prob:  # every class of ROUTER_CLASSES has it
                     picked = picked / picked.sum(dim=-1, keepdim=True)
                 scores = picked.to(scores.dtype)
         weight = torch.ones(chosen.shape, dtype=torch.float64, device=chosen.device)
@@ -189,13 +189,13 @@ def _balance_loss(logits: torch.Tensor, load: torch.Tensor, real: torch.Tensor |
     mean router probability of e (its gradient reaches the router); K when balanced."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     if real is None:
-        tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
+        f = load.to(probs.dtype) / probs.shape[0]
         mean_p = probs.mean(dim=0)
     else:
         w = real.to(probs.dtype)
-        tokens = w.sum().clamp(min=1.0)
+        tokens = w.sum().clamp(min=1.0)  # a device tensor: no host read
+        f = load.to(probs.dtype) / tokens
         mean_p = (probs * w[:, None]).sum(dim=0) / tokens
-    f = load.to(probs.dtype) / tokens
     return probs.shape[-1] * (f * mean_p).sum()
 
 
