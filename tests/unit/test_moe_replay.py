@@ -48,6 +48,16 @@ def shard(seed: int = 0):
     return groups(seed, n_groups=3, group_size=3)
 
 
+def as_engine_scored(model_dir, gs):
+    """`gs` with the behaviour log-probs an engine on the same weights gives when it routes as recorded
+    (the learner's replayed scores): the mismatch with replay is then ~0, the live router's is not."""
+    engine = make_rank(model_dir, routing_replay="on")
+    scores = iter(engine.compute_logprobs(gs, 1.0))
+    for g in gs:
+        g.logprobs = [next(scores) for _ in g.completions]
+    return gs
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_replay_runs_the_recorded_experts_for_every_token(moe_dir, layout, checkpointing):
@@ -133,16 +143,38 @@ def test_metrics_report_agreement_mismatch_load_and_fallback(moe_model_dir):
     assert m.unrouted_tokens == 0
 
     rank = make_rank(moe_model_dir, routing_probe_samples=4)
-    gs = random_routes(shard(4), LAYERS, TOP_K, EXPERTS, seed=5, missing_every=4)
+    gs = as_engine_scored(moe_model_dir, random_routes(shard(4), LAYERS, TOP_K, EXPERTS, seed=5, missing_every=4))
     m = rank.train_on_shard(0, gs).moe
     missing = sum(len(range(0, len(r), 4)) for g in gs for r in g.routes)
     assert m.unrouted_tokens == missing  # counted, and left to the live router
     assert m.routed_tokens > 0 and m.router_agreement is not None
     assert 0.0 <= m.router_agreement < 0.5  # random routes: the live router rarely agrees in both layers
     assert m.router_agreement <= m.router_agreement_worst_layer < 1.0
-    assert abs(m.mismatch_replay - m.mismatch_live) > 1e-4  # the two routings really differ
+    assert m.mismatch_replay < 1e-5 < 1e-3 < m.mismatch_live  # the engine's routing, and the live router's
     assert m.expert_load_max_mean >= 1.0
     assert m.aux_loss == 0.0  # not asked
+
+
+def test_with_replay_off_the_agreement_and_mismatch_are_measured(moe_model_dir):
+    rank = make_rank(moe_model_dir, routing_replay="off", routing_probe_samples=4)
+    gs = as_engine_scored(moe_model_dir, random_routes(shard(4), LAYERS, TOP_K, EXPERTS, seed=5))
+    metrics = rank.train_on_shard(0, gs)
+    m = metrics.moe
+    assert not m.replay and m.routed_tokens > 0
+    assert 0.0 <= m.router_agreement < 0.5
+    assert m.mismatch_replay < 1e-5 < 1e-3 < m.mismatch_live
+    # the training pass ran the live router: it sees the live mismatch over every token
+    assert metrics.logprob_abs_diff > 1e-3
+
+
+def test_expert_load_is_the_busiest_experts_share(moe_model_dir):
+    """Every recorded row to experts 0 and 1: expert 0 takes about every token of a layer, E / K x the mean."""
+    gs = random_routes(shard(11), LAYERS, TOP_K, EXPERTS, seed=11)
+    for g in gs:
+        for r in g.routes:
+            r[..., 0], r[..., 1] = 0, 1
+    m = make_rank(moe_model_dir).train_on_shard(0, gs).moe
+    assert EXPERTS / TOP_K * 0.8 < m.expert_load_max_mean <= EXPERTS / TOP_K  # the live last tokens go elsewhere
 
 
 def test_samples_without_routes_take_the_live_router_and_are_counted(moe_model_dir):
