@@ -356,7 +356,9 @@ class LearnerDriver(LearnerRank):
         # and proximal log-probs are the weights' before the batch's first update); the gradient
         # passes then run on packed micro-batches of each mini-batch, train.epochs times over.
         check_shard_routes(groups, self.backend.moe)
-        shard = PaddedShard(groups, with_routes=self.backend.replays_routes)
+        # the shard's routes as padded rows: for the KL reference's replay only (the policy's passes take
+        # them from the micro-batches)
+        shard = PaddedShard(groups, with_routes=self.backend.replays_routes and self.algo.reference is not None)
         # The proximal log-probs only for the decoupled objective (ppo's behaviour objective wants
         # the hidden states alone: no output layer).
         decoupled = s.algorithm.objective == "decoupled"

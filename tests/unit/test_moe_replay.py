@@ -27,9 +27,15 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(params=["qwen3_moe", "qwen2_moe"])
+FAMILY_FIXTURE = {"qwen3_moe": "moe_model_dir", "qwen2_moe": "qwen2_moe_dir"}
+# Every layout, plain and checkpointed, on Qwen3-MoE; two of them on Qwen2-MoE (its other router)
+REPLAY_CASES = [("qwen3_moe", layout, ckpt) for layout in LAYOUTS for ckpt in (False, True)] + [
+    ("qwen2_moe", "packed", True), ("qwen2_moe", "shared_padded", False)]
+
+
+@pytest.fixture(params=list(FAMILY_FIXTURE))
 def moe_dir(request):
-    return request.getfixturevalue("moe_model_dir" if request.param == "qwen3_moe" else "qwen2_moe_dir")
+    return request.getfixturevalue(FAMILY_FIXTURE[request.param])
 
 
 def experts_calls(model: torch.nn.Module) -> tuple[list[tuple[int, torch.Tensor]], list]:
@@ -58,9 +64,10 @@ def as_engine_scored(model_dir, gs):
     return gs
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_replay_runs_the_recorded_experts_for_every_token(moe_dir, layout, checkpointing):
+@pytest.mark.parametrize(("family", "layout", "checkpointing"), REPLAY_CASES,
+                         ids=[f"{f}-{lay}-{'checkpointed' if c else 'plain'}" for f, lay, c in REPLAY_CASES])
+def test_replay_runs_the_recorded_experts_for_every_token(request, family, layout, checkpointing):
+    moe_dir = request.getfixturevalue(FAMILY_FIXTURE[family])
     rank = make_rank(moe_dir, **LAYOUTS[layout], activation_checkpointing=checkpointing, micro_batch_tokens=30)
     gs = random_routes(shard(), LAYERS, TOP_K, EXPERTS, seed=1, missing_every=5)
     samples = shard_samples(gs, moe=rank.backend.moe)

@@ -73,7 +73,9 @@ class RouterStats:
 
 
 @dataclass
-class _Plan:
+class RoutingPlan:
+    """One forward's routing: what the hooks read, and what they write per MoE layer."""
+
     routes: torch.Tensor | None  # long [N, layers, top_k], N = the forward's B * T tokens
     replay: bool
     aux: bool
@@ -91,7 +93,7 @@ class RouterReplay:
         if not found:
             raise ValueError("the model has no MoE router this learner knows (" + ", ".join(ROUTER_CLASSES) + ")")
         self.shape = moe_shape(model)
-        self._plan: _Plan | None = None
+        self._plan: RoutingPlan | None = None
         self._handles = [r.register_forward_hook(self._hook_for(i)) for i, r in enumerate(found)]
 
     def remove(self) -> None:
@@ -100,11 +102,11 @@ class RouterReplay:
         self._handles = []
 
     @contextlib.contextmanager
-    def plan(self, routes: torch.Tensor | None, replay: bool, aux: bool = False) -> Iterator[_Plan]:
+    def plan(self, routes: torch.Tensor | None, replay: bool, aux: bool = False) -> Iterator[RoutingPlan]:
         """Route the forward (and the backward's recompute) of one micro-batch: `routes` int [B, T, layers,
-        top_k] (`batch/routes.py`) or None (no routes: every token live, no
-        padding known); `replay`: the recorded routes decide where present; `aux`: keep the load-balancing
-        loss. Read the statistics with `stats` inside the block, after the forward."""
+        top_k] (`batch/routes.py`) or None (no routes: every token live, no padding known); `replay`: the
+        recorded routes decide where present; `aux`: keep the load-balancing loss. Read the statistics with
+        `stats` inside the block, after the forward."""
         if self._plan is not None:
             raise RuntimeError("RouterReplay.plan: a plan is already active (nested forwards)")
         flat = None
@@ -115,13 +117,13 @@ class RouterReplay:
                     f"[B, T, {self.shape.layers} MoE layers, top-{self.shape.top_k}]"
                 )
             flat = routes.reshape(-1, self.shape.layers, self.shape.top_k).long()
-        self._plan = _Plan(routes=flat, replay=replay and flat is not None, aux=aux)
+        self._plan = RoutingPlan(routes=flat, replay=replay and flat is not None, aux=aux)
         try:
             yield self._plan
         finally:
             self._plan = None
 
-    def stats(self, plan: _Plan) -> RouterStats:
+    def stats(self, plan: RoutingPlan) -> RouterStats:
         """The statistics of `plan`'s forward (every MoE layer ran)."""
         layers = [plan.load[i] for i in range(self.shape.layers) if i in plan.load]
         if len(layers) != self.shape.layers:
@@ -153,7 +155,7 @@ class RouterReplay:
     # Eager inside a compiled decoder layer (learner.kernels=compile): one graph break per MoE layer, no
     # guard on the plan (a new object every micro-batch would recompile the layer each time).
     @torch.compiler.disable
-    def _route(self, plan: _Plan, layer: int, module: torch.nn.Module, output):
+    def _route(self, plan: RoutingPlan, layer: int, module: torch.nn.Module, output):
         logits, scores, live = output
         n, experts = logits.shape
         real = None
