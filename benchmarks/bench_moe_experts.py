@@ -24,16 +24,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+# the block's shape and the rounds (integer options, these defaults)
+SIZES = {"tokens": 2048, "hidden": 512, "experts": 64, "top-k": 8, "moe-width": 256, "rounds": 3}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--moe-width", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
+    for name, default in SIZES.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--implementations", default="eager,grouped_mm", help="the first is the reference")
     a = ap.parse_args()
