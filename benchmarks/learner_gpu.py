@@ -628,9 +628,11 @@ def main(argv: list[str]) -> int:
         print("SKIP: no CUDA device (torch.cuda.is_available() is False)", flush=True)
         return SKIP_RC
     t_start = time.perf_counter()
-    if a.dry_run:  # the tiny shapes asked for (tiny, tiny-moe), else tiny
-        tiny = [s for s in a.shapes.split(",") if s.startswith("tiny")]
-        a.shapes, a.prompts, a.group_size, a.max_completion = ",".join(tiny) or "tiny", 4, 4, 64
+    if a.dry_run:  # the tiny shapes asked for; else tiny-moe for an MoE shape, tiny for a dense one
+        asked = a.shapes.split(",")
+        tiny = [s for s in asked if s.startswith("tiny")] or [
+            "tiny-moe" if any(s in SHAPES and moe_of(s) for s in asked) else "tiny"]
+        a.shapes, a.prompts, a.group_size, a.max_completion = ",".join(tiny), 4, 4, 64
         a.tokens, a.score_samples, a.variant_timeout = 2048, 8, 120.0
     cuda = torch.cuda.is_available()
     rate = matmul_rate() if cuda else float("nan")
