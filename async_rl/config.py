@@ -672,6 +672,35 @@ class LearnerConfig(_Section):
            "about one more forward of compute. Off by default: turn it on when learner memory, not time, "
            "is what limits micro_batch_tokens (measured in docs/learner.md)"),
     ] = False
+    routing_replay: Annotated[
+        Literal["auto", "on", "off"],
+        _f("MoE models, torch backend: rollout routing replay. on = every token with a route the engine recorded "
+           "(TrajectoryGroup.routes) runs the experts the engine ran, its routing weights gathered from the "
+           "learner's live router softmax (so the router still learns), in the gradient and the no-grad passes "
+           "(activation checkpointing's recompute replays the same); tokens without a route take the live "
+           "router and are counted (moe_unrouted_tokens); off = the live router everywhere; auto = on for an "
+           "MoE model, off for a dense one (on with a dense model is an error). learner/model/moe.py"),
+    ] = "auto"
+    moe_aux_loss_coef: Annotated[
+        float,
+        _f("MoE models, torch backend: weight of the load-balancing loss (Switch/HF style: experts x sum over "
+           "experts of token fraction x mean router probability, per MoE layer, averaged over layers; the "
+           "routing the experts ran) added to each micro-batch's loss by its share of the batch's loss tokens; "
+           "0 = off", ge=0),
+    ] = 0.0
+    moe_experts: Annotated[
+        Literal["auto", "grouped_mm", "batched_mm", "eager"],
+        _f("MoE models, torch backend: transformers' experts implementation. grouped_mm = tokens sorted by expert "
+           "and two grouped GEMMs per layer (torch's grouped matmul on CUDA and CPU: no Python loop over experts, "
+           "no host sync); batched_mm = every token's top-k experts' weights gathered and batch-multiplied; eager "
+           "= HF's loop over the experts hit (a host sync per layer); auto = grouped_mm"),
+    ] = "auto"
+    routing_probe_samples: Annotated[
+        int,
+        _f("MoE models, torch backend: each step the first this-many samples of the rank's shard are scored twice "
+           "more without gradient, with replay on and off, for the log-prob mismatch against the engine both ways "
+           "(moe_mismatch_replay, moe_mismatch_live); 0 = off (only the live router's agreement is reported)", ge=0),
+    ] = 8
     malloc_mmap_threshold_kb: Annotated[
         int,
         _f("glibc: allocations above this many KiB are mmap'd and returned to the OS when freed, fixed for "

@@ -27,7 +27,7 @@ from async_rl.errors import RunError
 from async_rl.evaluation.phase import Evaluation, eval_prompts
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
-from async_rl.learner.base import LearnerSpec, StepMetrics, checkpoint_model_dir
+from async_rl.learner.base import LearnerSpec, MoeMetrics, StepMetrics, checkpoint_model_dir
 from async_rl.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
 from async_rl.reward_models.calls import RewardModelCounts
 from async_rl.runtime import START_TIMEOUT_S, Runtime
@@ -443,7 +443,21 @@ def make_record(
         sandbox_timeouts=ep.sandbox_timeouts,
         env_token_share=ep.env_token_share,
         samples_across_updates=sum(m.across_updates for m in per_rank),
+        **moe_fields(per_rank[0].moe),
     )
+
+
+def moe_fields(m: MoeMetrics | None) -> dict:
+    """StepRecord's MoE fields from the learner's (the same on every rank: reduced over the group)."""
+    if m is None:
+        return {}
+    return {
+        "moe_replay": m.replay, "router_agreement": m.router_agreement,
+        "router_agreement_worst_layer": m.router_agreement_worst_layer, "router_worst_layer": m.worst_layer,
+        "expert_load_max_mean": m.expert_load_max_mean, "moe_routed_tokens": m.routed_tokens,
+        "moe_unrouted_tokens": m.unrouted_tokens, "moe_aux_loss": m.aux_loss,
+        "moe_mismatch_replay": m.mismatch_replay, "moe_mismatch_live": m.mismatch_live,
+    }
 
 
 def episode_stats(per_rank: list[StepMetrics]) -> EpisodeStats:

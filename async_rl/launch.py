@@ -21,6 +21,7 @@ from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, reward_model_serving, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
 from async_rl.leftovers import marked, stop_orphans
+from async_rl.learner.moe_settings import folder_settings_error
 from async_rl.models.tiny import ALL_PRESETS, resolve_model_path
 from async_rl.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.tasks.registry import load_task
@@ -59,7 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_inputs(cfg: Config) -> None:
     """Fail before anything starts: model path and task must resolve (ConfigError, exit 2)."""
     if cfg.model.path not in ALL_PRESETS:  # a preset is built later, at run start
-        resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        folder = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        if why := folder_settings_error(cfg.learner, folder):  # an MoE model's settings (learner/moe_settings.py)
+            raise ConfigError(why)
     load_task(cfg.task.name)
     load_reward(cfg.task)  # a bad task.reward or task.reward_pattern fails here, not in every reward worker
     from async_rl.settings import frame_limit

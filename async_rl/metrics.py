@@ -137,6 +137,31 @@ class StepRecord(msgspec.Struct, kw_only=True):
     teacher_failures: int = 0
     teacher_timeouts: int = 0
     teacher_restarts: int = 0
+    # MoE models (torch learner; None for a dense model): learner/base.py MoeMetrics, over the learner group
+    moe_replay: bool | None = None  # learner.routing_replay as it ran
+    router_agreement: float | None = None  # routed tokens whose live top-k set is the engine's in every MoE layer
+    router_agreement_worst_layer: float | None = None  # the lowest per-layer agreement ...
+    router_worst_layer: int | None = None  # ... in this MoE layer
+    expert_load_max_mean: float | None = None  # busiest expert's tokens / the mean per expert, worst layer
+    moe_routed_tokens: int | None = None  # tokens with an engine route (replayed when replay is on)
+    moe_unrouted_tokens: int | None = None  # tokens without one: the live router took them
+    moe_aux_loss: float | None = None  # the load-balancing loss (learner.moe_aux_loss_coef > 0)
+    moe_mismatch_replay: float | None = None  # |learner - engine| log-prob on the probe, replay on
+    moe_mismatch_live: float | None = None  # the same with the live router
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def moe_part(r: StepRecord) -> str:
+    """The console line's MoE part: routing agreement, expert load, unrouted tokens, the probe's mismatch."""
+    return (
+        f" | moe replay {'on' if r.moe_replay else 'off'} agree {_num(r.router_agreement, '.1%')} worst "
+        f"{_num(r.router_agreement_worst_layer, '.1%')} (layer {r.router_worst_layer}) load max/mean "
+        f"{_num(r.expert_load_max_mean, '.2f')} unrouted {r.moe_unrouted_tokens} | mismatch replay "
+        f"{_num(r.moe_mismatch_replay, '.1e')} live {_num(r.moe_mismatch_live, '.1e')}"
+    )
 
 
 def console_line(r: StepRecord, total_steps: int) -> str:
@@ -156,6 +181,7 @@ def console_line(r: StepRecord, total_steps: int) -> str:
             if r.turns_max
             else ""
         )
+        + (moe_part(r) if r.moe_replay is not None else "")
         + (
             f" | agent calls {r.agent_calls} prefix breaks {r.agent_prefix_breaks} failed "
             f"{r.agent_errors}/{r.agent_timeouts}/{r.agent_crashes} (error/timeout/crash)"

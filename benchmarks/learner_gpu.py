@@ -9,7 +9,11 @@ writes benchmarks/results/<out>.json and .md and exits 0 when it ran; without CU
 line `SKIP: <reason>` and exits 3. `--dry-run`: a tiny model and batch, every default variant, seconds.
 
 Models: random-init Qwen2.5-0.5B and -1.5B shapes (no download), saved once per run in bf16 (the learner
-loads them into fp32 master weights). Batch: the 1-GPU recipe's shape, `--batch PROMPTSxSAMPLES`
+loads them into fp32 master weights). MoE (issue 46): `--shapes qwen3-30b-a3b-4l`, Qwen3-30B-A3B's widths,
+128 experts top-8, 4 of its 48 layers (2.7B parameters, ~0.9B active), every sample with random routes
+that `combined` replays (`combined_live`: the live router; `combined_eager_experts`: HF's loop over the
+experts instead of grouped GEMMs); its `trl` row is plain HF with transformers' default experts (grouped_mm
+in 5.19) and the live router; MFU counts the active parameters. Batch: the 1-GPU recipe's shape, `--batch PROMPTSxSAMPLES`
 (default 64x8), prompts 90-200 tokens, completions long-tailed (log-normal, median 220, capped at 512:
 mean ~264), random tokens. Each (shape, variant) runs in its own process with a timeout, rounds
 interleaved (A B C A B C): one warm-up step on two groups, then `--steps` timed steps of the whole
@@ -84,6 +88,15 @@ SHAPES = {
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
     "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Qwen3-30B-A3B's widths, expert count and top-k (48 layers there; 4 here: 2.7B parameters, fp32 masters +
+    # AdamW ~43 GiB, so one GPU holds it with the batch's activations). Routes: random per token (replayed).
+    "qwen3-30b-a3b-4l": dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                             norm_topk_prob=True, tie_word_embeddings=False),
+    "tiny-moe": dict(family="qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256,
+                     moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True),
 }
 TODAY = {"mixed_precision": "bf16", "kernels": "none", "attention": "sdpa", "head_kernel": "eager",
          "logprob_keep_logits": False}
@@ -109,10 +122,16 @@ VARIANTS: dict[str, dict] = {
     "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
     "trl": {},
     "fp32": {"mixed_precision": "none", "kernels": "none", "attention": "sdpa", "head_kernel": "eager"},
+    # MoE shapes (issue 46): `combined` replays the batch's routes (learner.routing_replay auto) with the
+    # experts as grouped GEMMs (learner.moe_experts auto); these switch one thing off
+    "combined_live": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "routing_replay": "off"},
+    "combined_eager_experts": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "moe_experts": "eager"},
 }
 # What `make gpu-check` runs (about 4 minutes on an H200 before the Triton row): the targets' rows on both shapes and
 # the two head kernels against the eager head.
-DEFAULT_VARIANTS = {"qwen2.5-0.5b": "combined,combined_eager_head,combined_triton_head,trl,fp32", "qwen2.5-1.5b": "combined,trl,fp32"}
+DEFAULT_VARIANTS = {"qwen2.5-0.5b": "combined,combined_eager_head,combined_triton_head,trl,fp32", "qwen2.5-1.5b": "combined,trl,fp32",
+                    "qwen3-30b-a3b-4l": "combined,combined_live,combined_eager_experts,trl,fp32",
+                    "tiny-moe": "combined,combined_live,combined_eager_experts,trl,fp32"}
 # The issue's targets (one H100, same batch and token budget, same run).
 MFU_TARGET = {"qwen2.5-0.5b": 0.40, "qwen2.5-1.5b": 0.45}
 SPEEDUP_TARGET = 2.0
@@ -128,7 +147,26 @@ def free_port() -> int:
 # ---- the batch and the model ---------------------------------------------------------------------------
 
 
-def make_groups(vocab: int, prompts: int, group_size: int, max_completion: int, seed: int = 0) -> list:
+def moe_of(shape: str) -> tuple[int, int, int] | None:
+    """(MoE layers, experts, top-k) of an MoE shape, None for a dense one."""
+    s = SHAPES[shape]
+    return (s["num_hidden_layers"], s["num_experts"], s["num_experts_per_tok"]) if s.get("family") else None
+
+
+def random_routes(rng, tokens: int, moe: tuple[int, int, int]):
+    """Routes for one sample of `tokens` tokens: top-k distinct random experts per token and layer, in the
+    contract's dtype and rows (protocol.py: the last token has none)."""
+    import numpy as np
+
+    from async_rl.protocol import route_dtype
+
+    layers, experts, top_k = moe
+    keys = rng.random((tokens - 1, layers, experts), dtype=np.float32)
+    return np.argpartition(keys, top_k, axis=-1)[..., :top_k].astype(route_dtype(experts))
+
+
+def make_groups(vocab: int, prompts: int, group_size: int, max_completion: int, seed: int = 0,
+                moe: tuple[int, int, int] | None = None) -> list:
     import numpy as np
 
     from async_rl.protocol import TrajectoryGroup
@@ -144,6 +182,7 @@ def make_groups(vocab: int, prompts: int, group_size: int, max_completion: int, 
             logprobs=[(-2.0 + 0.1 * rng.standard_normal(len(c))).astype(np.float32) for c in comps],
             rewards=[float(r) for r in rng.permutation([i % 2 for i in range(group_size)])],
             version_first=[0] * group_size, version_last=[0] * group_size, reward_status=[0] * group_size,
+            routes=[random_routes(rng, len(prompt) + len(c), moe) for c in comps] if moe else None,
         ))
     return out
 
@@ -166,18 +205,25 @@ def score_groups(groups: list, samples: int) -> list:
 
 
 def make_model(dest: Path, shape: str) -> int:
-    """A random-init model of `shape` saved in bf16 at `dest` (once); returns its parameter count."""
+    """A random-init model of `shape` saved in bf16 at `dest` (once); returns its parameter count (an
+    MoE's active parameters: what MFU counts)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
     from async_rl.models.tiny import build_tokenizer
 
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=2)
+    fields = {k: v for k, v in SHAPES[shape].items() if k != "family"}
+    config_class = Qwen3MoeConfig if SHAPES[shape].get("family") == "qwen3_moe" else Qwen2Config
+    cfg = config_class(**fields, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+                       bos_token_id=0, eos_token_id=0, pad_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
+    if moe := moe_of(shape):  # MoE: the parameters a token runs through (its top-k experts' share)
+        _, experts, top_k = moe
+        routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        params -= routed - routed * top_k // experts
     if not (dest / "config.json").exists():
         model.save_pretrained(dest, safe_serialization=True)
         build_tokenizer().save_pretrained(dest)
@@ -230,7 +276,7 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
     from async_rl.learner.base import LearnerSpec
     from async_rl.learner.driver import LearnerDriver
 
-    groups = make_groups(SHAPES[a.shape]["vocab_size"], a.prompts, a.group_size, a.max_completion)
+    groups = make_groups(SHAPES[a.shape]["vocab_size"], a.prompts, a.group_size, a.max_completion, moe=moe_of(a.shape))
     fields, notes = learner_overrides(a.variant, a.tokens)
     if a.variant in ("varlen", "flex") and "attention" not in fields:
         return {"skipped": notes[0]}
@@ -265,6 +311,7 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
            "micro_batch_tokens": rank.micro_batch_tokens,
            "working_copy": getattr(backend, "working", None) is not None,
            "megatron_attention": backend.attention if fields.get("backend") == "megatron" else None,
+           "routing_replay": backend.replays_routes, "experts": getattr(backend, "experts_kernel", None),
            "learner": msgspec.to_builtins(spec.learner)}
     logp = np.concatenate(rank.compute_logprobs(score_groups(groups, a.score_samples), 1.0))
     np.save(a.score_file, logp)
@@ -502,6 +549,7 @@ def write_markdown(result: dict, path: Path) -> None:
                        f"budget {row.get('micro_batch_tokens', result['tokens'])}, "
                        f"working copy {row.get('working_copy', '-')}, logits kept {row.get('keeps_logits', '-')}"
                        + (f", attention {row['megatron_attention']}" if row.get("megatron_attention") else "")
+                       + (f", experts {row['experts']}, replay {row['routing_replay']}" if row.get("experts") else "")
                        ) if v != "trl" else "HF + autocast"
                 lines.append(f"| {v} | {row['step_s']:.2f} s | {row['completion_tokens_s']:,.0f} | {row['mfu']:.1%} | "
                              f"{row['peak_gib']:.1f} GiB | {dtext} | {ran} |")
@@ -580,8 +628,11 @@ def main(argv: list[str]) -> int:
         print("SKIP: no CUDA device (torch.cuda.is_available() is False)", flush=True)
         return SKIP_RC
     t_start = time.perf_counter()
-    if a.dry_run:
-        a.shapes, a.prompts, a.group_size, a.max_completion = "tiny", 4, 4, 64
+    if a.dry_run:  # the tiny shapes asked for; else tiny-moe for an MoE shape, tiny for a dense one
+        asked = a.shapes.split(",")
+        tiny = [s for s in asked if s.startswith("tiny")] or [
+            "tiny-moe" if any(s in SHAPES and moe_of(s) for s in asked) else "tiny"]
+        a.shapes, a.prompts, a.group_size, a.max_completion = ",".join(tiny), 4, 4, 64
         a.tokens, a.score_samples, a.variant_timeout = 2048, 8, 120.0
     cuda = torch.cuda.is_available()
     rate = matmul_rate() if cuda else float("nan")
@@ -605,7 +656,7 @@ def main(argv: list[str]) -> int:
         model_dir = tmp / shape
         params = make_model(model_dir, shape)
         torch.cuda.empty_cache() if cuda else None
-        groups = make_groups(SHAPES[shape]["vocab_size"], a.prompts, a.group_size, a.max_completion)
+        groups = make_groups(SHAPES[shape]["vocab_size"], a.prompts, a.group_size, a.max_completion, moe=moe_of(shape))
         counts = batch_counts(groups)
         print(f"{shape}: {params / 1e6:.0f}M parameters (made in {time.perf_counter() - t:.0f} s), {counts}", flush=True)
         runs: dict[str, list[dict]] = {}

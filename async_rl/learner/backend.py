@@ -32,6 +32,7 @@ import msgspec
 import torch
 
 from async_rl.learner.batch.packing import MicroBatch
+from async_rl.learner.model.moe import MoeShape, RouterStats
 from async_rl.protocol import TrajectoryGroup
 
 
@@ -58,6 +59,7 @@ class TokenScores:
     logp: torch.Tensor | None
     entropy: torch.Tensor | None  # float32 [B, T], detached: entropy of the full next-token distribution
     hidden: torch.Tensor | None = None  # [B, T, H] detached last hidden states (when asked; ppo's critic)
+    router: RouterStats | None = None  # MoE models, gradient passes: the forward's routing statistics
 
 
 @dataclass
@@ -84,6 +86,10 @@ class ModelBackend(abc.ABC):
     # learner.logprob_keep_logits as it runs: the chunked head keeps its logits for the backward (the
     # driver's auto token budget counts them).
     keeps_logits: bool = False
+    # MoE models (a backend that routes them): the routing shape the samples' routes must match; None: dense,
+    # or a backend that does not replay routes
+    moe: MoeShape | None = None
+    replays_routes: bool = False  # learner.routing_replay as it runs (an MoE model's recorded routes decide)
 
     @property
     def takes_block_masks(self) -> bool:
@@ -111,6 +117,11 @@ class ModelBackend(abc.ABC):
         positions (`hidden=True`: with the last hidden states, for ppo's critic; `head=False`: the
         hidden states are all the caller needs, the backend may skip its output layer and return
         logp/entropy None). None on ranks without outputs (`info.has_outputs` false)."""
+
+    def score_routing(self, mb: MicroBatch, temperature: float, replay: bool) -> TokenScores | None:
+        """MoE backends (`moe` set): `score` with routing replay on or off whatever the setting (the
+        driver's mismatch probe: the engine's log-probs against the learner's, both ways)."""
+        raise NotImplementedError(f"{type(self).__name__} does not route MoE models")
 
     @abc.abstractmethod
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:

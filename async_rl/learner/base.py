@@ -56,6 +56,25 @@ class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     sft: SftConfig = msgspec.field(default_factory=SftConfig)  # train.mode=sft: the demonstrations
 
 
+class MoeMetrics(msgspec.Struct, kw_only=True):
+    """An MoE model's routing in one step, over the whole learner group (`learner/moe_metrics.py`)."""
+
+    replay: bool  # learner.routing_replay as it ran
+    routed_tokens: int  # input tokens with an engine route, over the step's gradient passes
+    unrouted_tokens: int  # tokens of the batch without one (route_missing rows, samples without routes): live router
+    # of the routed tokens, those whose live router chose the engine's top-k set in every MoE layer (None:
+    # no routed token), and the lowest per-layer agreement, in that layer
+    router_agreement: float | None = None
+    router_agreement_worst_layer: float | None = None
+    worst_layer: int = 0
+    expert_load_max_mean: float = 0.0  # tokens of the busiest expert / the mean per expert, in the worst layer
+    aux_loss: float = 0.0  # the load-balancing loss (learner.moe_aux_loss_coef > 0), mean over micro-batches
+    # learner.routing_probe_samples: mean |learner - engine| log-prob on the probe's model tokens, before
+    # the step's first update, with replay on and with the live router (None: no probe)
+    mismatch_replay: float | None = None
+    mismatch_live: float | None = None
+
+
 class StepMetrics(msgspec.Struct, kw_only=True):
     step: int
     rank: int
@@ -88,6 +107,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     episodes: list[EpisodeInfo] = []  # multi-turn episodes of the shard: turns and tool counts
     env_tokens: int = 0  # completion tokens of the shard that the environment wrote (no loss)
     across_updates: int = 0  # samples of the shard whose tokens came from more than one policy version
+    moe: MoeMetrics | None = None  # MoE models (torch backend): routing, the same on every rank
 
 
 def completion_lengths(groups: list[TrajectoryGroup]) -> list[int]:

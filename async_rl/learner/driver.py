@@ -40,11 +40,14 @@ from async_rl.learner.base import (
 )
 from async_rl.learner.batch.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
 from async_rl.learner.batch.padded import PaddedShard
+from async_rl.learner.batch.routes import check_routes, unrouted_rows
 from async_rl.learner.batch.shared_prefix import shared_micro_batches
 from async_rl.learner.batch.token_budget import resolve_budget
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.hf_io import rng_state, set_rng_state
 from async_rl.learner.host_memory import set_malloc_mmap_threshold
+from async_rl.learner.model.moe import MoeShape
+from async_rl.learner.moe_metrics import ProbeSums, RouterTally
 from async_rl.learner.rendezvous import host_store
 from async_rl.learner.rl.algorithms import LOSS_STATS, Algorithm, Prepared
 from async_rl.learner.schedule import lr_factor
@@ -110,10 +113,31 @@ def _per_token(t: torch.Tensor | None, row: int, col: int, n: int) -> np.ndarray
     return t[row, col : col + n].detach().float().cpu().numpy().copy()
 
 
-def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = None) -> list[SeqSample]:
+def check_shard_routes(groups: list[TrajectoryGroup], moe: MoeShape | None) -> None:
+    """An MoE shard's recorded routes against its tokens and the model, before anything lays them out: a
+    RunError in one line naming the prompt and sample otherwise. A dense model ignores routes."""
+    if moe is None:
+        return
+    for g in groups:
+        if g.routes is None:
+            continue
+        if len(g.routes) != g.size:
+            raise RunError(f"prompt {g.prompt_id} (engine {g.engine_id}): {len(g.routes)} routes for {g.size} samples")
+        for i, (routes, comp) in enumerate(zip(g.routes, g.completions, strict=True)):
+            try:
+                where = f"prompt {g.prompt_id} (engine {g.engine_id}) sample {i}"
+                check_routes(routes, len(g.prompt_tokens) + len(comp), moe.layers, moe.top_k, moe.experts, where)
+            except ValueError as e:
+                raise RunError(str(e)) from None
+
+
+def shard_samples(
+    groups: list[TrajectoryGroup], prepared: Prepared | None = None, moe: MoeShape | None = None
+) -> list[SeqSample]:
     """Sequences of a shard, row i of `prepared` being sequence i: with the algorithm's per-token
     advantages (and the proximal and reference log-probs when its loss needs them), or, without
-    `prepared` (scoring only), zero advantages."""
+    `prepared` (scoring only), zero advantages. `moe`: the model's routing, with which the samples carry
+    their recorded routes."""
     samples = []
     row = 0
     for g in groups:
@@ -132,6 +156,7 @@ def shard_samples(groups: list[TrajectoryGroup], prepared: Prepared | None = Non
                     cov_select=_per_token(p.cov_select, row, col, n) if p else None,
                     in_loss=bool(p.mask[row].any()) if p else True,
                     loss_mask=g.loss_mask(i) if g.loss_masks is not None else None,
+                    routes=g.routes[i] if moe is not None and g.routes is not None else None,
                 )
             )
             row += 1
@@ -265,6 +290,7 @@ class LearnerDriver(LearnerRank):
                 whole_tokens, s.learner.logprob_chunk_tokens, self.backend.head_kernel
             ),
             head_kernel=self.backend.head_kernel,
+            routing_replay=self.backend.replays_routes,
         )
         return params
 
@@ -315,7 +341,7 @@ class LearnerDriver(LearnerRank):
         logp = torch.zeros(b.loss_mask.shape)
         hidden = None
         i = 0  # the shard's row of the micro-batches' next sequence (they keep the shard's order)
-        for mb in self._micro_batches(shard_samples(groups)):
+        for mb in self._micro_batches(shard_samples(groups, moe=self.backend.moe)):
             scores = self.backend.score(mb, self.spec.generators.temperature, hidden=with_hidden, head=with_logp)
             lp = h = None
             if scores is not None:
@@ -347,15 +373,21 @@ class LearnerDriver(LearnerRank):
         # The algorithm's no-grad passes and advantages run once on the shard as padded rows (the old
         # and proximal log-probs are the weights' before the batch's first update); the gradient
         # passes then run on packed micro-batches of each mini-batch, train.epochs times over.
-        shard = PaddedShard(groups)
+        check_shard_routes(groups, self.backend.moe)
+        # the shard's routes as padded rows: for the KL reference's replay only (the policy's passes take
+        # them from the micro-batches)
+        shard = PaddedShard(groups, with_routes=self.backend.replays_routes and self.algo.reference is not None)
         # The proximal log-probs only for the decoupled objective (ppo's behaviour objective wants
         # the hidden states alone: no output layer).
         decoupled = s.algorithm.objective == "decoupled"
         prepared = self.algo.prepare(
             shard, lambda h: self._score_padded(groups, shard, h, with_logp=decoupled or not h), self._dp_sum
         )
-        samples = shard_samples(groups, prepared)
+        samples = shard_samples(groups, prepared, self.backend.moe)
         self._last_samples = samples
+        moe = self.backend.moe
+        tally = RouterTally(moe, self.device) if moe is not None else None
+        probe = self._routing_probe(samples) if moe is not None else None
         c = s.learner
         # The LR schedule counts batches, like the policy version: every update of a batch has its LR.
         lr = c.lr * lr_factor(self.step_count, c.lr_warmup_steps, s.train.total_steps, c.lr_decay, c.lr_min_ratio)
@@ -364,10 +396,14 @@ class LearnerDriver(LearnerRank):
         updates: list[UpdateStats] = []
         for _ in range(s.train.epochs):
             for rows, part in zip(cuts, parts, strict=True):
-                updates.append(self._update(step, len(updates), part, samples[rows], lr))
+                updates.append(self._update(step, len(updates), part, samples[rows], lr, tally))
         self.step_count += 1
         self.last_updates = updates
         counted = self.backend.info.counts_samples
+        moe_metrics = None
+        if tally is not None:
+            unrouted = sum(unrouted_rows(x.routes, len(x.tokens)) for x in samples) if counted else 0
+            moe_metrics = tally.metrics(self.backend.replays_routes, unrouted, probe, self._dp_sum)
         return StepMetrics(
             step=step,
             rank=self.rank,
@@ -385,10 +421,36 @@ class LearnerDriver(LearnerRank):
             across_updates=across_updates_count(groups) if counted else 0,
             kl_teacher=prepared.kl_teacher,
             teacher_missing=shard.teacher_missing if counted and s.algorithm.name == "opd" else 0,
+            moe=moe_metrics,
             **step_means(updates),
         )
 
-    def _update(self, step: int, index: int, prepared: Prepared, samples: list[SeqSample], lr: float) -> UpdateStats:
+    def _routing_probe(self, samples: list[SeqSample]) -> ProbeSums | None:
+        """MoE: |learner - engine| log-prob sums on the first `learner.routing_probe_samples` samples of the
+        shard (their model tokens), no gradient, with routing replay on and with the live router; None
+        when the probe is off. Collective (every rank scores its own samples)."""
+        count = self.spec.learner.routing_probe_samples
+        if not count:
+            return None
+        probe = samples[:count]
+        sums = []
+        for replay in (True, False):
+            diff = torch.zeros((), dtype=torch.float64, device=self.device)
+            n = torch.zeros((), dtype=torch.float64, device=self.device)
+            for mb in self._micro_batches(probe):
+                scores = self.backend.score_routing(mb, self.spec.generators.temperature, replay)
+                if scores is None or not mb.spans:
+                    continue
+                at = mb.span_positions() & (mb.loss_mask != 0)  # the model's tokens of the sequences
+                diff += ((scores.logp - mb.behav_logp).abs() * at).sum().to(torch.float64)
+                n += at.sum().to(torch.float64)
+            sums += [diff, n]
+        return tuple(float(x) for x in torch.stack(sums).cpu())
+
+    def _update(
+        self, step: int, index: int, prepared: Prepared, samples: list[SeqSample], lr: float,
+        tally: RouterTally | None = None,
+    ) -> UpdateStats:
         """One optimizer step on `samples` (this rank's part of a mini-batch): forward/backward over its
         micro-batches, then the step, unless the global mini-batch has no signal or its loss or
         gradient norm is not finite on some rank (every rank agrees: the flags are all-reduced)."""
@@ -402,9 +464,16 @@ class LearnerDriver(LearnerRank):
         at = {name: i for i, name in enumerate(LOSS_STATS)}
         picks = torch.tensor([at[name] for name in _STATS if name != "entropy"], device=self.device)
 
+        aux_coef = s.learner.moe_aux_loss_coef
+
         def loss_fn(i: int, scores: TokenScores) -> torch.Tensor:
             mb = mbs[i]
             loss, st = self.algo.loss_terms(prepared.for_micro_batch(mb), scores.logp, scores.entropy)
+            if tally is not None and scores.router is not None and mb.spans:  # not a dummy micro-batch
+                tally.add(scores.router)
+                if aux_coef and scores.router.aux_loss is not None:
+                    # its share of the batch's loss tokens, as the policy loss is normalised
+                    loss = loss + aux_coef * scores.router.aux_loss * (tokens[i] / max(prepared.denominator, 1.0))
             share = tokens[i] / local_tokens  # statistics: token-weighted over this rank's part
             entropy = (scores.entropy.detach() * mb.loss_mask).sum() / max(1.0, tokens[i])
             values = st.index_select(0, picks).to(torch.float64)
@@ -450,7 +519,8 @@ class LearnerDriver(LearnerRank):
 
     def compute_logprobs(self, groups: list[TrajectoryGroup], temperature: float = 1.0) -> list[np.ndarray]:
         with self._weights_lock:
-            return self._score(shard_samples(groups), temperature)
+            check_shard_routes(groups, self.backend.moe)
+            return self._score(shard_samples(groups, moe=self.backend.moe), temperature)
 
     def probe_logprobs(self, max_samples: int) -> Probe:
         """Log-probs of the current weights on completion tokens of the last batch (temperature 1, the

@@ -28,7 +28,9 @@ from async_rl.learner.model.head import keeps_logits, model_scores, unsupported
 from async_rl.learner.model.head_fused import FusedPath
 from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.model.kernels import apply_kernels, compile_layers, decoder_layers
+from async_rl.learner.model.moe import MoeShape, RouterReplay, moe_shape, set_experts
 from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
+from async_rl.learner.moe_settings import settings_error
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.rendezvous import join_group
 from async_rl.protocol import TrajectoryGroup
@@ -67,6 +69,14 @@ def rank_device(device: str) -> torch.device:
     return torch.device("cuda", 0)
 
 
+def routing_replay(cfg: LearnerConfig, moe: MoeShape | None) -> bool:
+    """learner.routing_replay for this model (auto: on for an MoE model), and the settings an MoE model
+    does not take, refused in one line."""
+    if why := settings_error(cfg, 0 if moe is None else moe.experts):
+        raise RunError(why)
+    return moe is not None and cfg.routing_replay != "off"
+
+
 class TorchBackend(ModelBackend):
     def __init__(
         self, cfg: LearnerConfig, dtype: str, rank: int, world_size: int, master: str,
@@ -84,6 +94,8 @@ class TorchBackend(ModelBackend):
         self.peft = None  # learner.lora: the PeftModel around self.model (see learner/model/lora.py)
         self.working: WorkingCopy | None = None  # mixed_precision=bf16_params: what the forward runs on
         self.head_probe: HeadProbe | None = None  # learner.head_kernel auto on CUDA: what was measured
+        self.router_replay: RouterReplay | None = None  # MoE models: the routers' hooks (learner/model/moe.py)
+        self.replays_routes = False  # learner.routing_replay as it runs
 
     @property
     def sharded(self) -> bool:
@@ -116,6 +128,10 @@ class TorchBackend(ModelBackend):
         )
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
         self._kv_repeat = self._check_sequence_parallel(self.model.config)
+        self.moe = moe_shape(self.model)
+        self.replays_routes = routing_replay(self.cfg, self.moe)
+        if self.moe is not None:
+            self.experts_kernel = set_experts(self.model, self.cfg.moe_experts)  # before a working copy copies the config
         if self.cfg.lora.enabled:
             from async_rl.learner.model.lora import adapter_config_dict, apply_lora
 
@@ -149,6 +165,8 @@ class TorchBackend(ModelBackend):
         if self._working_copy():
             self.working = WorkingCopy(self.model, compute)
         compute_model = self.working.module if self.working else self.model
+        if self.moe is not None:  # on the module the forward runs on (the working copy's own routers)
+            self.router_replay = RouterReplay(compute_model)
         self.kernels = apply_kernels(self.cfg.kernels, compute_model, self.device)
         if self.cfg.compile and self.kernels != "compile":
             compile_layers(compute_model)
@@ -265,17 +283,32 @@ class TorchBackend(ModelBackend):
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
+    def _routing(self, mb: MicroBatch, replay: bool, aux: bool = False):
+        """MoE models: the routing plan of one micro-batch's forward (and backward, whose checkpoint
+        recompute replays the same routes); a null context for a dense model."""
+        if self.router_replay is None:
+            return contextlib.nullcontext(None)
+        return self.router_replay.plan(mb.routes, replay, aux)
+
     def score(self, mb: MicroBatch, temperature: float, *, hidden: bool = False, head: bool = True) -> TokenScores:
-        with torch.no_grad():  # the completion positions of its sequences (`spans`)
+        return self.score_routing(mb, temperature, self.replays_routes, hidden=hidden, head=head)
+
+    def score_routing(self, mb: MicroBatch, temperature: float, replay: bool, *, hidden: bool = False,
+                      head: bool = True) -> TokenScores:
+        with torch.no_grad(), self._routing(mb, replay):  # the completion positions of its sequences (`spans`)
             # No entropy: the scoring passes read log-probs (and hidden states) only.
             return self._forward(mb, temperature, mb.span_index(), hidden, head, with_entropy=False)
 
     def forward_backward(self, mbs: list[MicroBatch], temperature: float, loss_fn: LossFn) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._full = None  # gathered weights go stale with this step
+        aux = self.cfg.moe_aux_loss_coef > 0
         for i, mb in enumerate(mbs):
-            with self._grad_sync(i == len(mbs) - 1):
-                loss = loss_fn(i, self._forward(mb, temperature, mb.head_index(), hidden=False))
+            with self._grad_sync(i == len(mbs) - 1), self._routing(mb, self.replays_routes, aux) as plan:
+                scores = self._forward(mb, temperature, mb.head_index(), hidden=False)
+                if plan is not None:
+                    scores.router = self.router_replay.stats(plan)
+                loss = loss_fn(i, scores)
                 # DDP and FSDP2 average gradients over ranks; the contract is their sum.
                 with record_function("learner.backward"):  # a profiler's region, as the head's
                     (loss * (1 if self.working else self.world_size)).backward()

@@ -247,6 +247,8 @@ class _StubBackend:
     takes_block_masks = False
     head_kernel = "eager"
     keeps_logits = False
+    moe = None  # a dense model
+    replays_routes = False
 
     def setup(self, model_dir: str) -> int:
         return 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from async_rl.learner.batch.routes import put_routes, route_table
 from async_rl.learner.model.attention import (
     LAYOUT_KWARG,
     SDPA,
@@ -47,6 +48,8 @@ class SeqSample:
     cov_select: np.ndarray | None = None  # float32 0/1 [completion_len]: algorithm.cov_control only
     in_loss: bool = True  # False: scored but adds no loss (algorithm.overlong=mask on a truncated one)
     loss_mask: np.ndarray | None = None  # per completion token 0/1: 0 on environment tokens (None: all 1)
+    # an MoE model's recorded routes [len(tokens) - 1, moe_layers, top_k] (protocol.py; batch/routes.py)
+    routes: np.ndarray | None = None
 
     @property
     def completion_len(self) -> int:
@@ -221,6 +224,12 @@ def _optional(samples: list[SeqSample], field: str, shape: tuple[int, int]) -> t
     return torch.zeros(shape) if getattr(samples[0], field) is not None else None
 
 
+def _route_rows(samples: list[SeqSample], n_rows: int, width: int) -> torch.Tensor | None:
+    """The micro-batch's route tensor (all padding) when a sample carries routes, else None."""
+    first = next((s.routes for s in samples if s.routes is not None), None)
+    return None if first is None else route_table(n_rows, width, first.shape[1:])
+
+
 def _fill_optional(row: torch.Tensor | None, first: int, values: np.ndarray | None) -> None:
     if row is not None:
         row[first : first + len(values)] = torch.from_numpy(np.asarray(values, dtype=np.float32))
@@ -287,11 +296,14 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
     prox = _optional(samples, "prox_logp", (n_rows, width))
     ref = _optional(samples, "ref_logp", (n_rows, width))
     cov = _optional(samples, "cov_select", (n_rows, width))
+    routes = _route_rows(samples, n_rows, width)
     spans = []
     offsets = [0] * n_rows
     for s, row in zip(samples, rows, strict=True):
         offset, length = offsets[row], len(s.tokens)
         input_ids[row, offset : offset + length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
+        if routes is not None:
+            put_routes(routes[row], offset, length, s.routes)
         position_ids[row, offset:] = torch.arange(width - offset)
         first, n = _fill(targets[row], mask[row], behav[row], adv[row], offset, s)
         _fill_optional(None if prox is None else prox[row], first, s.prox_logp)
@@ -305,7 +317,7 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
             table.add(n)
         table.end_row("extend")
     return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width))
+                      loss_index(samples, spans, width), routes)
 
 
 def padded(samples: list[SeqSample]) -> MicroBatch:
@@ -318,10 +330,13 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
     mask, behav, adv = (torch.zeros(n_rows, width) for _ in range(3))
     prox, ref = _optional(samples, "prox_logp", (n_rows, width)), _optional(samples, "ref_logp", (n_rows, width))
     cov = _optional(samples, "cov_select", (n_rows, width))
+    routes = _route_rows(samples, n_rows, width)
     spans = []
     for i, s in enumerate(samples):
         length = len(s.tokens)
         input_ids[i, :length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
+        if routes is not None:
+            put_routes(routes[i], 0, length, s.routes)
         attention_mask[i, :length] = 1
         first, n = _fill(targets[i], mask[i], behav[i], adv[i], 0, s)
         _fill_optional(None if prox is None else prox[i], first, s.prox_logp)
@@ -333,7 +348,7 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
         table.add(len(s.tokens))
         table.end_row("own")
     return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width))
+                      loss_index(samples, spans, width), routes)
 
 
 def micro_batches(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from async_rl.learner.batch.routes import put_routes, route_table
 from async_rl.protocol import FINISH_LENGTH, TrajectoryGroup
 
 
@@ -26,7 +27,8 @@ def episode_rows(groups: list[TrajectoryGroup]) -> torch.Tensor:
 
 
 class PaddedShard:
-    def __init__(self, groups: list[TrajectoryGroup]) -> None:
+    def __init__(self, groups: list[TrajectoryGroup], with_routes: bool = False) -> None:
+        """`with_routes`: lay out the groups' recorded routes too (`routes`, for an MoE reference pass)."""
         seqs, behav, teacher, starts, lengths, masks = [], [], [], [], [], []
         for g in groups:
             for i, (comp, lp) in enumerate(zip(g.completions, g.logprobs, strict=True)):
@@ -64,6 +66,14 @@ class PaddedShard:
         self.truncated = torch.tensor(
             [fr == FINISH_LENGTH for g in groups for fr in (g.finish_reasons or [0] * g.size)], dtype=torch.bool
         )
+        # an MoE shard's recorded routes, row by row (the reference pass replays them)
+        self.routes = None
+        first = next((r for g in groups if g.routes is not None for r in g.routes), None) if with_routes else None
+        if first is not None:
+            self.routes = route_table(n, width, first.shape[1:])
+            rows = [r for g in groups for r in (g.routes if g.routes is not None else [None] * g.size)]
+            for i, (s, r) in enumerate(zip(seqs, rows, strict=True)):
+                put_routes(self.routes[i], 0, len(s), r)
         self.seqs = seqs
         self.starts = starts
         self.lengths = lengths

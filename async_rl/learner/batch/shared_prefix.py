@@ -36,11 +36,13 @@ from async_rl.learner.batch.packing import (
     _fill,
     _fill_optional,
     _optional,
+    _route_rows,
     balanced,
     loss_index,
     row_layout,
     row_tensors,
 )
+from async_rl.learner.batch.routes import put_routes
 from async_rl.learner.model.attention import SegmentTable
 
 
@@ -139,11 +141,13 @@ def split_shared(samples: list[SeqSample], max_seqs: int, max_tokens: int) -> li
 
 def _suffix_sample(s: SeqSample) -> SeqSample:
     """The sample's suffix as a sample of its own (first token = the last prompt token), so that
-    `packing._fill` lays out its targets and per-token values at the suffix's columns."""
+    `packing._fill` lays out its targets and per-token values at the suffix's columns (and its routes'
+    rows follow its tokens)."""
+    p = prefix_len(s)
     return SeqSample(
-        tokens=s.tokens[prefix_len(s) :], start=1, behav_logp=s.behav_logp, advantages=s.advantages,
+        tokens=s.tokens[p:], start=1, behav_logp=s.behav_logp, advantages=s.advantages,
         prox_logp=s.prox_logp, ref_logp=s.ref_logp, in_loss=s.in_loss, loss_mask=s.loss_mask,
-        cov_select=s.cov_select,
+        cov_select=s.cov_select, routes=None if s.routes is None else s.routes[p:],
     )
 
 
@@ -163,6 +167,7 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
     prox = _optional(samples, "prox_logp", (n_rows, width))
     ref = _optional(samples, "ref_logp", (n_rows, width))
     cov = _optional(samples, "cov_select", (n_rows, width))
+    routes = _route_rows(samples, n_rows, width)
     span_of: dict[int, tuple[int, int, int]] = {}
     offsets = [0] * n_rows
     in_row: list[list[tuple[int, list[int]]]] = [[] for _ in range(n_rows)]  # per row: (prefix, suffixes)
@@ -171,6 +176,8 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
         p = prefix_len(b[0])
         input_ids[row, at : at + p] = torch.from_numpy(np.asarray(b[0].tokens[:p], dtype=np.int64))
         position_ids[row, at : at + p] = torch.arange(p)
+        if routes is not None:  # the prefix's routes: its first sample's (one prompt, one engine forward)
+            put_routes(routes[row], at, p, b[0].routes)
         at += p
         suffixes = []
         for s in b:
@@ -178,6 +185,8 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
             n = len(sfx.tokens)
             input_ids[row, at : at + n] = torch.from_numpy(np.asarray(sfx.tokens, dtype=np.int64))
             position_ids[row, at : at + n] = torch.arange(p, p + n)
+            if routes is not None:
+                put_routes(routes[row], at, n, sfx.routes)
             first, k = _fill(targets[row], mask[row], behav[row], adv[row], at, sfx)
             _fill_optional(None if prox is None else prox[row], first, sfx.prox_logp)
             _fill_optional(None if ref is None else ref[row], first, sfx.ref_logp)
@@ -199,7 +208,7 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
         table.end_row("own")
     spans = [span_of[id(s)] for s in samples]
     return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width))
+                      loss_index(samples, spans, width), routes)
 
 
 def shared_micro_batches(

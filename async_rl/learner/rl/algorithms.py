@@ -57,6 +57,9 @@ class TokenBatch(Protocol):
     truncated: torch.Tensor  # [B] bool: finish reason length (cut at max_tokens)
     teacher_logp: torch.Tensor  # [B, T] the teacher's log-probs at completion positions (0 where unscored)
     teacher_mask: torch.Tensor  # [B, T] 1 where the teacher scored the token
+    # int32 [B, T + 1, moe_layers, top_k]: an MoE shard's recorded routes per input token (batch/routes.py),
+    # None without; read by the reference pass when it replays them
+    routes: torch.Tensor | None
 
 
 class AlgoStats(msgspec.Struct, kw_only=True):
@@ -191,17 +194,19 @@ class Algorithm:
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         base_reference: ReferencePolicy | None = None,
         head_kernel: str = "eager",
+        routing_replay: bool = False,
     ) -> None:
         """`device`: where the reference model and the critic live (the learner backend's device);
         `micro_batch_tokens`, `logprob_chunk_tokens`, `head_kernel`: the reference pass's
-        micro-batches, head chunks and head arithmetic (the `learner` fields)."""
+        micro-batches, head chunks and head arithmetic (the `learner` fields); `routing_replay`: an MoE
+        reference replays the shard's recorded routes, as the policy does."""
         self.cfg = cfg
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.reference = None
         if cfg.kl_coef > 0:  # `base_reference`: the trained model's own frozen base (LoRA), else a loaded copy
             self.reference = base_reference or ReferencePolicy(
-                model_dir, dtype, device, micro_batch_tokens, logprob_chunk_tokens, head_kernel
+                model_dir, dtype, device, micro_batch_tokens, logprob_chunk_tokens, head_kernel, routing_replay
             )
         self.critic = (
             Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm, device)

@@ -16,6 +16,7 @@ import torch
 
 from async_rl.learner.model import head_fused
 from async_rl.learner.model.head import DEFAULT_CHUNK, flat_index, model_scores, unsupported
+from async_rl.learner.model.moe import RouterReplay, moe_shape
 
 
 def row_chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -44,9 +45,11 @@ class ReferencePolicy:
         micro_batch_tokens: int = 0,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         head_kernel: str = "eager",
+        routing_replay: bool = False,
     ) -> None:
         """`head_kernel`: `learner.head_kernel` (auto: compiled on CUDA, eager on the CPU; triton: the
-        forward statistics in `head_triton`'s kernel, the reference pass's only use of the head)."""
+        forward statistics in `head_triton`'s kernel, the reference pass's only use of the head);
+        `routing_replay`: an MoE model replays the shard's recorded routes (`learner/model/moe.py`)."""
         from transformers import AutoModelForCausalLM
 
         # Loaded from the checkpoint the run started from (not copied from the live model): the same
@@ -59,6 +62,8 @@ class ReferencePolicy:
         self.chunk = logprob_chunk_tokens if unsupported(self.model) is None else 0
         self.fused = head_fused.fused_setting(head_kernel, self.device.type)
         self._as_reference: Callable[[], AbstractContextManager] = contextlib.nullcontext
+        replays = routing_replay and moe_shape(self.model) is not None
+        self.router_replay = RouterReplay(self.model) if replays else None
 
     @classmethod
     def of_base(
@@ -77,7 +82,15 @@ class ReferencePolicy:
         ref.chunk = logprob_chunk_tokens if unsupported(model) is None else 0
         ref.fused = head_fused.fused_setting(head_kernel, ref.device.type)
         ref._as_reference = as_reference
+        ref.router_replay = None  # LoRA's base: dense models only (MoE with lora is refused)
         return ref
+
+    def _routing(self, b, rows: torch.Tensor, width: int):
+        """The replay plan of rows `rows` (their first `width` tokens) of the shard, or a null context."""
+        if self.router_replay is None:
+            return contextlib.nullcontext()
+        routes = None if b.routes is None else b.routes[rows, :width].to(self.device)
+        return self.router_replay.plan(routes, replay=True)
 
     def score(self, b, temperature: float) -> torch.Tensor:
         """log p_ref(targets) [B, T] (float32, on the shard's device) of a padded shard (`TokenBatch`:
@@ -97,7 +110,7 @@ class ReferencePolicy:
             index = flat_index(host).to(self.device)
             inputs = {"input_ids": ids, "attention_mask": b.attention_mask[idx, :width].to(self.device),
                       "use_cache": False}
-            with torch.no_grad(), self._as_reference():
+            with torch.no_grad(), self._as_reference(), self._routing(b, idx, width):
                 logp, _, _ = model_scores(
                     self.model, inputs, targets, index, temperature, self.chunk, entropy=False, fused=self.fused
                 )
