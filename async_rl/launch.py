@@ -20,8 +20,8 @@ from async_rl.cluster.devices import ClusterView, local_view, ray_view, resolve_
 from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, reward_model_serving, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
-from async_rl.leftovers import marked, stop_orphans
 from async_rl.learner.moe_settings import folder_settings_error
+from async_rl.leftovers import marked, stop_orphans
 from async_rl.models.tiny import ALL_PRESETS, resolve_model_path
 from async_rl.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.tasks.registry import load_task
