@@ -49,7 +49,9 @@ CLASSIFIER_PREFIX = "classifier:"
 # Every model name model.path and judge:<model> accept besides a folder (async_rl/models builds them;
 # tests/unit/test_config.py checks that it builds exactly these). Named here so that validating a
 # config imports no model code.
-MODEL_PRESETS = ("tiny-qwen2", "tiny-qwen2-wide", "smollm2-135m")
+MODEL_PRESETS = (
+    "tiny-qwen2", "tiny-qwen2-wide", "tiny-qwen3-moe", "tiny-qwen2-moe", "smollm2-135m", "smollm2-135m-moe"
+)
 
 # verifiers 0.4 resolves an environment id as one top-level module: 'name', 'owner/name' or
 # `owner/name@version` (a hub id: verifiers keeps `name`). A dot would fail in its loader.

@@ -52,6 +52,8 @@ class ServedModel:
     async def start(self) -> None:
         """Make the vLLM engine (paused until `open` or `resume`)."""
         self._llm = vc.make_engine(self.spec)
+        if self.spec.routes is not None and self.spec.device != "cuda":  # CUDA: vLLM's native capture
+            await vc.start_route_capture(self._llm, self.spec.routes)
         if self.spec.lora is not None:  # every request names the served adapter: it exists from the start
             await vc.install_zero_adapter(self._llm, self.spec.lora)
 
@@ -74,6 +76,8 @@ class ServedModel:
         await self._running.wait()
         start = self.version
         prompt_ids, completions = await vc.generate(self._llm, vc.generation_input(token_ids, text), params, request_id)
+        if self.spec.routes is not None:
+            await vc.attach_routes(self._llm, self.spec.routes, len(prompt_ids), completions)
         # The lowest and highest versions, not the start's and the end's: a learner recovery syncs an
         # older checkpoint's weights (version 30 after 31), and a request kept across that sync would
         # otherwise end before it began, a frame the buffer rejects (its samples counted lost).

@@ -12,6 +12,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 import msgspec
+import numpy as np
 
 from async_rl.serving import core_watch, lora_serving
 from async_rl.serving import worker_extension as ext
@@ -27,6 +28,8 @@ _RECEIVE = ext.WeightReceiverExtension.async_rl_receive_weights.__name__
 _CHECKSUM = ext.WeightReceiverExtension.async_rl_param_checksum.__name__
 _RECEIVE_ADAPTER = ext.WeightReceiverExtension.async_rl_receive_adapter.__name__
 _ZERO_ADAPTER = ext.WeightReceiverExtension.async_rl_install_zero_adapter.__name__
+_CAPTURE_ROUTES = ext.WeightReceiverExtension.async_rl_capture_routes.__name__
+_TAKE_ROUTES = ext.WeightReceiverExtension.async_rl_take_routes.__name__
 
 
 T = TypeVar("T")
@@ -65,6 +68,17 @@ class EngineSpec(msgspec.Struct, frozen=True):
     prefix_caching: bool = False  # generators.prefix_caching, resolved
     lora: LoraServing | None = None  # learner.lora: serve the trained adapter (serving/lora_serving.py)
     kv_cache_bytes: int = 0  # CPU: the KV cache vLLM allocates (kv_cache_memory_bytes); 0 = vLLM's own choice
+    routes: RouteCapture | None = None  # generators.capture_routes resolved: record every sample's MoE routes
+
+
+class RouteCapture(msgspec.Struct, frozen=True):
+    """An MoE model's routing to record per sample (see protocol.ROUTE_DTYPES for the array). On CUDA
+    vLLM's native capture (Model Runner V2, `enable_return_routed_experts`); on CPU our worker
+    extension's hook on the routers (serving/route_capture.py)."""
+
+    num_experts: int
+    top_k: int
+    moe_layers: list[int]  # the model's MoE layers (the native capture has a column for every layer)
 
 
 class LoraServing(msgspec.Struct, frozen=True):
@@ -156,6 +170,8 @@ def make_engine(spec: EngineSpec):
         disable_log_stats=True,
         worker_extension_cls=EXTENSION_CLS,
         enable_sleep_mode=spec.sleep_mode and cuda,  # a no-op on CPU
+        # The native capture needs Model Runner V2 (Triton): CUDA only. CPU: start_route_capture.
+        **({"enable_return_routed_experts": True} if spec.routes is not None and cuda else {}),
         **kv_cache,
         # learner.lora: one adapter slot, updated in place while paused (see serving/lora_serving.py).
         **(
@@ -245,6 +261,10 @@ class Completion(msgspec.Struct):
     text: str
     finish_reason: str  # 'length', 'stop', or 'abort' (cut by a pause in abort mode)
     parts: int = 1  # requests it took: > 1 when an abort-mode pause cut it and it was resubmitted
+    request_id: str = ""  # the request its last part ran under (its routes are kept under it)
+    index: int = 0  # its child index in that request (n > 1)
+    # [prompt + completion - 1, MoE layers, top_k] (protocol.ROUTE_DTYPES) with route capture; else None
+    routes: np.ndarray | None = None
 
 
 async def _generate_once(llm, prompt, params, request_id: str) -> tuple[list[int], list[Completion]]:
@@ -259,7 +279,10 @@ async def _generate_once(llm, prompt, params, request_id: str) -> tuple[list[int
         lps = [step[tok].logprob for step, tok in zip(c.logprobs or [], ids, strict=False)]
         if len(lps) != len(ids):
             raise RuntimeError(f"request {request_id}: {len(ids)} tokens but {len(lps)} log-probs")
-        completions.append(Completion(ids, lps, c.text, c.finish_reason or "stop"))
+        native = getattr(c, "routed_experts", None)  # vLLM's own capture (CUDA), all layers
+        completions.append(
+            Completion(ids, lps, c.text, c.finish_reason or "stop", request_id=request_id, index=c.index, routes=native)
+        )
     return list(final.prompt_token_ids), completions
 
 
@@ -290,10 +313,45 @@ async def generate(llm, prompt, params, request_id: str) -> tuple[list[int], lis
             rid = f"{request_id}-s{i}-part{c.parts + 1}"
             _, (more,) = await _generate_once(llm, TokensPrompt(prompt_token_ids=prompt_ids + c.token_ids), rest, rid)
             c = Completion(
-                c.token_ids + more.token_ids, c.logprobs + more.logprobs, c.text + more.text, more.finish_reason, c.parts + 1
+                c.token_ids + more.token_ids, c.logprobs + more.logprobs, c.text + more.text, more.finish_reason,
+                c.parts + 1, rid, 0, more.routes,  # the last part recomputed the whole prefix: its routes cover it
             )
         completions[i] = c
     return prompt_ids, completions
+
+
+async def start_route_capture(llm, routes: RouteCapture) -> None:
+    """CPU: every worker hooks its MoE routers (one line when the model has none)."""
+    bound = await watched(llm, llm.collective_rpc(_CAPTURE_ROUTES, args=(routes.num_experts, routes.top_k)), "capture")
+    if any(b != len(routes.moe_layers) for b in bound):
+        raise RuntimeError(
+            f"generators.capture_routes: vLLM's model has {bound[0]} MoE routers to hook, the config says "
+            f"{len(routes.moe_layers)} MoE layers"
+        )
+
+
+async def attach_routes(llm, routes: RouteCapture, prompt_len: int, completions: list[Completion]) -> None:
+    """Each completion's routes in the contract's form (protocol.ROUTE_DTYPES): prompt_len + its
+    length - 1 rows (those never captured ROUTE_MISSING), the MoE layers' columns. CUDA: from vLLM's
+    native array; CPU: taken from the workers' recorders (TP workers route alike: rank 0's)."""
+    from async_rl.protocol import route_dtype, route_missing, route_rows
+
+    taken: dict = {}
+    if any(c.routes is None for c in completions):
+        raw = await watched(llm, llm.collective_rpc(_TAKE_ROUTES, args=(sorted({c.request_id for c in completions}),)), "routes")
+        taken = msgspec.msgpack.decode(raw[0])
+    dtype = route_dtype(routes.num_experts)
+    for c in completions:
+        rows = route_rows(prompt_len, len(c.token_ids))
+        out = np.full((rows, len(routes.moe_layers), routes.top_k), route_missing(dtype), dtype)
+        if c.routes is not None:  # native: a column per layer, MoE or not
+            got = np.asarray(c.routes)[:, routes.moe_layers].astype(dtype)
+        else:
+            shape, data = taken.get(c.request_id, {}).get(c.index, ([0, *out.shape[1:]], b""))
+            got = np.frombuffer(data, dtype=dtype).reshape(shape)
+        n = min(rows, len(got))
+        out[:n] = got[:n]
+        c.routes = out
 
 
 async def score_tokens(llm, token_ids: list[int], request_id: str) -> list[float]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from async_rl.serving import lora_serving
+from async_rl.serving import lora_serving, route_capture
 from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum, checksum_of
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 class WeightReceiverExtension:
     _async_rl_receiver: WeightReceiver | None = None
+    _async_rl_routes: route_capture.RouteRecorder | None = None
 
     def async_rl_join_weight_group(self, info_bytes: bytes, first_rank: int, manifest_bytes: bytes) -> None:
         _die_with_parent()
@@ -83,6 +84,25 @@ class WeightReceiverExtension:
             empty = checksum_of([])
             return msgspec.msgpack.encode(ShardChecksum(sharded=empty, replicated=lora_serving.served_checksum(self)))
         return msgspec.msgpack.encode(shard_checksum(loaded_weight_parts(self.model_runner.get_model())))
+
+
+    def async_rl_capture_routes(self, num_experts: int, top_k: int) -> int:
+        """generators.capture_routes on the CPU build: record every MoE router's choices per request
+        (serving/route_capture.py). Returns the MoE layers bound (0: the model has no MoE router)."""
+        model = self.model_runner.get_model()
+        layers = route_capture.moe_layer_ids(model)
+        max_len = self.vllm_config.model_config.max_model_len
+        self._async_rl_routes = route_capture.RouteRecorder(self.model_runner, layers, top_k, num_experts, max_len)
+        return route_capture.bind(model, self._async_rl_routes)
+
+    def async_rl_take_routes(self, request_ids: list[str]) -> bytes:
+        """The captured routes of these requests (handed out once): {id: {child: (shape, raw bytes)}}."""
+        if self._async_rl_routes is None:
+            raise RuntimeError("take_routes before capture_routes")
+        taken = self._async_rl_routes.take(request_ids)
+        return msgspec.msgpack.encode(
+            {rid: {i: (list(r.shape), r.tobytes()) for i, r in kids.items()} for rid, kids in taken.items()}
+        )
 
 
 def _end_cut_reload(worker) -> None:
