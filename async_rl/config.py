@@ -348,6 +348,12 @@ class GeneratorConfig(_Section):
         _f("vLLM prefix caching: the group_size samples of a prompt share its prefill (the cache is cleared "
            "at every weight update); auto = on on cuda, off on cpu"),
     ] = "auto"
+    capture_routes: Annotated[
+        Literal["auto", "on", "off"],
+        _f("record the experts every MoE layer chose for every prompt and completion token, per sample "
+           "(rollout routing replay, docs/moe.md): on cuda vLLM's native capture (needs prefix caching), on "
+           "cpu a hook on vLLM's routers (needs prefix caching off); auto = on for MoE models, off for dense"),
+    ] = "auto"
     pause_mode: Annotated[
         Literal["keep", "wait", "abort"],
         _f("weight update with requests in flight: keep (freeze, continue on new weights), "

@@ -13,8 +13,10 @@ from async_rl.cluster.devices import device_of, serving_dtype, use_eager, use_pr
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config, DataConfig
 from async_rl.envs.factory import AGENT_PREFIX
+from async_rl.errors import ConfigError
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
+from async_rl.models.moe import MoeRouting, read_routing
 from async_rl.models.shape import ModelShape
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
@@ -102,6 +104,28 @@ def engine_cores(plan: PlacementPlan, engine_id: int) -> list[int]:
     return plan.engines[engine_id].cores if engine_id < len(plan.engines) else []
 
 
+def route_capture(
+    setting: str, routing: MoeRouting | None, prefix_caching: bool, device: str
+) -> vc.RouteCapture | None:
+    """generators.capture_routes resolved against the model and the engine; a setting that cannot
+    capture what replay needs is one ConfigError line."""
+    if setting == "off" or (setting == "auto" and routing is None):
+        return None
+    if routing is None:
+        raise ConfigError("generators.capture_routes=on: the model is not a mixture of experts (no routes to record)")
+    if device == "cuda" and not prefix_caching:
+        raise ConfigError(
+            "generators.capture_routes: vLLM's native routing capture needs prefix caching; "
+            "set generators.prefix_caching=on"
+        )
+    if device != "cuda" and prefix_caching:
+        raise ConfigError(
+            "generators.capture_routes on cpu: cached prompt tokens never reach the router hook, so their routes "
+            "would be missing; set generators.prefix_caching=off"
+        )
+    return vc.RouteCapture(routing.num_experts, routing.top_k, list(routing.moe_layers))
+
+
 def engine_settings(
     cfg: Config,
     run_id: str,
@@ -132,6 +156,9 @@ def engine_settings(
             prefix_caching=use_prefix_caching(g.prefix_caching, device),
             lora=lora_serving(cfg),
             kv_cache_bytes=int(g.kv_cache_gib * 2**30),
+            routes=route_capture(
+                g.capture_routes, read_routing(model_dir), use_prefix_caching(g.prefix_caching, device), device
+            ),
         ),
         cores=engine_cores(plan, engine_id),
         threads=g.cpus_per_engine,

@@ -20,6 +20,7 @@ from async_rl.serving import lora_serving, route_capture
 from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum, checksum_of
+from async_rl.weight_sync.expert_names import per_expert
 from async_rl.weight_sync.transport import join_receiver
 
 if TYPE_CHECKING:
@@ -49,8 +50,9 @@ class WeightReceiverExtension:
             # and the engine stays paused (it is never resumed on a failed update). The worker's
             # reload_weights, not its model runner's: it sets vLLM's config context around the load
             # (weight loaders that read get_current_vllm_config() raise without it in 0.32).
+            model_type = self.vllm_config.model_config.hf_config.model_type
             try:
-                self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+                self.reload_weights(weights_iterator=per_expert(named, model_type), is_checkpoint_format=True)
             except BaseException:
                 _end_cut_reload(self)
                 raise
@@ -197,7 +199,9 @@ def loaded_weight_parts(model) -> Iterator[tuple[torch.Tensor, bool]]:
                 if vocab:
                     t = p[:rows]
                 elif packed and p.numel() == 0:
-                    t = module.cpu_linear(torch.eye(module.input_size_per_partition, dtype=p.dtype), p, None).T
+                    # a replicated linear (an MoE router's GateLinear) has no per-partition size: its whole input
+                    width = getattr(module, "input_size_per_partition", None) or module.input_size
+                    t = module.cpu_linear(torch.eye(width, dtype=p.dtype), p, None).T
                 else:
                     t = p
                 if tp > 1 and isinstance(module, QKVParallelLinear) and module.num_kv_head_replicas > 1:
