@@ -21,6 +21,7 @@ from async_rl.models.shape import ModelShape
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
 from async_rl.serving import vllm_compat as vc
+from async_rl.serving.route_capture import RouteCapture
 
 BATCH_TIMEOUT_S = 600.0
 
@@ -106,7 +107,7 @@ def engine_cores(plan: PlacementPlan, engine_id: int) -> list[int]:
 
 def route_capture(
     setting: str, routing: MoeRouting | None, prefix_caching: bool, device: str
-) -> vc.RouteCapture | None:
+) -> RouteCapture | None:
     """generators.capture_routes resolved against the model and the engine; a setting that cannot
     capture what replay needs is one ConfigError line."""
     if setting == "off" or (setting == "auto" and routing is None):
@@ -123,7 +124,7 @@ def route_capture(
             "generators.capture_routes on cpu: cached prompt tokens never reach the router hook, so their routes "
             "would be missing; set generators.prefix_caching=off"
         )
-    return vc.RouteCapture(routing.num_experts, routing.top_k, list(routing.moe_layers))
+    return RouteCapture(routing.num_experts, routing.top_k, list(routing.moe_layers))
 
 
 def engine_settings(

@@ -23,6 +23,7 @@ import collections
 import re
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from async_rl.protocol import route_dtype, route_missing
@@ -32,6 +33,16 @@ if TYPE_CHECKING:
 
 MAX_KEPT = 1024
 _INTERNAL_ID = re.compile(r"^(?:(\d+)_)?(.*)-[0-9a-zA-Z]{8}$")
+
+
+class RouteCapture(msgspec.Struct, frozen=True):
+    """An MoE model's routing to record per sample (see protocol.ROUTE_DTYPES for the array). On CUDA
+    vLLM's native capture (Model Runner V2, `enable_return_routed_experts`); on CPU our worker
+    extension's hook on the routers (serving/route_capture.py)."""
+
+    num_experts: int
+    top_k: int
+    moe_layers: list[int]  # the model's MoE layers (the native capture has a column for every layer)
 
 
 class RouteRecorder:

@@ -16,6 +16,7 @@ import numpy as np
 
 from async_rl.serving import core_watch, lora_serving
 from async_rl.serving import worker_extension as ext
+from async_rl.serving.route_capture import RouteCapture
 from async_rl.serving.sampling import SamplingSpec
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -28,8 +29,6 @@ _RECEIVE = ext.WeightReceiverExtension.async_rl_receive_weights.__name__
 _CHECKSUM = ext.WeightReceiverExtension.async_rl_param_checksum.__name__
 _RECEIVE_ADAPTER = ext.WeightReceiverExtension.async_rl_receive_adapter.__name__
 _ZERO_ADAPTER = ext.WeightReceiverExtension.async_rl_install_zero_adapter.__name__
-_CAPTURE_ROUTES = ext.WeightReceiverExtension.async_rl_capture_routes.__name__
-_TAKE_ROUTES = ext.WeightReceiverExtension.async_rl_take_routes.__name__
 
 
 T = TypeVar("T")
@@ -69,16 +68,6 @@ class EngineSpec(msgspec.Struct, frozen=True):
     lora: LoraServing | None = None  # learner.lora: serve the trained adapter (serving/lora_serving.py)
     kv_cache_bytes: int = 0  # CPU: the KV cache vLLM allocates (kv_cache_memory_bytes); 0 = vLLM's own choice
     routes: RouteCapture | None = None  # generators.capture_routes resolved: record every sample's MoE routes
-
-
-class RouteCapture(msgspec.Struct, frozen=True):
-    """An MoE model's routing to record per sample (see protocol.ROUTE_DTYPES for the array). On CUDA
-    vLLM's native capture (Model Runner V2, `enable_return_routed_experts`); on CPU our worker
-    extension's hook on the routers (serving/route_capture.py)."""
-
-    num_experts: int
-    top_k: int
-    moe_layers: list[int]  # the model's MoE layers (the native capture has a column for every layer)
 
 
 class LoraServing(msgspec.Struct, frozen=True):
@@ -318,40 +307,6 @@ async def generate(llm, prompt, params, request_id: str) -> tuple[list[int], lis
             )
         completions[i] = c
     return prompt_ids, completions
-
-
-async def start_route_capture(llm, routes: RouteCapture) -> None:
-    """CPU: every worker hooks its MoE routers (one line when the model has none)."""
-    bound = await watched(llm, llm.collective_rpc(_CAPTURE_ROUTES, args=(routes.num_experts, routes.top_k)), "capture")
-    if any(b != len(routes.moe_layers) for b in bound):
-        raise RuntimeError(
-            f"generators.capture_routes: vLLM's model has {bound[0]} MoE routers to hook, the config says "
-            f"{len(routes.moe_layers)} MoE layers"
-        )
-
-
-async def attach_routes(llm, routes: RouteCapture, prompt_len: int, completions: list[Completion]) -> None:
-    """Each completion's routes in the contract's form (protocol.ROUTE_DTYPES): prompt_len + its
-    length - 1 rows (those never captured ROUTE_MISSING), the MoE layers' columns. CUDA: from vLLM's
-    native array; CPU: taken from the workers' recorders (TP workers route alike: rank 0's)."""
-    from async_rl.protocol import route_dtype, route_missing, route_rows
-
-    taken: dict = {}
-    if any(c.routes is None for c in completions):
-        raw = await watched(llm, llm.collective_rpc(_TAKE_ROUTES, args=(sorted({c.request_id for c in completions}),)), "routes")
-        taken = msgspec.msgpack.decode(raw[0])
-    dtype = route_dtype(routes.num_experts)
-    for c in completions:
-        rows = route_rows(prompt_len, len(c.token_ids))
-        out = np.full((rows, len(routes.moe_layers), routes.top_k), route_missing(dtype), dtype)
-        if c.routes is not None:  # native: a column per layer, MoE or not
-            got = np.asarray(c.routes)[:, routes.moe_layers].astype(dtype)
-        else:
-            shape, data = taken.get(c.request_id, {}).get(c.index, ([0, *out.shape[1:]], b""))
-            got = np.frombuffer(data, dtype=dtype).reshape(shape)
-        n = min(rows, len(got))
-        out[:n] = got[:n]
-        c.routes = out
 
 
 async def score_tokens(llm, token_ids: list[int], request_id: str) -> list[float]:

@@ -18,6 +18,7 @@ from async_rl.models.tiny import resolve_model_path
 from async_rl.protocol import route_missing
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
+from async_rl.serving.route_capture import RouteCapture
 from async_rl.weight_sync.bucketing import build_manifest
 from async_rl.weight_sync.checksum import checksum_of
 from async_rl.weight_sync.transport import join_sender, open_membership
@@ -36,7 +37,7 @@ def served(request, tmp_path_factory):
     spec = vc.EngineSpec(
         model_dir=str(model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=128,
         gpu_memory_utilization=0.5, seed=0, max_num_seqs=8,
-        routes=vc.RouteCapture(routing.num_experts, routing.top_k, routing.moe_layers),
+        routes=RouteCapture(routing.num_experts, routing.top_k, routing.moe_layers),
     )
     model = ServedModel(spec)
     loop = asyncio.new_event_loop()
