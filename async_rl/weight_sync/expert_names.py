@@ -4,9 +4,9 @@ transformers 5 keeps an MoE layer's experts fused: `...mlp.experts.gate_up_proj`
 expert's gate rows, then its up rows) and `...mlp.experts.down_proj` [E, H, I]; its `save_pretrained`
 writes them back per expert, and vLLM's loaders read that checkpoint form
 (`mlp.experts.{e}.gate_proj.weight`, ...; Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2.weight`).
-vLLM 0.32 also takes the fused names without complaint but reads the square [E, 2I, H] tensor of the
-tiny presets in another layout: the checksum matched (it is blind to a transpose) and the greedy
-output did not. So the receiver splits them here, as views (no copy), before the load.
+vLLM 0.32 also takes the fused names without complaint, through a path written for EP and other
+layouts; the receiver splits them here, as views (no copy), so the load goes through the checkpoint
+path that vLLM's own start-up uses.
 """
 
 from __future__ import annotations
