@@ -72,6 +72,8 @@ def sequences_per_episode(cfg: Config) -> int:
 
 
 def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: Path) -> BufferSettings:
+    routing = read_routing(model_dir) if cfg.generators.capture_routes != "off" else None
+    layout = routing.layout() if routing is not None else None
     return BufferSettings(
         run_id=run_id,
         host=cfg.buffer.host,
@@ -85,7 +87,9 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
             cfg.buffer.max_frame_mb,
             cfg.generators.group_size * sequences_per_episode(cfg),
             cfg.generators.max_model_len,
+            layout.layers * layout.top_k * layout.itemsize if layout is not None else 0,
         ),
+        routes=layout,
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
         model_dir=str(model_dir),

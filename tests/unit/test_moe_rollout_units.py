@@ -115,3 +115,41 @@ def test_buffer_snapshot_keeps_routes(tmp_path):
         assert g.routes is not None and len(g.routes) == len(want)
         for a, b in zip(g.routes, want, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_episode_routes_take_each_row_from_the_first_turn_that_ran_it():
+    from async_rl.generator.env_rollout import episode_routes
+
+    tokens = list(range(10))  # prompt 0-3, model turn 4-6, environment 7, model turn 8-9
+    one = np.full((6, 2, 2), 1, np.uint8)  # turn 1: ids 0-3, 3 tokens -> rows 0-5
+    two = np.full((9, 2, 2), 2, np.uint8)  # turn 2: ids 0-7, 2 tokens -> rows 0-8 (the prefix again)
+    stray = np.full((9, 2, 2), 3, np.uint8)  # input not a prefix of the episode: ignored
+    r = episode_routes(tokens, [(tokens[:4], one), ([9, 9, 9, 9, 9, 9, 9, 9], stray), (tokens[:8], two)])
+    assert r.shape == (9, 2, 2)
+    assert (r[:6] == 1).all() and (r[6:] == 2).all()
+    lone = episode_routes(tokens, [(tokens[:4], one)])  # the rows no turn ran stay missing
+    assert (lone[6:] == 255).all() and (lone[:6] == 1).all()
+    assert episode_routes(tokens, []) is None
+
+
+def test_buffer_rejects_routes_of_another_layer_count_with_a_counted_reason(tmp_path):
+    import msgspec
+
+    from async_rl.buffer.actor import ReplayBuffer
+    from async_rl.protocol import encode_groups
+    from tests.unit.test_elastic_units import group, make_buffer
+    from tests.unit.test_protocol_routes import routes_for
+
+    settings = msgspec.structs.replace(make_buffer(tmp_path).s, routes=RouteLayout(layers=2, top_k=2, itemsize=1))
+    buf = ReplayBuffer(settings)
+
+    async def scenario():
+        await buf.lease(engine_id=0, max_groups=1, wait_s=0)
+        g = group(0, 0)
+        g.routes = [routes_for(len(g.prompt_tokens), len(c), 8, i) for i, c in enumerate(g.completions)]  # 3 layers
+        buf.ingest.ingest_frame(encode_groups(settings.run_id, [g]))
+        return buf.stats()
+
+    stats = asyncio.run(scenario())
+    assert stats.rejected_frames == {"bad_routes": 1}
+    assert stats.accounts.lost == 2 and stats.accounts.balanced()  # the lease's samples: lost, counted
