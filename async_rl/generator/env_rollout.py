@@ -36,10 +36,9 @@ from async_rl.protocol import (
     Sample,
     TrajectoryGroup,
     episode_versions,
-    route_missing,
-    route_rows,
 )
 from async_rl.serving import vllm_compat as vc
+from async_rl.serving.engine_routes import sequence_routes
 from async_rl.serving.model import ServedModel
 from async_rl.serving.sampling import SamplingSpec
 
@@ -156,31 +155,10 @@ class EnvironmentEpisodes(Rollout):
         )
         routes = None
         if self.model.spec.routes is not None:
-            routes = episode_routes(list(prompt.token_ids) + list(result.completion_ids), turn_routes)
+            routes = sequence_routes(list(prompt.token_ids) + list(result.completion_ids), turn_routes)
         return result, last_version[0], status[0], routes
 
     async def evaluate(self, prompt: Prompt, params: EvalParams, request_id: str) -> EvalResult:
         """`params.n` whole episodes of `prompt` in the environment."""
         return episodes_result(prompt, await self.group(prompt, request_id, eval_sampling(self.sampling, params, 1), params.n))
 
-
-def episode_routes(tokens: list[int], turns: list[tuple[list[int], np.ndarray]]) -> np.ndarray | None:
-    """An episode's routes over its whole sequence (prompt, model turns, environment turns) from its
-    model turns' routes: each row from the first turn that ran that position forward (the one whose
-    KV the next tokens of that turn attended to; with prefix caching off a later turn computes the
-    prefix again, on weights that may have moved since). A turn whose input is not a prefix of the
-    episode's tokens (it cannot be in token in / token out) gives no row: its rows stay ROUTE_MISSING,
-    which the learner's live router takes and counts. None when no turn recorded routes."""
-    if not turns:
-        return None
-    first = turns[0][1]
-    out = np.full((route_rows(len(tokens), 0), *first.shape[1:]), route_missing(first.dtype), first.dtype)
-    missing = np.ones(len(out), bool)
-    for ids, rows in turns:
-        if tokens[: len(ids)] != list(ids):
-            continue
-        n = min(len(rows), len(out))
-        fill = missing[:n] & ~(rows[:n] == route_missing(rows.dtype)).all(axis=(1, 2))
-        out[:n][fill] = rows[:n][fill]
-        missing[:n] &= ~fill
-    return out

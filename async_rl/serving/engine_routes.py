@@ -47,3 +47,25 @@ async def attach(llm, routes: RouteCapture, prompt_len: int, completions: list[C
         n = min(rows, len(got))
         out[:n] = got[:n]
         c.routes = out
+
+
+def sequence_routes(tokens: list[int], turns: list[tuple[list[int], np.ndarray]]) -> np.ndarray | None:
+    """A multi-turn sequence's routes (an environment episode, an agent's segment: prompt, model turns,
+    environment turns) from its model turns' (input ids, routes): each row from the first turn that ran that position forward (the one whose
+    KV the next tokens of that turn attended to; with prefix caching off a later turn computes the
+    prefix again, on weights that may have moved since). A turn whose input is not a prefix of the
+    episode's tokens (it cannot be in token in / token out) gives no row: its rows stay ROUTE_MISSING,
+    which the learner's live router takes and counts. None when no turn recorded routes."""
+    if not turns:
+        return None
+    first = turns[0][1]
+    out = np.full((route_rows(len(tokens), 0), *first.shape[1:]), route_missing(first.dtype), first.dtype)
+    missing = np.ones(len(out), bool)
+    for ids, rows in turns:
+        if tokens[: len(ids)] != list(ids):
+            continue
+        n = min(len(rows), len(out))
+        fill = missing[:n] & ~(rows[:n] == route_missing(rows.dtype)).all(axis=(1, 2))
+        out[:n][fill] = rows[:n][fill]
+        missing[:n] &= ~fill
+    return out

@@ -118,7 +118,7 @@ def test_buffer_snapshot_keeps_routes(tmp_path):
 
 
 def test_episode_routes_take_each_row_from_the_first_turn_that_ran_it():
-    from async_rl.generator.env_rollout import episode_routes
+    from async_rl.serving.engine_routes import sequence_routes as episode_routes
 
     tokens = list(range(10))  # prompt 0-3, model turn 4-6, environment 7, model turn 8-9
     one = np.full((6, 2, 2), 1, np.uint8)  # turn 1: ids 0-3, 3 tokens -> rows 0-5
@@ -153,3 +153,26 @@ def test_buffer_rejects_routes_of_another_layer_count_with_a_counted_reason(tmp_
     stats = asyncio.run(scenario())
     assert stats.rejected_frames == {"bad_routes": 1}
     assert stats.accounts.lost == 2 and stats.accounts.balanced()  # the lease's samples: lost, counted
+
+
+def test_agent_segments_carry_their_calls_routes():
+    from async_rl.agents.episodes import segment_routes
+    from async_rl.endpoint.episode_log import CallRecord, Choice, Segment, build_segments
+
+    def call(prompt: list[int], out: list[int], value: int) -> CallRecord:
+        rows = np.full((len(prompt) + len(out) - 1, 2, 2), value, np.uint8)
+        rows[..., 1] = value + 1  # two distinct experts per layer
+        choice = Choice(token_ids=out, logprobs=[-0.1] * len(out), text="", finish_reason="stop",
+                        version_first=0, version_last=0, routes=rows)
+        return CallRecord(prompt_ids=prompt, choices=[choice])
+
+    calls = [call([1, 2, 3], [4, 5], 10), call([1, 2, 3, 4, 5, 6], [7], 20), call([9, 9], [8], 30)]  # then a break
+    segments = build_segments(calls)
+    assert len(segments) == 2
+    first, second = segment_routes(segments)
+    assert first.shape == (6, 2, 2) and (first[:4, :, 0] == 10).all() and (first[4:, :, 0] == 20).all()
+    assert second.shape == (2, 2, 2) and (second[..., 0] == 30).all()
+    empty = Segment(prompt_ids=[1, 2, 3])  # an agent that failed before its first call
+    _, none = segment_routes([segments[0], empty])
+    assert none.shape == (2, 2, 2) and (none == 255).all()
+    assert segment_routes([empty]) is None
