@@ -49,7 +49,9 @@ CLASSIFIER_PREFIX = "classifier:"
 # Every model name model.path and judge:<model> accept besides a folder (async_rl/models builds them;
 # tests/unit/test_config.py checks that it builds exactly these). Named here so that validating a
 # config imports no model code.
-MODEL_PRESETS = ("tiny-qwen2", "tiny-qwen2-wide", "smollm2-135m")
+MODEL_PRESETS = (
+    "tiny-qwen2", "tiny-qwen2-wide", "tiny-qwen3-moe", "tiny-qwen2-moe", "smollm2-135m", "smollm2-135m-moe"
+)
 
 # verifiers 0.4 resolves an environment id as one top-level module: 'name', 'owner/name' or
 # `owner/name@version` (a hub id: verifiers keeps `name`). A dot would fail in its loader.
@@ -370,6 +372,12 @@ class GeneratorConfig(_Section):
         Literal["auto", "on", "off"],
         _f("vLLM prefix caching: the group_size samples of a prompt share its prefill (the cache is cleared "
            "at every weight update); auto = on on cuda, off on cpu"),
+    ] = "auto"
+    capture_routes: Annotated[
+        Literal["auto", "on", "off"],
+        _f("record the experts every MoE layer chose for every prompt and completion token, per sample "
+           "(rollout routing replay, docs/moe.md): on cuda vLLM's native capture (needs prefix caching), on "
+           "cpu a hook on vLLM's routers (needs prefix caching off); auto = on for MoE models, off for dense"),
     ] = "auto"
     pause_mode: Annotated[
         Literal["keep", "wait", "abort"],

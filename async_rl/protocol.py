@@ -1,6 +1,7 @@
 """Wire types shared by generator, buffer and learner.
 
-A trajectory message is a ZMQ multipart frame of three parts:
+A trajectory message is a ZMQ multipart frame of three parts, with up to two optional ones after them
+(teacher log-probs, then MoE routes; the header says which are there):
 
   [0] msgpack header (`GroupsHeader`): schema version, run id, and per group/sample metadata
   [1] int32 little-endian token ids: for each group its prompt tokens, then each completion's tokens
@@ -8,6 +9,9 @@ A trajectory message is a ZMQ multipart frame of three parts:
   [3] (only when a sample of the frame was scored by a teacher, `SampleMeta.teacher_scored`) float32
       little-endian teacher log-probs: one per completion token of each scored sample, in the same order
       (0.0 on a multi-turn episode's environment tokens, which no teacher scores)
+  [3 or 4, the last] only when the header has a `routes` layout: each routed sample's routes (see
+      ROUTE_DTYPES), in sample order, as raw little-endian uint8/uint16 [rows, layers, top_k] arrays back to back; the
+      header's layout gives layers, top_k and the item size, the rows follow from the sample's lengths
 
 A multi-turn episode's completion holds the model's turns and the environment's turns (tool results,
 feedback) in order; its sample carries a loss mask (1 byte per completion token: 1 the model's, 0 the
@@ -23,14 +27,16 @@ check raises `FrameError` with a short reason that the receiver counts.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
 # 2: finish reason per sample; 3: multi-turn episodes (loss mask, turns, tool counts); 4: a sample may be
-# one segment of an episode (`episode_index`); 5: teacher log-probs (on-policy distillation: part [3])
-SCHEMA_VERSION = 5
+# one segment of an episode (`episode_index`); 5: teacher log-probs (on-policy distillation: part [3]);
+# 6: MoE routes (the header's `routes` layout, a group's `routed` flag, the last part)
+SCHEMA_VERSION = 6
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -53,6 +59,24 @@ def route_missing(dtype: np.dtype) -> int:
 def route_dtype(num_experts: int) -> np.dtype:
     """The routes dtype of a model with `num_experts` experts (one value kept for ROUTE_MISSING)."""
     return ROUTE_DTYPES[0] if num_experts < 255 else ROUTE_DTYPES[1]
+
+
+def route_rows(prompt_len: int, completion_len: int) -> int:
+    """Rows of a sample's routes: every token but the last ran forward in the engine."""
+    return max(prompt_len + completion_len - 1, 0)
+
+
+class RouteLayout(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """The shape of every routes array of a frame (one model): MoE layers, experts per token, bytes per entry."""
+
+    layers: int
+    top_k: int
+    itemsize: int  # 1 (uint8) or 2 (uint16), see ROUTE_DTYPES
+
+    @property
+    def dtype(self) -> np.dtype:
+        return ROUTE_DTYPES[0] if self.itemsize == 1 else ROUTE_DTYPES[1]
+
 
 # Outcome of the reward call of one sample; carried on the wire so the buffer can count it.
 REWARD_OK = 0
@@ -102,6 +126,7 @@ class GroupMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     engine_id: int
     prompt_len: int
     samples: list[SampleMeta]
+    routed: bool = False  # every sample's routes are in the frame's fourth part (see RouteLayout)
 
 
 class GroupsHeader(msgspec.Struct, forbid_unknown_fields=True):
@@ -109,6 +134,7 @@ class GroupsHeader(msgspec.Struct, forbid_unknown_fields=True):
     run_id: str
     groups: list[GroupMeta]
     step: int = -1  # the optimizer step a batch is for (-1 on generator -> buffer frames)
+    routes: RouteLayout | None = None  # set when a group of the frame carries routes (the fourth part)
 
 
 class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -294,11 +320,31 @@ _header_decoder = msgspec.msgpack.Decoder(GroupsHeader)
 _request_decoder = msgspec.msgpack.Decoder(BatchRequest)
 
 
+def _routes_layout(groups: list[TrajectoryGroup]) -> RouteLayout | None:
+    """The one layout of the frame's routes (None: no group has routes). A routes array that does not
+    fit the contract is a bug of its producer: ValueError naming the prompt."""
+    layout = None
+    for g in groups:
+        for i, r in enumerate(g.routes or ()):
+            rows = route_rows(len(g.prompt_tokens), len(g.completions[i]))
+            here = RouteLayout(r.shape[1], r.shape[2], r.dtype.itemsize) if r.ndim == 3 else None
+            if here is None or r.dtype.newbyteorder("<") not in ROUTE_DTYPES or r.shape[0] != rows:
+                raise ValueError(
+                    f"prompt {g.prompt_id} sample {i}: routes {r.dtype} {r.shape}, want uint8/uint16 [{rows}, layers, top_k]"
+                )
+            if layout is not None and here != layout:
+                raise ValueError(f"prompt {g.prompt_id}: routes of layout {here} beside {layout} in one frame")
+            layout = here
+    return layout
+
+
 def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) -> list[bytes]:
     metas = []
     token_parts: list[np.ndarray] = []
     logprob_parts: list[np.ndarray] = []
     teacher_parts: list[np.ndarray] = []
+    layout = _routes_layout(groups)
+    route_parts: list[bytes] = []
     for g in groups:
         samples = []
         token_parts.append(np.asarray(g.prompt_tokens, dtype=TOKEN_DTYPE))
@@ -322,20 +368,24 @@ def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) ->
                     teacher_scored=teacher is not None,
                 )
             )
-        metas.append(GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples))
-    header = GroupsHeader(schema=SCHEMA_VERSION, run_id=run_id, groups=metas, step=step)
+        if g.routes is not None and layout is not None:
+            route_parts.extend(np.ascontiguousarray(r, dtype=layout.dtype).tobytes() for r in g.routes)
+        metas.append(GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples, g.routes is not None))
+    header = GroupsHeader(schema=SCHEMA_VERSION, run_id=run_id, groups=metas, step=step, routes=layout)
     tokens = np.concatenate(token_parts) if token_parts else np.empty(0, TOKEN_DTYPE)
     logprobs = np.concatenate(logprob_parts) if logprob_parts else np.empty(0, LOGPROB_DTYPE)
     frames = [_header_encoder.encode(header), tokens.tobytes(), logprobs.tobytes()]
     if teacher_parts:
         frames.append(np.concatenate(teacher_parts).tobytes())
+    if layout is not None:
+        frames.append(b"".join(route_parts))
     return frames
 
 
 def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) -> tuple[GroupsHeader, list[TrajectoryGroup]]:
     """Decode and validate a groups frame; raises FrameError(reason) on anything malformed."""
-    if len(frames) not in (3, 4):
-        raise FrameError("frame_count", f"expected 3 or 4 parts, got {len(frames)}")
+    if len(frames) not in (3, 4, 5):
+        raise FrameError("frame_count", f"expected 3 to 5 parts, got {len(frames)}")
     if len(frames[0]) > max_bytes:
         raise FrameError("too_large", f"header of {len(frames[0])} bytes > {max_bytes}")
     try:
@@ -346,6 +396,12 @@ def decode_groups(frames: list[bytes], run_id: str, max_bytes: int = 1 << 30) ->
         raise FrameError("schema_version", f"got {header.schema}, want {SCHEMA_VERSION}")
     if header.run_id != run_id:
         raise FrameError("run_id", f"frame of run '{header.run_id}'")
+    want = 3 + _teacher_scored(header) + (header.routes is not None)  # [teacher log-probs], [routes]
+    if len(frames) != want:
+        raise FrameError(
+            "frame_count", f"{len(frames)} parts for a header that announces {want} (teacher log-probs: "
+            f"{'yes' if _teacher_scored(header) else 'no'}, routes: {'yes' if header.routes else 'no'})",
+        )
     try:
         return header, _decode_body(header, frames, max_bytes)
     except FrameError as exc:
@@ -370,6 +426,9 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
         )
     teacher = _decode_teacher_part(header, frames)
     groups: list[TrajectoryGroup] = []
+    if header.routes is None and any(g.routed for g in header.groups):
+        raise FrameError("bad_routes", "a routed group in a frame without a routes layout")
+    routes = _decode_routes(header, frames[-1]) if header.routes is not None else None
     t = 0
     lp = 0
     tp = 0
@@ -418,6 +477,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 else None,
                 episode_of=episode_of,
                 teacher_logprobs=teachers if any(x is not None for x in teachers) else None,
+                routes=[next(routes) for _ in g.samples] if g.routed and routes is not None else None,
             )
         )
     if tokens.size and int(tokens.min()) < 0:
@@ -429,14 +489,16 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
     return groups
 
 
+def _teacher_scored(header: GroupsHeader) -> bool:
+    """Whether the frame carries the teacher log-probs part (some sample is marked scored)."""
+    return any(s.teacher_scored for g in header.groups for s in g.samples)
+
+
 def _decode_teacher_part(header: GroupsHeader, frames: list[bytes]) -> np.ndarray:
     """Part [3], the teacher log-probs of the samples the header marks scored, checked: present exactly
     when some sample is scored, one per completion token of each, finite and never positive."""
     want = sum(s.completion_len for g in header.groups for s in g.samples if s.teacher_scored)
-    scored = any(s.teacher_scored for g in header.groups for s in g.samples)
-    if scored != (len(frames) == 4):
-        raise FrameError("frame_count", f"{len(frames)} parts for a frame {'with' if scored else 'without'} teacher log-probs")
-    if not scored:
+    if not _teacher_scored(header):  # decode_groups checked the part count against the header
         return np.empty(0, LOGPROB_DTYPE)
     if len(frames[3]) % LOGPROB_DTYPE.itemsize:
         raise FrameError("buffer_size", "teacher log-prob buffer is not a whole number of items")
@@ -446,6 +508,45 @@ def _decode_teacher_part(header: GroupsHeader, frames: list[bytes]) -> np.ndarra
     if teacher.size and not bool((np.isfinite(teacher) & (teacher <= 1e-3)).all()):
         raise FrameError("bad_value", "teacher log-probs must be finite and <= 0")
     return teacher
+
+
+def _decode_routes(header: GroupsHeader, raw: bytes) -> Iterator[np.ndarray]:
+    """Every routed sample's routes in frame order, checked as a whole: the layout, the byte count the
+    lengths imply, each row all recorded or all ROUTE_MISSING, no expert twice in one layer's top-k.
+    Any failure is the counted reason `bad_routes`."""
+    layout = header.routes
+    assert layout is not None
+    if layout.layers < 1 or layout.top_k < 1 or layout.itemsize not in (1, 2):
+        raise FrameError("bad_routes", f"routes layout {layout}: layers and top_k >= 1, item size 1 or 2")
+    routed = [g for g in header.groups if g.routed]
+    if not routed:
+        raise FrameError("bad_routes", "a routes layout but no routed group")
+    rows = [route_rows(g.prompt_len, s.completion_len) for g in routed for s in g.samples]
+    per_row = layout.layers * layout.top_k
+    if len(raw) != sum(rows) * per_row * layout.itemsize:
+        raise FrameError(
+            "bad_routes", f"routes part of {len(raw)} bytes, the lengths say {sum(rows)} rows x {per_row} x {layout.itemsize}"
+        )
+    flat = np.frombuffer(raw, dtype=layout.dtype).reshape(sum(rows), layout.layers, layout.top_k)
+    missing = route_missing(layout.dtype)
+    absent = (flat == missing).reshape(len(flat), per_row)
+    if bool((absent.any(axis=1) != absent.all(axis=1)).any()):
+        raise FrameError("bad_routes", f"prompt {_row_prompt(routed, rows, absent)}: a routes row mixes recorded and missing experts")
+    # Pairwise over the top-k (k(k-1)/2 vectorised compares): half the time of a sort along a short axis.
+    for a in range(layout.top_k):
+        for b in range(a + 1, layout.top_k):
+            if bool(((flat[..., a] == flat[..., b]) & (flat[..., a] != missing)).any()):
+                raise FrameError("bad_routes", "a routes row names one expert twice in a layer's top-k")
+    return iter(np.split(flat, np.cumsum(rows)[:-1]))
+
+
+def _row_prompt(routed: list[GroupMeta], rows: list[int], absent: np.ndarray) -> int:
+    """The prompt of the first row that mixes recorded and missing entries (for the error line)."""
+    bad = int(np.argmax(absent.any(axis=1) != absent.all(axis=1)))
+    ends = np.cumsum(rows)
+    sample = int(np.searchsorted(ends, bad, side="right"))
+    owners = [g.prompt_id for g in routed for _ in g.samples]
+    return owners[sample]
 
 
 def encode_request(req: BatchRequest) -> bytes:

@@ -87,14 +87,15 @@ def warn_insecure(stream=sys.stderr) -> None:
     )
 
 
-def frame_limit_bytes(max_frame_mb: int, group_size: int, max_model_len: int) -> int:
+def frame_limit_bytes(max_frame_mb: int, group_size: int, max_model_len: int, extra_bytes_per_token: int = 0) -> int:
     """The largest trajectory frame the buffer accepts. 0 MiB = computed: one group of at most
     `group_size` samples (times the segments an agent episode may split into: see settings) of at most
-    `max_model_len` tokens each (an id and a log-prob per token) plus its header, rounded up to
-    whole MiB."""
+    `max_model_len` tokens each (an id and a log-prob per token, and `extra_bytes_per_token`: a teacher's
+    log-prob, an MoE model's routes: layers x top_k x 1-2 bytes) plus its header, rounded up to whole MiB."""
     if max_frame_mb > 0:
         return max_frame_mb << 20
-    need = group_size * (max_model_len * _BYTES_PER_TOKEN + _HEADER_BYTES_PER_SAMPLE) + _HEADER_SLACK
+    per_token = _BYTES_PER_TOKEN + extra_bytes_per_token
+    need = group_size * (max_model_len * per_token + _HEADER_BYTES_PER_SAMPLE) + _HEADER_SLACK
     return -(-need // (1 << 20)) << 20
 
 

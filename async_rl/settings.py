@@ -16,10 +16,13 @@ from async_rl.envs.factory import AGENT_PREFIX
 from async_rl.errors import ConfigError
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
+from async_rl.models.moe import MoeRouting, read_routing
 from async_rl.models.shape import ModelShape
+from async_rl.protocol import LOGPROB_DTYPE
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
 from async_rl.serving import vllm_compat as vc
+from async_rl.serving.route_capture import RouteCapture
 
 BATCH_TIMEOUT_S = 600.0
 
@@ -63,18 +66,20 @@ def with_env_system_prompt(data: DataConfig, cfg: Config) -> DataConfig:
     return msgspec.structs.replace(data, system_prompt=combined_system_prompt(data.system_prompt, cfg.env))
 
 
-def frame_limit(cfg: Config) -> int:
+def frame_limit(cfg: Config, route_bytes_per_token: int = 0) -> int:
     """The buffer's frame limit in bytes (`buffer.max_frame_mb`, 0: one full-length group); a set limit
     below what one group of full-length samples needs is one line, not groups rejected as too_large
-    in the run (long traces: 8 samples of 40,960 tokens need 2.6 MiB)."""
+    in the run (long traces: 8 samples of 40,960 tokens need 2.6 MiB). Per token beyond an id and a
+    log-prob: a teacher's log-prob (`teacher.model`) and an MoE model's routes (`route_bytes_per_token`)."""
     sequences = cfg.generators.group_size * sequences_per_episode(cfg)
-    need = frame_limit_bytes(0, sequences, cfg.generators.max_model_len)
+    extra = route_bytes_per_token + (LOGPROB_DTYPE.itemsize if cfg.teacher.model else 0)
+    need = frame_limit_bytes(0, sequences, cfg.generators.max_model_len, extra)
     if cfg.buffer.max_frame_mb and cfg.buffer.max_frame_mb << 20 < need:
         raise ConfigError(
             f"buffer.max_frame_mb={cfg.buffer.max_frame_mb} is below one group of {sequences} samples of "
             f"generators.max_model_len={cfg.generators.max_model_len} tokens ({need >> 20} MiB): raise it, or 0 to compute it"
         )
-    return frame_limit_bytes(cfg.buffer.max_frame_mb, sequences, cfg.generators.max_model_len)
+    return frame_limit_bytes(cfg.buffer.max_frame_mb, sequences, cfg.generators.max_model_len, extra)
 
 
 def sequences_per_episode(cfg: Config) -> int:
@@ -84,6 +89,8 @@ def sequences_per_episode(cfg: Config) -> int:
 
 
 def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: Path) -> BufferSettings:
+    routing = read_routing(model_dir) if cfg.generators.capture_routes != "off" else None
+    layout = routing.layout() if routing is not None else None
     return BufferSettings(
         run_id=run_id,
         host=cfg.buffer.host,
@@ -93,7 +100,8 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         prompts_per_step=cfg.train.prompts_per_step,
         group_size=cfg.generators.group_size,
         filter_uniform_groups=cfg.algorithm.dynamic_sampling,
-        max_frame_bytes=frame_limit(cfg),
+        max_frame_bytes=frame_limit(cfg, layout.layers * layout.top_k * layout.itemsize if layout is not None else 0),
+        routes=layout,
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
         model_dir=str(model_dir),
@@ -111,6 +119,28 @@ def engine_cores(plan: PlacementPlan, engine_id: int) -> list[int]:
     core ids mean nothing, and even here every planned core is taken (the learner's among them):
     it runs `cpus_per_engine` threads wherever Ray put it."""
     return plan.engines[engine_id].cores if engine_id < len(plan.engines) else []
+
+
+def route_capture(
+    setting: str, routing: MoeRouting | None, prefix_caching: bool, device: str
+) -> RouteCapture | None:
+    """generators.capture_routes resolved against the model and the engine; a setting that cannot
+    capture what replay needs is one ConfigError line."""
+    if setting == "off" or (setting == "auto" and routing is None):
+        return None
+    if routing is None:
+        raise ConfigError("generators.capture_routes=on: the model is not a mixture of experts (no routes to record)")
+    if device == "cuda" and not prefix_caching:
+        raise ConfigError(
+            "generators.capture_routes: vLLM's native routing capture needs prefix caching; "
+            "set generators.prefix_caching=on"
+        )
+    if device != "cuda" and prefix_caching:
+        raise ConfigError(
+            "generators.capture_routes on cpu: cached prompt tokens never reach the router hook, so their routes "
+            "would be missing; set generators.prefix_caching=off"
+        )
+    return RouteCapture(routing.num_experts, routing.top_k, list(routing.moe_layers))
 
 
 def engine_settings(
@@ -145,6 +175,9 @@ def engine_settings(
             prefix_caching=use_prefix_caching(g.prefix_caching, device),
             lora=lora_serving(cfg),
             kv_cache_bytes=int(g.kv_cache_gib * 2**30),
+            routes=route_capture(
+                g.capture_routes, read_routing(model_dir), use_prefix_caching(g.prefix_caching, device), device
+            ),
         ),
         cores=engine_cores(plan, engine_id),
         threads=g.cpus_per_engine,

@@ -49,12 +49,14 @@ from async_rl.protocol import TrajectoryGroup, decode_groups, encode_groups  # n
 
 RUN_ID = "bench"
 PROMPT_TOKENS = 16
+Routes = tuple[int, int] | None  # (MoE layers, top_k) of routes to attach
 TS = struct.Struct("<q")
 
 
-def make_group(prompt_id: int, engine_id: int, n_tokens: int, seed: int) -> TrajectoryGroup:
+def make_group(prompt_id: int, engine_id: int, n_tokens: int, seed: int, routes: Routes = None) -> TrajectoryGroup:
+    """`routes`: (MoE layers, top_k) of routes to attach (uint8 for 128 experts), or None."""
     rng = np.random.default_rng(seed)
-    return TrajectoryGroup(
+    g = TrajectoryGroup(
         prompt_id=prompt_id,
         engine_id=engine_id,
         prompt_tokens=rng.integers(0, 50_000, PROMPT_TOKENS, dtype=np.int32),
@@ -65,10 +67,16 @@ def make_group(prompt_id: int, engine_id: int, n_tokens: int, seed: int) -> Traj
         version_last=[0],
         reward_status=[0],
     )
+    if routes is not None:
+        layers, top_k = routes
+        rows = PROMPT_TOKENS + n_tokens - 1
+        g.routes = [np.argsort(rng.random((rows, layers, 128), dtype=np.float32), -1)[..., :top_k].astype(np.uint8)]
+    return g
 
 
-def traj_bytes(n_tokens: int) -> int:
-    return (PROMPT_TOKENS + n_tokens) * 4 + n_tokens * 4
+def traj_bytes(n_tokens: int, routes: Routes = None) -> int:
+    route_bytes = (PROMPT_TOKENS + n_tokens - 1) * routes[0] * routes[1] if routes is not None else 0
+    return (PROMPT_TOKENS + n_tokens) * 4 + n_tokens * 4 + route_bytes
 
 
 def count_for(n_tokens: int, quick: bool) -> int:
@@ -81,14 +89,14 @@ def count_for(n_tokens: int, quick: bool) -> int:
 
 
 def zmq_producer(address: str, codec: str, n_tokens: int, prompt_ids: list[int], engine_id: int,
-                 rate: float, timestamps: bool, ready, go) -> None:
+                 rate: float, timestamps: bool, routes: Routes, ready, go) -> None:
     import zmq
 
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, -1)
     push.connect(address)
-    groups = [make_group(pid, engine_id, n_tokens, pid) for pid in prompt_ids]
+    groups = [make_group(pid, engine_id, n_tokens, pid, routes) for pid in prompt_ids]
     ready.wait()
     go.wait()
     t_next = time.monotonic()
@@ -132,7 +140,7 @@ def split(ids: list[int], n: int) -> list[list[int]]:
     return [ids[i::n] for i in range(n)]
 
 
-def run_zmq(codec: str, n_tokens: int, producers: int, total: int, rate: float) -> dict:
+def run_zmq(codec: str, n_tokens: int, producers: int, total: int, rate: float, routes: Routes = None) -> dict:
     import zmq
 
     ctx = zmq.Context()
@@ -142,7 +150,7 @@ def run_zmq(codec: str, n_tokens: int, producers: int, total: int, rate: float) 
     shares = split(list(range(total)), producers)
     procs, ready, go = start_producers(
         zmq_producer,
-        lambda i: (f"tcp://127.0.0.1:{port}", codec, n_tokens, shares[i], i, rate / producers, True),
+        lambda i: (f"tcp://127.0.0.1:{port}", codec, n_tokens, shares[i], i, rate / producers, True, routes),
         producers,
     )
     ready.wait()
@@ -169,7 +177,7 @@ def run_zmq(codec: str, n_tokens: int, producers: int, total: int, rate: float) 
 # ---- the real buffer -----------------------------------------------------------------------------
 
 
-def run_buffer(n_tokens: int, producers: int, total: int) -> dict:
+def run_buffer(n_tokens: int, producers: int, total: int, routes: Routes = None) -> dict:
     """Frames from `producers` processes into ReplayBuffer's ingest loop, in this process."""
     from async_rl.buffer.actor import BufferSettings, ReplayBuffer
 
@@ -188,13 +196,13 @@ def run_buffer(n_tokens: int, producers: int, total: int) -> dict:
             leased = await buf.lease(i, want, wait_s=0)
             shares.append([p.prompt_id for p in leased])
         procs, ready, go = start_producers(
-            zmq_producer, lambda i: (addresses.ingest, "msgspec", n_tokens, shares[i], i, 0.0, False), producers
+            zmq_producer, lambda i: (addresses.ingest, "msgspec", n_tokens, shares[i], i, 0.0, False, routes), producers
         )
         await asyncio.get_running_loop().run_in_executor(None, ready.wait)
         cpu0 = time.process_time()
         t0 = time.monotonic()
         go.set()
-        while len(buf._waiting) + sum(buf._rejected.values()) < total:
+        while buf.server.waiting_groups + sum(buf.stats().rejected_frames.values()) < total:
             await asyncio.sleep(0.002)  # polling, not a condition: no extra wake-up per frame
         t1 = time.monotonic()
         cpu = time.process_time() - cpu0
@@ -284,9 +292,11 @@ def percentile(values: list[int], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) / 1e6 if values else float("nan")
 
 
-def measure(transport: str, n_tokens: int, producers: int, total: int, latency_rate: float, latency_n: int) -> dict:
+def measure(
+    transport: str, n_tokens: int, producers: int, total: int, latency_rate: float, latency_n: int, routes: Routes = None
+) -> dict:
     if transport == "buffer":
-        thr = run_buffer(n_tokens, producers, total)
+        thr = run_buffer(n_tokens, producers, total, routes)
         lat = thr
     elif transport == "ray":
         # A rate, not a total: a tenth of the trajectories keeps Ray's pass under a minute.
@@ -295,13 +305,13 @@ def measure(transport: str, n_tokens: int, producers: int, total: int, latency_r
         lat = run_ray(n_tokens, producers, latency_n, latency_rate)
     else:
         codec = transport.split("+")[1]
-        thr = run_zmq(codec, n_tokens, producers, total, 0.0)
-        lat = run_zmq(codec, n_tokens, producers, latency_n, latency_rate)
+        thr = run_zmq(codec, n_tokens, producers, total, 0.0, routes)
+        lat = run_zmq(codec, n_tokens, producers, latency_n, latency_rate, routes)
     tps = total / thr["seconds"]
     row = {
         "trajectories": total,
         "traj_per_s": tps,
-        "mb_per_s": tps * traj_bytes(n_tokens) / 1e6,
+        "mb_per_s": tps * traj_bytes(n_tokens, routes) / 1e6,
         "p50_ms": percentile(lat["latency_ns"], 50),
         "p99_ms": percentile(lat["latency_ns"], 99),
     }
@@ -342,12 +352,16 @@ def main() -> None:
     ap.add_argument("--producers", default="1,4,16")
     ap.add_argument("--transports", default="zmq+msgspec,zmq+pickle,ray,buffer")
     ap.add_argument("--latency-rate", type=float, default=200.0, help="trajectories/s of the latency pass")
+    ap.add_argument("--routes", default="", help="LAYERS,TOP_K: attach MoE routes (uint8) to every trajectory")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     out = args.out or ("transport-quick" if args.quick else "transport")
     repeats = 1 if args.quick else args.repeats
     transports = args.transports.split(",")
     latency_n = 100 if args.quick else 400
+    routes = tuple(int(x) for x in args.routes.split(",")) if args.routes else None
+    if routes is not None and "ray" in transports:
+        raise SystemExit("--routes: the zmq and buffer transports only")
     start_fork_server()
     if "ray" in transports:
         import logging
@@ -364,7 +378,7 @@ def main() -> None:
             total = count_for(n_tokens, args.quick)
             for producers in [int(x) for x in args.producers.split(",")]:
                 for transport in transports:
-                    reps = [measure(transport, n_tokens, producers, total, args.latency_rate, latency_n)
+                    reps = [measure(transport, n_tokens, producers, total, args.latency_rate, latency_n, routes)
                             for _ in range(repeats)]
                     tps = [r["traj_per_s"] for r in reps]
                     row = {
@@ -397,7 +411,7 @@ def main() -> None:
     print("\nours / Ray (median traj/s): " + ", ".join(f"{k}: {v:.1f}x" for k, v in ratios.items()))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{out}.json").write_text(json.dumps(
-        {"repeats": repeats, "latency_rate": args.latency_rate, "cores": len(os.sched_getaffinity(0)),
+        {"repeats": repeats, "latency_rate": args.latency_rate, "routes": routes, "cores": len(os.sched_getaffinity(0)),
          "ours_over_ray": ratios, "rows": rows}, indent=2))
     plot(rows, RESULTS / f"{out}.png")
     print(f"wrote {RESULTS / (out + '.json')} and .png")

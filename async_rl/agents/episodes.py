@@ -39,7 +39,10 @@ from async_rl.protocol import (
     Sample,
     TrajectoryGroup,
     episode_versions,
+    route_missing,
+    route_rows,
 )
+from async_rl.serving.engine_routes import sequence_routes
 from async_rl.serving.sampling import SamplingSpec
 
 # env.name 'verifiers:ID' runs this agent (under env.python, a venv with verifiers 0.4) with env_id=ID.
@@ -186,4 +189,20 @@ class AgentEpisodes:
             loss_masks=masks,
             episodes=episodes,
             episode_of=[e for e, _, _ in rows] if split else None,
+            routes=segment_routes([s for _, _, s in rows]),
         )
+
+
+def segment_routes(segments: list[Segment]) -> list[np.ndarray] | None:
+    """Each trained segment's MoE routes over its whole sequence, from its calls' routes (None when no
+    call recorded any: capture off, a dense model). A segment without a model call (an agent that failed
+    first) gets all rows ROUTE_MISSING, so the group still carries routes for the others."""
+    routes = [sequence_routes(s.tokens(), s.turn_routes) for s in segments]
+    some = next((r for r in routes if r is not None), None)
+    if some is None:
+        return None
+    missing = route_missing(some.dtype)
+    return [
+        r if r is not None else np.full((route_rows(len(s.tokens()), 0), *some.shape[1:]), missing, some.dtype)
+        for r, s in zip(routes, segments, strict=True)
+    ]

@@ -32,7 +32,7 @@ from async_rl.buffer.snapshot import BufferParts, BufferState, read_snapshot, wr
 from async_rl.cluster.net import advertised_host
 from async_rl.config import DataConfig
 from async_rl.errors import RunError
-from async_rl.protocol import Prompt
+from async_rl.protocol import Prompt, RouteLayout
 from async_rl.security import (
     INGEST_DOMAIN,
     MAX_REQUEST_BYTES,
@@ -74,6 +74,8 @@ class BufferSettings(msgspec.Struct, frozen=True):
     # a sequence's L^2 when a step's groups are dealt to learner ranks (0: by tokens alone).
     attention_weight: float = 0.0
     curve: ServerKeys | None = None  # CURVE keys and admitted clients (None: security.curve is off)
+    # The model's routes layout when the engines capture routes (a frame's must match); None: no check
+    routes: RouteLayout | None = None
 
 
 class BufferAddresses(msgspec.Struct, frozen=True):
@@ -137,7 +139,7 @@ class ReplayBuffer:
         )
         self.ingest = Ingest(
             s.run_id, s.max_frame_bytes, s.group_size, s.filter_uniform_groups,
-            self.ledger, self.leases, rejected, self.server.add, self._changed,
+            self.ledger, self.leases, rejected, self.server.add, self._changed, s.routes,
         )
         self._parts = BufferParts(
             s.run_id, s.max_frame_bytes, s.group_size, self.ledger, self.source, self.leases, self.ingest,

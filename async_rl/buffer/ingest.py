@@ -20,6 +20,8 @@ from async_rl.protocol import (
     REWARD_ERROR,
     REWARD_TIMEOUT,
     FrameError,
+    GroupsHeader,
+    RouteLayout,
     TrajectoryGroup,
     decode_groups,
 )
@@ -41,6 +43,7 @@ class Ingest:
         rejected: collections.Counter[str],
         deliver: Callable[[TrajectoryGroup], None],
         changed: asyncio.Condition,
+        routes: RouteLayout | None = None,
     ) -> None:
         self._run_id = run_id
         self._max_frame_bytes = max_frame_bytes
@@ -51,6 +54,7 @@ class Ingest:
         self._rejected = rejected  # the buffer's tally of rejected frames (shared with batch serving)
         self._deliver = deliver  # where accepted groups go (batch serving's waiting queue)
         self._changed = changed  # the buffer's condition: notified on every state change
+        self._routes = routes  # the model's routes layout (None: not checked)
         self.reward_errors = 0
         self.reward_timeouts = 0
         self.reward_crashes = 0  # reward worker died mid-call
@@ -69,6 +73,7 @@ class Ingest:
             header, groups = decode_groups(frames, self._run_id, self._max_frame_bytes)
             seen: set[int] = set()
             try:
+                self.check_routes(header)
                 for g in groups:
                     self.check_group(g, seen)
             except FrameError as exc:
@@ -89,6 +94,16 @@ class Ingest:
         for meta in exc.header.groups:
             if self._leases.owner(meta.prompt_id) == meta.engine_id:
                 self._leases.lose(meta.engine_id, [meta.prompt_id])
+
+    def check_routes(self, header: GroupsHeader) -> None:
+        """A frame's routes were recorded on the model the learner trains: its MoE layers and top-k."""
+        got, want = header.routes, self._routes
+        if got is not None and want is not None and got != want:
+            engines = sorted({g.engine_id for g in header.groups})
+            raise FrameError(
+                "bad_routes", f"engine {engines}: routes of {got.layers} MoE layers x top-{got.top_k} x {got.itemsize} "
+                f"byte(s), the model has {want.layers} x top-{want.top_k} x {want.itemsize}",
+            )
 
     def check_group(self, g: TrajectoryGroup, seen: set[int]) -> None:
         if g.prompt_id in seen:

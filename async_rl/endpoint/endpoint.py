@@ -78,7 +78,8 @@ class ServedModelBackend(ModelBackend):
         )
         out = await self.model.generate(prompt_ids, vc.params_for(spec), request_id)
         return [Choice(token_ids=c.token_ids, logprobs=c.logprobs, text=c.text, finish_reason=c.finish_reason,
-                       version_first=out.version_first, version_last=out.version_last) for c in out.completions]
+                       version_first=out.version_first, version_last=out.version_last, routes=c.routes)
+                for c in out.completions]
 
 
 class RequestError(Exception):

@@ -11,6 +11,7 @@ starts a new segment: a prefix break. Nothing is re-tokenized.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from async_rl.endpoint.openai_types import Message, ToolCallOut, ToolSpec
 from async_rl.serving.sampling import SamplingSpec
@@ -25,6 +26,7 @@ class Choice(msgspec.Struct, kw_only=True):
     finish_reason: str  # 'stop' | 'length' | 'abort'
     version_first: int  # policy version when the call started
     version_last: int  # policy version when it ended (later when a weight update landed inside it)
+    routes: np.ndarray | None = None  # MoE routes of the call's prompt + this choice (generators.capture_routes)
 
 
 class CallRecord(msgspec.Struct, kw_only=True):
@@ -43,11 +45,15 @@ class Segment(msgspec.Struct, kw_only=True):
     turn_versions: list[int] = []  # the policy version each call started on
     version_last: int = 0
     finish_reason: str = "stop"  # the last call's
+    # MoE routes: each model part's call input ids and routes (serving/engine_routes.sequence_routes)
+    turn_routes: list[tuple[list[int], np.ndarray]] = []
 
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
-    def add_model_part(self, choice: Choice) -> None:
+    def add_model_part(self, choice: Choice, prompt_ids: list[int]) -> None:
+        if choice.routes is not None:
+            self.turn_routes.append((prompt_ids, choice.routes))
         self.completion_ids += choice.token_ids
         self.loss_mask += [1] * len(choice.token_ids)
         self.logprobs += choice.logprobs
@@ -86,7 +92,7 @@ def build_segments(calls: list[CallRecord]) -> list[Segment]:
         else:
             current = Segment(prompt_ids=list(call.prompt_ids))
             segments.append(current)
-        current.add_model_part(choice)
+        current.add_model_part(choice, call.prompt_ids)
     return segments
 
 

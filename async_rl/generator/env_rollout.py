@@ -38,6 +38,7 @@ from async_rl.protocol import (
     episode_versions,
 )
 from async_rl.serving import vllm_compat as vc
+from async_rl.serving.engine_routes import sequence_routes
 from async_rl.serving.model import ServedModel
 from async_rl.serving.sampling import SamplingSpec
 
@@ -91,13 +92,14 @@ class EnvironmentEpisodes(Rollout):
         runs = await asyncio.gather(
             *(self._episode(prompt, messages, limit, f"{request_id}-s{i}", sampling) for i in range(n))
         )
-        results = [r for r, _, _ in runs]
+        results = [r for r, _, _, _ in runs]
         if any(not r.turn_versions for r in results):
             raise RuntimeError(
                 f"prompt {prompt.prompt_id}: its {len(prompt.token_ids)} tokens leave no room for a model turn "
                 f"under env.max_total_tokens={limit}"
             )
-        versions = [episode_versions(r.turn_versions, last) for r, last, _ in runs]
+        versions = [episode_versions(r.turn_versions, last) for r, last, _, _ in runs]
+        routes = [rt for _, _, _, rt in runs]
         return TrajectoryGroup(
             prompt_id=prompt.prompt_id,
             engine_id=self.engine_id,
@@ -107,7 +109,7 @@ class EnvironmentEpisodes(Rollout):
             rewards=[r.reward for r in results],
             version_first=[first for first, _ in versions],
             version_last=[last for _, last in versions],
-            reward_status=[st for _, _, st in runs],
+            reward_status=[st for _, _, st, _ in runs],
             finish_reasons=[EPISODE_FINISH[r.finish_reason] for r in results],
             loss_masks=[np.asarray(r.loss_mask, dtype=np.uint8) for r in results],
             episodes=[
@@ -121,16 +123,19 @@ class EnvironmentEpisodes(Rollout):
                 )
                 for r in results
             ],
+            routes=routes if all(r is not None for r in routes) else None,
         )
 
     async def _episode(
         self, prompt: Prompt, messages: list[ChatMessage], limit: int, request_id: str, sampling: SamplingSpec
-    ) -> tuple[EpisodeResult, int, int]:
-        """One episode: (result, policy version when its last model turn ended, reward status)."""
+    ) -> tuple[EpisodeResult, int, int, np.ndarray | None]:
+        """One episode: (result, policy version when its last model turn ended, reward status, its routes
+        with capture on)."""
         status = [REWARD_OK]
         _episode_reward_status.set(status)  # this coroutine runs in its own task: its own context
         last_version = [self.model.version]
         turns = [0]
+        turn_routes: list[tuple[list[int], np.ndarray]] = []  # per model turn: its input ids, its rows
 
         async def generate(ids: list[int], budget: int) -> ModelTurn:
             turns[0] += 1
@@ -140,14 +145,20 @@ class EnvironmentEpisodes(Rollout):
             out = await self.model.generate(ids, params, f"{request_id}-t{turns[0]}")
             last_version[0] = out.version_last
             (c,) = out.completions
+            if c.routes is not None:
+                turn_routes.append((ids, c.routes))
             return ModelTurn(c.token_ids, c.logprobs, c.text, c.finish_reason, out.version_first)
 
         self._counters.episodes += 1
         result = await run_episode(
             self.env.start(prompt), list(prompt.token_ids), messages, generate, self.delta, self.cfg.max_turns, limit
         )
-        return result, last_version[0], status[0]
+        routes = None
+        if self.model.spec.routes is not None:
+            routes = sequence_routes(list(prompt.token_ids) + list(result.completion_ids), turn_routes)
+        return result, last_version[0], status[0], routes
 
     async def evaluate(self, prompt: Prompt, params: EvalParams, request_id: str) -> EvalResult:
         """`params.n` whole episodes of `prompt` in the environment."""
         return episodes_result(prompt, await self.group(prompt, request_id, eval_sampling(self.sampling, params, 1), params.n))
+

@@ -70,4 +70,5 @@ def single_turn_group(prompt: Prompt, engine_id: int, out: Generation, scored: l
         version_last=[out.version_last] * len(out.completions),
         reward_status=[st for _, st in scored],
         finish_reasons=[finish_code(c.finish_reason, prompt.prompt_id) for c in out.completions],
+        routes=[c.routes for c in out.completions] if all(c.routes is not None for c in out.completions) else None,
     )

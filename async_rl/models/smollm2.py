@@ -118,28 +118,29 @@ def _build(tmp: Path) -> None:
     _say(f"ready in {time.monotonic() - t0:.0f}s")
 
 
-def ensure(cache_dir: str | os.PathLike, build=_build) -> Path:
+def ensure(cache_dir: str | os.PathLike, build=_build, name: str = NAME) -> Path:
     """The preset's folder in `cache_dir`, fetched and converted on first use (once per cache, under
-    a file lock; written aside and renamed into place). `build(tmp)` fills an empty folder."""
+    a file lock; written aside and renamed into place). `build(tmp)` fills an empty folder; `name`:
+    a preset derived from this one (upcycle.py) is built the same way under its own name."""
     from filelock import FileLock, Timeout
 
     root = Path(cache_dir).expanduser()
-    target = root / f"{NAME}-{_PRESET_VERSION}"
+    target = root / f"{name}-{_PRESET_VERSION}"
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(root / f".{NAME}.lock"))
+    lock = FileLock(str(root / f".{name}.lock"))
     try:
         lock.acquire(timeout=_LOCK_TIMEOUT_S)
     except Timeout:
         raise ConfigError(
-            f"model.path '{NAME}': another process has held {lock.lock_file} for {_LOCK_TIMEOUT_S:.0f}s"
+            f"model.path '{name}': another process has held {lock.lock_file} for {_LOCK_TIMEOUT_S:.0f}s"
         ) from None
     try:
         if (target / "config.json").is_file():  # another process built it while we waited
             return target
-        _say(f"first use: building the preset in {target}")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=root))
+        _say(f"first use: building the preset {name} in {target}")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
             build(tmp)
             os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache may be shared

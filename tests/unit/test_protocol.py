@@ -76,7 +76,7 @@ def header_of(parts: list[bytes]) -> GroupsHeader:
 
 
 def with_header(parts: list[bytes], header: GroupsHeader) -> list[bytes]:
-    return [msgspec.msgpack.encode(header), parts[1], parts[2]]
+    return [msgspec.msgpack.encode(header), *parts[1:]]
 
 
 def reject(parts, reason, run_id=RUN, **kw) -> FrameError:
@@ -488,4 +488,4 @@ def test_header_types_are_array_like():
     # teacher-scored (no)
     assert msgspec.msgpack.decode(raw) == [2, 1.0, 3, 4, 0, 0, None, None, None, False]
     raw = msgspec.msgpack.encode(GroupMeta(1, 2, 3, []))
-    assert msgspec.msgpack.decode(raw) == [1, 2, 3, []]
+    assert msgspec.msgpack.decode(raw) == [1, 2, 3, [], False]  # then `routed`: no routes
