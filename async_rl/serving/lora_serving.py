@@ -98,3 +98,14 @@ def lora_request():
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(lora_name=SERVED_LORA_NAME, lora_int_id=SERVED_LORA_ID, lora_path=SERVED_LORA_PATH)
+
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's MaxLoRARanks
+
+
+def max_lora_rank(rank: int) -> int:
+    """vLLM accepts only some max_lora_rank values: the smallest that holds `rank`."""
+    for r in _VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {_VLLM_LORA_RANKS[-1]}")

@@ -84,17 +84,6 @@ class LoraServing(msgspec.Struct, frozen=True):
         return lora_serving.peft_helper_dict(self.rank, self.alpha, self.target_modules)
 
 
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's MaxLoRARanks
-
-
-def max_lora_rank(rank: int) -> int:
-    """vLLM accepts only some max_lora_rank values: the smallest that holds `rank`."""
-    for r in _VLLM_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {_VLLM_LORA_RANKS[-1]}")
-
-
 def executor_backend(tensor_parallel_size: int) -> str:
     """vLLM's executor for an engine that runs inside one of our Ray actors.
 
@@ -172,7 +161,7 @@ def make_engine(spec: EngineSpec):
         **(
             {
                 "enable_lora": True,
-                "max_lora_rank": max_lora_rank(spec.lora.rank),
+                "max_lora_rank": lora_serving.max_lora_rank(spec.lora.rank),
                 "max_loras": 1,
                 "max_cpu_loras": 1,
                 # Only the adapter's modules get LoRA layers. Left to itself vLLM also wraps lm_head, and
