@@ -1,4 +1,5 @@
-"""Tiny MoE model folders for learner tests (Qwen3-MoE; Qwen2-MoE with its shared expert), and routes made
+"""Tiny MoE model folders for learner tests (Qwen3-MoE; Qwen2-MoE with its shared expert; Mixtral, the
+upcycled smollm2-135m-moe preset's class), and routes made
 by running the model itself: what an engine would record, or perturbed routes to prove replay is obeyed."""
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ COMMON = dict(
 
 
 def build_moe_dir(family: str, out: Path, tokenizer_from: Path) -> Path:
-    """A random `family` ('qwen3_moe' or 'qwen2_moe') model saved in `out`, with the tiny preset's
+    """A random `family` ('qwen3_moe', 'qwen2_moe' or 'mixtral') model saved in `out`, with the tiny preset's
     tokenizer files (its ids are below the vocabulary size here)."""
-    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family == "qwen3_moe":
         config = Qwen3MoeConfig(**COMMON, head_dim=32, norm_topk_prob=True)
     elif family == "qwen2_moe":  # a shared expert beside the routed ones, no top-k renormalisation
         config = Qwen2MoeConfig(**COMMON, shared_expert_intermediate_size=64, norm_topk_prob=False)
+    elif family == "mixtral":  # Llama's attention, always-renormalised top-k, experts of intermediate_size
+        shape = {k: v for k, v in COMMON.items() if k not in ("num_experts", "moe_intermediate_size", "intermediate_size")}
+        config = MixtralConfig(**shape, num_local_experts=COMMON["num_experts"], intermediate_size=32, head_dim=32)
     else:
         raise ValueError(family)
     torch.manual_seed(0)

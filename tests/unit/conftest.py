@@ -29,3 +29,11 @@ def qwen2_moe_dir(tmp_path_factory, model_dir) -> Path:
     from tests.unit._moe_fixtures import build_moe_dir
 
     return build_moe_dir("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe"), model_dir)
+
+
+@pytest.fixture(scope="session")
+def mixtral_moe_dir(tmp_path_factory, model_dir) -> Path:
+    """A tiny random Mixtral (the upcycled smollm2-135m-moe preset's class): Llama attention, top-k renormalised."""
+    from tests.unit._moe_fixtures import build_moe_dir
+
+    return build_moe_dir("mixtral", tmp_path_factory.mktemp("mixtral_moe"), model_dir)

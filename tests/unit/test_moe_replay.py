@@ -13,7 +13,7 @@ from async_rl.config import AlgorithmConfig, LoraConfig
 from async_rl.errors import RunError
 from async_rl.learner.batch.routes import ROUTE_LIVE
 from async_rl.learner.driver import shard_samples
-from async_rl.learner.model.moe import ROUTER_CLASSES, routers
+from async_rl.learner.model.moe import ROUTER_CLASSES, renormalises, routers
 from async_rl.protocol import route_missing
 from tests.unit._learner_fixtures import assert_equal_steps, groups, make_rank, spied_step
 from tests.unit._moe_fixtures import random_routes, with_routes
@@ -27,10 +27,11 @@ LAYOUTS = {
 }
 
 
-FAMILY_FIXTURE = {"qwen3_moe": "moe_model_dir", "qwen2_moe": "qwen2_moe_dir"}
-# Every layout, plain and checkpointed, on Qwen3-MoE; two of them on Qwen2-MoE (its other router)
+FAMILY_FIXTURE = {"qwen3_moe": "moe_model_dir", "qwen2_moe": "qwen2_moe_dir", "mixtral": "mixtral_moe_dir"}
+# Every layout, plain and checkpointed, on Qwen3-MoE; two of them on Qwen2-MoE (its other router), one on
+# Mixtral (the upcycled preset's class)
 REPLAY_CASES = [("qwen3_moe", layout, ckpt) for layout in LAYOUTS for ckpt in (False, True)] + [
-    ("qwen2_moe", "packed", True), ("qwen2_moe", "shared_padded", False)]
+    ("qwen2_moe", "packed", True), ("qwen2_moe", "shared_padded", False), ("mixtral", "shared_packed", True)]
 
 
 @pytest.fixture(params=list(FAMILY_FIXTURE))
@@ -215,23 +216,28 @@ def test_grouped_experts_equal_hf_loop(moe_dir):
 def test_routers_of_the_installed_transformers_are_the_ones_replay_reproduces():
     """Each known router returns (logits, scores, indices), scores the softmax at the indices (renormalised
     where it normalises): what replay gathers."""
-    from transformers import OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     pairs = [(Qwen3MoeTopKRouter, Qwen3MoeConfig), (Qwen2MoeTopKRouter, Qwen2MoeConfig), (OlmoeTopKRouter, OlmoeConfig)]
-    assert sorted(cls.__name__ for cls, _ in pairs) == sorted(ROUTER_CLASSES)
+    assert sorted([cls.__name__ for cls, _ in pairs] + [MixtralTopKRouter.__name__]) == sorted(ROUTER_CLASSES)
     torch.manual_seed(0)
-    for cls, config_cls in pairs:
-        for norm in (True, False):
-            r = cls(config_cls(hidden_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm))
-            torch.nn.init.normal_(r.weight)
-            logits, scores, indices = r(torch.randn(5, 16))
-            picked = torch.softmax(logits, -1, dtype=torch.float).gather(1, indices)
-            if norm:
-                picked = picked / picked.sum(-1, keepdim=True)
-            torch.testing.assert_close(scores, picked)
+    made = [
+        cls(config_cls(hidden_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm))
+        for cls, config_cls in pairs
+        for norm in (True, False)
+    ] + [MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=2))]
+    for r in made:
+        torch.nn.init.normal_(r.weight)
+        logits, scores, indices = r(torch.randn(5, 16))
+        picked = torch.softmax(logits, -1, dtype=torch.float).gather(1, indices)
+        if renormalises(r):
+            picked = picked / picked.sum(-1, keepdim=True)
+        torch.testing.assert_close(scores.float(), picked)
+    assert [renormalises(r) for r in made] == [True, False] * 3 + [True]
 
 
 def test_bad_settings_and_routes_are_one_line_errors(model_dir, moe_model_dir):

@@ -33,9 +33,16 @@ import torch
 from async_rl.learner.batch.routes import ROUTE_PAD
 
 # Router classes whose forward returns (router_logits, router_scores, router_indices) from a softmax
-# over `weight`'s logits, top-k, and an optional renormalisation (`norm_topk_prob`): checked by
+# over `weight`'s logits, top-k, and an optional renormalisation (`norm_topk_prob`; Mixtral's, the
+# upcycled smollm2-135m-moe preset's class, always renormalises and has no such flag): checked by
 # tests/unit/test_moe_replay.py against the installed transformers.
-ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter")
+ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter")
+ALWAYS_RENORMALISED = ("MixtralTopKRouter",)
+
+
+def renormalises(router: torch.nn.Module) -> bool:
+    """Whether the router renormalises its top-k probabilities (what replay's gathered scores must do)."""
+    return type(router).__name__ in ALWAYS_RENORMALISED or bool(router.norm_topk_prob)
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,7 @@ class RouterReplay:
                 chosen = torch.where(has[:, None], recorded, live)
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float)
                 picked = probs.gather(1, chosen)
-                if module.norm_topk_prob:  # every class of ROUTER_CLASSES has it
+                if renormalises(module):
                     picked = picked / picked.sum(dim=-1, keepdim=True)
                 scores = picked.to(scores.dtype)
         weight = torch.ones(chosen.shape, dtype=torch.float64, device=chosen.device)
