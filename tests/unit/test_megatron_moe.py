@@ -309,14 +309,14 @@ def test_dense_layers_among_expert_layers_are_refused():
         mcv.arch_from_hf_config(Qwen3MoeConfig(**cfg))
 
 
-def _backend(arch, setting: str = "auto"):
+def _backend(arch, setting: str = "auto", aux: float = 0.0):
     """A MegatronBackend that has read `arch` (no process group: what its routing checks read)."""
     from async_rl.learner.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(rank=0, world_size=1, master="127.0.0.1:0", tensor_parallel_size=1,
                               pipeline_parallel_size=1, dtype="float32", lr=1e-3, weight_decay=0.0, max_grad_norm=1.0,
                               distributed_optimizer=False, transformer_engine="off", device="cpu", seed=0,
-                              routing_replay=setting)
+                              routing_replay=setting, moe_aux_loss_coef=aux)
     backend.arch, backend.device = arch, torch.device("cpu")
     return backend
 
@@ -338,3 +338,24 @@ def test_replay_on_a_dense_model_and_routes_of_another_shape_are_refused_in_one_
         _backend(arch)._routes(mb, rows, cols, one_row=False)
     mb.routes = torch.zeros(rows, cols, arch.num_layers, arch.moe_top_k, dtype=torch.int32)
     assert _backend(arch)._routes(mb, rows, cols, one_row=False).shape == (rows * cols, arch.num_layers, arch.moe_top_k)
+
+
+def test_a_load_balancing_loss_is_refused_in_one_line_on_an_moe_model_only():
+    from async_rl.errors import RunError
+    from tests.unit._megatron_models import tiny_llama
+
+    with pytest.raises(RunError, match="learner.moe_aux_loss_coef=0.01 is not supported by learner.backend=megatron"):
+        _backend(mcv.arch_from_hf_config(tiny_qwen3_moe().config), aux=0.01)._setup_routing(0)
+    dense = _backend(mcv.arch_from_hf_config(tiny_llama().config), aux=0.01)
+    dense._setup_routing(0)  # a dense model has no router to balance: the coefficient changes nothing
+    assert dense.moe is None and not dense.replays_routes
+
+
+def test_the_launcher_refuses_a_load_balancing_loss_with_megatron_before_anything_starts():
+    from async_rl.config import LearnerConfig
+    from async_rl.learner.moe_settings import settings_error
+
+    megatron = LearnerConfig(backend="megatron", moe_aux_loss_coef=0.01)
+    assert "learner.moe_aux_loss_coef=0.01 is not supported by learner.backend=megatron" in settings_error(megatron, 8)
+    assert settings_error(megatron, 0) is None  # dense: nothing to balance
+    assert settings_error(LearnerConfig(backend="torch", moe_aux_loss_coef=0.01), 8) is None

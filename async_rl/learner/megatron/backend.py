@@ -63,6 +63,7 @@ from async_rl.learner.model.attention import AttentionLayout, Segments, cumulati
 from async_rl.learner.model.head import keeps_logits
 from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.model.moe import MoeShape
+from async_rl.learner.moe_settings import megatron_aux_loss_error
 from async_rl.learner.rendezvous import join_group
 from async_rl.protocol import TrajectoryGroup
 
@@ -381,11 +382,8 @@ class MegatronBackend(ModelBackend):
                 raise RunError(f"learner.routing_replay=on needs a mixture-of-experts model, not the dense "
                                f"{self.arch.model_type}")
             return
-        if self.moe_aux_loss_coef > 0:
-            # megatron's own aux loss goes into the backward through its MoEAuxLossAutoScaler, normalised by
-            # its own token counts, not the driver's loss tokens: not the torch backend's term
-            raise RunError(f"learner.moe_aux_loss_coef={self.moe_aux_loss_coef} is not supported by "
-                           "learner.backend=megatron yet; set it to 0 or use learner.backend=torch")
+        if why := megatron_aux_loss_error(self.moe_aux_loss_coef):
+            raise RunError(why)
         self.moe = MoeShape(layers=self.arch.num_layers, experts=self.arch.num_experts, top_k=self.arch.moe_top_k)
         self.replays_routes = self.routing_setting != "off"
         try:
