@@ -198,3 +198,30 @@ def run_moe_backend_rank(rank: int, world: int, port: int, model_dir: str, ep: i
         }, Path(out_dir) / f"rank{rank}.pt")
     finally:
         backend.shutdown()
+
+
+def run_moe_driver_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """A LearnerDriver with learner.backend=megatron on one rank of a Qwen3-MoE (learner.routing_replay auto,
+    the mismatch probe on): a step on groups carrying the model's own routes, then one on random routes with
+    some rows missing; writes both steps' `MoeMetrics` and the rows without a route."""
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.learner.driver import LearnerDriver
+    from tests.unit._learner_fixtures import groups, settings
+    from tests.unit._moe_fixtures import random_routes, with_routes
+
+    torch.set_num_threads(1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    spec = settings(model_dir, backend="megatron", device="cpu", routing_probe_samples=4)
+    driver = LearnerDriver(spec, rank, world, f"127.0.0.1:{port}", [])
+    driver.setup()
+    try:
+        own = driver.train_on_shard(0, with_routes(hf, groups(4 + rank, n_groups=3, group_size=3))).moe
+        shard = random_routes(groups(8 + rank, n_groups=3, group_size=3), 2, 2, 8, seed=5 + rank, missing_every=4)
+        missing = sum(len(range(0, len(r), 4)) for g in shard for r in g.routes)
+        randomly = driver.train_on_shard(1, shard).moe
+        moe = driver.backend.moe
+        torch.save({"own": own, "random": randomly, "missing": missing, "moe": (moe.layers, moe.experts, moe.top_k)},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        driver.backend.shutdown()
