@@ -694,7 +694,7 @@ class LearnerConfig(_Section):
         _f("MoE models, torch backend: weight of the load-balancing loss (Switch/HF style: experts x sum over "
            "experts of token fraction x mean router probability, per MoE layer, averaged over layers; the "
            "routing the experts ran) added to each micro-batch's loss by its share of the batch's loss tokens; "
-           "0 = off", ge=0),
+           "0 = off; refused with learner.backend=megatron", ge=0),
     ] = 0.0
     moe_experts: Annotated[
         Literal["auto", "grouped_mm", "batched_mm", "eager"],

@@ -45,6 +45,7 @@ def main() -> None:
     from async_rl.learner.megatron import cpu as megatron_cpu
     from async_rl.learner.megatron import routing
     from async_rl.learner.megatron.learner import MegatronPolicy, megatron_optimizer
+    from async_rl.learner.moe_metrics import local_metrics
     from async_rl.learner.rl.algorithms import token_logprobs
     from tests.unit._megatron_models import fixed_batch, hf_routes, one_rank_model_parallel, tiny_qwen3_moe
 
@@ -76,12 +77,12 @@ def main() -> None:
             replay.reset()
             with replay.feeding(order, False):
                 live = policy.logprobs(ids)
-            m = replay.counts().metrics()
+            m = local_metrics(replay.stats(), False)
             with replay.feeding(order, True):
                 replayed = policy.logprobs(ids)
             replay.clear()
             off, on = (live - engine_logp).abs(), (replayed - engine_logp).abs()
-            print(f"{lag:>3} {m[routing.AGREEMENT]:>9.3f} {m[routing.AGREEMENT_WORST_LAYER]:>11.3f} "
+            print(f"{lag:>3} {m.router_agreement:>9.3f} {m.router_agreement_worst_layer:>11.3f} "
                   f"{float(off.mean()):>12.2e} {float(on.mean()):>11.2e} {float(off.max()):>8.2e} "
                   f"{float(on.max()):>8.2e}", flush=True)
             train.behav_logp = policy.logprobs(train.input_ids).detach() * train.loss_mask

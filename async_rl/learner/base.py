@@ -107,7 +107,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     episodes: list[EpisodeInfo] = []  # multi-turn episodes of the shard: turns and tool counts
     env_tokens: int = 0  # completion tokens of the shard that the environment wrote (no loss)
     across_updates: int = 0  # samples of the shard whose tokens came from more than one policy version
-    moe: MoeMetrics | None = None  # MoE models (torch backend): routing, the same on every rank
+    moe: MoeMetrics | None = None  # MoE models (torch and megatron backends): routing, the same on every rank
 
 
 def completion_lengths(groups: list[TrajectoryGroup]) -> list[int]:

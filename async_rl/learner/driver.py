@@ -100,6 +100,7 @@ def make_backend(
             row_tokens=spec.learner.pack_row_tokens or spec.generators.max_model_len,
             expert_parallel_size=m.expert_model_parallel_size,
             routing_replay=spec.learner.routing_replay,
+            moe_aux_loss_coef=spec.learner.moe_aux_loss_coef,
         )
     raise RunError(f"learner.backend={spec.learner.backend} has no model backend for the learner driver yet")
 

@@ -64,3 +64,13 @@ class RouterTally:
             mismatch_replay=on_abs / on_n if probe is not None and on_n else None,
             mismatch_live=live_abs / live_n if probe is not None and live_n else None,
         )
+
+
+def local_metrics(stats: RouterStats, replay: bool) -> MoeMetrics:
+    """The metrics of one rank's router statistics alone (no collective, no probe): benchmarks and tests that
+    run a model's forwards outside the driver."""
+    layers, experts = stats.load.shape
+    tally = RouterTally(MoeShape(layers=layers, experts=experts, top_k=0), stats.load.device)
+    tally.add(stats)
+    unrouted = int(stats.tokens - stats.routed)
+    return tally.metrics(replay, unrouted, None, lambda x: x)

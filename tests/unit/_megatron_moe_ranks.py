@@ -10,6 +10,7 @@ full weights under HF names before and after one training step (rank 0), and the
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -68,6 +69,7 @@ def run_moe_rank(rank: int, world: int, port: int, kind: str, tp: int, ep: int, 
     from async_rl.learner.megatron import cpu as megatron_cpu
     from async_rl.learner.megatron import routing
     from async_rl.learner.megatron.learner import MegatronPolicy, megatron_optimizer
+    from async_rl.learner.moe_metrics import local_metrics
     from tests.unit._megatron_models import fixed_batch, tiny_moe
 
     torch.set_num_threads(1)
@@ -96,10 +98,11 @@ def run_moe_rank(rank: int, world: int, port: int, kind: str, tp: int, ep: int, 
         forced = forced_routes(rows * cols, arch.num_layers, arch.num_experts, arch.moe_top_k)
         with replay.feeding(None, replay=False):
             live = policy.logprobs(b.input_ids)
+        replay.reset()  # the replayed forward's counts alone
         with replay.feeding(routing.token_routes(forced.reshape(rows, cols, *forced.shape[1:]), rows, cols, False), True):
             replayed = policy.logprobs(b.input_ids)
         ran = replay.ran()
-        counts = replay.counts().metrics()
+        counts = local_metrics(replay.stats(), True)
         mask = torch.zeros(rows, cols - 1)
         mask[:, cols // 2:] = 1.0
         with replay.feeding(routing.token_routes(forced.reshape(rows, cols, *forced.shape[1:]), rows, cols, False), True):
@@ -127,8 +130,10 @@ def run_moe_backend_rank(rank: int, world: int, port: int, model_dir: str, ep: i
     """MegatronBackend on one rank of an MoE model (EP=`ep`, learner.routing_replay auto): scores of a
     packed micro-batch with forced routes (some rows without one) replayed and not, the experts run,
     a replay of the live choices, the routing metrics, and one training step with replay."""
+    from async_rl.learner.base import MoeMetrics
     from async_rl.learner.batch import packing
     from async_rl.learner.megatron.backend import MegatronBackend
+    from async_rl.learner.moe_metrics import RouterTally
     from tests.unit._megatron_ranks import seq_samples
 
     torch.set_num_threads(1)
@@ -146,32 +151,77 @@ def run_moe_backend_rank(rank: int, world: int, port: int, model_dir: str, ep: i
         routes = routes.reshape(rows, cols, arch.num_layers, arch.moe_top_k).to(torch.int32)
         routes[0, 2:5] = -1  # tokens the engine recorded no route for
         mb.routes = routes
-        backend.moe_metrics()
         replayed = backend.score(mb, 1.0)
         ran_replayed = backend.routing.ran()
-        metrics = backend.moe_metrics()
         live = backend.score_routing(mb, 1.0, replay=False)
         ran_live = backend.routing.ran()
-        backend.moe_metrics()
         # the live choices as routes: replaying them gives the live log-probs
         order = "row" if backend.packed_as == "row" else "mask"
         as_rows = (ran_live.reshape(1, rows, cols, *ran_live.shape[1:])[0] if order == "row"
                    else ran_live.reshape(cols, rows, *ran_live.shape[1:]).transpose(0, 1))
-        mb.routes = as_rows.to(torch.int32)
+        own = as_rows.to(torch.int32)
+        own[0, 2:5] = -1
+        mb.routes = own
         replayed_live = backend.score(mb, 1.0)
+        tokens = mb.loss_tokens
+
+        def step_metrics(step: bool) -> tuple[MoeMetrics, float]:
+            """A gradient pass on `mb` as the driver runs it: the router statistics of each micro-batch's
+            forward into a `RouterTally`, reduced over the data-parallel ranks; one update when `step`."""
+            tally = RouterTally(backend.moe, backend.device)
+            unrouted = []
+
+            def loss_fn(i, s):
+                tally.add(s.router)
+                unrouted.append(float(s.router.tokens - s.router.routed))
+                return -(s.logp * mb.loss_mask.to(s.logp.device)).sum() / tokens
+
+            backend.forward_backward([mb], 1.0, loss_fn)
+            metrics = tally.metrics(backend.replays_routes, int(sum(unrouted)), None, backend.all_reduce)
+            if not step:
+                backend.drop_gradients()
+                return metrics, math.nan
+            return metrics, backend.optimizer_step(1e-3, 1e9)
+
+        own_metrics, _ = step_metrics(step=False)  # the model's own routes: every routed token agrees
         mb.routes = routes
         backend.gather_weights()
         before = {n: t.clone() for n, t in backend.hf_weights().items()} if rank == 0 else None
-        tokens = mb.loss_tokens
-        backend.forward_backward([mb], 1.0, lambda i, s: -(s.logp * mb.loss_mask.to(s.logp.device)).sum() / tokens)
-        grad_norm = backend.optimizer_step(1e-3, 1e9)
+        metrics, grad_norm = step_metrics(step=True)
         backend.gather_weights()
         after = backend.hf_weights() if rank == 0 else None
         torch.save({
             "routes": routes, "packed_as": backend.packed_as, "replayed": replayed.logp, "live": live.logp,
             "replayed_live": replayed_live.logp, "ran_replayed": ran_replayed, "metrics": metrics,
+            "own_metrics": own_metrics, "moe": backend.moe, "replays_routes": backend.replays_routes,
             "loss_mask": mb.loss_mask, "grad_norm": grad_norm, "before": before, "after": after,
-            "train_metrics": backend.moe_metrics(),
         }, Path(out_dir) / f"rank{rank}.pt")
     finally:
         backend.shutdown()
+
+
+def run_moe_driver_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """A LearnerDriver with learner.backend=megatron on one rank of a Qwen3-MoE (learner.routing_replay auto,
+    the mismatch probe on): a step on groups carrying the model's own routes, then one on random routes with
+    some rows missing; writes both steps' `MoeMetrics` and the rows without a route."""
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.learner.driver import LearnerDriver
+    from tests.unit._learner_fixtures import groups, settings
+    from tests.unit._moe_fixtures import random_routes, with_routes
+
+    torch.set_num_threads(1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    spec = settings(model_dir, backend="megatron", device="cpu", routing_probe_samples=4)
+    driver = LearnerDriver(spec, rank, world, f"127.0.0.1:{port}", [])
+    driver.setup()
+    try:
+        own = driver.train_on_shard(0, with_routes(hf, groups(4 + rank, n_groups=3, group_size=3))).moe
+        shard = random_routes(groups(8 + rank, n_groups=3, group_size=3), 2, 2, 8, seed=5 + rank, missing_every=4)
+        missing = sum(len(range(0, len(r), 4)) for g in shard for r in g.routes)
+        randomly = driver.train_on_shard(1, shard).moe
+        moe = driver.backend.moe
+        torch.save({"own": own, "random": randomly, "missing": missing, "moe": (moe.layers, moe.experts, moe.top_k)},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        driver.backend.shutdown()

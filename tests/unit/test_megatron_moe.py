@@ -19,6 +19,7 @@ from async_rl.learner.megatron import convert as mcv  # noqa: E402
 from async_rl.learner.megatron import cpu as megatron_cpu  # noqa: E402
 from async_rl.learner.megatron import model as mm  # noqa: E402
 from async_rl.learner.megatron import routing  # noqa: E402
+from async_rl.learner.moe_metrics import local_metrics  # noqa: E402
 from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_models import (  # noqa: E402
     hf_routes,
@@ -139,12 +140,12 @@ def test_logprobs_match_the_hf_model_and_the_live_routes_are_hfs(pair):
     assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
     live = _megatron_order_to_rows(replay.ran(), b, t)
     assert torch.equal(_sorted(live), _sorted(_as_rows(seen, b, t)))
-    assert float(replay.counts().load.sum()) == b * t * arch.num_layers * arch.moe_top_k
+    assert float(replay.stats().load.sum()) == b * t * arch.num_layers * arch.moe_top_k
     # replaying the live choices (what an engine on the same weights records) changes nothing
     replay.reset()
     got = _megatron_logprobs(model, arch, ids, replay, _as_rows(seen, b, t), on=True)
     assert torch.allclose(got, ref, atol=1e-5, rtol=0)
-    assert replay.counts().metrics()[routing.AGREEMENT] == 1.0
+    assert local_metrics(replay.take(), True).router_agreement == 1.0
 
 
 def test_replay_runs_the_given_routes_and_matches_hf_on_the_same_routes(pair):
@@ -166,13 +167,13 @@ def test_replay_runs_the_given_routes_and_matches_hf_on_the_same_routes(pair):
     # the agreement of the live router with these routes, as counted on the host
     live = _sorted(live_seen)
     agree_layer = (live == _sorted(forced)).all(dim=-1)  # [tokens, layers]
-    counts = replay.counts()
-    assert float(counts.routed) == b * t and float(counts.unrouted) == 0
-    assert counts.agree_layer.tolist() == agree_layer.sum(dim=0).double().tolist()
-    assert float(counts.agree_all) == float(agree_layer.all(dim=1).sum())
-    metrics = counts.metrics()
-    assert metrics[routing.AGREEMENT] == pytest.approx(float(agree_layer.all(dim=1).double().mean()))
-    assert metrics[routing.AGREEMENT_WORST_LAYER] == pytest.approx(float(agree_layer.double().mean(dim=0).min()))
+    stats = replay.stats()
+    assert float(stats.routed) == float(stats.tokens) == b * t
+    assert stats.agree_layer.tolist() == agree_layer.sum(dim=0).double().tolist()
+    assert float(stats.agree_all) == float(agree_layer.all(dim=1).sum())
+    metrics = local_metrics(stats, True)
+    assert metrics.router_agreement == pytest.approx(float(agree_layer.all(dim=1).double().mean()))
+    assert metrics.router_agreement_worst_layer == pytest.approx(float(agree_layer.double().mean(dim=0).min()))
 
 
 def test_tokens_without_a_route_take_the_live_router_and_are_counted(pair):
@@ -195,10 +196,10 @@ def test_tokens_without_a_route_take_the_live_router_and_are_counted(pair):
     assert torch.equal(ran[routed], forced[routed])
     assert torch.equal(_sorted(ran[1]), _sorted(live[1]))  # the sample without routes runs as the live model
     assert not torch.equal(_sorted(ran[0]), _sorted(live[0]))  # (its neighbours' replay does not reach it)
-    counts = replay.counts()
-    assert float(counts.unrouted) == int((routes[..., 0, 0] == -1).sum()) == 1 + 3 + t
-    assert float(counts.routed) == int(routed.sum()) == b * t - (1 + 3 + t) - (t - 10)
-    assert float(counts.load.sum()) == (b * t - (t - 10)) * arch.num_layers * arch.moe_top_k  # padding left out
+    stats = replay.stats()
+    assert float(stats.tokens - stats.routed) == int((routes[..., 0, 0] == -1).sum()) == 1 + 3 + t
+    assert float(stats.routed) == int(routed.sum()) == b * t - (1 + 3 + t) - (t - 10)
+    assert float(stats.load.sum()) == (b * t - (t - 10)) * arch.num_layers * arch.moe_top_k  # padding left out
 
 
 def test_replay_gives_the_router_a_gradient(pair):
@@ -248,7 +249,7 @@ def test_activation_recompute_replays_the_same_routes(pair):
     got = _replayed_grads(recomputed, arch, replay_rc, ids, order)
     for name, g in want.items():
         assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-4), name
-    assert float(replay_rc.counts().load.sum()) == b * t * arch.num_layers * arch.moe_top_k  # one forward's
+    assert float(replay_rc.stats().load.sum()) == b * t * arch.num_layers * arch.moe_top_k  # one forward's
     replay_rc.clear()
     assert all(layer.target is None for layer in replay_rc.layers)
 
@@ -308,14 +309,14 @@ def test_dense_layers_among_expert_layers_are_refused():
         mcv.arch_from_hf_config(Qwen3MoeConfig(**cfg))
 
 
-def _backend(arch, setting: str = "auto"):
+def _backend(arch, setting: str = "auto", aux: float = 0.0):
     """A MegatronBackend that has read `arch` (no process group: what its routing checks read)."""
     from async_rl.learner.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(rank=0, world_size=1, master="127.0.0.1:0", tensor_parallel_size=1,
                               pipeline_parallel_size=1, dtype="float32", lr=1e-3, weight_decay=0.0, max_grad_norm=1.0,
                               distributed_optimizer=False, transformer_engine="off", device="cpu", seed=0,
-                              routing_replay=setting)
+                              routing_replay=setting, moe_aux_loss_coef=aux)
     backend.arch, backend.device = arch, torch.device("cpu")
     return backend
 
@@ -337,3 +338,24 @@ def test_replay_on_a_dense_model_and_routes_of_another_shape_are_refused_in_one_
         _backend(arch)._routes(mb, rows, cols, one_row=False)
     mb.routes = torch.zeros(rows, cols, arch.num_layers, arch.moe_top_k, dtype=torch.int32)
     assert _backend(arch)._routes(mb, rows, cols, one_row=False).shape == (rows * cols, arch.num_layers, arch.moe_top_k)
+
+
+def test_a_load_balancing_loss_is_refused_in_one_line_on_an_moe_model_only():
+    from async_rl.errors import RunError
+    from tests.unit._megatron_models import tiny_llama
+
+    with pytest.raises(RunError, match="learner.moe_aux_loss_coef=0.01 is not supported by learner.backend=megatron"):
+        _backend(mcv.arch_from_hf_config(tiny_qwen3_moe().config), aux=0.01)._setup_routing(0)
+    dense = _backend(mcv.arch_from_hf_config(tiny_llama().config), aux=0.01)
+    dense._setup_routing(0)  # a dense model has no router to balance: the coefficient changes nothing
+    assert dense.moe is None and not dense.replays_routes
+
+
+def test_the_launcher_refuses_a_load_balancing_loss_with_megatron_before_anything_starts():
+    from async_rl.config import LearnerConfig
+    from async_rl.learner.moe_settings import settings_error
+
+    megatron = LearnerConfig(backend="megatron", moe_aux_loss_coef=0.01)
+    assert "learner.moe_aux_loss_coef=0.01 is not supported by learner.backend=megatron" in settings_error(megatron, 8)
+    assert settings_error(megatron, 0) is None  # dense: nothing to balance
+    assert settings_error(LearnerConfig(backend="torch", moe_aux_loss_coef=0.01), 8) is None

@@ -57,14 +57,27 @@ def test_replay_changes_the_log_probs_and_replaying_the_live_routes_does_not(run
         assert torch.allclose(r["replayed_live"], r["live"], atol=1e-5, rtol=0)
 
 
-def test_metrics_count_every_data_parallel_ranks_tokens(run):
+def test_the_backend_states_the_routing_shape_and_replays_by_default(run):
     _, ranks = run
-    m = ranks[0]["metrics"]
-    assert m == ranks[1]["metrics"]  # reduced over the two data-parallel ranks
-    assert m["moe_unrouted_tokens"] == 2 * 3
-    assert 0.0 <= m["router_agreement"] < 0.5 and m["router_agreement"] <= m["router_agreement_worst_layer"]
-    assert m["expert_load_max_mean"] >= 1.0
-    assert ranks[0]["train_metrics"]["moe_unrouted_tokens"] == 2 * 3  # the training pass counts too
+    for r in ranks.values():
+        assert (r["moe"].layers, r["moe"].experts, r["moe"].top_k) == (2, 8, 2)
+        assert r["replays_routes"]  # learner.routing_replay auto on an MoE model
+
+
+def test_the_training_pass_reports_router_statistics_the_driver_tallies(run):
+    """The gradient pass returns each forward's `RouterStats` in `TokenScores.router`; `RouterTally`
+    reduces them over the data-parallel ranks into the same `MoeMetrics` as the torch backend's."""
+    _, ranks = run
+    m, own = ranks[0]["metrics"], ranks[0]["own_metrics"]
+    assert m == ranks[1]["metrics"] and own == ranks[1]["own_metrics"]  # reduced over the two ranks
+    tokens = int(ranks[0]["loss_mask"].shape[0] * ranks[0]["loss_mask"].shape[1])
+    for metrics in (m, own):
+        assert metrics.replay and metrics.unrouted_tokens == 2 * 3  # the rows without a route, on each rank
+        assert metrics.routed_tokens <= 2 * tokens - 2 * 3
+        assert metrics.expert_load_max_mean >= 1.0
+    # the model's own routes: the live router agrees everywhere; random routes: mostly not
+    assert own.router_agreement == 1.0 and own.router_agreement_worst_layer == 1.0
+    assert 0.0 <= m.router_agreement < 0.5 and m.router_agreement <= m.router_agreement_worst_layer
 
 
 def test_a_training_step_with_replay_moves_every_weight(run):

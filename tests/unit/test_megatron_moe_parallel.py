@@ -75,7 +75,7 @@ def test_the_replayed_experts_are_the_forced_ones_for_every_token(run):
         ran = r["ran"].reshape(cols, rows, *r["ran"].shape[1:]).transpose(0, 1)  # megatron's [T, B] order
         stage = slice(r["first_layer"], r["first_layer"] + ran.shape[2])  # a pipeline stage's MoE layers
         assert torch.equal(ran, forced[:, :, stage])
-        assert r["metrics"]["moe_unrouted_tokens"] == 0.0 and r["metrics"]["router_agreement"] < 1.0
+        assert r["metrics"].unrouted_tokens == 0 and r["metrics"].router_agreement < 1.0
 
 
 def _hf_grads(hf, ids: torch.Tensor, mask: torch.Tensor, forced: torch.Tensor | None) -> dict[str, torch.Tensor]:

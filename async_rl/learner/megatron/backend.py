@@ -58,10 +58,12 @@ from async_rl.learner.megatron.attention import packed_row
 from async_rl.learner.megatron.attention import resolve as resolve_attention
 from async_rl.learner.megatron.convert import stage_layers
 from async_rl.learner.megatron.head import VocabShard, chunked_scores
-from async_rl.learner.megatron.routing import RoutingCounts, RoutingReplay, check_layout, token_routes
+from async_rl.learner.megatron.routing import RoutingReplay, check_layout, token_routes
 from async_rl.learner.model.attention import AttentionLayout, Segments, cumulative, varlen_layout
 from async_rl.learner.model.head import keeps_logits
 from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
+from async_rl.learner.model.moe import MoeShape
+from async_rl.learner.moe_settings import megatron_aux_loss_error
 from async_rl.learner.rendezvous import join_group
 from async_rl.protocol import TrajectoryGroup
 
@@ -262,6 +264,7 @@ class MegatronBackend(ModelBackend):
         keep_logits: bool | str = "auto",
         expert_parallel_size: int = 1,
         routing_replay: str = "auto",
+        moe_aux_loss_coef: float = 0.0,
     ) -> None:
         """`micro_batch_tokens` and `row_tokens` (the widest row a micro-batch can have) size the
         start-up line without Transformer Engine (`megatron.memory`); they change nothing else.
@@ -269,14 +272,16 @@ class MegatronBackend(ModelBackend):
         `head_kernel` (learner.head_kernel): the chunked head's per-chunk kernel, decided in `setup` (auto on
         CUDA with one model-parallel rank: measured, `head_probe`; else compiled on CUDA, eager on CPU).
         `keep_logits` (learner.logprob_keep_logits): the chunked head keeps its logits for the backward.
-        `expert_parallel_size` (learner.megatron.expert_model_parallel_size) and `routing_replay`
-        (learner.routing_replay): MoE models (`megatron.routing`)."""
+        `expert_parallel_size` (learner.megatron.expert_model_parallel_size), `routing_replay`
+        (learner.routing_replay) and `moe_aux_loss_coef` (learner.moe_aux_loss_coef, refused above 0):
+        MoE models (`megatron.routing`)."""
         self.rank, self.world_size, self.master = rank, world_size, master
         self.rendezvous_store = rendezvous_store  # rank 0's store at `master`, or None (`rendezvous.join_group`)
         self.tp, self.pp, self.ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         self.routing_setting = routing_replay
+        self.moe_aux_loss_coef = moe_aux_loss_coef
         self.routing: RoutingReplay | None = None  # MoE models: the routers' replay and counts
-        self.replays = False  # MoE models with learner.routing_replay on/auto: routed tokens run their routes
+        self.replays_routes = False  # MoE models with learner.routing_replay on/auto: routed tokens run their routes
         self.dtype = getattr(torch, dtype)
         self.lr, self.weight_decay, self.max_grad_norm = lr, weight_decay, max_grad_norm
         self.distributed_optimizer = distributed_optimizer
@@ -377,9 +382,12 @@ class MegatronBackend(ModelBackend):
                 raise RunError(f"learner.routing_replay=on needs a mixture-of-experts model, not the dense "
                                f"{self.arch.model_type}")
             return
-        self.replays = self.routing_setting != "off"
+        if why := megatron_aux_loss_error(self.moe_aux_loss_coef):
+            raise RunError(why)
+        self.moe = MoeShape(layers=self.arch.num_layers, experts=self.arch.num_experts, top_k=self.arch.moe_top_k)
+        self.replays_routes = self.routing_setting != "off"
         try:
-            check_layout(self.pp, self.recompute, self.replays)
+            check_layout(self.pp, self.recompute, self.replays_routes)
         except ConfigError as e:
             raise RunError(str(e)) from None
         # every layer is an MoE layer (`convert.arch_from_hf_config`): the stage's first is its first layer
@@ -396,25 +404,6 @@ class MegatronBackend(ModelBackend):
             raise RunError(f"megatron routing replay: routes of shape {tuple(mb.routes.shape)} for a micro-batch of "
                            f"{tuple(mb.input_ids.shape)} tokens and a model of {want[0]} MoE layers, top-{want[1]}")
         return token_routes(mb.routes.to(self.device, non_blocking=True), rows, cols, one_row)
-
-    def moe_metrics(self) -> dict[str, float]:
-        """The routing metrics of the forwards since the last call (`routing.RoutingCounts.metrics`),
-        summed over the data-parallel ranks (collective over them; TP ranks count the same tokens),
-        for this pipeline stage's MoE layers; {} for a dense model."""
-        from megatron.core import parallel_state
-
-        if self.routing is None:
-            return {}
-        counts = self.routing.counts()
-        self.routing.reset()
-        if self.info.dp_size > 1:
-            flat = torch.cat([counts.routed[None], counts.agree_all[None], counts.unrouted[None],
-                              counts.agree_layer, counts.load.reshape(-1)])
-            dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-            layers = counts.agree_layer.numel()
-            counts = RoutingCounts(routed=flat[0], agree_all=flat[1], unrouted=flat[2], agree_layer=flat[3:3 + layers],
-                                   load=flat[3 + layers:].reshape(counts.load.shape))
-        return counts.metrics()
 
     def _probe_head(self) -> HeadProbe | None:
         """learner.head_kernel auto on CUDA where one model-parallel rank holds the whole output layer
@@ -486,7 +475,7 @@ class MegatronBackend(ModelBackend):
             feeding = contextlib.nullcontext()
             if self.routing is not None:  # MoE: this micro-batch's routes, or the live router
                 routes = self._routes(mb, rows, cols, one_row and mb.position_ids is not None)
-                feeding = self.routing.feeding(routes, self.replays)
+                feeding = self.routing.feeding(routes, self.replays_routes)
             with at, feeding:
                 output = model(ids, positions, mask, packed_seq_params=packed)
 
@@ -526,11 +515,11 @@ class MegatronBackend(ModelBackend):
         probe: the engine's log-probs against the learner's, both ways)."""
         if self.routing is None:
             raise RunError("megatron: score_routing on a dense model")
-        setting, self.replays = self.replays, replay
+        setting, self.replays_routes = self.replays_routes, replay
         try:
             return self.score(mb, temperature)
         finally:
-            self.replays = setting
+            self.replays_routes = setting
 
     @property
     def takes_block_masks(self) -> bool:
@@ -665,10 +654,20 @@ class MegatronBackend(ModelBackend):
         # the host mask's nonzero for padded rows): the device sees no data-dependent op
         index = [mb.head_index().to(self.device, non_blocking=True) for mb in mbs]
 
+        # One pipeline stage: the loss of a micro-batch follows its forward (its recompute counts nothing),
+        # so the routers' counts since the last `take` are that forward's. With several stages the last one
+        # holds its own layers' counts only: no statistics (the driver then reports no agreement).
+        routing = self.routing if self.pp == 1 else None
+
         def loss(i: int, logits: torch.Tensor, m: MicroBatch, _as_rows) -> torch.Tensor:
             # the entropy is always logged; it carries a gradient only where the loss uses it
-            return loss_fn(i, self._scores(logits, m, temperature, index[i], with_entropy=True)) * scale
+            scores = self._scores(logits, m, temperature, index[i], with_entropy=True)
+            if routing is not None:
+                scores.router = routing.take()
+            return loss_fn(i, scores) * scale
 
+        if routing is not None:
+            routing.reset()  # the scoring passes' counts are not this step's
         self._snapshot = None
         self._run(mbs, temperature, False, loss)
 

@@ -30,47 +30,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from async_rl.errors import ConfigError
-
-# metrics.jsonl names: flat, as the learner's other step metrics (clip_frac, grad_norm), and the torch
-# backend's for the same quantities (its StepRecord fields)
-AGREEMENT = "router_agreement"  # routed tokens whose live top-k set equals the route in every MoE layer
-AGREEMENT_WORST_LAYER = "router_agreement_worst_layer"  # the lowest per-layer agreement
-WORST_LAYER = "router_worst_layer"  # which (this stage's MoE layers, in order)
-EXPERT_LOAD = "expert_load_max_mean"  # tokens of the busiest expert / the mean, worst layer
-ROUTED = "moe_routed_tokens"  # tokens with a recorded route
-UNROUTED = "moe_unrouted_tokens"  # tokens (not padding) the live router took: no route recorded
-
-
-@dataclass
-class RoutingCounts:
-    """Routing counts of the forwards since the last `reset` (this rank's tokens; device tensors)."""
-
-    routed: torch.Tensor  # float64 []: tokens with a recorded route (counted in the first layer)
-    agree_all: torch.Tensor  # float64 []: of those, tokens whose live top-k equals the route in every layer
-    agree_layer: torch.Tensor  # float64 [layers]: per layer, routed tokens whose live top-k equals the route
-    unrouted: torch.Tensor  # float64 []: tokens (not padding) without a route
-    load: torch.Tensor  # float64 [layers, experts]: tokens per expert of the routing the experts ran
-
-    def metrics(self) -> dict[str, float]:
-        """The step metrics of these counts (one host read)."""
-        routed = float(self.routed)
-        layer = (self.agree_layer / max(routed, 1.0)).tolist()
-        worst = min(range(len(layer)), key=layer.__getitem__) if layer else 0
-        mean = self.load.mean(dim=1).clamp(min=1e-9)
-        return {
-            AGREEMENT: float(self.agree_all) / routed if routed else float("nan"),
-            AGREEMENT_WORST_LAYER: layer[worst] if routed and layer else float("nan"),
-            WORST_LAYER: float(worst),
-            EXPERT_LOAD: float((self.load.max(dim=1).values / mean).max()) if self.load.numel() else float("nan"),
-            ROUTED: routed,
-            UNROUTED: float(self.unrouted),
-        }
-
+from async_rl.learner.batch.routes import ROUTE_PAD as PAD  # padding: left out of the counts; -1: live
+from async_rl.learner.model.moe import RouterStats
 
 TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -127,9 +92,6 @@ class LayerReplay:
             self.agree_count += same.sum()
 
 
-PAD = -2  # a route row of padding (no token): left out of the counts; -1 and other negatives: live
-
-
 class RoutingReplay:
     """The `LayerReplay`s of one rank's GPTModel (its pipeline stage's MoE layers, in order)."""
 
@@ -179,6 +141,8 @@ class RoutingReplay:
                 layer.counting = False
             if routes is not None:
                 self._count_tokens(routes[:, self.first_layer])
+            elif self.layers[0].ran is not None:  # no routes: every token (padding too) took the live router
+                self._unrouted = self._unrouted + self.layers[0].ran.shape[0]
 
     def clear(self) -> None:
         """No replay target left in place: later forwards route live (the end of a schedule's run)."""
@@ -202,16 +166,26 @@ class RoutingReplay:
             raise RuntimeError("routing replay: no forward counted yet")
         return torch.stack([layer.ran for layer in self.layers], dim=1)
 
-    def counts(self) -> RoutingCounts:
+    def stats(self) -> RouterStats:
+        """The routing statistics of the forwards since the last `reset` (this rank's tokens, this stage's
+        MoE layers; device tensors), as the torch backend's routers report theirs (`RouterTally` sums them)."""
         dev = self.layers[0].load.device
-        zero = torch.zeros((), dtype=torch.float64, device=dev)
-        return RoutingCounts(
-            routed=self._routed.to(dev),
-            agree_all=zero if self._agree_all is None else self._agree_all.to(dev),
+        routed, unrouted = self._routed.to(dev), self._unrouted.to(dev)
+        return RouterStats(
+            routed=routed,
+            agree_all=torch.zeros((), dtype=torch.float64, device=dev) if self._agree_all is None
+            else self._agree_all.to(dev),
             agree_layer=torch.stack([layer.agree_count.to(dev) for layer in self.layers]),
-            unrouted=self._unrouted.to(dev),
+            tokens=routed + unrouted,
             load=torch.stack([layer.load.to(dev) for layer in self.layers]),
+            aux_loss=None,  # learner.moe_aux_loss_coef > 0 is refused with megatron
         )
+
+    def take(self) -> RouterStats:
+        """`stats`, then `reset`: the statistics of one forward when reset before it."""
+        stats = self.stats()
+        self.reset()
+        return stats
 
     def reset(self) -> None:
         for layer in self.layers:
