@@ -10,6 +10,7 @@ reports the step's metrics (entropy included), holds the weights lock, serves th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -525,8 +526,10 @@ class LearnerDriver(LearnerRank):
 
     def probe_logprobs(self, max_samples: int) -> Probe:
         """Log-probs of the current weights on completion tokens of the last batch (temperature 1, the
-        same convention as vLLM's prompt log-probs): compared with a generator scoring the same tokens."""
-        samples = self._last_samples[:max_samples]
+        same convention as vLLM's prompt log-probs): compared with a generator scoring the same tokens.
+        Scored with the live router: the engine scores the probe with its own live router on the same
+        weights, so an MoE sample's recorded routes (the older policy's choices) are not replayed here."""
+        samples = [dataclasses.replace(x, routes=None) for x in self._last_samples[:max_samples]]
         with self._weights_lock:
             values = self._score(samples, 1.0)
         # The model's tokens only: a multi-turn episode's environment tokens were never sampled.

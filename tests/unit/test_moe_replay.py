@@ -288,3 +288,20 @@ def test_moe_metrics_reach_the_record_and_the_console_line():
     assert "moe replay on agree 90.0% worst 95.0% (layer 1) load max/mean 1.50 unrouted 7" in line
     assert "mismatch replay 1.0e-06 live 2.0e-03" in line
     assert b'"router_agreement":0.9' in msgspec.json.encode(r)
+
+
+def test_the_sync_probe_scores_with_the_live_router(moe_model_dir):
+    """After a sync the engine scores the probe with its live router on the new weights: the learner's side
+    of the probe does too, not the batch's recorded routes (an older policy's choices: with them the
+    probe of a tiny-qwen3-moe run read 8.6e-3 where the weights were equal)."""
+    import dataclasses
+
+    gs = random_routes(shard(11), LAYERS, TOP_K, EXPERTS, seed=11)
+    rank = make_rank(moe_model_dir, routing_replay="on")
+    rank.train_on_shard(0, gs)
+    probe = rank.probe_logprobs(4)
+    live = rank.compute_logprobs([dataclasses.replace(g, routes=None) for g in gs], 1.0)[:4]
+    replayed = rank.compute_logprobs(gs, 1.0)[:4]
+    for got, want in zip(probe.logprobs, live, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    assert max(float(np.abs(np.asarray(p) - r).max()) for p, r in zip(probe.logprobs, replayed, strict=True)) > 1e-4
