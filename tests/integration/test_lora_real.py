@@ -273,8 +273,11 @@ def test_samples_carry_adapter_versions_within_max_lag(run):
     # a batch's mean sample version is its step minus its mean lag: the 4th batch holds samples that
     # trained adapters (versions >= 1) generated, and none older than max_lag allows
     assert run.records[-1]["step"] - run.records[-1]["lag_mean"] > 0
-    # the resumed run's engines started from the checkpoint's adapter (version 2): no older sample
-    assert all(r["step"] - r["lag_max"] >= 2 for r in run.records[2:])
+    # The resumed run's engines start from the checkpoint's adapter (version 2), but the checkpoint also
+    # keeps the groups generated and not yet trained (docs/operations.md), and the resumed run trains
+    # them first: a resumed batch may hold samples of older adapters, never older than max_lag allows
+    # (checked above for every batch), and none is lost across the kill.
+    assert run.records[-1]["lost"] == 0
 
 
 def test_a_sync_is_adapter_sized(run):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
 import warnings
 from importlib.metadata import distributions
 from pathlib import Path
@@ -50,7 +51,11 @@ def test_a_venv_made_by_make_install_holds_exactly_the_pinned_versions():
     if not (Path(sys.prefix) / ".installed").is_file():  # the Makefile's stamp
         pytest.skip(f"not a venv made by `make install` ({sys.prefix} has no .installed stamp)")
     expected = pins(CPU)
-    have = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
+    # The venv's own site-packages only: once setuptools is imported its vendored copies (packaging,
+    # platformdirs, typing-extensions, with dist-info of their own) are on sys.path too, and a plain
+    # distributions() then reads their older versions in place of the installed ones (seen in CI).
+    site = sysconfig.get_paths()["purelib"]
+    have = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions(path=[site])}
     have = {name: v for name, v in have.items() if name not in NOT_FROZEN}
     differ = sorted(f"{n} {have[n]} (pinned {expected[n]})" for n in have.keys() & expected.keys() if have[n] != expected[n])
     missing = sorted(expected.keys() - have.keys())

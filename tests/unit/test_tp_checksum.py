@@ -6,6 +6,7 @@ not, which is what the old check compared."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -177,6 +178,8 @@ def test_weight_reload_runs_inside_vllms_config_context():
 
     worker = StubWorker()
     worker.vllm_config = VllmConfig()
+    # the receiver names experts by the served model's type (weight_sync/expert_names.py): a dense one here
+    worker.vllm_config.model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen2"))
     worker.model_runner = Runner()
     worker._async_rl_receiver = Receiver()
     worker.async_rl_receive_weights(1)
