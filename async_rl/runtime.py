@@ -27,6 +27,7 @@ from async_rl.config import Config
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.base import LearnerSpec
 from async_rl.learner.driver import LearnerDriver
+from async_rl.learner.host_memory import LEARNER_ENV
 from async_rl.reward_models.pool import RewardModelPool
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.reward_models.setup import reward_model_pool
@@ -35,6 +36,14 @@ from async_rl.teacher.setup import check_tokenizers, teacher_dir, teacher_pool
 
 START_TIMEOUT_S = 600.0
 
+
+
+def learner_actor_options(placement: dict[str, Any]) -> dict[str, Any]:
+    """A learner rank's Ray actor options beside its placement: calls at once (a weight sync or buffer
+    redirect while train_step waits for a batch, the controller's pending `watch` (death_watch.py), a
+    liveness probe beside them), and one malloc arena for the threads that run them
+    (learner/host_memory.py: else each pool thread keeps a step's peak, and the rank grows step after step)."""
+    return {**placement, "max_concurrency": 4, "runtime_env": {"env_vars": dict(LEARNER_ENV)}}
 
 class Runtime:
     def __init__(
@@ -182,9 +191,7 @@ class Runtime:
         world, ranks = cfg.learner.world_size, self.plan.learner_ranks
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
-            # Calls at once: a weight sync or buffer redirect while train_step waits for a batch, the
-            # controller's pending `watch` (death_watch.py), and a liveness probe beside them.
-            options = {**options, "max_concurrency": 4}
+            options = learner_actor_options(options)
             return ray.remote(learner_cls).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
 
         return WorkerGroup(pool, make, lambda a: ray.get(a.rendezvous_address.remote()))

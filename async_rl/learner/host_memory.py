@@ -1,4 +1,16 @@
-"""Host memory of a learner rank: give freed tensors back to the OS (glibc's mmap threshold).
+"""Host memory of a learner rank: one malloc arena (set at process start), and optionally freed
+tensors given back to the OS (glibc's mmap threshold).
+
+**One arena.** A learner rank is a Ray actor with several calls in flight (`max_concurrency`: a weight
+sync or a liveness probe beside `train_step`), and Ray runs each call on one of its pool's threads.
+glibc gives each thread that allocates its own malloc arena (up to 8 per core) and an arena keeps
+what its thread freed, so every pool thread that ever ran a step holds that step's peak: a learner
+rank of SmolLM2-135M on configs/smollm2_arith.yaml grew from 4 GB to 10 GB in 4 steps and 13 GB in 6
+(2026-11-28, ~1.5 GB a step), the machine's memory ran out and Ray killed the rank, whose
+replacement started again from the initial weights: the run stopped learning without failing. The
+same run with `MALLOC_ARENA_MAX=1` stayed at 6.0 GB from step 2 to step 6. glibc reads the limit only
+when the process starts (the first thread's arena sizing is fixed before any actor code runs), so it
+is set in the actor's environment (`LEARNER_ENV`, runtime.py), not by `mallopt` here.
 
 torch's CPU allocator takes every tensor from malloc. glibc serves an allocation above its mmap
 threshold with its own mmap, unmapped again on free, but the threshold is dynamic: the first time
@@ -25,6 +37,11 @@ import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
+
+# The learner rank's process environment (Ray's runtime_env env_vars; merged with the job's): one
+# malloc arena for all its threads. Only concurrent allocations contend for it, and a rank's step
+# runs on one thread at a time.
+LEARNER_ENV = {"MALLOC_ARENA_MAX": "1"}
 
 
 def set_malloc_mmap_threshold(kb: int) -> bool:
