@@ -34,9 +34,8 @@ SHAPES: dict[str, PresetShape] = {
     "tiny-qwen2": PresetShape(128, 256, 2, 4, 2),
     "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
 }
-# Mixture-of-experts presets (models/tiny_moe.py), the same tokenizer: model builder by name.
-MOE_BUILDERS = {"tiny-qwen3-moe": tiny_moe.qwen3_moe, "tiny-qwen2-moe": tiny_moe.qwen2_moe}
-PRESETS = (*SHAPES, *MOE_BUILDERS)  # created offline from code
+# Mixture-of-experts presets (models/tiny_moe.py: their sizes by name), the same tokenizer.
+PRESETS = (*SHAPES, *tiny_moe.PRESETS)  # created offline from code
 # every name model.path accepts besides a folder (config.MODEL_PRESETS)
 ALL_PRESETS = (*PRESETS, smollm2.NAME, upcycle.NAME)
 
@@ -93,7 +92,7 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
     try:
         tokenizer = build_tokenizer()
         ids = (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-        model = MOE_BUILDERS[name](*ids) if name in MOE_BUILDERS else build_model(*ids, shape=SHAPES[name])
+        model = tiny_moe.preset(name, *ids) if name in tiny_moe.PRESETS else build_model(*ids, shape=SHAPES[name])
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         try:
