@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from async_rl.errors import ConfigError
 from async_rl.models import smollm2, tiny_moe, upcycle
+from async_rl.models.moe import MoeRouting, read_routing
 
 _PRESET_VERSION = "v1"
 
@@ -121,3 +122,16 @@ def resolve_model_path(path: str, cache_dir: str) -> Path:
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.path '{path}' has no config.json: not a Hugging Face model folder")
     return p.resolve()
+
+
+def model_routing(path: str, cache_dir: str) -> MoeRouting | None:
+    """The routing of `model.path`'s model (None: dense) without building a preset: a folder's config.json
+    (models/moe.py), an MoE preset's from the code that builds it. The launcher resolves it once, before
+    anything starts, for the checks that depend on it (the MoE learner settings, the frame limit)."""
+    if path in tiny_moe.PRESETS:
+        return tiny_moe.PRESETS[path].routing()
+    if path == upcycle.NAME:
+        return upcycle.routing()
+    if path in ALL_PRESETS:  # the dense presets
+        return None
+    return read_routing(resolve_model_path(path, cache_dir))
