@@ -852,7 +852,9 @@ class BufferConfig(_Section):
         _f("largest accepted trajectory frame, MiB; bounds the buffer's memory per message (a larger "
            "part is dropped by ZMQ, a larger whole frame rejected as too_large). 0 = computed: one group "
            "of group_size x max_model_len tokens (x env.max_turns for an agent env: a split episode sends "
-           "each segment) at 8 bytes each plus header, rounded up to MiB", ge=0),
+           "each segment) at 8 bytes each (plus a recorded MoE route, layers x top_k x 1-2 bytes, and a "
+           "teacher's log-prob, 4) plus header, rounded up to MiB; a set value below that is refused at launch",
+           ge=0),
     ] = 0
 
 

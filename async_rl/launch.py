@@ -20,9 +20,9 @@ from async_rl.cluster.devices import ClusterView, local_view, ray_view, resolve_
 from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, reward_model_serving, to_dict, to_yaml
 from async_rl.errors import ConfigError, RunError
-from async_rl.learner.moe_settings import folder_settings_error
+from async_rl.learner.moe_settings import settings_error
 from async_rl.leftovers import marked, stop_orphans
-from async_rl.models.tiny import ALL_PRESETS, resolve_model_path
+from async_rl.models.tiny import model_routing, resolve_model_path
 from async_rl.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.tasks.registry import load_task
 from async_rl.tasks.rewards import load_reward
@@ -58,16 +58,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_inputs(cfg: Config) -> None:
-    """Fail before anything starts: model path and task must resolve (ConfigError, exit 2)."""
-    if cfg.model.path not in ALL_PRESETS:  # a preset is built later, at run start
-        folder = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        if why := folder_settings_error(cfg.learner, folder):  # an MoE model's settings (learner/moe_settings.py)
-            raise ConfigError(why)
+    """Fail before anything starts: model path and task must resolve, and the settings that depend on the
+    model take it (ConfigError, exit 2)."""
+    routing = model_routing(cfg.model.path, cfg.model.cache_dir)  # a folder must exist; a preset is built later
+    if why := settings_error(cfg.learner, routing.num_experts if routing is not None else 0):
+        raise ConfigError(why)  # an MoE (or dense) model's learner settings (learner/moe_settings.py)
     load_task(cfg.task.name)
     load_reward(cfg.task)  # a bad task.reward or task.reward_pattern fails here, not in every reward worker
     from async_rl.settings import frame_limit
 
-    frame_limit(cfg)  # a buffer.max_frame_mb below one full-length group: one line here, not rejected groups
+    # a buffer.max_frame_mb below one full-length group (with its routes): one line here, not rejected groups
+    frame_limit(cfg, routing)
 
 
 def make_run_dir(cfg: Config) -> Path:

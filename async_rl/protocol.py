@@ -77,6 +77,10 @@ class RouteLayout(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     def dtype(self) -> np.dtype:
         return ROUTE_DTYPES[0] if self.itemsize == 1 else ROUTE_DTYPES[1]
 
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * self.top_k * self.itemsize
+
 
 # Outcome of the reward call of one sample; carried on the wire so the buffer can count it.
 REWARD_OK = 0

@@ -18,7 +18,7 @@ from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
 from async_rl.models.moe import MoeRouting, read_routing
 from async_rl.models.shape import ModelShape
-from async_rl.protocol import LOGPROB_DTYPE
+from async_rl.protocol import LOGPROB_DTYPE, RouteLayout
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
 from async_rl.serving import vllm_compat as vc
@@ -66,18 +66,28 @@ def with_env_system_prompt(data: DataConfig, cfg: Config) -> DataConfig:
     return msgspec.structs.replace(data, system_prompt=combined_system_prompt(data.system_prompt, cfg.env))
 
 
-def frame_limit(cfg: Config, route_bytes_per_token: int = 0) -> int:
+def recorded_routes(cfg: Config, routing: MoeRouting | None) -> RouteLayout | None:
+    """The routes every frame carries: the MoE model's layout, unless generators.capture_routes=off (or the
+    model is dense)."""
+    return routing.layout() if routing is not None and cfg.generators.capture_routes != "off" else None
+
+
+def frame_limit(cfg: Config, routing: MoeRouting | None) -> int:
     """The buffer's frame limit in bytes (`buffer.max_frame_mb`, 0: one full-length group); a set limit
     below what one group of full-length samples needs is one line, not groups rejected as too_large
     in the run (long traces: 8 samples of 40,960 tokens need 2.6 MiB). Per token beyond an id and a
-    log-prob: a teacher's log-prob (`teacher.model`) and an MoE model's routes (`route_bytes_per_token`)."""
+    log-prob: a teacher's log-prob (`teacher.model`) and the routes of `routing`'s MoE model (where recorded).
+    The launcher checks it before anything starts (launch.check_inputs), with the same routing."""
     sequences = cfg.generators.group_size * sequences_per_episode(cfg)
-    extra = route_bytes_per_token + (LOGPROB_DTYPE.itemsize if cfg.teacher.model else 0)
+    routes = recorded_routes(cfg, routing)
+    extra = (routes.bytes_per_token if routes is not None else 0) + (LOGPROB_DTYPE.itemsize if cfg.teacher.model else 0)
     need = frame_limit_bytes(0, sequences, cfg.generators.max_model_len, extra)
     if cfg.buffer.max_frame_mb and cfg.buffer.max_frame_mb << 20 < need:
+        with_routes = f" with their routes ({routes.layers} MoE layers x top-{routes.top_k})" if routes is not None else ""
         raise ConfigError(
             f"buffer.max_frame_mb={cfg.buffer.max_frame_mb} is below one group of {sequences} samples of "
-            f"generators.max_model_len={cfg.generators.max_model_len} tokens ({need >> 20} MiB): raise it, or 0 to compute it"
+            f"generators.max_model_len={cfg.generators.max_model_len} tokens{with_routes} ({need >> 20} MiB): "
+            "raise it, or 0 to compute it"
         )
     return frame_limit_bytes(cfg.buffer.max_frame_mb, sequences, cfg.generators.max_model_len, extra)
 
@@ -89,8 +99,7 @@ def sequences_per_episode(cfg: Config) -> int:
 
 
 def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: Path) -> BufferSettings:
-    routing = read_routing(model_dir) if cfg.generators.capture_routes != "off" else None
-    layout = routing.layout() if routing is not None else None
+    routing = read_routing(model_dir)  # the model.path the launcher checked (launch.check_inputs), now a folder
     return BufferSettings(
         run_id=run_id,
         host=cfg.buffer.host,
@@ -100,8 +109,8 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         prompts_per_step=cfg.train.prompts_per_step,
         group_size=cfg.generators.group_size,
         filter_uniform_groups=cfg.algorithm.dynamic_sampling,
-        max_frame_bytes=frame_limit(cfg, layout.layers * layout.top_k * layout.itemsize if layout is not None else 0),
-        routes=layout,
+        max_frame_bytes=frame_limit(cfg, routing),
+        routes=recorded_routes(cfg, routing),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
         model_dir=str(model_dir),

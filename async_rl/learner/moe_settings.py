@@ -1,18 +1,10 @@
-"""The learner settings an MoE (or dense) model does not take, read from its config.json alone (no torch):
-the launcher refuses them before anything starts, the torch backend again from the loaded model."""
+"""The learner settings an MoE (or dense) model does not take, from its routed experts alone (no torch): the
+launcher refuses them before anything starts (from the routing it resolves: models/tiny.model_routing), the
+torch backend again from the loaded model."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from async_rl.config import LearnerConfig
-
-
-def routed_experts(model_config: dict) -> int:
-    """Routed experts per MoE layer named by an HF config (Qwen2/3-MoE and OLMoE: num_experts; Mixtral
-    style: num_local_experts); 0 for a dense model."""
-    return int(model_config.get("num_experts") or model_config.get("num_local_experts") or 0)
 
 
 def settings_error(learner: LearnerConfig, experts: int) -> str | None:
@@ -39,8 +31,3 @@ def megatron_aux_loss_error(coef: float) -> str | None:
                 "or use learner.backend=torch")
     return None
 
-
-def folder_settings_error(learner: LearnerConfig, model_dir: Path) -> str | None:
-    """`settings_error` for the HF folder `model_dir` (its config.json)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return settings_error(learner, routed_experts(config.get("text_config", config)))

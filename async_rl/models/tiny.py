@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from async_rl.errors import ConfigError
 from async_rl.models import smollm2, tiny_moe, upcycle
+from async_rl.models.moe import MoeRouting, read_routing
 
 _PRESET_VERSION = "v1"
 
@@ -34,9 +35,8 @@ SHAPES: dict[str, PresetShape] = {
     "tiny-qwen2": PresetShape(128, 256, 2, 4, 2),
     "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
 }
-# Mixture-of-experts presets (models/tiny_moe.py), the same tokenizer: model builder by name.
-MOE_BUILDERS = {"tiny-qwen3-moe": tiny_moe.qwen3_moe, "tiny-qwen2-moe": tiny_moe.qwen2_moe}
-PRESETS = (*SHAPES, *MOE_BUILDERS)  # created offline from code
+# Mixture-of-experts presets (models/tiny_moe.py: their sizes by name), the same tokenizer.
+PRESETS = (*SHAPES, *tiny_moe.PRESETS)  # created offline from code
 # every name model.path accepts besides a folder (config.MODEL_PRESETS)
 ALL_PRESETS = (*PRESETS, smollm2.NAME, upcycle.NAME)
 
@@ -93,7 +93,7 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
     try:
         tokenizer = build_tokenizer()
         ids = (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-        model = MOE_BUILDERS[name](*ids) if name in MOE_BUILDERS else build_model(*ids, shape=SHAPES[name])
+        model = tiny_moe.preset(name, *ids) if name in tiny_moe.PRESETS else build_model(*ids, shape=SHAPES[name])
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         try:
@@ -122,3 +122,16 @@ def resolve_model_path(path: str, cache_dir: str) -> Path:
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.path '{path}' has no config.json: not a Hugging Face model folder")
     return p.resolve()
+
+
+def model_routing(path: str, cache_dir: str) -> MoeRouting | None:
+    """The routing of `model.path`'s model (None: dense) without building a preset: a folder's config.json
+    (models/moe.py), an MoE preset's from the code that builds it. The launcher resolves it once, before
+    anything starts, for the checks that depend on it (the MoE learner settings, the frame limit)."""
+    if path in tiny_moe.PRESETS:
+        return tiny_moe.PRESETS[path].routing()
+    if path == upcycle.NAME:
+        return upcycle.routing()
+    if path in ALL_PRESETS:  # the dense presets
+        return None
+    return read_routing(resolve_model_path(path, cache_dir))

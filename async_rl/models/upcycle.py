@@ -16,9 +16,11 @@ import os
 from pathlib import Path
 
 from async_rl.models import smollm2
+from async_rl.models.moe import MoeRouting
 
 NAME = "smollm2-135m-moe"
 EXPERTS, TOP_K = 4, 2
+BASE_LAYERS = 30  # SmolLM2-135M's layers, every one routed here (checked when converting)
 PERTURBATION = 0.01
 SEED = 0
 
@@ -36,6 +38,8 @@ def upcycle(base_dir: Path, out: Path) -> None:
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     c = base.config
+    if c.num_hidden_layers != BASE_LAYERS:  # routing() states the preset's routing before it is built
+        raise RuntimeError(f"{NAME}: the base model has {c.num_hidden_layers} layers, not {BASE_LAYERS}")
     config = MixtralConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -79,6 +83,11 @@ def upcycle(base_dir: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     tokenizer.save_pretrained(out)
     GenerationConfig.from_pretrained(base_dir).save_pretrained(out)
+
+
+def routing() -> MoeRouting:
+    """The preset's routing (what models/moe.read_routing reads from its folder), known before it is built."""
+    return MoeRouting(num_experts=EXPERTS, top_k=TOP_K, moe_layers=list(range(BASE_LAYERS)), num_layers=BASE_LAYERS)
 
 
 def ensure(cache_dir: str | os.PathLike) -> Path:

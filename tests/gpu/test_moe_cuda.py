@@ -14,27 +14,21 @@ import torch
 
 from async_rl.learner.batch.routes import ROUTE_LIVE
 from async_rl.learner.model.moe import RouterReplay, routers
-from tests.unit._moe_fixtures import COMMON
+from async_rl.models.tiny_moe import build
+from tests.unit._moe_fixtures import SHAPE, VOCAB
 
 CUDA = torch.device("cuda", 0)
 
 
 def tiny_moe(dtype: torch.dtype, experts: str):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(**COMMON, head_dim=32, norm_topk_prob=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(CUDA)
-    with torch.no_grad():
-        for r in routers(model):
-            r.weight.normal_(0.0, 0.5)
+    model = build(SHAPE, VOCAB, dtype=dtype).to(CUDA)
     model.set_experts_implementation(experts)
     return model
 
 
 def test_grouped_experts_equal_the_loop_in_bf16():
     loop, grouped = tiny_moe(torch.bfloat16, "eager"), tiny_moe(torch.bfloat16, "grouped_mm")
-    x = torch.randn(2, 48, COMMON["hidden_size"], device=CUDA, dtype=torch.bfloat16)
+    x = torch.randn(2, 48, SHAPE.hidden_size, device=CUDA, dtype=torch.bfloat16)
     outs, grads = [], []
     for model in (loop, grouped):
         xi = x.clone().requires_grad_(True)
@@ -50,8 +44,8 @@ def test_a_replayed_moe_block_makes_no_host_sync():
     model = tiny_moe(torch.bfloat16, "grouped_mm")
     replay = RouterReplay(model)
     block = model.model.layers[0].mlp
-    x = torch.randn(2, 64, COMMON["hidden_size"], device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-    routes = torch.randint(0, COMMON["num_experts"], (2, 64, 2, 2), device=CUDA, dtype=torch.int32)
+    x = torch.randn(2, 64, SHAPE.hidden_size, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    routes = torch.randint(0, SHAPE.experts, (2, 64, 2, 2), device=CUDA, dtype=torch.int32)
     routes[:, ::5] = ROUTE_LIVE
     block(x).sum().backward()  # warm-up: lazy initialisations may sync once
     torch.cuda.synchronize()

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from async_rl.models.tiny_moe import TinyMoe, build
+
 
 def tiny_qwen2():
     from async_rl.models.tiny import build_model, build_tokenizer
@@ -110,48 +112,27 @@ def tiny_qwen3():
     return Qwen3ForCausalLM(cfg).float()
 
 
+# The MoE models the Megatron tests convert (models/tiny_moe.py): head_dim 16, untied, routers' weights of
+# std 0.5 (logits spread ~4) so the experts a token picks depend on it (transformers initialises them to zero)
+MOE_VOCAB = 50
+MOE_SHAPE = TinyMoe("qwen3_moe", hidden_size=64, heads=4, kv_heads=2, expert_width=32, dense_width=128,
+                    max_positions=128, tie_embeddings=False, router_logit_std=4.0)
+
+
 def tiny_qwen3_moe(norm_topk_prob: bool = True, experts: int = 8, seed: int = 3):
     """A random Qwen3-MoE (transformers' own class): 2 layers, 8 experts, top-2, per-head q/k norms."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(
-        vocab_size=50, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=experts, num_experts_per_tok=2,
-        norm_topk_prob=norm_topk_prob, max_position_embeddings=128, rope_theta=10000.0,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg).float()
-    _spread_routers(model)
-    return model
+    return build(MOE_SHAPE._replace(experts=experts, norm_topk_prob=norm_topk_prob), MOE_VOCAB, seed=seed)
 
 
 def tiny_qwen2_moe(seed: int = 4):
     """A random Qwen2-MoE: q/k/v biases, no top-k renormalisation, a shared expert with a sigmoid gate."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    cfg = Qwen2MoeConfig(
-        vocab_size=50, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=8, num_experts_per_tok=2, max_position_embeddings=128, rope_theta=10000.0,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2MoeForCausalLM(cfg).float()
-    _spread_routers(model)
-    return model
+    shape = MOE_SHAPE._replace(family="qwen2_moe", shared_width=48, norm_topk_prob=False)
+    return build(shape, MOE_VOCAB, seed=seed)
 
 
 def tiny_moe(kind: str):
     """The tiny MoE model of a family by its HF model_type (qwen3_moe, qwen2_moe)."""
     return {"qwen3_moe": tiny_qwen3_moe, "qwen2_moe": tiny_qwen2_moe}[kind]()
-
-
-def _spread_routers(model: torch.nn.Module) -> None:
-    """transformers initialises the routers to zero (every token ties, top-k by index): random
-    weights large enough that the experts a token picks depend on it."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
 
 
 @contextlib.contextmanager

@@ -203,7 +203,8 @@ def run_moe_backend_rank(rank: int, world: int, port: int, model_dir: str, ep: i
 def run_moe_driver_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     """A LearnerDriver with learner.backend=megatron on one rank of a Qwen3-MoE (learner.routing_replay auto,
     the mismatch probe on): a step on groups carrying the model's own routes, then one on random routes with
-    some rows missing; writes both steps' `MoeMetrics` and the rows without a route."""
+    some rows missing (scored as an engine that routes as recorded would score them); writes both steps'
+    `MoeMetrics` and the rows without a route."""
     from transformers import AutoModelForCausalLM
 
     from async_rl.learner.driver import LearnerDriver
@@ -219,6 +220,9 @@ def run_moe_driver_rank(rank: int, world: int, port: int, model_dir: str, out_di
         own = driver.train_on_shard(0, with_routes(hf, groups(4 + rank, n_groups=3, group_size=3))).moe
         shard = random_routes(groups(8 + rank, n_groups=3, group_size=3), 2, 2, 8, seed=5 + rank, missing_every=4)
         missing = sum(len(range(0, len(r), 4)) for g in shard for r in g.routes)
+        scores = iter(driver.compute_logprobs(shard))  # what an engine routing as recorded scores
+        for g in shard:
+            g.logprobs = [next(scores) for _ in g.completions]
         randomly = driver.train_on_shard(1, shard).moe
         moe = driver.backend.moe
         torch.save({"own": own, "random": randomly, "missing": missing, "moe": (moe.layers, moe.experts, moe.top_k)},

@@ -11,35 +11,25 @@ import numpy as np
 import torch
 
 from async_rl.learner.model.moe import routers
+from async_rl.models.tiny_moe import TinyMoe, build
 from async_rl.protocol import TrajectoryGroup, route_dtype, route_missing
 
-# 2 layers, 8 experts, top-2: the issue's tiny MoE (head_dim 32: the CPU engine's minimum)
-COMMON = dict(
-    vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
-    max_position_embeddings=256, tie_word_embeddings=True,
-)
+# 2 layers, 8 experts, top-2: the issue's tiny MoE (head_dim 32: the CPU engine's minimum), narrower than
+# the presets; routers' weights of std 0.5 (logits spread ~4), so routing depends on the token
+VOCAB = 64
+SHAPE = TinyMoe("qwen3_moe", hidden_size=64, heads=2, kv_heads=1, expert_width=32, dense_width=128,
+                max_positions=256, router_logit_std=4.0)
+FAMILIES = {
+    "qwen3_moe": SHAPE,
+    "qwen2_moe": SHAPE._replace(family="qwen2_moe", shared_width=64, norm_topk_prob=False),  # a shared expert
+    "mixtral": SHAPE._replace(family="mixtral"),  # Llama's attention, always-renormalised top-k
+}
 
 
 def build_moe_dir(family: str, out: Path, tokenizer_from: Path) -> Path:
     """A random `family` ('qwen3_moe', 'qwen2_moe' or 'mixtral') model saved in `out`, with the tiny preset's
     tokenizer files (its ids are below the vocabulary size here)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-
-    if family == "qwen3_moe":
-        config = Qwen3MoeConfig(**COMMON, head_dim=32, norm_topk_prob=True)
-    elif family == "qwen2_moe":  # a shared expert beside the routed ones, no top-k renormalisation
-        config = Qwen2MoeConfig(**COMMON, shared_expert_intermediate_size=64, norm_topk_prob=False)
-    elif family == "mixtral":  # Llama's attention, always-renormalised top-k, experts of intermediate_size
-        shape = {k: v for k, v in COMMON.items() if k not in ("num_experts", "moe_intermediate_size", "intermediate_size")}
-        config = MixtralConfig(**shape, num_local_experts=COMMON["num_experts"], intermediate_size=32, head_dim=32)
-    else:
-        raise ValueError(family)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # routers initialised wider than HF's 0.02, so routing depends on the token
-        for r in routers(model):
-            r.weight.normal_(0.0, 0.5)
+    model = build(FAMILIES[family], VOCAB)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for f in tokenizer_from.iterdir():

@@ -1,5 +1,5 @@
-"""The rollout side of MoE, without engines: the MoE presets' routing read from config.json, the
-capture setting's one-line refusals, the fused experts split into vLLM's per-expert checkpoint names,
+"""The rollout side of MoE, without engines: the MoE presets' routing read from config.json (and known to the
+launcher before they are built), the launcher's checks that depend on it, the capture setting's one-line refusals, the fused experts split into vLLM's per-expert checkpoint names,
 and a buffer snapshot that keeps every sample's routes."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from async_rl.config import load_config
 from async_rl.errors import ConfigError
+from async_rl.models import upcycle
 from async_rl.models.moe import read_routing
-from async_rl.models.tiny import resolve_model_path
+from async_rl.models.tiny import model_routing, resolve_model_path
 from async_rl.protocol import RouteLayout
 from async_rl.settings import route_capture
 from async_rl.weight_sync.expert_names import per_expert
@@ -30,6 +32,51 @@ def test_moe_presets_route_two_of_eight_experts_in_both_layers(presets):
         r = read_routing(presets[name])
         assert (r.num_experts, r.top_k, r.moe_layers) == (8, 2, [0, 1])
         assert r.layout() == RouteLayout(layers=2, top_k=2, itemsize=1)
+
+
+def test_the_launcher_knows_a_presets_routing_before_building_it_as_its_folder_states_it(presets, tmp_path):
+    for name, folder in presets.items():  # from the code that builds it, as the built folder's config.json says
+        assert model_routing(name, str(tmp_path / "unbuilt")) == read_routing(folder)
+        assert model_routing(str(folder), str(tmp_path / "unbuilt")) == read_routing(folder)
+    assert upcycle.routing().layout() == RouteLayout(layers=30, top_k=2, itemsize=1)
+    assert not (tmp_path / "unbuilt").exists()  # nothing built
+
+
+# 8 samples of 40,960 tokens: 3 MiB without routes; 2 MoE layers x top-2 x 1 byte more a token: 4 MiB
+LONG = ["generators.max_model_len=40960", "generators.max_tokens=32768", "generators.group_size=8"]
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "folder"])
+def test_the_launcher_refuses_a_frame_limit_too_small_for_the_routes_before_anything_starts(
+    model, moe_model_dir, tmp_path, monkeypatch, capsys
+):
+    from async_rl import launch
+
+    def planning(*_):  # the step after the input check: planning against the (Ray) cluster
+        raise ConfigError("past the input check")
+
+    monkeypatch.setattr(launch, "cluster_view", planning)
+    path = str(moe_model_dir) if model == "folder" else model
+    (tmp_path / "run.yaml").write_text("{}\n")
+    args = [str(tmp_path / "run.yaml"), f"model.path={path}", f"model.cache_dir={tmp_path / 'models'}", *LONG]
+    assert launch.main([*args, "buffer.max_frame_mb=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: buffer.max_frame_mb=3 is below one group of 8 samples") and err.count("\n") == 1
+    assert "with their routes (2 MoE layers x top-2) (4 MiB)" in err
+    assert not (tmp_path / "models").exists()  # the preset is not built for the check
+    for enough in (["buffer.max_frame_mb=4"], ["buffer.max_frame_mb=3", "generators.capture_routes=off"]):
+        assert launch.main([*args, *enough]) == 2 and capsys.readouterr().err == "error: past the input check\n"
+
+
+def test_the_launcher_checks_an_moe_presets_learner_settings(tmp_path):
+    from async_rl.launch import check_inputs
+
+    cache = f"model.cache_dir={tmp_path}"
+    with pytest.raises(ConfigError, match=r"^learner.lora: not with an MoE model \(8 experts per MoE layer\)"):
+        check_inputs(load_config(None, ["model.path=tiny-qwen2-moe", cache, "learner.lora.enabled=true"]))
+    with pytest.raises(ConfigError, match=r"^learner.routing_replay=on: the model is dense"):
+        check_inputs(load_config(None, ["model.path=tiny-qwen2", cache, "learner.routing_replay=on"]))
+    check_inputs(load_config(None, ["model.path=tiny-qwen3-moe", cache, "learner.routing_replay=on"]))
 
 
 def test_sparse_step_and_dense_layers_leave_no_column(tmp_path):

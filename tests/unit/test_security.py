@@ -149,8 +149,8 @@ def test_a_set_frame_limit_below_one_full_length_group_is_one_line():
     from async_rl.settings import frame_limit
 
     long = ["generators.max_model_len=40960", "generators.max_tokens=32768", "generators.group_size=8"]
-    assert frame_limit(load_config(None, long)) == frame_limit_bytes(0, group_size=8, max_model_len=40960)
-    assert frame_limit(load_config(None, [*long, "buffer.max_frame_mb=3"])) == 3 << 20
+    assert frame_limit(load_config(None, long), None) == frame_limit_bytes(0, group_size=8, max_model_len=40960)
+    assert frame_limit(load_config(None, [*long, "buffer.max_frame_mb=3"]), None) == 3 << 20
     with pytest.raises(ConfigError, match=r"buffer.max_frame_mb=2 .*generators.max_model_len=40960") as info:
-        frame_limit(load_config(None, [*long, "buffer.max_frame_mb=2"]))
+        frame_limit(load_config(None, [*long, "buffer.max_frame_mb=2"]), None)
     assert "\n" not in str(info.value)
