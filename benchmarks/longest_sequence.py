@@ -498,6 +498,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if not 0 < a.memory_fraction <= 1:
         ap.error(f"--memory-fraction {a.memory_fraction}: not in (0, 1]")
+    if a.resolution <= PROMPT_TOKENS:
+        ap.error(f"--resolution {a.resolution}: the shortest sample must be longer than its {PROMPT_TOKENS}-token prompt")
     if a.device == "cpu" and a.fake_budget_mib <= 0:
         ap.error("--device cpu needs --fake-budget-mib (host memory does not run out in a test)")
     return a
