@@ -194,10 +194,13 @@ def rank_memory(shape, params: int, length: int, *, sp: int, parallel: str, comp
 
 
 def per_rank_rows(shape, params: int, measured: dict, *, compute_bytes: int, checkpointing: bool, keeps_logits: bool,
-                  working_copy: bool, resolution: int) -> list[dict]:
-    """SP = 1/2/4, replica and FSDP2: what a rank holds at the measured longest length, and where the
-    estimate, scaled to the measured SP = 1 step, puts the longest length a rank of SP would train
-    (None without a measured peak)."""
+                  working_copy: bool, resolution: int, capacity: int | None = None) -> list[dict]:
+    """SP = 1/2/4, replica and FSDP2: what a rank holds at the measured longest length; `longest_estimate`:
+    where the estimate, scaled to the measured SP = 1 step, reaches that step's peak (None without a
+    measured peak); `predicted`: the estimate alone within `capacity` less token_budget's reserve (what
+    `micro_batch_tokens: auto` would count on; None without a capacity)."""
+    from async_rl.learner.batch.token_budget import RESERVE
+
     length = measured.get("longest", 0)
     if not length:
         return []
@@ -206,18 +209,21 @@ def per_rank_rows(shape, params: int, measured: dict, *, compute_bytes: int, che
     one = rank_memory(shape, params, length, sp=1, parallel="replica", **kw)
     peak = measured.get("peak_bytes")
     scale = (peak - one.state) / one.activations if peak else None
+
+    def reach(room: float, per_token: float) -> int:
+        return max(int(room / per_token) // resolution * resolution, 0)
+
     rows = []
     for sp in SP_SIZES:
         for parallel in ("replica", "fsdp2"):
             if sp == 1 and parallel == "fsdp2":
                 continue
             m = rank_memory(shape, params, length, sp=sp, parallel=parallel, **kw)
-            longest = None
-            if scale and scale > 0:
-                per_token = one.activations / length * scale / sp  # this rank's share of a token
-                longest = max(int((peak - m.state) / per_token) // resolution * resolution, 0)
+            per_token = one.activations / length / sp  # this rank's share of a token, by the estimate
             rows.append({**asdict(m), "length": length, "state_bytes": m.state, "total_bytes": m.total,
-                         "scale": scale, "longest_estimate": longest})
+                         "scale": scale,
+                         "longest_estimate": reach(peak - m.state, per_token * scale) if scale and scale > 0 else None,
+                         "predicted": reach(capacity * (1 - RESERVE) - m.state, per_token) if capacity else None})
     return rows
 
 
@@ -455,18 +461,20 @@ def write_markdown(result: dict, path: Path) -> None:
     lines += ["", "## What each rank would hold with sequence parallelism (an ESTIMATE, not measured)", "",
               "learner/batch/token_budget.py's count at the length found (SP = 1 measured above; SP = 2/4 not run: "
               "one GPU). `replica`: every rank holds fp32 masters, the bf16 copy, gradients and AdamW (DDP); "
-              "`fsdp2`: those sharded over the SP ranks (world = SP, the long-context recipe). `longest`: where the "
-              "estimate, scaled to the measured SP = 1 step (`scale`), reaches that step's peak.", "",
+              "`fsdp2`: those sharded over the SP ranks (world = SP, the long-context recipe). `scaled`: where the "
+              "estimate, scaled to the measured SP = 1 step (`scale`), reaches that step's peak; `alone`: the "
+              "estimate within the GPU less token_budget's 10% reserve, as `micro_batch_tokens: auto` counts "
+              "(its SP = 1 row against the measured length checks that count).", "",
               "| shape | checkpointing | length | SP | state | weights | gradients + AdamW | activations | total "
-              "| scale | longest (estimate) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| scale | longest (scaled estimate) | longest (estimate alone) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["settings"]:
         for p in r.get("per_rank", []):
             scale = f"{p['scale']:.2f}" if p.get("scale") else "-"
             lines.append(f"| {r['shape']} | {r['checkpointing']} | {p['length']:,} | {p['sp']} {p['parallel']} | "
                          f"{gib(p['state_bytes'])} | {gib(p['weights'])} | {gib(p['gradients_optimizer'])} | "
                          f"{gib(p['activations'])} | {gib(p['total_bytes'])} | {scale} | "
-                         f"{tokens(p['longest_estimate'])} |")
+                         f"{tokens(p['longest_estimate'])} | {tokens(p.get('predicted'))} |")
     lines += ["", *[f"- {n}" for n in result["notes"]], ""]
     path.write_text("\n".join(lines) + "\n")
 
@@ -565,7 +573,8 @@ def main(argv: list[str]) -> int:
                 row["per_rank"] = per_rank_rows(
                     model_shape, row.get("params") or dense_params(fields), measured, compute_bytes=2 if cuda else 4,
                     checkpointing=ckpt == "on", keeps_logits=row.get("keeps_logits", cuda),
-                    working_copy=row.get("working_copy", cuda), resolution=a.resolution)
+                    working_copy=row.get("working_copy", cuda), resolution=a.resolution,
+                    capacity=row.get("capacity_bytes") if cuda else None)
             result["settings"].append(row)
             print(f"{shape} checkpointing {ckpt}: longest {row.get('longest', '-')} ({row.get('stopped') or row.get('skipped')}), "
                   f"peak {gib(row.get('peak_bytes'))}, step {row.get('step_s')} [{time.perf_counter() - t:.0f} s]",

@@ -139,6 +139,14 @@ def test_per_rank_rows_are_scaled_to_the_measured_step():
     assert by[(4, "fsdp2")]["longest_estimate"] > by[(4, "replica")]["longest_estimate"]  # the state sharded too
     assert by[(2, "replica")]["activations"] == pytest.approx(one.activations / 2, rel=1e-6)
     assert by[(4, "fsdp2")]["gradients_optimizer"] == one.gradients_optimizer // 4
+    assert all(r["predicted"] is None for r in rows)  # no capacity given
+    h200 = ls.per_rank_rows(shape, params, {"longest": 32768, "peak_bytes": peak}, resolution=1024,
+                            capacity=140 * 2**30, **kw)
+    pred = {(r["sp"], r["parallel"]): r["predicted"] for r in h200}
+    assert 0 < pred[(1, "replica")] < pred[(2, "replica")] < pred[(4, "replica")] < pred[(4, "fsdp2")]
+    one_rank = ls.rank_memory(shape, params, pred[(1, "replica")], sp=1, parallel="replica", **kw)
+    per_token = one_rank.activations / pred[(1, "replica")]
+    assert one_rank.total <= 0.9 * 140 * 2**30 < one_rank.total + 1024 * per_token  # the longest within the reserve
     assert ls.per_rank_rows(shape, params, {"longest": 0}, resolution=1024, **kw) == []
     unscaled = ls.per_rank_rows(shape, params, {"longest": 8192, "peak_bytes": None}, resolution=1024, **kw)
     assert unscaled and all(r["longest_estimate"] is None for r in unscaled)
