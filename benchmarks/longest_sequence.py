@@ -390,7 +390,7 @@ def child_command(a: argparse.Namespace, shape: str, checkpointing: str, model_d
     return [sys.executable, str(Path(__file__).resolve()), "--child", "--device", a.device, "--shape", shape,
             "--checkpointing", checkpointing, "--model-dir", str(model_dir), "--start", str(a.start),
             "--resolution", str(a.resolution), "--max-length", str(a.max_length), "--time-cap-s", str(a.time_cap_s),
-            "--memory-fraction", str(a.memory_fraction)]
+            "--memory-fraction", str(a.memory_fraction), "--fake-budget-mib", str(a.fake_budget_mib)]
 
 
 def from_tries(tries: list[dict]) -> dict:
@@ -419,6 +419,8 @@ def run_child(cmd: list[str], timeout: float) -> dict:
     if results and not why:
         return {**json.loads(results[-1]), "wall_s": time.perf_counter() - t}
     tries = [json.loads(ln[4:]) for ln in lines if ln.startswith("TRY ")]
+    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "")
+    why = f"{why}: {last[:200]}" if last else why
     return {**from_tries(tries), "stopped": why, "error": why, "stderr_tail": err[-1500:],
             "wall_s": time.perf_counter() - t}
 
@@ -438,7 +440,8 @@ def write_markdown(result: dict, path: Path) -> None:
     cpu = result["device_kind"] == "cpu"
     lines = [f"# The longest sequence one {'CPU rank (fake memory)' if cpu else 'GPU'} trains ({result['date_utc']})",
              "",
-             f"`{result['command']}`; {result['device']}{result['cap']}; torch {result['torch']}. One sample: a {PROMPT_TOKENS}-token "
+             f"`{result['command']}`; {result['device']}{result['cap']}; torch {result['torch']}. "
+             f"One sample: a {PROMPT_TOKENS}-token "
              f"prompt, the rest completion; one learner step (forward, backward, clipping, AdamW) per try; search "
              f"from {result['start']:,} tokens to {result['resolution']:,}-token resolution, at most "
              f"{result['max_length']:,} tokens and {result['time_cap_s']:.0f} s of tries a setting "
@@ -451,7 +454,7 @@ def write_markdown(result: dict, path: Path) -> None:
             lines.append(f"| {r['shape']} | - | {r['checkpointing']} | - | {r.get('skipped') or r.get('error')} "
                          "| - | - | - | - | - |")
             continue
-        tries = ", ".join(f"{t['length'] // 1024}k {'ok' if t['fits'] else 'OOM'}" for t in r.get("tries", []))
+        tries = ", ".join(f"{t['length'] / 1024:g}k {'ok' if t['fits'] else 'OOM'}" for t in r.get("tries", []))
         ran = (f"kernels {r.get('kernels', '-')}, attention {r.get('attention', '-')}, "
                f"bf16 copy {r.get('working_copy', '-')}, logits kept {r.get('keeps_logits', '-')}")
         step = f"{r['step_s']:.2f} s" if r.get("step_s") is not None else "-"

@@ -177,6 +177,24 @@ def test_cpu_smoke_finds_a_limit_under_a_fake_memory_and_trains_again_after_an_o
     assert "| tiny | 1M | off | 1,536 | resolution |" in md and "ESTIMATE, not measured" in md
 
 
+def test_a_setting_runs_in_its_own_process_and_a_killed_one_keeps_its_tries(tmp_path):
+    """The GPU path's process per setting, on the CPU: the child's RESULT line is the row; a child killed at
+    its timeout leaves the tries it reported."""
+    a = ls.parse(["--device", "cpu", "--fake-budget-mib", "32", "--start", "1024", "--resolution", "512",
+                  "--max-length", "1024"])
+    row = ls.run_child(ls.child_command(a, "tiny", "off", tmp_path / "tiny"), timeout=240)
+    assert "error" not in row, row.get("stderr_tail")
+    assert (row["longest"], row["stopped"]) == (1024, "max length") and row["warmup"]["fits"]
+    tries = [{"length": 1024, "fits": True, "step_s": 0.5, "peak_bytes": 7, "held_bytes": 3},
+             {"length": 2048, "fits": False, "step_s": 0.1, "error": "CUDA out of memory"}]
+    code = ("import json, sys, time\n"
+            + "".join(f"print('TRY ' + json.dumps({t!r}), flush=True)\n" for t in tries)
+            + "print('still searching', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    killed = ls.run_child([sys.executable, "-c", code], timeout=5)
+    assert killed["stopped"] == "killed after 5 s: still searching" and killed["tries"] == tries
+    assert (killed["longest"], killed["shortest_failed"], killed["peak_bytes"]) == (1024, 2048, 7)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the benchmark would run")
 def test_without_cuda_the_gpu_mode_skips_with_exit_3():
     out = "gpu/contract-check-longest"
