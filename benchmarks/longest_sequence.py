@@ -19,7 +19,8 @@ when its step raises torch.OutOfMemoryError (or a CUDA library's "out of memory"
 its gradients, collects garbage and empties the caching allocator before the next. No try starts after
 --time-cap-s of tries or beyond --max-length: the row says which bound stopped the search. Reported per
 setting: the length, the step's seconds and peak memory (torch.cuda.max_memory_allocated) at that length,
-what the rank held before the step, and every try. The length found is a lower bound of the true limit
+what the rank held before the step, and every try. `--memory-fraction F` caps each setting's allocator
+at F of the GPU (0.56 reads an 80 GB limit on a 141 GB H200). The length found is a lower bound of the true limit
 within --resolution (tries after a failed one run on a caching allocator that a failure may have
 fragmented).
 
@@ -34,7 +35,9 @@ chunk; the state, either a replica on every rank (DDP and one rank: fp32 masters
 gradients, AdamW) or sharded over the SP ranks (FSDP2 at world = SP, the long-context recipe). The
 measured SP = 1 point calibrates it: `scale` = the step's measured growth beyond the estimated state over
 the estimate's activations at that length; the longest length at SP is then where the scaled estimate
-meets the SP = 1 peak (the memory known to be usable).
+meets the SP = 1 peak (the memory known to be usable). Beside it, the estimate alone within the GPU less
+token_budget's 10% reserve (what `micro_batch_tokens: auto` counts on): its SP = 1 row against the
+measured length checks that count on the device.
 
 Without CUDA: one last line `SKIP: <reason>`, exit 3 (scripts/gpu_check.py's convention). `--device cpu`
 (the CPU smoke, in this process, seconds): the same search through the same backend, with a fake memory:
@@ -66,6 +69,9 @@ PROMPT_TOKENS = 256
 HEAD_CHUNK = 1024  # learner.logprob_chunk_tokens' default
 DEFAULT_SHAPES = "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b"
 SP_SIZES = (1, 2, 4)
+# Where no length trained on one GPU (or the shape was not built), what a rank would hold is stated at the
+# long-context recipe's completion length (configs/gpu/8gpu_long_context_sp4.yaml: max_tokens 32768).
+REFERENCE_LENGTH = 32768
 GIB = 2**30
 
 
@@ -227,6 +233,23 @@ def per_rank_rows(shape, params: int, measured: dict, *, compute_bytes: int, che
     return rows
 
 
+def per_rank_for(row: dict, fields: dict, *, cuda: bool, checkpointing: bool, resolution: int) -> list[dict]:
+    """`per_rank_rows` of a setting's row: at its longest length, or at REFERENCE_LENGTH where nothing
+    trained or the shape was not built (a row without a capacity, which never ran: none)."""
+    import msgspec
+
+    from async_rl.models.shape import ModelShape
+
+    if "longest" not in row and "capacity_bytes" not in row:
+        return []
+    trained = row.get("longest", 0)
+    measured = {"longest": trained or REFERENCE_LENGTH, "peak_bytes": row.get("peak_bytes") if cuda and trained else None}
+    return per_rank_rows(msgspec.convert(fields, ModelShape), row.get("params") or dense_params(fields), measured,
+                         compute_bytes=2 if cuda else 4, checkpointing=checkpointing,
+                         keeps_logits=row.get("keeps_logits", cuda), working_copy=row.get("working_copy", cuda),
+                         resolution=resolution, capacity=row.get("capacity_bytes") if cuda else None)
+
+
 # ---- one setting: the backend, the fake or real memory, the search --------------------------------------------
 
 
@@ -311,7 +334,7 @@ def measure_setting(a: argparse.Namespace, report: Callable[[dict], None] = lamb
     if cuda and a.memory_fraction < 1:
         torch.cuda.set_per_process_memory_fraction(a.memory_fraction)
     if cuda and (why := state_fits(fields, capacity)):
-        return {"skipped": why}
+        return {"skipped": why, "capacity_bytes": capacity, "params": dense_params(fields)}
     t0 = time.perf_counter()
     model_dir = Path(a.model_dir)
     if not (model_dir / "config.json").exists():
@@ -467,7 +490,8 @@ def write_markdown(result: dict, path: Path) -> None:
               "`fsdp2`: those sharded over the SP ranks (world = SP, the long-context recipe). `scaled`: where the "
               "estimate, scaled to the measured SP = 1 step (`scale`), reaches that step's peak; `alone`: the "
               "estimate within the GPU less token_budget's 10% reserve, as `micro_batch_tokens: auto` counts "
-              "(its SP = 1 row against the measured length checks that count).", "",
+              f"(its SP = 1 row against the measured length checks that count). Where nothing trained, or the shape "
+              f"was not built, the length is {REFERENCE_LENGTH:,} (the long-context recipe's completions).", "",
               "| shape | checkpointing | length | SP | state | weights | gradients + AdamW | activations | total "
               "| scale | longest (scaled estimate) | longest (estimate alone) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -523,11 +547,8 @@ def main(argv: list[str]) -> int:
         result = measure_setting(a, report=lambda row: print("TRY " + json.dumps(row), flush=True))
         print("RESULT " + json.dumps(result), flush=True)
         return 0
-    import msgspec
     import torch
     from learner_gpu import SHAPES
-
-    from async_rl.models.shape import ModelShape
 
     if a.device == "cuda" and not torch.cuda.is_available():
         print("SKIP: no CUDA device (torch.cuda.is_available() is False)", flush=True)
@@ -559,7 +580,6 @@ def main(argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for shape in shapes:
         fields = {k: v for k, v in SHAPES[shape].items() if k != "family"}
-        model_shape = msgspec.convert(fields, ModelShape)
         for ckpt in settings:
             left = a.budget_s - (time.perf_counter() - t_start)
             ns = argparse.Namespace(**{**vars(a), "shape": shape, "checkpointing": ckpt, "model_dir": str(tmp / shape)})
@@ -571,13 +591,7 @@ def main(argv: list[str]) -> int:
             else:
                 row = measure_setting(ns)
             row = {"shape": shape, "checkpointing": ckpt, **row}
-            if "longest" in row:
-                measured = {"longest": row["longest"], "peak_bytes": row.get("peak_bytes") if cuda else None}
-                row["per_rank"] = per_rank_rows(
-                    model_shape, row.get("params") or dense_params(fields), measured, compute_bytes=2 if cuda else 4,
-                    checkpointing=ckpt == "on", keeps_logits=row.get("keeps_logits", cuda),
-                    working_copy=row.get("working_copy", cuda), resolution=a.resolution,
-                    capacity=row.get("capacity_bytes") if cuda else None)
+            row["per_rank"] = per_rank_for(row, fields, cuda=cuda, checkpointing=ckpt == "on", resolution=a.resolution)
             result["settings"].append(row)
             print(f"{shape} checkpointing {ckpt}: longest {row.get('longest', '-')} ({row.get('stopped') or row.get('skipped')}), "
                   f"peak {gib(row.get('peak_bytes'))}, step {row.get('step_s')} [{time.perf_counter() - t:.0f} s]",

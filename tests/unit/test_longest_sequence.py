@@ -152,6 +152,22 @@ def test_per_rank_rows_are_scaled_to_the_measured_step():
     assert unscaled and all(r["longest_estimate"] is None for r in unscaled)
 
 
+def test_a_shape_not_built_or_not_trained_is_stated_at_the_recipes_length():
+    """The 7B shape on an 80 GB GPU is not built: what a rank would hold is stated at 32,768 tokens (the
+    long-context recipe's completions), where only FSDP2's sharded state leaves room."""
+    fields = SHAPES["qwen2.5-7b"]
+    skipped = {"skipped": ls.state_fits(fields, 80 * 2**30), "capacity_bytes": 80 * 2**30,
+               "params": ls.dense_params(fields)}
+    rows = ls.per_rank_for(skipped, fields, cuda=True, checkpointing=True, resolution=1024)
+    by = {(r["sp"], r["parallel"]): r for r in rows}
+    assert {r["length"] for r in rows} == {ls.REFERENCE_LENGTH} and all(r["longest_estimate"] is None for r in rows)
+    assert by[(1, "replica")]["predicted"] == by[(4, "replica")]["predicted"] == 0  # the state alone is over
+    assert by[(4, "fsdp2")]["predicted"] > ls.REFERENCE_LENGTH > by[(2, "fsdp2")]["predicted"] > 0
+    assert by[(4, "fsdp2")]["total_bytes"] < 80 * 2**30 < by[(1, "replica")]["total_bytes"]
+    assert ls.per_rank_for({"skipped": "time budget spent"}, fields, cuda=True, checkpointing=True,
+                           resolution=1024) == []
+
+
 def test_cpu_smoke_finds_a_limit_under_a_fake_memory_and_trains_again_after_an_out_of_memory(tmp_path):
     out = tmp_path / "smoke"
     rc = ls.main(["--longest", "--device", "cpu", "--shapes", "tiny", "--fake-budget-mib", "32", "--start", "1024",
