@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-a-timeout-s", type=float, default=240)
     ap.add_argument("--learner-timeout-s", type=float, default=200)
     ap.add_argument("--weight-sync-timeout-s", type=float, default=100)
-    # the three shapes x checkpointing off/on: ~8 minutes estimated (not yet run); alone in a call: --skip the others
+    # covers the 0.5B and 1.5B shapes (estimated, not yet run); all three ~8 minutes: alone in a call, --skip the others
     ap.add_argument("--longest-timeout-s", type=float, default=300)
     ap.add_argument("--skip", action="append", default=[], choices=["part-a", "learner", "weight-sync", "longest"],
                     help="leave this part out (repeatable), e.g. a part measured by an earlier call")
