@@ -48,6 +48,8 @@ and MLP (forward and backward, timed by module and tensor hooks), the chunked he
 function's forward and backward), the optimizer step (clipping and AdamW) and the rest.
 
 On a GPU: `--device cuda` runs benchmarks/learner_gpu.py instead (its own options; see its docstring).
+`--longest` runs benchmarks/longest_sequence.py: the longest single sequence whose step fits one GPU per model
+shape, activation checkpointing off and on, and what each rank would hold at SP = 2/4 (its own options).
 
 CPU-heavy: run it under /work/bin/heavy on the shared machine.
     python benchmarks/bench_learner.py [--repeats 2] [--threads 2] [--batches arith,tools]
@@ -532,6 +534,10 @@ def cuda_requested(argv: list[str]) -> bool:
 
 
 def main() -> None:
+    if "--longest" in sys.argv[1:]:  # the longest sequence one GPU trains: its own options (longest_sequence.py)
+        from longest_sequence import main as longest_main
+
+        sys.exit(longest_main(sys.argv[1:]))
     if cuda_requested(sys.argv[1:]):  # the GPU benchmark: its own options (learner_gpu.py)
         from learner_gpu import main as gpu_main
 

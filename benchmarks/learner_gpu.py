@@ -86,6 +86,9 @@ SHAPES = {
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    # the long-context recipe's model (configs/gpu/8gpu_long_context_sp4.yaml); `--longest` only (longest_sequence.py)
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
     "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     # Qwen3-30B-A3B's widths, expert count and top-k (48 layers there; 4 here: 2.7B parameters, fp32 masters +
@@ -204,9 +207,9 @@ def score_groups(groups: list, samples: int) -> list:
     return out
 
 
-def make_model(dest: Path, shape: str) -> int:
+def make_model(dest: Path, shape: str, max_positions: int = 4096) -> int:
     """A random-init model of `shape` saved in bf16 at `dest` (once); returns its parameter count (an
-    MoE's active parameters: what MFU counts)."""
+    MoE's active parameters: what MFU counts). `max_positions`: its config's max_position_embeddings."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
@@ -214,7 +217,7 @@ def make_model(dest: Path, shape: str) -> int:
 
     fields = {k: v for k, v in SHAPES[shape].items() if k != "family"}
     config_class = Qwen3MoeConfig if SHAPES[shape].get("family") == "qwen3_moe" else Qwen2Config
-    cfg = config_class(**fields, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+    cfg = config_class(**fields, max_position_embeddings=max_positions, rope_theta=1e6, rms_norm_eps=1e-6,
                        bos_token_id=0, eos_token_id=0, pad_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

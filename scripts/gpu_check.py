@@ -7,6 +7,7 @@ On the device (its image has torch with CUDA, CuPy and transformers; no Ray, no 
   2. runs part A of the GPU tier (`pytest tests/gpu -m "gpu and not gpu_e2e"`);
   3. runs the GPU learner benchmark (`benchmarks/bench_learner.py --device cuda`);
   4. runs the weight-sync benchmark on CUDA tensors (`benchmarks/bench_weight_sync.py --device cuda`);
+  5. finds the longest sequence one GPU trains per model shape (`benchmarks/bench_learner.py --longest`);
 
 each in its own process under its own timeout (a hang costs only that part), all within a total
 budget (8 minutes by default), and writes `benchmarks/results/gpu/<date>-gpu-check.json` and
@@ -143,7 +144,7 @@ def install_wheels(python: str, wheels: list[Path], missing: list[str], dry_run:
 
 
 def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[str, float],
-          learner_args: list[str]) -> list[Part]:
+          learner_args: list[str], longest_args: list[str]) -> list[Part]:
     junit = out_dir / f"{tag}-part-a.xml"
     part_a = [python, "-m", "pytest", "tests/gpu", "-m", "gpu and not gpu_e2e", "-rs", "-p", "no:cacheprovider"]
     # -v: the log names each test as it starts, so a hang is named; faulthandler dumps its stack at 60 s.
@@ -154,11 +155,16 @@ def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[st
     learner_budget = f"{max(timeouts['learner'] - 30, 10):.0f}"
     learner = [python, "benchmarks/bench_learner.py", "--device", "cuda", "--out", f"gpu/{tag}-learner",
                "--budget-s", learner_budget, *learner_args]
+    # The longest sequence per shape (issue 47): its own budget ends before the part's timeout, as the learner's.
+    longest_out = RESULTS / "gpu" / f"{tag}-longest"
+    longest = [python, "benchmarks/bench_learner.py", "--longest", "--device", "cuda", "--out", f"gpu/{tag}-longest",
+               "--budget-s", f"{max(timeouts['longest'] - 30, 10):.0f}", *longest_args]
     sync_out = out_dir / f"{tag}-weight-sync.json"
     sync = [python, "benchmarks/bench_weight_sync.py", "--device", "cuda", "--out", str(sync_out)]
     if dry_run:
         part_a.append("--collect-only")
         learner.append("--dry-run")
+        longest.append("--dry-run")
         sync.append("--dry-run")
     else:  # 1 GB of bf16-like tensors into one receiver process (~60 s on an H100), no bucket sweep
         sync += ["--sizes-mb", "1000", "--receivers", "1", "--backends", "cuda_ipc", "--repeats", "3"]
@@ -167,6 +173,7 @@ def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[st
         Part("part-a", part_a, timeouts["part-a"], [junit]),
         Part("learner", learner, timeouts["learner"], [learner_out.with_suffix(".json"), learner_out.with_suffix(".md")]),
         Part("weight-sync", sync, timeouts["weight-sync"], [sync_out]),
+        Part("longest", longest, timeouts["longest"], [longest_out.with_suffix(".json"), longest_out.with_suffix(".md")]),
     ]
 
 
@@ -235,12 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-a-timeout-s", type=float, default=240)
     ap.add_argument("--learner-timeout-s", type=float, default=200)
     ap.add_argument("--weight-sync-timeout-s", type=float, default=100)
-    ap.add_argument("--skip", action="append", default=[], choices=["part-a", "learner", "weight-sync"],
+    # covers the 0.5B and 1.5B shapes (estimated, not yet run); all three ~8 minutes: alone in a call, --skip the others
+    ap.add_argument("--longest-timeout-s", type=float, default=300)
+    ap.add_argument("--skip", action="append", default=[], choices=["part-a", "learner", "weight-sync", "longest"],
                     help="leave this part out (repeatable), e.g. a part measured by an earlier call")
     ap.add_argument("--archive", default="", help="also pack every file this check wrote into this .tgz (a device "
                     "call returns at most 8 files: `--archive $OUT/gpu-check.tgz` brings them all back as one)")
     ap.add_argument("--learner-args", default="", help="more options for bench_learner.py --device cuda, one "
                     "string, e.g. \"--variants 'qwen2.5-0.5b=trl,combined' --profile combined --steps 2\"")
+    ap.add_argument("--longest-args", default="", help="more options for bench_learner.py --longest, one string, "
+                    "e.g. \"--shapes qwen2.5-7b --checkpointing on --time-cap-s 90\"")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     tag = args.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d") + ("-dry" if args.dry_run else "")
@@ -259,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== wheels: {install.status}: {install.reason}", flush=True)
     machine = environment(args.python, env)
     print(f"== machine: {machine}", flush=True)
-    timeouts = {"part-a": args.part_a_timeout_s, "learner": args.learner_timeout_s, "weight-sync": args.weight_sync_timeout_s}
-    for part in parts(args.python, tag, args.dry_run, out_dir, timeouts, shlex.split(args.learner_args)):
+    timeouts = {"part-a": args.part_a_timeout_s, "learner": args.learner_timeout_s,
+                "weight-sync": args.weight_sync_timeout_s, "longest": args.longest_timeout_s}
+    for part in parts(args.python, tag, args.dry_run, out_dir, timeouts, shlex.split(args.learner_args),
+                      shlex.split(args.longest_args)):
         if part.name in args.skip:
             outcomes.append(Outcome(part.name, "not run", 0.0, " ".join(part.argv), reason="--skip"))
             continue

@@ -45,10 +45,10 @@ def test_dry_run_finds_the_wheels_starts_every_part_and_the_cuda_parts_skip_with
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads((out / "t-gpu-check.json").read_text())
     parts = {p["name"]: p for p in report["parts"]}
-    assert list(parts) == ["wheels", "part-a", "learner", "weight-sync"]
+    assert list(parts) == ["wheels", "part-a", "learner", "weight-sync", "longest"]
     assert parts["wheels"]["status"] == "passed" and all(name in parts["wheels"]["reason"] for name in WHEELS)
     assert "--no-index --no-deps" in parts["wheels"]["command"]
-    for name in ("part-a", "learner", "weight-sync"):
+    for name in ("part-a", "learner", "weight-sync", "longest"):
         part = parts[name]
         assert "--device cuda" in part["command"] or name == "part-a"
         assert (part["status"], part["returncode"]) == ("skipped", 3), part
@@ -58,7 +58,7 @@ def test_dry_run_finds_the_wheels_starts_every_part_and_the_cuda_parts_skip_with
     assert "| part-a | skipped |" in summary and "(dry run)" in summary
     with tarfile.open(archive) as tar:  # one file carries every result back from a device call
         names = set(tar.getnames())
-    assert {"t-gpu-check.json", "t-gpu-check.md", "t-part-a.log", "t-learner.log"} <= names, names
+    assert {"t-gpu-check.json", "t-gpu-check.md", "t-part-a.log", "t-learner.log", "t-longest.log"} <= names, names
 
 
 def test_missing_wheels_are_named_with_the_command_that_fetches_them(tmp_path):

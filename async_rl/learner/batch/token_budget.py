@@ -41,12 +41,29 @@ class Budget:
     line: str  # the start-up line that says how it was worked out
 
 
-def activation_bytes_per_token(shape: ModelShape, compute_bytes: int, checkpointing: bool) -> int:
-    """Bytes of saved activations per token of a micro-batch (the whole trunk) for a decoder's shape."""
+def activation_bytes_per_token(shape: ModelShape, compute_bytes: int, checkpointing: bool,
+                               margin: float = MARGIN) -> int:
+    """Bytes of saved activations per token of a micro-batch (the whole trunk) for a decoder's shape;
+    `margin` 1.0: the count alone (what autograd's saved tensors come to, as measured on CPU)."""
     h, layers = shape.hidden_size, shape.num_hidden_layers
     per_layer = 8 * h + 4 * shape.kv_size() + 4 * shape.intermediate_size
     kept = layers * h + per_layer if checkpointing else layers * per_layer
-    return int(kept * compute_bytes * MARGIN)
+    return int(kept * compute_bytes * margin)
+
+
+def step_state_bytes(trainable_params: int) -> int:
+    """What the first optimizer step adds for good: fp32 gradients and AdamW's exp_avg and exp_avg_sq."""
+    return trainable_params * 4 * 3
+
+
+def head_chunk_bytes(chunk: int, vocab_size: int) -> int:
+    """The chunked head's few fp32 [chunk x vocabulary] tensors (0: no chunked head)."""
+    return 3 * max(chunk, 1) * vocab_size * 4 if chunk else 0
+
+
+def kept_logits_bytes_per_token(vocab_size: int, compute_bytes: int, keeps_logits: bool, chunk: int) -> int:
+    """`learner.logprob_keep_logits`: each loss position's logits held for the backward."""
+    return vocab_size * compute_bytes if keeps_logits and chunk else 0
 
 
 def resolve_budget(
@@ -80,10 +97,10 @@ def resolve_budget(
         total = torch.cuda.mem_get_info(device)[1]
         available_bytes = int(total * (1 - RESERVE)) - torch.cuda.memory_reserved(device)
     shape = ModelShape.of(config)
-    step_state = trainable_params * 4 * 3  # fp32 gradients + AdamW's exp_avg and exp_avg_sq
-    head = 3 * max(chunk, 1) * shape.vocab_size * 4 if chunk else 0
+    step_state = step_state_bytes(trainable_params)
+    head = head_chunk_bytes(chunk, shape.vocab_size)
     activations = activation_bytes_per_token(shape, compute_bytes, checkpointing)
-    logits = shape.vocab_size * compute_bytes if keeps_logits and chunk else 0
+    logits = kept_logits_bytes_per_token(shape.vocab_size, compute_bytes, keeps_logits, chunk)
     per_token = activations + logits
     room = available_bytes - step_state - head
     tokens = int(min(max(room // per_token // GRANULE * GRANULE, BOUNDS[0]), BOUNDS[1])) * sequence_parallel
