@@ -22,8 +22,10 @@ machine loaded by other runs): 2,048 positions as 8 rows of 256 took 2.01 s; as 
 256-token sequences (dense mask, 2,048^2 pairs) 3.52 s and of sixteen 128-token ones 3.52 s (the width
 counts, not the sequences); one 2,048-token sequence alone 2.80 s (causal, half the pairs); five rows of
 1,024 (one 1,024-token sequence, four of 256 padded to its width) 6.06 s, 2.5x the positions. The
-model's w (3.25e-4) predicts 1.00 : 1.67 : 1.33 : 2.91 for these, measured 1.00 : 1.75 : 1.39 : 3.01.
-The CPU varlen reference: eight 256-token segments in one row 2.02 s (per segment), one of 2,048 4.57 s.
+model's w (3.25e-4) predicts 1.00 : 1.60 : 1.28 : 2.80 for these, measured 1.00 : 1.75 : 1.39 : 3.01
+(benchmarks/results/attention_cost_cpu.md: within 10% in every case but the one below).
+The CPU varlen reference: eight 256-token segments in one row 2.02 s (per segment), one of 2,048 4.57 s
+(1.42x the estimate: its explicit-mask SDPA is slower per pair on one long segment).
 
 Before the micro-batches exist (the buffer's dealing) a sample's share is estimated alone
 (`CostModel.sample`): under `dense` a sample shorter than `learner.pack_row_tokens` shares a masked row
