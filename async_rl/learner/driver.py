@@ -53,7 +53,7 @@ from async_rl.learner.rendezvous import host_store
 from async_rl.learner.rl.algorithms import LOSS_STATS, Algorithm, Prepared
 from async_rl.learner.schedule import lr_factor
 from async_rl.learner.weight_source import WeightSource
-from async_rl.models.cost import CostModel
+from async_rl.models.cost import TOKENS, CostModel
 from async_rl.models.shape import ModelShape
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -279,7 +279,9 @@ class LearnerDriver(LearnerRank):
             weight = ModelShape.of(model_config).attention_weight()
         except ValueError:
             weight = 0.0  # not a Llama/Qwen2-style decoder: tokens and padding alone
-        self.cost = CostModel(attention_weight=weight, path=self.backend.attention_path, row_tokens=s.learner.pack_row_tokens)
+        self.cost: CostModel | None = CostModel(  # None: micro-batches cut by tokens alone (a comparison)
+            attention_weight=weight, path=self.backend.attention_path, row_tokens=s.learner.pack_row_tokens
+        )
         if s.learner.micro_batch_tokens == "auto" and self.rank == 0:
             print(f"[learner] {budget.line}", file=sys.stderr, flush=True)
         # The KL reference and the critic run whole sequences on every rank (not split over an SP
@@ -319,7 +321,7 @@ class LearnerDriver(LearnerRank):
         info = self.backend.info
         if self.batches is None and info.fetches_batch:
             s = self.spec
-            self.batches = BatchClient(s.buffer_address, s.run_id, info.dp_rank, info.dp_size, s.curve, self.cost)
+            self.batches = BatchClient(s.buffer_address, s.run_id, info.dp_rank, info.dp_size, s.curve, self.cost or TOKENS)
         return self.batches
 
     # ---- training --------------------------------------------------------------------------------

@@ -35,8 +35,6 @@ sequence, has its row (L + w L^2 / 2): what the learner's cut (`packing.cost_cut
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import msgspec
 
 from async_rl.protocol import AttentionPath
@@ -55,7 +53,7 @@ class Layout(msgspec.Struct, frozen=True):
 
     rows: int
     width: int
-    segments: Sequence[tuple[int, int]]
+    segments: list[tuple[int, int]]
 
     @property
     def one_sequence_per_row(self) -> bool:
