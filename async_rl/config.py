@@ -579,7 +579,7 @@ class LearnerConfig(_Section):
         _f("tokens (prompt + completion) per micro-batch, for the gradient passes and the no-grad scoring "
            "passes (proximal log-probs, the KL reference, ppo's hidden states); the shard is cut in order into "
            "the fewest micro-batches within it, balanced by tokens (learner/batch/token_budget.py, packing.py), then "
-           "cut again before or after a micro-batch's longest sample where the learner's cost estimate for its "
+           "cut again around a micro-batch's longest sample where the learner's cost estimate for its "
            "attention path says that saves a quarter of its cost (models/cost.py, docs/learner.md); 0 = "
            "the whole shard in one pass (memory then grows with the shard: the trunk's activations per token); "
            "auto = on CUDA from the GPU's memory (its total less a tenth less what the rank holds, gradients and "

@@ -113,9 +113,12 @@ def test_similar_lengths_keep_the_token_cut():
 
 def test_flash_leaves_a_long_sample_in_full_rows():
     # varlen on CUDA: a long sample costs the same in or out of its micro-batch when rows are full
-    samples = long_tailed()
+    samples = [sample(40, seed=i) for i in range(10)] + [sample(400)] + [sample(40, seed=i) for i in range(10, 20)]
     flash = CostModel(attention_weight=3e-3, path="flash")
+    assert packed_layout([len(s.tokens) for s in samples]).rows == 3  # 400 + 400 + 400 positions, no padding
     assert cost_cut([samples], chunk_cost(flash, True, 0)) == [samples]
+    dense = CostModel(attention_weight=3e-3, path="dense")  # the same rows masked: the width's square each
+    assert len(cost_cut([samples], chunk_cost(dense, True, 0))) == 3
 
 
 def test_shared_prompt_micro_batches_are_cut_by_cost_too():
@@ -135,12 +138,14 @@ def long_tailed_groups():
     return gs
 
 
-def test_a_step_on_the_cost_cut_equals_the_token_cut(model_dir):
-    """The loss is a sum over samples whatever the cut: the same log-probs, loss and gradients."""
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_a_step_on_the_cost_cut_equals_the_token_cut(model_dir, share_prompt):
+    """The loss is a sum over samples whatever the cut: the same log-probs, loss and gradients (a prompt
+    run cut in two gets a prefix copy per piece)."""
     gs = long_tailed_groups()
-    by_cost = make_rank(model_dir, pack_row_tokens=32, share_prompt=False)
+    by_cost = make_rank(model_dir, pack_row_tokens=32, share_prompt=share_prompt)
     assert by_cost.cost.path == "dense" and by_cost.cost.attention_weight > 0  # SDPA on CPU
-    by_tokens = make_rank(model_dir, pack_row_tokens=32, share_prompt=False)
+    by_tokens = make_rank(model_dir, pack_row_tokens=32, share_prompt=share_prompt)
     by_tokens.cost = None  # the token cut alone
     a, b = spied_step(by_tokens, gs), spied_step(by_cost, gs)
     assert a["micro_batches"] == 1 and b["micro_batches"] > 1

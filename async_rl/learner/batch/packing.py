@@ -229,11 +229,11 @@ SPLIT_GAIN = 0.25
 
 def cost_cut(chunks: list[list[SeqSample]], cost: Callable[[list[SeqSample]], float]) -> list[list[SeqSample]]:
     """`chunks` (in order) with each one cut, in order, where the `cost` of a micro-batch says that its
-    longest sample sets the others' cost: a chunk is cut just before or just after its longest sample
-    (the cheaper of the two) when that saves SPLIT_GAIN of its cost, and the pieces are cut again the same
-    way. Under a masked SDPA (CPU) a packed micro-batch is as wide as its longest row, so short rows beside
-    a long sample each cost that width's positions and its square; cut off, they cost their own width.
-    Every sample stays in exactly one micro-batch, in its order."""
+    longest sample sets the others' cost: a chunk is cut just before its longest sample, just after it, or
+    both (the cheapest of the three) when that saves SPLIT_GAIN of its cost, and the pieces are cut again
+    the same way. Under a masked SDPA (CPU) a packed micro-batch is as wide as its longest row, so short
+    rows beside a long sample each cost that width's positions and its square; cut off, they cost their
+    own width. Every sample stays in exactly one micro-batch, in its order."""
     out: list[list[SeqSample]] = []
     todo = list(reversed(chunks))
     while todo:
@@ -242,10 +242,13 @@ def cost_cut(chunks: list[list[SeqSample]], cost: Callable[[list[SeqSample]], fl
             out.append(chunk)
             continue
         longest = max(range(len(chunk)), key=lambda i: len(chunk[i].tokens))
-        cuts = [i for i in (longest, longest + 1) if 0 < i < len(chunk)]
-        split_cost, at = min((cost(chunk[:i]) + cost(chunk[i:]), i) for i in cuts)
+        ends = [i for i in (longest, longest + 1) if 0 < i < len(chunk)]
+        options = [[chunk[:i], chunk[i:]] for i in ends]
+        if len(ends) == 2:
+            options.append([chunk[:longest], [chunk[longest]], chunk[longest + 1 :]])
+        split_cost, pieces = min(((sum(cost(p) for p in o), o) for o in options), key=lambda x: x[0])
         if split_cost <= (1 - SPLIT_GAIN) * cost(chunk):
-            todo += [chunk[at:], chunk[:at]]
+            todo += reversed(pieces)
         else:
             out.append(chunk)
     return out
