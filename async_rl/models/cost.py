@@ -29,8 +29,12 @@ The CPU varlen reference: eight 256-token segments in one row 2.02 s (per segmen
 
 Before the micro-batches exist (the buffer's dealing) a sample's share is estimated alone
 (`CostModel.sample`): under `dense` a sample shorter than `learner.pack_row_tokens` shares a masked row
-of that width (L x (1 + w x row_tokens)); a longer one, or any with rows as wide as their longest
-sequence, has its row (L + w L^2 / 2): what the learner's cut (`packing.cost_cut`) makes of a long one.
+of that width (L x (1 + w x row_tokens)); a longer one has its row (L + w L^2 / 2): what the learner's
+cut (`packing.cost_cut`) makes of a long one. With `pack_row_tokens` 0 (rows as wide as a micro-batch's
+longest sequence) every sample is estimated as having its row, which undercounts short samples sharing a
+masked row (about L x w x the row's width, not L^2 / 2): their attention is the small term, and the
+dealing's error there is that share of their cost. The sum of the samples' shares is not the executed
+cost (rows partly filled, padding); `layout` of a built micro-batch is.
 """
 
 from __future__ import annotations
