@@ -578,7 +578,9 @@ class LearnerConfig(_Section):
         Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"],
         _f("tokens (prompt + completion) per micro-batch, for the gradient passes and the no-grad scoring "
            "passes (proximal log-probs, the KL reference, ppo's hidden states); the shard is cut in order into "
-           "the fewest micro-batches within it, balanced by tokens (learner/batch/token_budget.py, packing.py); 0 = "
+           "the fewest micro-batches within it, balanced by tokens (learner/batch/token_budget.py, packing.py), then "
+           "cut again around a micro-batch's longest sample where the learner's cost estimate for its "
+           "attention path says that saves a quarter of its cost (models/cost.py, docs/learner.md); 0 = "
            "the whole shard in one pass (memory then grows with the shard: the trunk's activations per token); "
            "auto = on CUDA from the GPU's memory (its total less a tenth less what the rank holds, gradients and "
            "AdamW state) over the model's activation bytes per token, stated in one line at start-up; 8192 on CPU"),

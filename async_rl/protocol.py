@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -141,14 +142,23 @@ class GroupsHeader(msgspec.Struct, forbid_unknown_fields=True):
     routes: RouteLayout | None = None  # set when a group of the frame carries routes (the fourth part)
 
 
+# the attention path whose cost the learner's micro-batches follow (`models/cost.py`)
+AttentionPath = Literal["flash", "dense", "segments"]
+
+
 class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Learner rank -> buffer: send me my shard of the batch for `step`."""
+    """Learner rank -> buffer: send me my shard of the batch for `step`. The learner's cost model
+    (`models/cost.CostModel`: the model's attention weight, the attention path its kernel runs, the
+    packed rows' width) comes with it: the step's first request deals the ranks by it."""
 
     schema: int
     run_id: str
     step: int
     rank: int
     world_size: int
+    attention_weight: float = 0.0
+    attention_path: AttentionPath = "flash"
+    row_tokens: int = 0
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -17,7 +17,6 @@ from async_rl.errors import ConfigError
 from async_rl.generator.engine import EngineSettings
 from async_rl.learner.base import LearnerSpec
 from async_rl.models.moe import MoeRouting, read_routing
-from async_rl.models.shape import ModelShape
 from async_rl.protocol import LOGPROB_DTYPE, RouteLayout
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
@@ -115,7 +114,6 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         task_seed=cfg.task.seed,
         model_dir=str(model_dir),
         tokenizer_class=tokenizer_class_of(str(model_dir)),
-        attention_weight=shape.attention_weight() if (shape := ModelShape.read(model_dir)) else 0.0,
         max_prompt_tokens=cfg.generators.max_model_len - cfg.generators.max_tokens,
         data=with_env_system_prompt(with_absolute_paths(cfg.data), cfg),
         curve=keys.server if keys is not None else None,

@@ -70,9 +70,6 @@ class BufferSettings(msgspec.Struct, frozen=True):
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     snapshot_path: str = ""  # where the buffer snapshots its state at every batch ('' = never)
     restore: bool = False  # start from the snapshot at snapshot_path (a restarted buffer)
-    # Attention's FLOPs per query-key pair over a token's matmul FLOPs (models/shape.py): the weight of
-    # a sequence's L^2 when a step's groups are dealt to learner ranks (0: by tokens alone).
-    attention_weight: float = 0.0
     curve: ServerKeys | None = None  # CURVE keys and admitted clients (None: security.curve is off)
     # The model's routes layout when the engines capture routes (a frame's must match); None: no check
     routes: RouteLayout | None = None
@@ -135,7 +132,7 @@ class ReplayBuffer:
         self._changed = asyncio.Condition()
         self.server = BatchServer(
             s.run_id, s.prompts_per_step, s.max_lag, self.ledger, rejected, lambda: self.ingest.filtered_groups,
-            self._changed, s.attention_weight,
+            self._changed,
         )
         self.ingest = Ingest(
             s.run_id, s.max_frame_bytes, s.group_size, s.filter_uniform_groups,

@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from async_rl.buffer.balance import balanced_shards
 from async_rl.buffer.ledger import Ledger
+from async_rl.models.cost import TOKENS, CostModel
 from async_rl.protocol import FrameError, TrajectoryGroup, decode_request, encode_groups
 
 
@@ -32,10 +33,8 @@ class BatchServer:
         rejected: collections.Counter[str],
         filtered_groups: Callable[[], int],
         changed: asyncio.Condition,
-        attention_weight: float = 0.0,
     ) -> None:
         self._run_id = run_id
-        self._attention_weight = attention_weight  # ranks are balanced by FLOPs (buffer/balance.py)
         self._prompts_per_step = prompts_per_step
         self._max_lag = max_lag
         self._ledger = ledger
@@ -91,10 +90,10 @@ class BatchServer:
 
     # ---- serving -------------------------------------------------------------------------------
 
-    async def build(self, step: int, world_size: int) -> list[list[TrajectoryGroup]]:
+    async def build(self, step: int, world_size: int, cost: CostModel = TOKENS) -> list[list[TrajectoryGroup]]:
         """Take `prompts_per_step` fresh groups (FIFO), dropping stale ones; learner version == step.
-        The batch is kept, split in per-rank shards, until it is acknowledged (`ack`); its samples
-        stay counted `waiting` until then."""
+        The batch is kept, split in per-rank shards balanced by the learner's `cost` (balance.py), until
+        it is acknowledged (`ack`); its samples stay counted `waiting` until then."""
         need = self._prompts_per_step
         batch: list[TrajectoryGroup] = []
         changed = self._changed
@@ -113,7 +112,7 @@ class BatchServer:
         self.last_batch = (step, max(lags), sum(lags) / len(lags))
         filtered = self._filtered_groups()
         self._filtered_at_batch = (filtered, filtered - self._filtered_at_batch[0])
-        shards = self._batches[step] = balanced_shards(batch, world_size, self._attention_weight)
+        shards = self._batches[step] = balanced_shards(batch, world_size, cost)
         return shards
 
     async def run(self, router: zmq.asyncio.Socket, on_built: Callable[[], None]) -> None:
@@ -133,7 +132,8 @@ class BatchServer:
                 self._rejected[exc.reason] += 1
                 continue
             if req.step not in self._batches:
-                await self.build(req.step, req.world_size)
+                cost = CostModel(attention_weight=req.attention_weight, path=req.attention_path, row_tokens=req.row_tokens)
+                await self.build(req.step, req.world_size, cost)
                 on_built()  # no await since the build: the state it sees is the batch's
             shards = self._batches[req.step]
             frames = encode_groups(self._run_id, shards[req.rank], step=req.step)

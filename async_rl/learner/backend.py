@@ -33,7 +33,7 @@ import torch
 
 from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.model.moe import MoeShape, RouterStats
-from async_rl.protocol import TrajectoryGroup
+from async_rl.protocol import AttentionPath, TrajectoryGroup
 
 
 class ParallelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +90,8 @@ class ModelBackend(abc.ABC):
     # or a backend that does not replay routes
     moe: MoeShape | None = None
     replays_routes: bool = False  # learner.routing_replay as it runs (an MoE model's recorded routes decide)
+    # the attention path its kernel runs, as the cost estimate knows it (models/cost.py), set by setup
+    attention_path: AttentionPath = "flash"
 
     @property
     def takes_block_masks(self) -> bool:

@@ -7,13 +7,17 @@ import time
 import zmq
 
 from async_rl.errors import RunError
+from async_rl.models.cost import TOKENS, CostModel
 from async_rl.protocol import SCHEMA_VERSION, BatchRequest, TrajectoryGroup, decode_groups, encode_request
 from async_rl.security import ClientKeys, harden_client
 
 
 class BatchClient:
-    def __init__(self, address: str, run_id: str, rank: int, world_size: int, curve: ClientKeys | None) -> None:
+    def __init__(
+        self, address: str, run_id: str, rank: int, world_size: int, curve: ClientKeys | None, cost: CostModel = TOKENS
+    ) -> None:
         self.run_id = run_id
+        self.cost = cost  # the learner's cost model: the buffer deals the step's ranks by it
         self.rank = rank
         self.world_size = world_size
         self._ctx = zmq.Context()
@@ -33,7 +37,9 @@ class BatchClient:
         self._redirect = address
 
     def fetch(self, step: int, timeout_s: float) -> list[TrajectoryGroup]:
-        req = BatchRequest(schema=SCHEMA_VERSION, run_id=self.run_id, step=step, rank=self.rank, world_size=self.world_size)
+        c = self.cost
+        req = BatchRequest(schema=SCHEMA_VERSION, run_id=self.run_id, step=step, rank=self.rank, world_size=self.world_size,
+                           attention_weight=c.attention_weight, attention_path=c.path, row_tokens=c.row_tokens)
         self._sock.send(encode_request(req))
         deadline = time.monotonic() + timeout_s
         while True:

@@ -53,6 +53,8 @@ from async_rl.learner.rendezvous import host_store
 from async_rl.learner.rl.algorithms import LOSS_STATS, Algorithm, Prepared
 from async_rl.learner.schedule import lr_factor
 from async_rl.learner.weight_source import WeightSource
+from async_rl.models.cost import TOKENS, CostModel
+from async_rl.models.shape import ModelShape
 from async_rl.protocol import TrajectoryGroup
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
@@ -271,6 +273,15 @@ class LearnerDriver(LearnerRank):
             sequence_parallel=s.learner.sequence_parallel_size,
         )
         self.micro_batch_tokens = budget.tokens
+        # what a micro-batch costs on the attention path that runs (models/cost.py): the buffer deals the
+        # ranks by it (sent with each batch request) and micro-batches are cut by it (packing.cost_cut)
+        try:
+            weight = ModelShape.of(model_config).attention_weight()
+        except ValueError:
+            weight = 0.0  # not a Llama/Qwen2-style decoder: tokens and padding alone
+        self.cost: CostModel | None = CostModel(  # None: micro-batches cut by tokens alone (a comparison)
+            attention_weight=weight, path=self.backend.attention_path, row_tokens=s.learner.pack_row_tokens
+        )
         if s.learner.micro_batch_tokens == "auto" and self.rank == 0:
             print(f"[learner] {budget.line}", file=sys.stderr, flush=True)
         # The KL reference and the critic run whole sequences on every rank (not split over an SP
@@ -310,7 +321,7 @@ class LearnerDriver(LearnerRank):
         info = self.backend.info
         if self.batches is None and info.fetches_batch:
             s = self.spec
-            self.batches = BatchClient(s.buffer_address, s.run_id, info.dp_rank, info.dp_size, s.curve)
+            self.batches = BatchClient(s.buffer_address, s.run_id, info.dp_rank, info.dp_size, s.curve, self.cost or TOKENS)
         return self.batches
 
     # ---- training --------------------------------------------------------------------------------
@@ -365,7 +376,7 @@ class LearnerDriver(LearnerRank):
         every rank runs as many forward/backward passes, so the collectives inside them line up."""
         c = self.spec.learner
         build = shared_micro_batches if self.share_prompt else micro_batches
-        mbs = build(samples, c.packing, c.micro_batch_size, self.micro_batch_tokens, c.pack_row_tokens)
+        mbs = build(samples, c.packing, c.micro_batch_size, self.micro_batch_tokens, c.pack_row_tokens, self.cost)
         count = max(1, int(self.backend.all_reduce(torch.tensor([len(mbs)], device=self.device), "max").item()))
         return [mb.to(self.device) for mb in mbs] + [dummy_micro_batch().to(self.device)] * (count - len(mbs))
 

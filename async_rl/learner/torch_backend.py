@@ -33,6 +33,7 @@ from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
 from async_rl.learner.moe_settings import settings_error
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.rendezvous import join_group
+from async_rl.models.cost import path_of
 from async_rl.protocol import TrajectoryGroup
 
 OPTIMIZER_STATE = "optimizer.pt"
@@ -153,6 +154,7 @@ class TorchBackend(ModelBackend):
             self.attention_kernels = resolve_attention(self.cfg.attention, self.device.type, half)
         except ValueError as e:
             raise RunError(f"learner.attention={self.cfg.attention}: {e}") from None
+        self.attention_path = path_of(self.attention_kernels.unshared, self.device.type)
         if self.groups.size > 1:
             # the exchange around every kernel (ulysses.py); set before the bf16 working copy is made, as below
             self.model.set_attn_implementation(ulysses.register())

@@ -4,7 +4,8 @@ A sequence of L tokens costs the learner about L x (the FLOPs of every matmul pe
 attention, L^2 / 2 query-key pairs (causal) x (4 x hidden x layers FLOPs per pair: QK^T and AV). So
 relative to one token's matmuls a sequence costs `L + attention_weight x L^2 / 2`, where
 `attention_weight = 4 x hidden x layers / (2 x matmul parameters)`. For Qwen2.5-0.5B that is 8.7e-5:
-attention adds 3% to a 712-token sequence's matmul FLOPs and 36% to an 8192-token one's.
+attention adds 3% to a 712-token sequence's matmul FLOPs and 36% to an 8192-token one's under a causal
+kernel that skips the masked half (flash); what each attention path computes is `models/cost.py`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,3 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     def attention_weight(self) -> float:
         """FLOPs of one query-key pair over one token's matmul FLOPs (see the module's docstring)."""
         return 4 * self.hidden_size * self.num_hidden_layers / (2 * self.matmul_parameters())
-
-
-def sequence_cost(length: int, attention_weight: float) -> float:
-    """A sequence's learner FLOPs in units of one token's matmuls."""
-    return length + attention_weight * length * length / 2

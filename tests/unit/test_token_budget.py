@@ -13,7 +13,8 @@ from async_rl.buffer.balance import balanced_shards, group_cost
 from async_rl.learner.batch.packing import SeqSample, balanced, split
 from async_rl.learner.batch.shared_prefix import block_tokens, split_shared
 from async_rl.learner.batch.token_budget import CPU_BUDGET, activation_bytes_per_token, resolve_budget
-from async_rl.models.shape import ModelShape, sequence_cost
+from async_rl.models.cost import CostModel
+from async_rl.models.shape import ModelShape
 from tests.unit._learner_fixtures import groups
 
 
@@ -54,7 +55,7 @@ def test_shared_prompt_micro_batches_stay_under_the_budget(seed):
 
 def tokens(g) -> float:
     """Tokens the learner runs for a group (its cost without attention's quadratic share)."""
-    return group_cost(g, 0.0)
+    return group_cost(g)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -83,19 +84,19 @@ def one_group(prompt: int, completions: list[int]):
 def test_rank_shards_weigh_attention_s_quadratic_cost():
     # Equal tokens, unequal attention: one 4000-token sample against four of 1000 (same for 3000/3x1000).
     batch = [one_group(0, [4000]), one_group(0, [1000] * 4), one_group(0, [3000]), one_group(0, [1000] * 3)]
-    weight = 1e-2  # attention dominates: a 1000-token sequence costs 1000 + 5000
+    cost = CostModel(attention_weight=1e-2)  # flash: attention dominates, a 1000-token sequence costs 1000 + 5000
 
     def worst(shards):
-        return max(sum(group_cost(g, weight) for g in sh) for sh in shards)
+        return max(sum(group_cost(g, cost) for g in sh) for sh in shards)
 
-    by_tokens, by_flops = balanced_shards(batch, 2), balanced_shards(batch, 2, weight)
+    by_tokens, by_flops = balanced_shards(batch, 2), balanced_shards(batch, 2, cost)
     assert sorted(len(sh) for sh in by_flops) == [2, 2]
     assert {id(g) for sh in by_flops for g in sh} == {id(g) for g in batch}
     # By tokens: {4000, 3000} beside the short samples (7000 tokens each), costs 132,000 against 42,000;
     # by FLOPs the long ones go to different ranks: {4000, 3x1000} and {4x1000, 3000}.
     assert [len(sh[0].completions) for sh in by_tokens] == [1, 4] and worst(by_flops) < 0.8 * worst(by_tokens)
     assert [[len(g.completions) for g in sh] for sh in by_flops] == [[1, 3], [4, 1]]
-    assert group_cost(batch[0], 0.0) == 4000  # weight 0: tokens
+    assert group_cost(batch[0]) == 4000  # the default: tokens
 
 
 def test_attention_weight_from_the_model_shape(tmp_path):
@@ -103,7 +104,8 @@ def test_attention_weight_from_the_model_shape(tmp_path):
     shape = ModelShape.read(tmp_path)
     assert shape is not None and shape.num_key_value_heads == 2
     assert shape.attention_weight() == pytest.approx(8.7e-5, rel=0.03)
-    share = {n: 1 - n / sequence_cost(n, shape.attention_weight()) for n in (712, 8192)}
+    flash = CostModel(attention_weight=shape.attention_weight(), path="flash")
+    share = {n: 1 - n / flash.sample(n) for n in (712, 8192)}
     assert share[712] == pytest.approx(0.03, abs=0.005) and share[8192] == pytest.approx(0.26, abs=0.01)
     assert ModelShape.read(tmp_path / "absent") is None
 

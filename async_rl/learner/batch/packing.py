@@ -32,6 +32,7 @@ from async_rl.learner.model.attention import (
 )
 from async_rl.learner.model.attention import position_ids as segment_positions
 from async_rl.learner.model.head import flat_index
+from async_rl.models.cost import CostModel, Layout
 
 
 @dataclass
@@ -220,6 +221,68 @@ def balanced(
     return splitter(samples, max_seqs, hi) if hi < max_tokens else chunks
 
 
+# A micro-batch is cut in two only where that saves at least this share of its estimated cost: a cut adds a
+# forward and backward whose fixed costs the estimate does not count (the weights read again, FSDP's
+# all-gathers, a head pass), and for samples of similar lengths no cut saves this much, so the token cut stands.
+SPLIT_GAIN = 0.25
+
+
+def cost_cut(chunks: list[list[SeqSample]], cost: Callable[[list[SeqSample]], float]) -> list[list[SeqSample]]:
+    """`chunks` (in order) with each one cut, in order, where the `cost` of a micro-batch says that its
+    longest sample sets the others' cost: a chunk is cut just before its longest sample, just after it, or
+    both (the cheapest of the three) when that saves SPLIT_GAIN of its cost, and the pieces are cut again
+    the same way. Under a masked SDPA (CPU) a packed micro-batch is as wide as its longest row, so short
+    rows beside a long sample each cost that width's positions and its square; cut off, they cost their
+    own width. Every sample stays in exactly one micro-batch, in its order."""
+    out: list[list[SeqSample]] = []
+    todo = list(reversed(chunks))
+    while todo:
+        chunk = todo.pop()
+        if len(chunk) < 2:
+            out.append(chunk)
+            continue
+        longest = max(range(len(chunk)), key=lambda i: len(chunk[i].tokens))
+        ends = [i for i in (longest, longest + 1) if 0 < i < len(chunk)]
+        options = [[chunk[:i], chunk[i:]] for i in ends]
+        if len(ends) == 2:
+            options.append([chunk[:longest], [chunk[longest]], chunk[longest + 1 :]])
+        split_cost, pieces = min(((sum(cost(p) for p in o), o) for o in options), key=lambda x: x[0])
+        if split_cost <= (1 - SPLIT_GAIN) * cost(chunk):
+            todo += reversed(pieces)
+        else:
+            out.append(chunk)
+    return out
+
+
+def packed_layout(lengths: list[int], row_tokens: int = 0) -> Layout:
+    """The layout `packed` gives sequences of these lengths (first fit in rows of `row_tokens`, 0 = the
+    longest; a row's tail lengthens its last sequence), without building it: what `CostModel.layout` reads."""
+    rows, n_rows, width = row_layout(lengths, row_tokens or max(lengths))
+    per_row: list[list[int]] = [[] for _ in range(n_rows)]
+    for n, row in zip(lengths, rows, strict=True):
+        per_row[row].append(n)
+    segments = []
+    for row_lengths in per_row:
+        row_lengths[-1] += width - sum(row_lengths)
+        segments += [(n, 0) for n in row_lengths]
+    return Layout(n_rows, width, segments)
+
+
+def padded_layout(lengths: list[int]) -> Layout:
+    """The layout `padded` gives: one row per sequence, its padding a segment of its own."""
+    width = max(lengths)
+    return Layout(len(lengths), width, [(m, 0) for n in lengths for m in (n, width - n) if m])
+
+
+def chunk_cost(cost: CostModel, pack: bool, row_tokens: int) -> Callable[[list[SeqSample]], float]:
+    """The executed cost of a micro-batch of these samples in the unshared layouts (`cost_cut`'s measure)."""
+    def of(chunk: list[SeqSample]) -> float:
+        lengths = [len(s.tokens) for s in chunk]
+        return cost.layout(packed_layout(lengths, row_tokens) if pack else padded_layout(lengths))
+
+    return of
+
+
 def _optional(samples: list[SeqSample], field: str, shape: tuple[int, int]) -> torch.Tensor | None:
     return torch.zeros(shape) if getattr(samples[0], field) is not None else None
 
@@ -352,9 +415,13 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
 
 
 def micro_batches(
-    samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0, row_tokens: int = 0
+    samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0, row_tokens: int = 0,
+    cost: CostModel | None = None,
 ) -> list[MicroBatch]:
+    """`samples` in order as micro-batches: cut by tokens (`balanced`), then by `cost` (`cost_cut`) where given."""
     chunks = balanced(split, samples, max_seqs, max_tokens)
+    if cost is not None:
+        chunks = cost_cut(chunks, chunk_cost(cost, pack, row_tokens))
     return [packed(chunk, row_tokens) if pack else padded(chunk) for chunk in chunks]
 
 

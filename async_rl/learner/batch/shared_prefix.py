@@ -38,12 +38,14 @@ from async_rl.learner.batch.packing import (
     _optional,
     _route_rows,
     balanced,
+    cost_cut,
     loss_index,
     row_layout,
     row_tensors,
 )
 from async_rl.learner.batch.routes import put_routes
 from async_rl.learner.model.attention import SegmentTable
+from async_rl.models.cost import CostModel, Layout
 
 
 def _prompt_key(s: SeqSample) -> bytes:
@@ -151,10 +153,12 @@ def _suffix_sample(s: SeqSample) -> SeqSample:
     )
 
 
-def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> MicroBatch:
-    """The micro-batch of `samples` with one prefix per prompt run. `pack`: blocks first-fit into
-    rows of `row_tokens` positions (0 = the longest block; a longer block is cut into blocks that
-    fit); else one block per row, right-padded. Spans (and so scores) follow the samples' order."""
+def block_rows(
+    samples: list[SeqSample], row_tokens: int, pack: bool
+) -> tuple[list[list[SeqSample]], list[int], int, int]:
+    """The blocks of `samples` (one prefix per prompt run, cut to rows of `row_tokens` when packed), the row
+    of each block, the row count and the width: packed, first fit in rows (0 = the longest block); else
+    one block per row."""
     blocks: list[list[SeqSample]] = []
     for run in prompt_runs(samples):
         blocks.extend(cut_run(run, row_tokens) if pack and row_tokens else [run])
@@ -163,6 +167,30 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
         rows, n_rows, width = row_layout(lengths, row_tokens or max(lengths))
     else:
         rows, n_rows, width = list(range(len(blocks))), len(blocks), max(lengths)
+    return blocks, rows, n_rows, width
+
+
+def shared_layout(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> Layout:
+    """The layout `shared` gives these samples, without building it (what `CostModel.layout` reads): per
+    block its prefix, then its suffixes reading the prefix; a row's unused tail a segment of its own."""
+    blocks, rows, n_rows, width = block_rows(samples, row_tokens, pack)
+    per_row: list[list[tuple[int, int]]] = [[] for _ in range(n_rows)]
+    for b, row in zip(blocks, rows, strict=True):
+        p = prefix_len(b[0])
+        per_row[row] += [(p, 0)] if p else []
+        per_row[row] += [(suffix_len(s), p) for s in b]
+    segments = []
+    for row_segments in per_row:
+        rest = width - sum(n for n, _ in row_segments)
+        segments += row_segments + ([(rest, 0)] if rest else [])
+    return Layout(n_rows, width, segments)
+
+
+def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> MicroBatch:
+    """The micro-batch of `samples` with one prefix per prompt run. `pack`: blocks first-fit into
+    rows of `row_tokens` positions (0 = the longest block; a longer block is cut into blocks that
+    fit); else one block per row, right-padded. Spans (and so scores) follow the samples' order."""
+    blocks, rows, n_rows, width = block_rows(samples, row_tokens, pack)
     input_ids, position_ids, targets, mask, behav, adv = row_tensors(n_rows, width)
     prox = _optional(samples, "prox_logp", (n_rows, width))
     ref = _optional(samples, "ref_logp", (n_rows, width))
@@ -212,7 +240,11 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
 
 
 def shared_micro_batches(
-    samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0, row_tokens: int = 0
+    samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0, row_tokens: int = 0,
+    cost: CostModel | None = None,
 ) -> list[MicroBatch]:
     """`packing.micro_batches` with one prefix per prompt run (`learner.share_prompt`)."""
-    return [shared(chunk, row_tokens, pack) for chunk in balanced(split_shared, samples, max_seqs, max_tokens)]
+    chunks = balanced(split_shared, samples, max_seqs, max_tokens)
+    if cost is not None:
+        chunks = cost_cut(chunks, lambda chunk: cost.layout(shared_layout(chunk, row_tokens, pack)))
+    return [shared(chunk, row_tokens, pack) for chunk in chunks]

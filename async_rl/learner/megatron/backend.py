@@ -65,6 +65,7 @@ from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.model.moe import MoeShape
 from async_rl.learner.moe_settings import megatron_aux_loss_error
 from async_rl.learner.rendezvous import join_group
+from async_rl.models.cost import path_of
 from async_rl.protocol import TrajectoryGroup
 
 
@@ -333,6 +334,7 @@ class MegatronBackend(ModelBackend):
         self.te_spec = te_spec
         self.sharded_optimizer = distributed
         self.attention = kernel
+        self.attention_path = "flash" if te_spec else path_of(kernel, "cpu" if self.on_cpu else "cuda")
         # how a packed micro-batch goes in: THD to TE's attention, one row with its bounds to varlen,
         # else rows with a block-diagonal mask (megatron's local attention refuses packed params)
         self.packed_as: Literal["thd", "row", "mask"] = "thd" if te_spec else "row" if kernel == "varlen" else "mask"

@@ -50,6 +50,7 @@ import torch
 
 from async_rl.learner.model import attention_flex
 from async_rl.learner.model.attention_flex import FlexMask
+from async_rl.models.cost import Layout
 
 Kernel = Literal["sdpa", "varlen", "flex"]
 IMPLEMENTATION = "async_rl"  # the name registered in transformers' attention interfaces
@@ -76,6 +77,11 @@ class Segments:
     @property
     def shares_prefixes(self) -> bool:
         return self.key_tokens != self.rows * self.width
+
+    def layout(self) -> Layout:
+        """The micro-batch's shape as `models.cost.CostModel` reads it (its executed cost per path)."""
+        lengths, prefix = self.lengths.tolist(), self.prefix.tolist()
+        return Layout(self.rows, self.width, [(n, lengths[p] if p >= 0 else 0) for n, p in zip(lengths, prefix, strict=True)])
 
     def to(self, device: torch.device) -> Segments:
         return Segments(self.rows, self.width, self.lengths.to(device), self.prefix.to(device),

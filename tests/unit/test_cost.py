@@ -1,0 +1,189 @@
+"""The learner's cost estimate per attention path (`models/cost.py`), micro-batches cut by it
+(`packing.cost_cut`) and the ranks dealt by it (`buffer/balance.py`).
+
+What a path computes was measured once (the module's docstring); here: each path's formula on layouts
+whose pairs are known by hand, the layouts the cost reads without building a micro-batch equal the ones
+the builders make, the cut keeps every sample once and in order and leaves similar lengths alone, and a
+whole learner step on the cost cut equals the token cut's (loss, log-probs, gradients)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from async_rl.buffer.balance import balanced_shards, group_cost
+from async_rl.learner.batch.packing import (
+    SeqSample,
+    balanced,
+    chunk_cost,
+    cost_cut,
+    micro_batches,
+    packed,
+    packed_layout,
+    padded,
+    padded_layout,
+    split,
+)
+from async_rl.learner.batch.shared_prefix import shared, shared_layout, shared_micro_batches
+from async_rl.learner.driver import shard_samples
+from async_rl.models.cost import TOKENS, CostModel, Layout, path_of
+from async_rl.protocol import SCHEMA_VERSION, BatchRequest, decode_request, encode_request
+from tests.unit._learner_fixtures import assert_equal_steps, groups, make_rank, spied_step
+
+
+def sample(n: int, start: int = 3, prompt: np.ndarray | None = None, seed: int = 0) -> SeqSample:
+    tokens = np.random.default_rng(seed + n).integers(3, 40, n)
+    if prompt is not None:
+        tokens[: len(prompt)] = prompt
+    return SeqSample(tokens=tokens, start=start, behav_logp=np.zeros(n - start, np.float32),
+                     advantages=np.ones(n - start, np.float32))
+
+
+def test_paths_of_the_kernels():
+    assert path_of("sdpa", "cpu") == path_of("sdpa", "cuda") == "dense"
+    assert path_of("varlen", "cuda") == path_of("flex", "cuda") == "flash"
+    assert path_of("varlen", "cpu") == "segments"  # attention.reference_varlen
+
+
+def test_each_path_counts_the_pairs_its_kernel_computes():
+    w = 0.01
+    two_packed = Layout(1, 100, [(60, 0), (40, 0)])  # one row, two sequences: a mask under SDPA
+    assert CostModel(attention_weight=w, path="dense").layout(two_packed) == 100 + w * 100 * 100
+    assert CostModel(attention_weight=w, path="flash").layout(two_packed) == 100 + w * (60 * 60 + 40 * 40) / 2
+    assert CostModel(attention_weight=w, path="segments").layout(two_packed) == 100 + w * (60 * 60 + 40 * 40)
+    alone = Layout(2, 100, [(100, 0), (100, 0)])  # a sequence per row: HF passes no mask, SDPA runs causal
+    assert CostModel(attention_weight=w, path="dense").layout(alone) == 200 + w * 2 * 100 * 100 / 2
+    # a suffix of 30 reading a shared prefix of 50: flash reads the prefix whole, its own keys causally
+    prefix = Layout(1, 80, [(50, 0), (30, 50)])
+    assert CostModel(attention_weight=w, path="flash").pairs(prefix) == 50 * 50 / 2 + 30 * 50 + 30 * 30 / 2
+    assert CostModel(attention_weight=w, path="segments").pairs(prefix) == 50 * 50 + 30 * 80
+    assert CostModel(attention_weight=w, path="dense").pairs(prefix) == 80 * 80  # the dense block mask
+    assert TOKENS.layout(prefix) == 80 and TOKENS.sample(123) == 123
+
+
+def test_a_sample_s_share_before_the_cut():
+    dense = CostModel(attention_weight=0.01, path="dense", row_tokens=256)
+    assert dense.sample(100) == 100 * (1 + 0.01 * 256)  # a masked row of 256 shared with others
+    assert dense.sample(1000) == 1000 + 0.01 * 1000 * 1000 / 2  # a row of its own, cut off: causal
+    assert CostModel(attention_weight=0.01, path="flash").sample(1000) == 1000 + 0.01 * 1000 * 1000 / 2
+    assert CostModel(attention_weight=0.01, path="segments").sample(1000) == 1000 + 0.01 * 1000 * 1000
+
+
+@pytest.mark.parametrize("row_tokens", [0, 16, 40])
+def test_the_estimated_layout_is_the_built_one(row_tokens):
+    lengths = [7, 12, 30, 5, 9, 22, 3]
+    samples = [sample(n) for n in lengths]
+    assert packed_layout(lengths, row_tokens) == packed(samples, row_tokens).segments.layout()
+    assert padded_layout(lengths) == padded(samples).segments.layout()
+    prompt = np.arange(3, 9)
+    runs = [sample(n, start=6, prompt=prompt, seed=1) for n in (10, 14, 8)] + [sample(n, seed=2) for n in (9, 25)]
+    for pack in (True, False):
+        assert shared_layout(runs, row_tokens, pack) == shared(runs, row_tokens, pack).segments.layout()
+
+
+def long_tailed(n_short: int = 24, long_at: int = 10) -> list[SeqSample]:
+    lengths = [int(x) for x in np.random.default_rng(0).integers(10, 30, n_short)]
+    lengths[long_at] = 400
+    return [sample(n, seed=i) for i, n in enumerate(lengths)]
+
+
+def test_the_cut_isolates_the_long_sample_once_and_in_order():
+    samples = long_tailed()
+    dense = CostModel(attention_weight=3e-3, path="dense", row_tokens=64)
+    of = chunk_cost(dense, True, 64)
+    token_cut = balanced(split, samples, 0, 8192)
+    assert len(token_cut) == 1
+    chunks = cost_cut(token_cut, of)
+    assert [s for c in chunks for s in c] == samples  # every sample once, in order
+    assert [len(c) for c in chunks] == [10, 1, 13]  # the 400-token sample alone
+    assert sum(of(c) for c in chunks) < 0.5 * of(samples)  # its width no longer sets the short rows'
+    # the micro-batches built on the cut
+    mbs = micro_batches(samples, True, 0, 8192, 64, dense)
+    assert [len(mb.spans) for mb in mbs] == [10, 1, 13] and [mb.input_ids.shape[1] for mb in mbs] == [64, 400, 64]
+
+
+def test_similar_lengths_keep_the_token_cut():
+    samples = [sample(int(n), seed=i) for i, n in enumerate(np.random.default_rng(1).integers(10, 30, 60))]
+    token_cut = balanced(split, samples, 0, 300)
+    for path in ("dense", "flash", "segments"):
+        for row_tokens in (0, 64):
+            model = CostModel(attention_weight=3e-3, path=path, row_tokens=row_tokens)
+            assert cost_cut(token_cut, chunk_cost(model, True, row_tokens)) == token_cut
+
+
+def test_flash_leaves_a_long_sample_in_full_rows():
+    # varlen on CUDA: a long sample costs the same in or out of its micro-batch when rows are full
+    samples = [sample(40, seed=i) for i in range(10)] + [sample(400)] + [sample(40, seed=i) for i in range(10, 20)]
+    flash = CostModel(attention_weight=3e-3, path="flash")
+    assert packed_layout([len(s.tokens) for s in samples]).rows == 3  # 400 + 400 + 400 positions, no padding
+    assert cost_cut([samples], chunk_cost(flash, True, 0)) == [samples]
+    dense = CostModel(attention_weight=3e-3, path="dense")  # the same rows masked: the width's square each
+    assert len(cost_cut([samples], chunk_cost(dense, True, 0))) == 3
+
+
+def test_shared_prompt_micro_batches_are_cut_by_cost_too():
+    prompt = np.arange(3, 9)
+    samples = [sample(n, start=6, prompt=prompt, seed=i) for i, n in enumerate([12, 15, 11, 14, 300, 13, 12, 16])]
+    dense = CostModel(attention_weight=3e-3, path="dense", row_tokens=48)
+    mbs = shared_micro_batches(samples, True, 0, 8192, 48, dense)
+    assert [len(mb.spans) for mb in mbs] == [4, 1, 3]
+    assert len(shared_micro_batches(samples, True, 0, 8192, 48)) == 1
+
+
+def long_tailed_groups():
+    gs = groups(3, n_groups=4, group_size=4)
+    g = gs[1]
+    g.completions[2] = np.random.default_rng(0).integers(3, 40, 220).astype(np.int32)
+    g.logprobs[2] = np.full(220, -3.0, np.float32)
+    return gs
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_a_step_on_the_cost_cut_equals_the_token_cut(model_dir, share_prompt):
+    """The loss is a sum over samples whatever the cut: the same log-probs, loss and gradients (a prompt
+    run cut in two gets a prefix copy per piece)."""
+    gs = long_tailed_groups()
+    by_cost = make_rank(model_dir, pack_row_tokens=32, share_prompt=share_prompt)
+    assert by_cost.cost.path == "dense" and by_cost.cost.attention_weight > 0  # SDPA on CPU
+    by_tokens = make_rank(model_dir, pack_row_tokens=32, share_prompt=share_prompt)
+    by_tokens.cost = None  # the token cut alone
+    a, b = spied_step(by_tokens, gs), spied_step(by_cost, gs)
+    assert a["micro_batches"] == 1 and b["micro_batches"] > 1
+    widest = max(b["mbs"], key=lambda mb: mb.input_ids.shape[1])
+    assert widest.input_ids.shape[1] > 220 and len(widest.spans) == 1  # the long sample alone
+    assert_equal_steps(a, b)
+    assert b["metrics"].loss == pytest.approx(a["metrics"].loss, abs=1e-6)
+
+
+def one_group(completions: list[int]):
+    g = groups(0, n_groups=1, group_size=len(completions))[0]
+    g.prompt_tokens = np.zeros(0, np.int32)
+    g.completions = [np.zeros(n, np.int32) for n in completions]
+    return g
+
+
+def test_ranks_dealt_by_the_executed_cost():
+    # dense rows of 64 (SDPA on CPU): a long sample's row is its own (causal), a short one shares a masked row
+    dense = CostModel(attention_weight=3e-3, path="dense", row_tokens=64)
+    long1, short1, long2, short2 = one_group([600]), one_group([40] * 15), one_group([560]), one_group([40] * 14)
+    batch = [long1, short1, long2, short2]
+    assert group_cost(long1, dense) == pytest.approx(600 + 3e-3 * 600 * 600 / 2)
+    assert group_cost(short1, dense) == pytest.approx(600 * (1 + 3e-3 * 64))
+    by_tokens, by_cost = balanced_shards(batch, 2), balanced_shards(batch, 2, dense)
+    assert by_tokens == [[long1, long2], [short1, short2]]  # 1,160 tokens each
+    assert by_cost == [[long1, short2], [short1, long2]]
+
+    def worst(shards):
+        return max(sum(group_cost(g, dense) for g in s) for s in shards)
+
+    assert worst(by_cost) < 0.85 * worst(by_tokens)
+    samples = shard_samples(batch)
+    assert sum(group_cost(g, dense) for g in batch) == pytest.approx(sum(dense.sample(len(s.tokens)) for s in samples))
+
+
+def test_the_batch_request_carries_the_cost_model():
+    req = BatchRequest(schema=SCHEMA_VERSION, run_id="r", step=1, rank=0, world_size=2, attention_weight=3e-3,
+                       attention_path="dense", row_tokens=64)
+    assert decode_request(encode_request(req), "r") == req
+    old = BatchRequest(schema=SCHEMA_VERSION, run_id="r", step=1, rank=0, world_size=2)
+    assert (old.attention_weight, old.attention_path, old.row_tokens) == (0.0, "flash", 0)  # tokens alone
