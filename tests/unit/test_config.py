@@ -384,3 +384,12 @@ def test_the_model_presets_config_names_are_the_ones_the_models_package_builds()
     from async_rl.models.tiny import ALL_PRESETS
 
     assert MODEL_PRESETS == ALL_PRESETS
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_passes_the_launch_check(path):
+    """What `python -m async_rl.launch CONFIG` checks before anything starts (model, task, reward, the MoE
+    settings, the frame limit) holds for every config a user is pointed at (configs/gpu/ needs its data)."""
+    from async_rl.launch import check_inputs
+
+    check_inputs(load_config(path))
