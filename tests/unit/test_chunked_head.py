@@ -249,6 +249,7 @@ class _StubBackend:
     keeps_logits = False
     moe = None  # a dense model
     replays_routes = False
+    attention_path = "dense"
 
     def setup(self, model_dir: str) -> int:
         return 0
