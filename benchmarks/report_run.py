@@ -25,10 +25,30 @@ def read_jsonl(path: Path) -> list[dict]:
 TOOL_KEYS = ("turns_mean", "tool_calls_per_episode", "tool_errors_per_episode", "tool_success")
 # The policy's mean per-token entropy and what the entropy controls did (docs/algorithms.md#entropy-controls).
 ENTROPY_KEYS = ("entropy", "cov_frac", "clip_frac")
+# An MoE run's routing per step (docs/moe.md): the live router's agreement with the engine's routes, and the
+# probe's log-prob mismatch with replay and with the live router.
+MOE_FORMATS = {"lag_max": "d", "router_agreement": ".1%", "router_agreement_worst_layer": ".1%",
+               "moe_mismatch_replay": ".1e", "moe_mismatch_live": ".1e", "logprob_mismatch": ".1e",
+               "clip_frac": ".3f", "expert_load_max_mean": ".2f", "moe_unrouted_tokens": "d"}
+MOE_KEYS = tuple(MOE_FORMATS)
 
 
 def is_multi_turn(steps: list[dict]) -> bool:
     return any(r.get("turns_max", 0) for r in steps)
+
+
+def is_moe(steps: list[dict]) -> bool:
+    return any(r.get("moe_replay") is not None for r in steps)
+
+
+def moe_table(steps: list[dict]) -> str:
+    """Per step: the lag, the router agreement (every layer; worst layer), the probe's mismatch with replay
+    and live, the batch's mismatch after the sync, the clip fraction, the expert load, the unrouted tokens."""
+    def cell(r: dict, key: str) -> str:
+        return "-" if r.get(key) is None else format(r[key], MOE_FORMATS[key])
+
+    head = "| step | " + " | ".join(MOE_KEYS) + " |\n|---|" + "---|" * len(MOE_KEYS)
+    return head + "".join(f"\n| {r['step'] + 1} | " + " | ".join(cell(r, k) for k in MOE_KEYS) + " |" for r in steps)
 
 
 def plot(steps: list[dict], evals: list[dict], title: str, out: Path) -> None:
@@ -108,6 +128,7 @@ def main() -> None:
                 for k in ("step", "elapsed_s", "reward_mean", "completion_len_mean", "truncation_rate", "logprob_mismatch")
                 + ENTROPY_KEYS
                 + (TOOL_KEYS + ("env_token_share",) if is_multi_turn(steps) else ())
+                + (MOE_KEYS if is_moe(steps) else ())
             }
             for r in steps
         ],
@@ -128,6 +149,8 @@ def main() -> None:
         f"| step | train s | pass@1 | {' | '.join(sources)} | len | truncated | eval s |\n"
         f"|---|---|---|{'---|' * len(sources)}---|---|---|\n{rows}"
     )
+    if is_moe(steps):
+        print("\n" + moe_table(steps))
 
 
 if __name__ == "__main__":
