@@ -109,6 +109,21 @@ def test_the_cut_isolates_the_long_sample_once_and_in_order():
     assert [len(mb.spans) for mb in mbs] == [10, 1, 13] and [mb.input_ids.shape[1] for mb in mbs] == [64, 400, 64]
 
 
+def test_the_cut_finds_every_long_sample():
+    """A chunk that starts with a long sample and holds a second one: cutting off the first alone saves
+    little (the second keeps the rest wide), the pieces cut again save most: every long sample alone."""
+    lengths = [400] + [20] * 12 + [380] + [20] * 12
+    samples = [sample(n, seed=i) for i, n in enumerate(lengths)]
+    dense = CostModel(attention_weight=3e-3, path="dense", row_tokens=64)
+    of = chunk_cost(dense, True, 64)
+    chunks = cost_cut([samples], of)
+    assert [len(c) for c in chunks] == [1, 12, 1, 12] and [s for c in chunks for s in c] == samples
+    assert sum(of(c) for c in chunks) < 0.5 * of(samples)
+    # the KL reference's padded rows the same way
+    rows = MicroBatchCut(cost=dense, max_tokens=8192).padded_rows(lengths, "dense")
+    assert [len(r) for r in rows] == [1, 12, 1, 12]
+
+
 def test_similar_lengths_keep_the_token_cut():
     samples = [sample(int(n), seed=i) for i, n in enumerate(np.random.default_rng(1).integers(10, 30, 60))]
     token_cut = balanced(split, samples, 0, 300)

@@ -238,28 +238,49 @@ def cost_cut(
 ) -> list[list[T]]:
     """`chunks` (in order) with each one cut, in order, where the `cost` of a micro-batch says that its
     longest sample sets the others' cost: a chunk is cut just before its longest sample, just after it, or
-    both (the cheapest of the three) when that saves SPLIT_GAIN of its cost, and the pieces are cut again
-    the same way. Under a masked SDPA (CPU) a packed micro-batch is as wide as its longest row, so short
-    rows beside a long sample each cost that width's positions and its square; cut off, they cost their
-    own width. Every sample stays in exactly one micro-batch, in its order. `size`: a sample's tokens."""
-    out: list[list[T]] = []
-    todo = list(reversed(chunks))
+    both, each piece cut again the same way, when that saves SPLIT_GAIN of its cost (the cheapest of the
+    three, judged by what the pieces cost once cut again: a second long sample in a piece no longer keeps
+    the cut from paying). Under a masked SDPA (CPU) a packed micro-batch is as wide as its longest row, so
+    short rows beside a long sample each cost that width's positions and its square; cut off, they cost
+    their own width. Every sample stays in exactly one micro-batch, in its order. `size`: a sample's tokens."""
+    return [piece for chunk in chunks for piece in _cheapest_cut(chunk, cost, size)]
+
+
+def _cheapest_cut(chunk: list[T], cost: Callable[[list[T]], float], size: Callable[[T], int]) -> list[list[T]]:
+    """`cost_cut` of one chunk, over its index ranges [a, b): each range judged once, after the ranges its
+    options cut it into (a stack, not recursion: a chunk of ascending lengths is as deep as it is long)."""
+    if not chunk:
+        return []
+    splits: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+    best: dict[tuple[int, int], tuple[float, list[tuple[int, int]]]] = {}
+
+    def options(a: int, b: int) -> list[list[tuple[int, int]]]:
+        if (a, b) not in splits:
+            m = max(range(a, b), key=lambda i: size(chunk[i]))
+            ends = [i for i in (m, m + 1) if a < i < b]
+            both = [[(a, m), (m, m + 1), (m + 1, b)]] if len(ends) == 2 else []
+            splits[(a, b)] = [[(a, i), (i, b)] for i in ends] + both
+        return splits[(a, b)]
+
+    todo = [(0, len(chunk))]
     while todo:
-        chunk = todo.pop()
-        if len(chunk) < 2:
-            out.append(chunk)
+        a, b = todo[-1]
+        if (a, b) in best:
+            todo.pop()
             continue
-        longest = max(range(len(chunk)), key=lambda i: size(chunk[i]))
-        ends = [i for i in (longest, longest + 1) if 0 < i < len(chunk)]
-        options = [[chunk[:i], chunk[i:]] for i in ends]
-        if len(ends) == 2:
-            options.append([chunk[:longest], [chunk[longest]], chunk[longest + 1 :]])
-        split_cost, pieces = min(((sum(cost(p) for p in o), o) for o in options), key=lambda x: x[0])
-        if split_cost <= (1 - SPLIT_GAIN) * cost(chunk):
-            todo += reversed(pieces)
-        else:
-            out.append(chunk)
-    return out
+        missing = [r for option in options(a, b) for r in option if r not in best]
+        if missing:
+            todo += missing
+            continue
+        todo.pop()
+        whole = cost(chunk[a:b])
+        kept = (whole, [(a, b)])
+        for option in options(a, b):
+            split_cost = sum(best[r][0] for r in option)
+            if split_cost <= (1 - SPLIT_GAIN) * whole and split_cost < kept[0]:
+                kept = (split_cost, [piece for r in option for piece in best[r][1]])
+        best[(a, b)] = kept
+    return [chunk[a:b] for a, b in best[(0, len(chunk))][1]]
 
 
 def cut(
