@@ -14,22 +14,17 @@ Writes OUT.md.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.bench_straggler import long_tailed_batch
+from benchmarks.bench_straggler import batch_arguments, long_tailed_batch, one_thread_model
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="tiny-qwen2-wide")
-    p.add_argument("--groups", type=int, default=16)
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--median", type=int, default=64)
-    p.add_argument("--long", type=int, default=3)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    batch_arguments(p)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/reference_cut_cpu")
     args = p.parse_args()
@@ -38,11 +33,8 @@ def main() -> None:
     from async_rl.learner.rl.reference import ReferencePolicy
     from async_rl.models.cost import CostModel
     from async_rl.models.shape import ModelShape
-    from async_rl.models.tiny import resolve_model_path
 
-    torch.set_num_threads(1)
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    model_dir = str(resolve_model_path(args.preset, tempfile.mkdtemp(prefix="refcut-")))
+    model_dir, started = one_thread_model(args.preset)
     cost = CostModel(attention_weight=ModelShape.read(model_dir).attention_weight(), path="dense")
     arms = {name: ReferencePolicy(model_dir, torch.float32, cut=MicroBatchCut(cost=c, max_tokens=8192))
             for name, c in (("tokens", None), ("cost", cost))}
