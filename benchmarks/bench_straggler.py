@@ -77,14 +77,28 @@ def step_seconds(backend, mbs: list) -> tuple[float, float]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and the long-tailed batch's arguments (`long_tailed_batch`), shared with bench_reference_cut.py."""
     p.add_argument("--preset", default="tiny-qwen2-wide")
-    p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--median", type=int, default=64)
     p.add_argument("--long", type=int, default=3)
+
+
+def one_thread_model(preset: str) -> tuple[str, str]:
+    """One torch thread, the preset's model folder written to a fresh temporary folder, and the start time."""
+    from async_rl.models.tiny import resolve_model_path
+
+    torch.set_num_threads(1)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return str(resolve_model_path(preset, tempfile.mkdtemp(prefix="bench-"))), started
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    batch_arguments(p)
+    p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--row-tokens", type=int, default=256, help="learner.pack_row_tokens (CPU: keep rows short)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -95,11 +109,8 @@ def main() -> None:
     from async_rl.learner.torch_backend import TorchBackend
     from async_rl.models.cost import TOKENS, CostModel
     from async_rl.models.shape import ModelShape
-    from async_rl.models.tiny import resolve_model_path
 
-    torch.set_num_threads(1)
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    model_dir = str(resolve_model_path(args.preset, tempfile.mkdtemp(prefix="straggler-")))
+    model_dir, started = one_thread_model(args.preset)
     backend = TorchBackend(LearnerConfig(micro_batch_tokens=8192, pack_row_tokens=args.row_tokens), "float32", 0, 1, "")
     backend.setup(model_dir)
     cost = CostModel(attention_weight=ModelShape.read(model_dir).attention_weight(), path=backend.attention_path,

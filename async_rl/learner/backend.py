@@ -31,6 +31,7 @@ from typing import Literal
 import msgspec
 import torch
 
+from async_rl.learner.batch.cut import MicroBatchCut
 from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.model.moe import MoeShape, RouterStats
 from async_rl.protocol import AttentionPath, TrajectoryGroup
@@ -185,7 +186,7 @@ class ModelBackend(abc.ABC):
         of `hf_weights`). None: the backend trains every weight."""
         return None
 
-    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int, head_kernel: str = "eager"):
+    def base_reference(self, cut: MicroBatchCut, logprob_chunk_tokens: int, head_kernel: str = "eager"):
         """A `reference.ReferencePolicy` over the trained model's own frozen base (LoRA: the adapter
         disabled), or None: the driver loads the reference weights from the run's initial folder."""
         return None

@@ -39,10 +39,10 @@ from async_rl.learner.base import (
     episode_rewards,
     truncated_count,
 )
-from async_rl.learner.batch.packing import MicroBatch, SeqSample, dummy_micro_batch, micro_batches
+from async_rl.learner.batch.cut import MicroBatchCut
+from async_rl.learner.batch.packing import MicroBatch, SeqSample, dummy_micro_batch
 from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.batch.routes import check_routes, unrouted_rows
-from async_rl.learner.batch.shared_prefix import shared_micro_batches
 from async_rl.learner.batch.token_budget import resolve_budget
 from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.hf_io import rng_state, set_rng_state
@@ -220,15 +220,21 @@ def step_means(updates: list[UpdateStats]) -> dict:
 
 
 class LearnerDriver(LearnerRank):
-    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master: str, cores: list[int]) -> None:
+    def __init__(
+        self, spec: LearnerSpec, rank: int, world_size: int, master: str, cores: list[int], by_cost: bool = True
+    ) -> None:
+        """`by_cost` False: every pass cuts its micro-batches by tokens alone (a comparison for tests and
+        benchmarks; the buffer then deals the ranks by tokens too)."""
         pin_current_process(cores)
         self.spec = spec
+        self.by_cost = by_cost
         self.rank = rank
         self.world_size = world_size
         self.master = master
         self._rendezvous_store: dist.TCPStore | None = None  # rank 0's, once rendezvous_address made it
         self.share_prompt = False  # learner.share_prompt where the backend supports it (setup)
         self.backend: ModelBackend | None = None  # made in setup, once the rendezvous address is known
+        self.cut: MicroBatchCut | None = None  # how every pass cuts its micro-batches (setup: the budget, the cost)
         self.weights: WeightSource | None = None
         self.step_count = 0
         self.version = 0  # the policy version these weights are (step + 1 after train_step(step))
@@ -274,19 +280,22 @@ class LearnerDriver(LearnerRank):
         )
         self.micro_batch_tokens = budget.tokens
         # what a micro-batch costs on the attention path that runs (models/cost.py): the buffer deals the
-        # ranks by it (sent with each batch request) and micro-batches are cut by it (packing.cost_cut)
+        # ranks by it (sent with each batch request) and every pass cuts its micro-batches by it (batch/cut.py)
         try:
             weight = ModelShape.of(model_config).attention_weight()
         except ValueError:
             weight = 0.0  # not a Llama/Qwen2-style decoder: tokens and padding alone
-        self.cost: CostModel | None = CostModel(  # None: micro-batches cut by tokens alone (a comparison)
-            attention_weight=weight, path=self.backend.attention_path, row_tokens=s.learner.pack_row_tokens
+        cost = CostModel(attention_weight=weight, path=self.backend.attention_path, row_tokens=s.learner.pack_row_tokens)
+        c = s.learner
+        self.cut = MicroBatchCut(
+            cost=cost if self.by_cost else None, pack=c.packing, max_seqs=c.micro_batch_size,
+            max_tokens=self.micro_batch_tokens, row_tokens=c.pack_row_tokens, share_prompt=self.share_prompt,
         )
         if s.learner.micro_batch_tokens == "auto" and self.rank == 0:
             print(f"[learner] {budget.line}", file=sys.stderr, flush=True)
-        # The KL reference and the critic run whole sequences on every rank (not split over an SP
-        # group): their micro-batches get one rank's share of the budget.
-        whole_tokens = self.micro_batch_tokens // s.learner.sequence_parallel_size
+        # The KL reference runs whole sequences on every rank (not split over an SP group): its micro-batches
+        # get one rank's share of the budget, cut as every pass's are.
+        whole = self.cut.with_max_tokens(self.micro_batch_tokens // s.learner.sequence_parallel_size)
         self.algo = Algorithm(
             s.algorithm,
             max_tokens=s.generators.max_tokens,
@@ -297,11 +306,9 @@ class LearnerDriver(LearnerRank):
             seed=s.train.seed,
             max_grad_norm=s.learner.max_grad_norm,
             device=self.device,  # the reference model and the critic live where the policy does
-            micro_batch_tokens=whole_tokens,
+            cut=whole,
             logprob_chunk_tokens=s.learner.logprob_chunk_tokens,
-            base_reference=self.backend.base_reference(
-                whole_tokens, s.learner.logprob_chunk_tokens, self.backend.head_kernel
-            ),
+            base_reference=self.backend.base_reference(whole, s.learner.logprob_chunk_tokens, self.backend.head_kernel),
             head_kernel=self.backend.head_kernel,
             routing_replay=self.backend.replays_routes,
         )
@@ -321,7 +328,8 @@ class LearnerDriver(LearnerRank):
         info = self.backend.info
         if self.batches is None and info.fetches_batch:
             s = self.spec
-            self.batches = BatchClient(s.buffer_address, s.run_id, info.dp_rank, info.dp_size, s.curve, self.cost or TOKENS)
+            cost = self.cut.cost or TOKENS
+            self.batches = BatchClient(s.buffer_address, s.run_id, info.dp_rank, info.dp_size, s.curve, cost)
         return self.batches
 
     # ---- training --------------------------------------------------------------------------------
@@ -348,7 +356,7 @@ class LearnerDriver(LearnerRank):
         """The current weights' no-grad log-probs [B, T] (None unless `with_logp`) and last hidden
         states [B, T, H] (when `with_hidden`) in the padded shard's layout, on the CPU like the shard,
         at its completion positions (0 elsewhere: the algorithm reads them under its loss mask).
-        Computed over the shard's micro-batches (`learner.micro_batch_tokens`), like the training
+        Computed over the shard's micro-batches (the learner's cut, `batch/cut.py`), like the training
         pass; without `with_logp` the backend may skip its output layer. Zeros on ranks without
         outputs (they compute no loss)."""
         logp = torch.zeros(b.loss_mask.shape)
@@ -374,9 +382,7 @@ class LearnerDriver(LearnerRank):
     def _micro_batches(self, samples: list[SeqSample]) -> list[MicroBatch]:
         """This rank's micro-batches, padded with empty ones to the most any rank has (at least one):
         every rank runs as many forward/backward passes, so the collectives inside them line up."""
-        c = self.spec.learner
-        build = shared_micro_batches if self.share_prompt else micro_batches
-        mbs = build(samples, c.packing, c.micro_batch_size, self.micro_batch_tokens, c.pack_row_tokens, self.cost)
+        mbs = self.cut.micro_batches(samples)
         count = max(1, int(self.backend.all_reduce(torch.tensor([len(mbs)], device=self.device), "max").item()))
         return [mb.to(self.device) for mb in mbs] + [dummy_micro_batch().to(self.device)] * (count - len(mbs))
 

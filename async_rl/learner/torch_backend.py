@@ -19,6 +19,7 @@ from torch.profiler import record_function
 from async_rl.config import LearnerConfig
 from async_rl.errors import RunError
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
+from async_rl.learner.batch.cut import MicroBatchCut
 from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.hf_io import read_hf_weights, read_model_files, write_hf_folder
 from async_rl.learner.model import ulysses
@@ -387,14 +388,15 @@ class TorchBackend(ModelBackend):
             raise RuntimeError("learner.parallel=fsdp2: adapter before gather_weights")
         return Adapter({saved_name(n): t for n, t in self._full.items() if is_adapter(n)}, self._adapter_config)
 
-    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int, head_kernel: str = "eager"):
+    def base_reference(self, cut: MicroBatchCut, logprob_chunk_tokens: int, head_kernel: str = "eager"):
         if self.peft is None or self.sharded:
             return None  # FSDP2 shards the model: its forward outside the root would miss the gathers
         from async_rl.learner.model.lora import adapter_disabled
         from async_rl.learner.rl.reference import ReferencePolicy
 
         return ReferencePolicy.of_base(
-            self.model, lambda: adapter_disabled(self.peft), micro_batch_tokens, logprob_chunk_tokens, head_kernel
+            self.model, lambda: adapter_disabled(self.peft), cut=cut, logprob_chunk_tokens=logprob_chunk_tokens,
+            head_kernel=head_kernel,
         )
 
     def weights_gathered(self) -> bool:

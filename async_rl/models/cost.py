@@ -1,5 +1,5 @@
 """What a micro-batch costs the learner, on the attention path that will run it: the one estimate the
-buffer deals ranks by (`buffer/balance.py`) and the learner cuts micro-batches by (`batch/packing.py`).
+buffer deals ranks by (`buffer/balance.py`) and every learner pass cuts micro-batches by (`learner/batch/cut.py`).
 
 A micro-batch is `rows x width` token positions cut into attention segments (`attention.Segments`).
 In units of one token's matmuls (`models.shape`: `attention_weight` w = one query-key pair's FLOPs over

@@ -47,9 +47,10 @@ def settings(model_dir, **overrides) -> LearnerSpec:
     )
 
 
-def make_rank(model_dir, **overrides) -> LearnerDriver:
-    """A one-rank learner driver on `model_dir`, set up (`overrides`: as for `settings`)."""
-    rank = LearnerDriver(settings(model_dir, **overrides), 0, 1, "", [])
+def make_rank(model_dir, by_cost: bool = True, **overrides) -> LearnerDriver:
+    """A one-rank learner driver on `model_dir`, set up (`overrides`: as for `settings`; `by_cost` False:
+    micro-batches cut by tokens alone, a comparison)."""
+    rank = LearnerDriver(settings(model_dir, **overrides), 0, 1, "", [], by_cost=by_cost)
     rank.setup()
     return rank
 

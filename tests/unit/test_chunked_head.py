@@ -13,7 +13,6 @@ from async_rl.config import AlgorithmConfig
 from async_rl.learner import driver as driver_mod
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.model.head import ChunkedHead, flat_index, full_token_scores, head_scores
-from async_rl.learner.rl.reference import row_chunks
 from tests.unit._learner_fixtures import groups, make_rank, settings
 
 
@@ -70,12 +69,6 @@ def test_head_without_entropy_gives_the_same_log_probs_and_gradients():
         hidden.grad = weight.grad = None
     for a, b in zip(out[True], out[False], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-
-
-def test_row_chunks_bound_rows_times_width():
-    assert row_chunks([3, 5, 2, 8, 1], 10) == [[0, 1], [2], [3], [4]]
-    assert row_chunks([4, 4, 4], 8) == [[0, 1], [2]]
-    assert row_chunks([4, 40, 4], 0) == [[0, 1, 2]]
 
 
 # ---------------------------------------------------------------- the torch backend, full vs chunked
@@ -172,7 +165,7 @@ def test_no_vocabulary_tensor_larger_than_a_chunk(model_dir):
 def test_scoring_passes_follow_micro_batch_tokens(model_dir, monkeypatch):
     """The decoupled proximal pass and ppo's hidden states run over the shard's micro-batches (each
     at most learner.micro_batch_tokens tokens) and equal one whole-shard pass; ppo's behaviour
-    objective asks for no output layer; the KL reference scores rows of at most that many tokens."""
+    objective asks for no output layer; the KL reference scores micro-batches of at most that many tokens."""
     gs = groups(6, n_groups=3, group_size=4)
     algo = AlgorithmConfig(name="ppo", objective="decoupled", kl_coef=0.1)
     results = {}
@@ -189,7 +182,7 @@ def test_scoring_passes_follow_micro_batch_tokens(model_dir, monkeypatch):
         ref_shapes = []
         ref_model = rank.algo.reference.model.base_model  # the trunk (the head runs on its output)
         handle = ref_model.register_forward_pre_hook(
-            lambda _m, args, kwargs, seen=ref_shapes: seen.append(kwargs["input_ids"].shape), with_kwargs=True
+            lambda _m, args, kwargs, seen=ref_shapes: seen.append(int(kwargs["attention_mask"].sum())), with_kwargs=True
         )
         from async_rl.learner.batch.padded import PaddedShard
 
@@ -201,7 +194,7 @@ def test_scoring_passes_follow_micro_batch_tokens(model_dir, monkeypatch):
         handle.remove()
         if budget:
             assert len(calls) > 1 and all(n <= budget for n, _ in calls)
-            assert len(ref_shapes) > 1 and all(r * w <= budget for r, w in ref_shapes)
+            assert len(ref_shapes) > 1 and all(n <= budget for n in ref_shapes)  # real tokens, as the policy's
         else:
             assert len(calls) == 1 and len(ref_shapes) == 1
         assert all(kw == {"hidden": True, "head": True} for _, kw in calls)
@@ -254,7 +247,7 @@ class _StubBackend:
     def setup(self, model_dir: str) -> int:
         return 0
 
-    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int, head_kernel: str = "eager") -> None:
+    def base_reference(self, cut, logprob_chunk_tokens: int, head_kernel: str = "eager") -> None:
         return None  # no LoRA: the driver loads the reference from the run's initial folder
 
 

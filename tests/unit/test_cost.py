@@ -4,19 +4,25 @@
 What a path computes was measured once (the module's docstring); here: each path's formula on layouts
 whose pairs are known by hand, the layouts the cost reads without building a micro-batch equal the ones
 the builders make, the cut keeps every sample once and in order and leaves similar lengths alone, and a
-whole learner step on the cost cut equals the token cut's (loss, log-probs, gradients)."""
+whole learner step on the cost cut equals the token cut's (loss, log-probs, gradients), and so do the
+KL reference pass and the PPO critic's (reference log-probs, values, value loss, the critic's gradients),
+which cut their micro-batches the same way (`batch/cut.py`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from async_rl.buffer.balance import balanced_shards, group_cost
+from async_rl.config import AlgorithmConfig
+from async_rl.learner.batch.cut import MicroBatchCut
 from async_rl.learner.batch.packing import (
     SeqSample,
     balanced,
     chunk_cost,
     cost_cut,
+    cut,
     micro_batches,
     packed,
     packed_layout,
@@ -24,6 +30,7 @@ from async_rl.learner.batch.packing import (
     padded_layout,
     split,
 )
+from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.batch.shared_prefix import shared, shared_layout, shared_micro_batches
 from async_rl.learner.driver import shard_samples
 from async_rl.models.cost import TOKENS, CostModel, Layout, path_of
@@ -102,6 +109,21 @@ def test_the_cut_isolates_the_long_sample_once_and_in_order():
     assert [len(mb.spans) for mb in mbs] == [10, 1, 13] and [mb.input_ids.shape[1] for mb in mbs] == [64, 400, 64]
 
 
+def test_the_cut_finds_every_long_sample():
+    """A chunk that starts with a long sample and holds a second one: cutting off the first alone saves
+    little (the second keeps the rest wide), the pieces cut again save most: every long sample alone."""
+    lengths = [400] + [20] * 12 + [380] + [20] * 12
+    samples = [sample(n, seed=i) for i, n in enumerate(lengths)]
+    dense = CostModel(attention_weight=3e-3, path="dense", row_tokens=64)
+    of = chunk_cost(dense, True, 64)
+    chunks = cost_cut([samples], of)
+    assert [len(c) for c in chunks] == [1, 12, 1, 12] and [s for c in chunks for s in c] == samples
+    assert sum(of(c) for c in chunks) < 0.5 * of(samples)
+    # the KL reference's padded rows the same way
+    rows = MicroBatchCut(cost=dense, max_tokens=8192).padded_rows(lengths, "dense")
+    assert [len(r) for r in rows] == [1, 12, 1, 12]
+
+
 def test_similar_lengths_keep_the_token_cut():
     samples = [sample(int(n), seed=i) for i, n in enumerate(np.random.default_rng(1).integers(10, 30, 60))]
     token_cut = balanced(split, samples, 0, 300)
@@ -144,15 +166,117 @@ def test_a_step_on_the_cost_cut_equals_the_token_cut(model_dir, share_prompt):
     run cut in two gets a prefix copy per piece)."""
     gs = long_tailed_groups()
     by_cost = make_rank(model_dir, pack_row_tokens=32, share_prompt=share_prompt)
-    assert by_cost.cost.path == "dense" and by_cost.cost.attention_weight > 0  # SDPA on CPU
-    by_tokens = make_rank(model_dir, pack_row_tokens=32, share_prompt=share_prompt)
-    by_tokens.cost = None  # the token cut alone
+    assert by_cost.cut.cost.path == "dense" and by_cost.cut.cost.attention_weight > 0  # SDPA on CPU
+    by_tokens = make_rank(model_dir, by_cost=False, pack_row_tokens=32, share_prompt=share_prompt)  # tokens alone
     a, b = spied_step(by_tokens, gs), spied_step(by_cost, gs)
     assert a["micro_batches"] == 1 and b["micro_batches"] > 1
     widest = max(b["mbs"], key=lambda mb: mb.input_ids.shape[1])
     assert widest.input_ids.shape[1] > 220 and len(widest.spans) == 1  # the long sample alone
     assert_equal_steps(a, b)
     assert b["metrics"].loss == pytest.approx(a["metrics"].loss, abs=1e-6)
+
+
+def test_padded_rows_are_cut_as_the_samples_are():
+    """The KL reference pass's rows of a padded shard (indices) get the samples' cut: by tokens, then by the
+    cost of padded rows on the path given."""
+    samples = long_tailed()
+    lengths = [len(s.tokens) for s in samples]
+    at = {id(s): i for i, s in enumerate(samples)}
+    model = CostModel(attention_weight=3e-3, path="flash", row_tokens=64)  # the pass gives its own path
+    for cost, budget in ((None, 300), (model, 300), (model, 8192)):
+        rows = MicroBatchCut(cost=cost, pack=True, max_tokens=budget).padded_rows(lengths, "dense")
+        as_dense = None if cost is None else chunk_cost(CostModel(attention_weight=3e-3, path="dense"), False, 0)
+        want = cut(split, samples, 0, budget, as_dense)
+        assert rows == [[at[id(s)] for s in c] for c in want]
+    alone = MicroBatchCut(cost=model, max_tokens=8192).padded_rows(lengths, "dense")
+    assert [len(r) for r in alone] == [10, 1, 13] and alone[1] == [10]  # the 400-token row alone
+    assert len(MicroBatchCut(cost=None, max_tokens=8192).padded_rows(lengths, "dense")) == 1
+    similar = [int(n) for n in np.random.default_rng(1).integers(10, 30, 60)]
+    for path in ("dense", "flash", "segments"):  # similar lengths keep the token cut
+        c = MicroBatchCut(cost=model, max_tokens=300)
+        assert c.padded_rows(similar, path) == MicroBatchCut(cost=None, max_tokens=300).padded_rows(similar, "dense")
+
+
+def _forward_shapes(model) -> tuple[list[tuple[int, int]], object]:
+    """The [rows, width] of every forward of `model`'s trunk (the head runs on its output), and the hook."""
+    seen: list[tuple[int, int]] = []
+    hook = model.base_model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    return seen, hook
+
+
+def test_the_kl_reference_pass_on_the_cost_cut_equals_the_token_cut(model_dir):
+    gs = long_tailed_groups()
+    shard = PaddedShard(gs)
+    scored, shapes = {}, {}
+    for by_cost in (False, True):
+        rank = make_rank(model_dir, by_cost=by_cost, pack_row_tokens=32, algorithm=AlgorithmConfig(kl_coef=0.1))
+        ref = rank.algo.reference
+        assert ref.cut.cost == rank.cut.cost and ref.cut.max_tokens == rank.cut.max_tokens  # the driver's cut
+        shapes[by_cost], hook = _forward_shapes(ref.model)
+        scored[by_cost] = ref.score(shard, 0.9)
+        hook.remove()
+    assert len(shapes[False]) == 1  # by tokens: one micro-batch, every row as wide as the long sample
+    longest = max(w for _, w in shapes[False])
+    assert longest > 220 and len(shapes[True]) > 1
+    # by cost (dense: SDPA under the padding mask): the long sample alone, the short rows narrow
+    assert [(r, w) for r, w in shapes[True] if w == longest] == [(1, longest)]
+    assert all(w < 40 for r, w in shapes[True] if w != longest)
+    mask = shard.loss_mask
+    torch.testing.assert_close(scored[True], scored[False], atol=1e-5, rtol=0)
+    assert torch.all(scored[True][mask != 0] < 0) and torch.all(scored[True][mask == 0] == 0)
+
+
+def _spied_critic(rank) -> dict:
+    """Spies on ppo's critic: the values it predicts, its loss and its gradients (after clipping) per update,
+    and the [rows, width] and span count of every micro-batch of the scoring pass it reads hidden states from."""
+    out: dict = {"values": [], "loss": [], "grads": [], "hidden_mbs": []}
+    critic, backend = rank.algo.critic, rank.backend
+    real_values, real_update, real_score = critic.values, critic.update, backend.score
+
+    def values(hidden):
+        v = real_values(hidden)
+        out["values"].append(v.clone())
+        return v
+
+    def update(hidden, returns, mask):
+        out["loss"].append(real_update(hidden, returns, mask))
+        out["grads"].append([p.grad.clone() for p in critic.head.parameters()])
+        return out["loss"][-1]
+
+    def score(mb, temperature, **kw):
+        if kw.get("hidden"):
+            out["hidden_mbs"].append((tuple(mb.input_ids.shape), len(mb.spans)))
+        return real_score(mb, temperature, **kw)
+
+    critic.values, critic.update, backend.score = values, update, score
+    return out
+
+
+def test_the_ppo_critic_on_the_cost_cut_equals_the_token_cut(model_dir):
+    """Two steps (the second's values come from a trained head): values, value loss and the critic's
+    gradients equal; the hidden states it reads come from micro-batches cut by cost."""
+    gs = long_tailed_groups()
+    spies, metrics = {}, {}
+    for by_cost in (False, True):
+        rank = make_rank(model_dir, by_cost=by_cost, pack_row_tokens=32, algorithm=AlgorithmConfig(name="ppo"))
+        spies[by_cost] = _spied_critic(rank)
+        metrics[by_cost] = [rank.train_on_shard(step, gs) for step in range(2)]
+    a, b = spies[False], spies[True]
+    assert len(a["hidden_mbs"]) == 2 and all(n == 16 for _, n in a["hidden_mbs"])  # one micro-batch a step
+    long_mbs = [(shape, n) for shape, n in b["hidden_mbs"] if shape[1] > 220]
+    assert len(b["hidden_mbs"]) > 2 and len(long_mbs) == 2 and all(n == 1 for _, n in long_mbs)  # alone
+    mask = PaddedShard(gs).loss_mask
+    assert float((a["values"][1] * mask).abs().sum()) > 0  # the trained head's values
+    for va, vb in zip(a["values"], b["values"], strict=True):
+        torch.testing.assert_close(vb * mask, va * mask, atol=1e-5, rtol=0)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and a["loss"][0] > 0
+    for ga, gb in zip(a["grads"], b["grads"], strict=True):
+        assert sum(float(g.abs().sum()) for g in ga) > 0
+        for x, y in zip(ga, gb, strict=True):
+            torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-4)
+    assert [m.value_loss for m in metrics[True]] == pytest.approx([m.value_loss for m in metrics[False]], rel=1e-5)
 
 
 def one_group(completions: list[int]):

@@ -148,6 +148,7 @@ def test_inductor_compiled_megatron_shard_head_equals_the_eager_head():
 def test_the_kl_reference_pass_runs_the_compiled_head_where_the_policy_does(model_dir, monkeypatch):
     """ReferencePolicy follows learner.head_kernel: compiled -> the fused per-chunk arithmetic (here
     head_fused's functions run as written, counted), the same log-probs as the eager head."""
+    from async_rl.learner.batch.cut import ONE_MICRO_BATCH
     from async_rl.learner.batch.padded import PaddedShard
     from async_rl.learner.rl.reference import ReferencePolicy
     from tests.unit._learner_fixtures import groups
@@ -155,10 +156,9 @@ def test_the_kl_reference_pass_runs_the_compiled_head_where_the_policy_does(mode
     calls = []
     monkeypatch.setattr(head_fused, "compiled", lambda: calls.append(1) or head_fused.EAGER)
     shard = PaddedShard(groups(3))
-    eager = ReferencePolicy(str(model_dir), torch.float32, head_kernel="eager")
-    fused = ReferencePolicy(str(model_dir), torch.float32, head_kernel="compiled")
-    assert (eager.fused, fused.fused, ReferencePolicy(str(model_dir), torch.float32, head_kernel="auto").fused) == (
-        False, True, False)  # auto: eager on the CPU
+    eager, fused, auto = (ReferencePolicy(str(model_dir), torch.float32, cut=ONE_MICRO_BATCH, head_kernel=k)
+                          for k in ("eager", "compiled", "auto"))
+    assert (eager.fused, fused.fused, auto.fused) == (False, True, False)  # auto: eager on the CPU
     want = eager.score(shard, 0.7)
     assert not calls
     got = fused.score(shard, 0.7)

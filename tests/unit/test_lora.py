@@ -12,6 +12,7 @@ from peft import get_peft_model_state_dict
 from async_rl.config import AlgorithmConfig, LoraConfig
 from async_rl.errors import ConfigError
 from async_rl.learner.base import checkpoint_adapter_dir
+from async_rl.learner.batch.cut import ONE_MICRO_BATCH
 from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, served_tensors
@@ -62,10 +63,10 @@ def test_reference_pass_is_the_base_model_with_the_adapter_disabled(model_dir):
             if "lora_B" in n:
                 p.normal_(0, 0.1)
     shard = PaddedShard(groups(3))
-    loaded = ReferencePolicy(str(model_dir), torch.float32)  # the base model, loaded on its own
+    loaded = ReferencePolicy(str(model_dir), torch.float32, cut=ONE_MICRO_BATCH)  # the base model, loaded on its own
     assert torch.equal(ref.score(shard, 1.0), loaded.score(shard, 1.0))
     # the same model with its adapter on scores differently (the comparison above can fail)
-    with_adapter = ReferencePolicy.of_base(rank.backend.model, contextlib.nullcontext)
+    with_adapter = ReferencePolicy.of_base(rank.backend.model, contextlib.nullcontext, cut=ONE_MICRO_BATCH)
     assert not torch.allclose(with_adapter.score(shard, 1.0), loaded.score(shard, 1.0))
 
 

@@ -138,7 +138,7 @@ class _MaskFreeBackend:
     def setup(self, model_dir: str) -> int:
         return 0
 
-    def base_reference(self, micro_batch_tokens: int, logprob_chunk_tokens: int, head_kernel: str = "eager") -> None:
+    def base_reference(self, cut, logprob_chunk_tokens: int, head_kernel: str = "eager") -> None:
         return None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +34,8 @@ from async_rl.learner.model.attention import (
 from async_rl.learner.model.attention import position_ids as segment_positions
 from async_rl.learner.model.head import flat_index
 from async_rl.models.cost import CostModel, Layout
+
+T = TypeVar("T")  # what a cut orders and groups: samples, or the rows of a padded shard (their indices)
 
 
 @dataclass
@@ -177,14 +180,20 @@ def loss_index(samples: list[SeqSample], spans: list[tuple[int, int, int]], widt
     return torch.from_numpy(flat)
 
 
-def split(samples: list[SeqSample], max_seqs: int, max_tokens: int) -> list[list[SeqSample]]:
+def tokens_of(s: SeqSample) -> int:
+    """A sample's tokens (prompt + completion): what the token cut counts."""
+    return len(s.tokens)
+
+
+def split(items: list[T], max_seqs: int, max_tokens: int, size: Callable[[T], int] = tokens_of) -> list[list[T]]:
     """Greedy, order-preserving micro-batches of at most `max_seqs` sequences and `max_tokens`
-    tokens (prompt + completion; 0 = no limit). A sequence longer than `max_tokens` goes alone."""
-    chunks: list[list[SeqSample]] = []
-    current: list[SeqSample] = []
+    tokens (`size` of each: a sample's prompt + completion; 0 = no limit). A sequence longer than
+    `max_tokens` goes alone."""
+    chunks: list[list[T]] = []
+    current: list[T] = []
     used = 0
-    for s in samples:
-        n = len(s.tokens)
+    for s in items:
+        n = size(s)
         full = (max_seqs and len(current) >= max_seqs) or (max_tokens and used + n > max_tokens)
         if current and full:
             chunks.append(current)
@@ -197,11 +206,8 @@ def split(samples: list[SeqSample], max_seqs: int, max_tokens: int) -> list[list
 
 
 def balanced(
-    splitter: Callable[[list[SeqSample], int, int], list[list[SeqSample]]],
-    samples: list[SeqSample],
-    max_seqs: int,
-    max_tokens: int,
-) -> list[list[SeqSample]]:
+    splitter: Callable[[list[T], int, int], list[list[T]]], samples: list[T], max_seqs: int, max_tokens: int
+) -> list[list[T]]:
     """`splitter`'s order-preserving micro-batches, balanced: as few as under `max_tokens`, cut under the
     smallest token cap that still gives that few (a binary search over the cap, each try one greedy
     pass), so the largest micro-batch is as small as it can be. Bound: for the plain split no
@@ -227,31 +233,64 @@ def balanced(
 SPLIT_GAIN = 0.25
 
 
-def cost_cut(chunks: list[list[SeqSample]], cost: Callable[[list[SeqSample]], float]) -> list[list[SeqSample]]:
+def cost_cut(
+    chunks: list[list[T]], cost: Callable[[list[T]], float], size: Callable[[T], int] = tokens_of
+) -> list[list[T]]:
     """`chunks` (in order) with each one cut, in order, where the `cost` of a micro-batch says that its
     longest sample sets the others' cost: a chunk is cut just before its longest sample, just after it, or
-    both (the cheapest of the three) when that saves SPLIT_GAIN of its cost, and the pieces are cut again
-    the same way. Under a masked SDPA (CPU) a packed micro-batch is as wide as its longest row, so short
-    rows beside a long sample each cost that width's positions and its square; cut off, they cost their
-    own width. Every sample stays in exactly one micro-batch, in its order."""
-    out: list[list[SeqSample]] = []
-    todo = list(reversed(chunks))
+    both, each piece cut again the same way, when that saves SPLIT_GAIN of its cost (the cheapest of the
+    three, judged by what the pieces cost once cut again: a second long sample in a piece no longer keeps
+    the cut from paying). Under a masked SDPA (CPU) a packed micro-batch is as wide as its longest row, so
+    short rows beside a long sample each cost that width's positions and its square; cut off, they cost
+    their own width. Every sample stays in exactly one micro-batch, in its order. `size`: a sample's tokens."""
+    return [piece for chunk in chunks for piece in _cheapest_cut(chunk, cost, size)]
+
+
+def _cheapest_cut(chunk: list[T], cost: Callable[[list[T]], float], size: Callable[[T], int]) -> list[list[T]]:
+    """`cost_cut` of one chunk, over its index ranges [a, b): each range judged once, after the ranges its
+    options cut it into (a stack, not recursion: a chunk of ascending lengths is as deep as it is long)."""
+    if not chunk:
+        return []
+    splits: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+    best: dict[tuple[int, int], tuple[float, list[tuple[int, int]]]] = {}
+
+    def options(a: int, b: int) -> list[list[tuple[int, int]]]:
+        if (a, b) not in splits:
+            m = max(range(a, b), key=lambda i: size(chunk[i]))
+            ends = [i for i in (m, m + 1) if a < i < b]
+            both = [[(a, m), (m, m + 1), (m + 1, b)]] if len(ends) == 2 else []
+            splits[(a, b)] = [[(a, i), (i, b)] for i in ends] + both
+        return splits[(a, b)]
+
+    todo = [(0, len(chunk))]
     while todo:
-        chunk = todo.pop()
-        if len(chunk) < 2:
-            out.append(chunk)
+        a, b = todo[-1]
+        if (a, b) in best:
+            todo.pop()
             continue
-        longest = max(range(len(chunk)), key=lambda i: len(chunk[i].tokens))
-        ends = [i for i in (longest, longest + 1) if 0 < i < len(chunk)]
-        options = [[chunk[:i], chunk[i:]] for i in ends]
-        if len(ends) == 2:
-            options.append([chunk[:longest], [chunk[longest]], chunk[longest + 1 :]])
-        split_cost, pieces = min(((sum(cost(p) for p in o), o) for o in options), key=lambda x: x[0])
-        if split_cost <= (1 - SPLIT_GAIN) * cost(chunk):
-            todo += reversed(pieces)
-        else:
-            out.append(chunk)
-    return out
+        missing = [r for option in options(a, b) for r in option if r not in best]
+        if missing:
+            todo += missing
+            continue
+        todo.pop()
+        whole = cost(chunk[a:b])
+        kept = (whole, [(a, b)])
+        for option in options(a, b):
+            split_cost = sum(best[r][0] for r in option)
+            if split_cost <= (1 - SPLIT_GAIN) * whole and split_cost < kept[0]:
+                kept = (split_cost, [piece for r in option for piece in best[r][1]])
+        best[(a, b)] = kept
+    return [chunk[a:b] for a, b in best[(0, len(chunk))][1]]
+
+
+def cut(
+    splitter: Callable[[list[T], int, int], list[list[T]]], items: list[T], max_seqs: int, max_tokens: int,
+    cost: Callable[[list[T]], float] | None, size: Callable[[T], int] = tokens_of,
+) -> list[list[T]]:
+    """The cut of every micro-batch layout: `items` in order, by tokens (`balanced` over `splitter`), then
+    by `cost` (`cost_cut`, the executed cost of a micro-batch of the items) where given."""
+    chunks = balanced(splitter, items, max_seqs, max_tokens)
+    return chunks if cost is None else cost_cut(chunks, cost, size)
 
 
 def packed_layout(lengths: list[int], row_tokens: int = 0) -> Layout:
@@ -418,10 +457,8 @@ def micro_batches(
     samples: list[SeqSample], pack: bool, max_seqs: int = 0, max_tokens: int = 0, row_tokens: int = 0,
     cost: CostModel | None = None,
 ) -> list[MicroBatch]:
-    """`samples` in order as micro-batches: cut by tokens (`balanced`), then by `cost` (`cost_cut`) where given."""
-    chunks = balanced(split, samples, max_seqs, max_tokens)
-    if cost is not None:
-        chunks = cost_cut(chunks, chunk_cost(cost, pack, row_tokens))
+    """`samples` in order as micro-batches: cut by tokens, then by `cost` where given (`cut`)."""
+    chunks = cut(split, samples, max_seqs, max_tokens, None if cost is None else chunk_cost(cost, pack, row_tokens))
     return [packed(chunk, row_tokens) if pack else padded(chunk) for chunk in chunks]
 
 

@@ -37,8 +37,7 @@ from async_rl.learner.batch.packing import (
     _fill_optional,
     _optional,
     _route_rows,
-    balanced,
-    cost_cut,
+    cut,
     loss_index,
     row_layout,
     row_tensors,
@@ -244,7 +243,6 @@ def shared_micro_batches(
     cost: CostModel | None = None,
 ) -> list[MicroBatch]:
     """`packing.micro_batches` with one prefix per prompt run (`learner.share_prompt`)."""
-    chunks = balanced(split_shared, samples, max_seqs, max_tokens)
-    if cost is not None:
-        chunks = cost_cut(chunks, lambda chunk: cost.layout(shared_layout(chunk, row_tokens, pack)))
+    of = None if cost is None else lambda chunk: cost.layout(shared_layout(chunk, row_tokens, pack))
+    chunks = cut(split_shared, samples, max_seqs, max_tokens, of)
     return [shared(chunk, row_tokens, pack) for chunk in chunks]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import AlgorithmConfig
+from async_rl.learner.batch.cut import ONE_MICRO_BATCH, MicroBatchCut
 from async_rl.learner.model.head import DEFAULT_CHUNK
 from async_rl.learner.rl.advantages import (
     discounted_returns,
@@ -190,15 +191,15 @@ class Algorithm:
         seed: int,
         max_grad_norm: float,
         device: torch.device | str = "cpu",
-        micro_batch_tokens: int = 0,
+        cut: MicroBatchCut = ONE_MICRO_BATCH,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         base_reference: ReferencePolicy | None = None,
         head_kernel: str = "eager",
         routing_replay: bool = False,
     ) -> None:
         """`device`: where the reference model and the critic live (the learner backend's device);
-        `micro_batch_tokens`, `logprob_chunk_tokens`, `head_kernel`: the reference pass's
-        micro-batches, head chunks and head arithmetic (the `learner` fields); `routing_replay`: an MoE
+        `cut`, `logprob_chunk_tokens`, `head_kernel`: the reference pass's micro-batches (the learner's cut,
+        `batch/cut.py`), head chunks and head arithmetic (the `learner` fields); `routing_replay`: an MoE
         reference replays the shard's recorded routes, as the policy does."""
         self.cfg = cfg
         self.max_tokens = max_tokens
@@ -206,7 +207,8 @@ class Algorithm:
         self.reference = None
         if cfg.kl_coef > 0:  # `base_reference`: the trained model's own frozen base (LoRA), else a loaded copy
             self.reference = base_reference or ReferencePolicy(
-                model_dir, dtype, device, micro_batch_tokens, logprob_chunk_tokens, head_kernel, routing_replay
+                model_dir, dtype, device, cut=cut, logprob_chunk_tokens=logprob_chunk_tokens, head_kernel=head_kernel,
+                routing_replay=routing_replay,
             )
         self.critic = (
             Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm, device)

@@ -1,9 +1,11 @@
 """The frozen reference policy for the KL penalty: the initial weights, loaded once, never trained.
 
-It lives on the learner's device (the backend's own), and scores a shard in micro-batches of rows of
-at most `micro_batch_tokens` tokens (`learner.micro_batch_tokens`), at the loss positions only, with
-the chunked head (`head.py`): no whole-shard pass, no [tokens x vocabulary] logits. The head's
-per-chunk arithmetic runs compiled where the policy's does (`learner.head_kernel`, `head_fused`).
+It lives on the learner's device (the backend's own), and scores a padded shard in micro-batches of its
+rows cut as every pass of the learner is (`batch/cut.py`: by `learner.micro_batch_tokens`, then by the
+learner's cost model, on the path of the kernel that scores padded rows: SDPA under their padding mask),
+at the loss positions only, with the chunked head (`head.py`): no whole-shard pass, no [tokens x
+vocabulary] logits. The head's per-chunk arithmetic runs compiled where the policy's does
+(`learner.head_kernel`, `head_fused`).
 """
 
 from __future__ import annotations
@@ -14,26 +16,11 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from async_rl.learner.batch.cut import MicroBatchCut
 from async_rl.learner.model import head_fused
 from async_rl.learner.model.head import DEFAULT_CHUNK, flat_index, model_scores, unsupported
 from async_rl.learner.model.moe import RouterReplay, moe_shape
-
-
-def row_chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive rows grouped so that rows x (their longest length) <= `max_tokens` (0 = one group);
-    a row longer than that goes alone."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if current and max_tokens and (len(current) + 1) * max(longest, n) > max_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        groups.append(current)
-    return groups
+from async_rl.models.cost import path_of
 
 
 class ReferencePolicy:
@@ -42,13 +29,15 @@ class ReferencePolicy:
         model_dir: str,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        micro_batch_tokens: int = 0,
+        *,
+        cut: MicroBatchCut,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         head_kernel: str = "eager",
         routing_replay: bool = False,
     ) -> None:
-        """`head_kernel`: `learner.head_kernel` (auto: compiled on CUDA, eager on the CPU; triton: the
-        forward statistics in `head_triton`'s kernel, the reference pass's only use of the head);
+        """`cut`: the learner's micro-batch cut, its cost model with it (`batch/cut.py`); `head_kernel`:
+        `learner.head_kernel` (auto: compiled on CUDA, eager on the CPU; triton: the forward statistics in
+        `head_triton`'s kernel, the reference pass's only use of the head);
         `routing_replay`: an MoE model replays the shard's recorded routes (`learner/model/moe.py`)."""
         from transformers import AutoModelForCausalLM
 
@@ -58,7 +47,7 @@ class ReferencePolicy:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
-        self.micro_batch_tokens = micro_batch_tokens
+        self.cut = cut
         self.chunk = logprob_chunk_tokens if unsupported(self.model) is None else 0
         self.fused = head_fused.fused_setting(head_kernel, self.device.type)
         self._as_reference: Callable[[], AbstractContextManager] = contextlib.nullcontext
@@ -70,7 +59,8 @@ class ReferencePolicy:
         cls,
         model: torch.nn.Module,
         as_reference: Callable[[], AbstractContextManager],
-        micro_batch_tokens: int = 0,
+        *,
+        cut: MicroBatchCut,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         head_kernel: str = "eager",
     ) -> ReferencePolicy:
@@ -78,7 +68,7 @@ class ReferencePolicy:
         frozen base weights are the reference and no second copy of them is loaded)."""
         ref = cls.__new__(cls)
         ref.model, ref.device = model, next(model.parameters()).device
-        ref.micro_batch_tokens = micro_batch_tokens
+        ref.cut = cut
         ref.chunk = logprob_chunk_tokens if unsupported(model) is None else 0
         ref.fused = head_fused.fused_setting(head_kernel, ref.device.type)
         ref._as_reference = as_reference
@@ -96,9 +86,10 @@ class ReferencePolicy:
         """log p_ref(targets) [B, T] (float32, on the shard's device) of a padded shard (`TokenBatch`:
         input_ids/attention_mask [B, T + 1], loss_mask [B, T]); 0 outside the loss mask."""
         out = torch.zeros(b.loss_mask.shape, dtype=torch.float32, device=b.loss_mask.device)
-        lengths = b.attention_mask.sum(dim=1).tolist()
-        for rows in row_chunks([int(n) for n in lengths], self.micro_batch_tokens):
-            width = max(1, max(int(lengths[r]) for r in rows))
+        lengths = [int(n) for n in b.attention_mask.sum(dim=1).tolist()]
+        # HF's SDPA under the rows' padding mask, on every device: the `dense` path (`models/cost.py`)
+        for rows in self.cut.padded_rows(lengths, path_of("sdpa", self.device.type)):
+            width = max(1, max(lengths[r] for r in rows))
             idx = torch.tensor(rows)
             ids = b.input_ids[idx, :width].to(self.device)
             targets = torch.zeros_like(ids)
