@@ -50,8 +50,8 @@ def start(tree: Path, name: str, seed: int, args: argparse.Namespace) -> subproc
            "logging.wandb.mode=disabled", *args.overrides]
     print(f"running ({tree}): {' '.join(cmd[2:])}", flush=True)
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    log = open(args.workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
-    return subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(args.workdir / f"{name}.log", "w") as log:  # the child keeps its own copy of the file
+        return subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def run(args: argparse.Namespace) -> None:
