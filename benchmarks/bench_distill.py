@@ -72,7 +72,9 @@ def run_teacher(args: argparse.Namespace) -> None:
 
 
 def run_arm(arm: str, seed: int, args: argparse.Namespace) -> None:
-    steps = [f"train.total_steps={args.steps}", f"train.seed={seed}", f"generators.seed={seed}"]
+    # the seed sets the prompt order, vLLM's sampling and the learner, as bench_baseline.py's runs do: an
+    # `rl` arm of seed s is that script's head-sS run (same config and overrides)
+    steps = [f"train.total_steps={args.steps}", f"data.seed={seed}", f"train.seed={seed}", f"generators.seed={seed}"]
     if arm == "opd":
         teacher = str(teacher_dir(args)) if args.teacher or not args.quick else "smollm2-135m"  # quick: KL 0
         launch("configs/smollm2_arith_opd.yaml", f"opd-{seed}", args, [*steps, f"teacher.model={teacher}"])
@@ -157,7 +159,9 @@ def main() -> None:
     ap.add_argument("what", choices=("teacher", *ARMS, "report", "all"))
     ap.add_argument("--steps", type=int, default=20, help="RL steps of every arm (and of the teacher)")
     ap.add_argument("--sft-steps", type=int, default=30, help="SFT steps before sft-rl's RL")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per arm: seeds 0..N-1")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="run these seeds of the arm instead of 0..repeats-1 (one run at a time on a small machine)")
     ap.add_argument("--teacher", default="", help="the teacher's HF folder (default: the teacher run's checkpoint)")
     ap.add_argument("--workdir", type=Path, default=REPO / "runs" / "distill")
     ap.add_argument("--quick", action="store_true", help="2 small steps per run: checks the script, not learning")
@@ -168,7 +172,7 @@ def main() -> None:
         run_teacher(args)
     for arm in ARMS:
         if args.what in (arm, "all"):
-            for seed in range(args.repeats):
+            for seed in args.seeds or range(args.repeats):
                 run_arm(arm, seed, args)
     if args.what in ("report", "all"):
         report(args)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.multiprocessing as mp
+
+from async_rl.cluster.net import free_port
 
 
 def _rss_kb(field: str) -> int:
@@ -81,15 +82,9 @@ def _rank(rank: int, sp: int, port: int, model_dir: str, length: int, out: str) 
     backend.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(sp: int, model_dir: str, length: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(sp, _free_port(), model_dir, length, out), nprocs=sp, join=True)
+        mp.spawn(_rank, args=(sp, free_port(), model_dir, length, out), nprocs=sp, join=True)
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(sp)]
 
 

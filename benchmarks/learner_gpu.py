@@ -70,7 +70,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -139,12 +138,6 @@ DEFAULT_VARIANTS = {"qwen2.5-0.5b": "combined,combined_eager_head,combined_trito
 MFU_TARGET = {"qwen2.5-0.5b": 0.40, "qwen2.5-1.5b": 0.45}
 SPEEDUP_TARGET = 2.0
 MEGATRON_TARGET = 1.5  # megatron's step (no TE) over the torch backend's, same model, batch and budget
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the batch and the model ---------------------------------------------------------------------------
@@ -268,6 +261,7 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
     import numpy as np
     import torch
 
+    from async_rl.cluster.net import free_port
     from async_rl.config import (
         AlgorithmConfig,
         GeneratorConfig,

@@ -53,7 +53,6 @@ import datetime
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -291,12 +290,6 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower() or "ALLOC_FAILED" in text
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_sample(length: int, vocab: int, seed: int):
     import numpy as np
 
@@ -342,6 +335,8 @@ def measure_setting(a: argparse.Namespace, report: Callable[[dict], None] = lamb
         gc.collect()
         torch.cuda.empty_cache() if cuda else None
     cfg = LearnerConfig(device=a.device, lr=1e-6, micro_batch_tokens=0, activation_checkpointing=a.checkpointing == "on")
+    from async_rl.cluster.net import free_port
+
     backend = TorchBackend(cfg, "float32", 0, 1, f"127.0.0.1:{free_port()}")
     params = backend.setup(str(model_dir))
     setup_s = time.perf_counter() - t0

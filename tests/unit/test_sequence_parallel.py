@@ -6,14 +6,13 @@ and the one-line refusals."""
 
 from __future__ import annotations
 
-import socket
-
 import msgspec
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from async_rl.cluster.net import free_port
 from async_rl.config import AlgorithmConfig, LoraConfig
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.model.ulysses import check, kv_repeat
@@ -42,12 +41,6 @@ CASES = {
 def shard(kind: str, dp_rank: int) -> list:
     seed = 7 + dp_rank
     return groups(seed, n_groups=3, group_size=3) if kind == "plain" else episode_groups(seed, n_groups=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full(tensors: dict) -> dict:
@@ -118,7 +111,7 @@ def _joined(parts: list[dict]) -> dict:
 
 
 def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str], atol: float = 1e-5) -> None:
-    ports = [_free_port() for _ in cases]
+    ports = [free_port() for _ in cases]
     mp.spawn(_rank, args=(world, sp, ports, str(model_dir), str(tmp_path), cases), nprocs=world, join=True)
     dp = world // sp
     for case in cases:
