@@ -354,6 +354,10 @@ class Supervisor:
         self.sync(plan.step)  # the engines serve the restored weights, the buffer learns their version
         print(f"[recovery] learner group back at step {plan.step} in {time.perf_counter() - t0:.1f}s",
               file=self.stream, flush=True)
+        if (lost := step - plan.step) > 0:  # said where a user reads, not only in scaling.jsonl
+            bound = "" if ckpt else "; no checkpoint yet: train.checkpoint_every bounds this"
+            print(f"[recovery] the learning of {lost} step(s) was lost with the group and is trained again from "
+                  f"step {plan.step}{bound}", file=self.stream, flush=True)
         raise LearnerRestarted(plan.step, plan.recoveries)
 
     # ---- checks ------------------------------------------------------------------------------------

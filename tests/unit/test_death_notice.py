@@ -255,6 +255,7 @@ def test_a_dead_learner_rank_between_steps_restarts_the_group_from_the_newest_ch
     assert rt.log == [f"restart learner from {ckpt} at step 2", "sync 2 False"]
     assert not cut.exists()  # removed once the old group is gone, in one line
     assert "[recovery] learner group restarted: removed 1 checkpoint(s) cut short: .tmp-0badc0de\n" in sup.stream.getvalue()
+    assert "[recovery] the learning of 1 step(s) was lost with the group and is trained again from step 2\n" in sup.stream.getvalue()
     recovery = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()][-1]
     assert recovery["source"] == "recovery"
     assert recovery["reason"] == f"learner rank 1 died (its actor died); restarting the learner group from {ckpt} (step 2, recovery 1)"
@@ -262,6 +263,17 @@ def test_a_dead_learner_rank_between_steps_restarts_the_group_from_the_newest_ch
     deliver(sup, notice("learner", 0, Actor("rank0")))
     sup.act_on_deaths(3, 3)
     assert len(rt.log) == 2
+
+
+def test_a_dead_learner_rank_before_any_checkpoint_says_its_learning_is_lost(setup, tmp_path):
+    rt, sup = setup
+    deliver(sup, notice("learner", 0, rt.learner.actors[0]))
+    with pytest.raises(LearnerRestarted) as info:
+        sup.act_on_deaths(6, 7)
+    assert (info.value.step, info.value.recoveries) == (0, 1)
+    assert rt.log == ["restart learner from None at step 0", "sync 0 False"]
+    assert ("[recovery] the learning of 6 step(s) was lost with the group and is trained again from step 0; "
+            "no checkpoint yet: train.checkpoint_every bounds this\n") in sup.stream.getvalue()
 
 
 def test_with_recover_off_a_dead_learner_rank_stops_the_run_with_one_line(setup):
