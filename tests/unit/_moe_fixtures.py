@@ -79,3 +79,15 @@ def random_routes(gs: list[TrajectoryGroup], layers: int, top_k: int, experts: i
                 r[::missing_every] = route_missing(dtype)
             g.routes.append(r)
     return gs
+
+
+def experts_calls(model: torch.nn.Module) -> tuple[list[tuple[int, torch.Tensor]], list]:
+    """A list filled with (MoE layer, the top-k indices the experts ran) per experts call, and the hooks."""
+    calls: list[tuple[int, torch.Tensor]] = []
+    gates = {id(r): i for i, r in enumerate(routers(model))}
+    blocks = [(gates[id(m.gate)], m.experts) for m in model.modules() if id(getattr(m, "gate", None)) in gates]
+    handles = [
+        experts.register_forward_pre_hook(lambda mod, args, layer=layer: calls.append((layer, args[1].detach().clone())))
+        for layer, experts in blocks
+    ]
+    return calls, handles

@@ -16,7 +16,7 @@ from async_rl.learner.driver import shard_samples
 from async_rl.learner.model.moe import ROUTER_CLASSES, renormalises, routers
 from async_rl.protocol import route_missing
 from tests.unit._learner_fixtures import assert_equal_steps, groups, make_rank, spied_step
-from tests.unit._moe_fixtures import SHAPE, random_routes, with_routes
+from tests.unit._moe_fixtures import SHAPE, experts_calls, random_routes, with_routes
 
 LAYERS, TOP_K, EXPERTS = SHAPE.layers, SHAPE.top_k, SHAPE.experts
 LAYOUTS = {
@@ -37,18 +37,6 @@ REPLAY_CASES = [("qwen3_moe", layout, ckpt) for layout in LAYOUTS for ckpt in (F
 @pytest.fixture(params=list(FAMILY_FIXTURE))
 def moe_dir(request):
     return request.getfixturevalue(FAMILY_FIXTURE[request.param])
-
-
-def experts_calls(model: torch.nn.Module) -> tuple[list[tuple[int, torch.Tensor]], list]:
-    """A list filled with (MoE layer, the top-k indices the experts ran) per experts call, and the hooks."""
-    calls: list[tuple[int, torch.Tensor]] = []
-    gates = {id(r): i for i, r in enumerate(routers(model))}
-    blocks = [(gates[id(m.gate)], m.experts) for m in model.modules() if id(getattr(m, "gate", None)) in gates]
-    handles = [
-        experts.register_forward_pre_hook(lambda mod, args, layer=layer: calls.append((layer, args[1].detach().clone())))
-        for layer, experts in blocks
-    ]
-    return calls, handles
 
 
 def shard(seed: int = 0):
