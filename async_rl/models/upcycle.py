@@ -6,7 +6,8 @@ MLP is copied into EXPERTS experts, each copy perturbed by a little noise (PERTU
 weight's std) so that which experts a token goes to changes its output, and a fresh router (logits
 spread ~1) picks TOP_K of them with Mixtral's renormalised top-k weights. Since the weights of the
 chosen experts sum to 1 and the experts are near copies, the upcycled model starts out computing
-almost what SmolLM2 computes (its log-probs stay close; measured in docs/running.md). Converted once
+almost what SmolLM2 computes (its log-probs stay close; measured in docs/moe.md, tested on a tiny
+Llama in tests/unit/test_upcycle.py). Converted once
 per cache, like the base preset (same lock and atomic rename).
 """
 
