@@ -122,6 +122,9 @@ def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str], atol: float
             for other in group[1:]:
                 assert other["metrics"].loss == group[0]["metrics"].loss
                 assert other["metrics"].samples == 0 and group[0]["metrics"].samples > 0  # counted once
+                # the parameters after the step are the same on every rank of the group (checkpoints and
+                # the weight sync read rank 0's)
+                assert all(torch.equal(other["params"][n], p) for n, p in group[0]["params"].items()), case
         got = _joined([ranks[d * sp] for d in range(dp)])
         assert_equal_steps(ref, got, atol)
         assert got["loss"] == pytest.approx(ref["metrics"].loss, rel=1e-5, abs=1e-7), case
