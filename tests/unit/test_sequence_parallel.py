@@ -2,9 +2,12 @@
 (GQA: the tiny model's 2 K/V heads repeated) and DP = 2 x SP = 2 give SP = 1's log-probs, entropies,
 scoring passes (log-probs and hidden states), gradients and whole learner step, on packed rows,
 shared prompts, multi-turn loss masks and padded rows, with LoRA and a KL reference, and ppo's critic;
-and the one-line refusals."""
+the parameters equal on every rank of an SP group, and a checkpoint the SP ranks write (DDP and FSDP2)
+loaded by one plain rank with those parameters; and the one-line refusals."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -43,6 +46,9 @@ def shard(kind: str, dp_rank: int) -> list:
     return groups(seed, n_groups=3, group_size=3) if kind == "plain" else episode_groups(seed, n_groups=2)
 
 
+CHECKPOINTED = ("packed", "fsdp2")  # saved after the step, then loaded into one plain rank
+
+
 def _full(tensors: dict) -> dict:
     """Plain tensors (FSDP2's DTensor shards gathered: a collective, the same names in the same order on
     every rank)."""
@@ -63,6 +69,10 @@ def _rank(rank: int, world: int, sp: int, ports: list[int], model_dir: str, out:
         result["grads"] = _full(result["grads"])
         result["params"] = _full(dict(driver.backend.model.named_parameters()))
         torch.save(result, f"{out}/{case}_{rank}.pt")
+        if case in CHECKPOINTED:  # every rank takes part, as in a run; rank 0 writes the model
+            ckpt = Path(out) / f"checkpoint_{case}"
+            ckpt.mkdir(exist_ok=True)
+            driver.save_checkpoint(str(ckpt))
         driver.shutdown()
 
 
@@ -110,6 +120,16 @@ def _joined(parts: list[dict]) -> dict:
     }
 
 
+def _resumes_exactly(model_dir, case: str, checkpoint: Path, params: dict) -> None:
+    learner = {k: v for k, v in CASES[case][0].items() if k != "parallel"}
+    driver = LearnerDriver(settings(model_dir, **learner), 0, 1, "", [])
+    driver.setup()
+    assert driver.load_checkpoint(str(checkpoint)) == 1
+    loaded = dict(driver.backend.model.named_parameters())
+    assert all(torch.equal(loaded[n].detach(), p) for n, p in params.items()), case
+    driver.shutdown()
+
+
 def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str], atol: float = 1e-5) -> None:
     ports = [free_port() for _ in cases]
     mp.spawn(_rank, args=(world, sp, ports, str(model_dir), str(tmp_path), cases), nprocs=world, join=True)
@@ -125,6 +145,8 @@ def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str], atol: float
                 # the parameters after the step are the same on every rank of the group (checkpoints and
                 # the weight sync read rank 0's)
                 assert all(torch.equal(other["params"][n], p) for n, p in group[0]["params"].items()), case
+        if case in CHECKPOINTED:  # a checkpoint of SP ranks is any run's: one plain rank resumes from it
+            _resumes_exactly(model_dir, case, tmp_path / f"checkpoint_{case}", ranks[0]["params"])
         got = _joined([ranks[d * sp] for d in range(dp)])
         assert_equal_steps(ref, got, atol)
         assert got["loss"] == pytest.approx(ref["metrics"].loss, rel=1e-5, abs=1e-7), case
