@@ -96,11 +96,11 @@ def _joined(parts: list[dict]) -> dict:
     every rank's already)."""
     first = parts[0]
     # the controller's loss: the ranks' mean (each is its share of the global token mean x DP); the
-    # other statistics are each rank's token-weighted means (loss tokens = completion tokens here)
+    # other statistics are each rank's means over its loss tokens (completion tokens less the environment's)
     loss = float(np.mean([p["metrics"].loss for p in parts]))
-    tokens = np.array([p["metrics"].tokens for p in parts], dtype=np.float64)
+    tokens = np.array([p["metrics"].tokens - p["metrics"].env_tokens for p in parts], dtype=np.float64)  # loss tokens
     weighted = {f: float(np.dot([getattr(p["metrics"], f) for p in parts], tokens) / tokens.sum())
-                for f in ("kl_behav", "logprob_abs_diff", "entropy", "cov_frac")}
+                for f in ("kl_behav", "logprob_abs_diff", "entropy", "cov_frac", "value_loss")}
     scored = [p["scored"] for p in parts]
     width = max(s[0].shape[1] for s in scored)
 
@@ -170,7 +170,8 @@ def test_sp4_with_repeated_kv_heads_equals_sp1(model_dir, tmp_path):
 
 
 def test_dp2_x_sp2_equals_one_rank_on_both_shards(model_dir, tmp_path):
-    _run(model_dir, tmp_path, world=4, sp=2, cases=["packed", "fsdp2"])  # no loss masks: statistics weigh by tokens
+    # DDP and FSDP2 on packed rows; multi-turn masks with LoRA and the KL reference; ppo's critic
+    _run(model_dir, tmp_path, world=4, sp=2, cases=["packed", "fsdp2", "lora_kl", "ppo"])
 
 
 def test_sp3_on_smollm2_real_weights_equals_sp1(smollm2, tmp_path):
