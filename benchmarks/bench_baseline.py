@@ -9,7 +9,8 @@ launches the config twice at once: this tree (`head-sN`) and the reference (`ref
 `python -m async_rl.launch` process importing its own tree (PYTHONPATH), in this venv. Both runs of a
 seed share the machine, so load hits both arms alike. The seed sets the prompt order, vLLM's sampling
 and the learner (`data.seed`, `generators.seed`, `train.seed`); the held-out set is the config's.
-`--head-only` runs HEAD alone (a new learning check against an old report).
+`--head-only` runs HEAD alone (a new learning check against an old report); `--ref-only` the reference
+alone (on a machine where two runs do not fit beside each other).
 
 `report` reads every RUN_DIR/eval.jsonl (greedy held-out pass@1, length, truncation) and metrics.jsonl
 (train reward) under WORKDIR, writes benchmarks/results/NAME.{json,png} and prints the tables for NAME.md:
@@ -57,6 +58,8 @@ def start(tree: Path, name: str, seed: int, args: argparse.Namespace) -> subproc
 def run(args: argparse.Namespace) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     trees = {"head": REPO} if args.head_only else {"head": REPO, "ref": ref_tree(args)}
+    if args.ref_only:
+        trees.pop("head")
     for seed in args.seeds:
         procs = {arm: start(tree, f"{arm}-s{seed}", seed, args) for arm, tree in trees.items()}
         for arm, p in procs.items():
@@ -140,7 +143,10 @@ def main() -> None:
     p.add_argument("--config", default="configs/smollm2_arith.yaml")
     p.add_argument("--ref", default="c40a23c", help="the reference commit")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--head-only", action="store_true", help="run this tree only")
+    arms = p.add_mutually_exclusive_group()
+    arms.add_argument("--head-only", action="store_true", help="run this tree only")
+    arms.add_argument("--ref-only", action="store_true",
+                      help="run the reference alone (one run at a time on a machine where two do not fit)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_baseline"))
     p.add_argument("--name", default="arith_baseline", help="report: benchmarks/results/NAME.*")
     p.add_argument("--head-label", default="HEAD")
