@@ -28,7 +28,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     it; only another caller of this function, choosing among ~12,000, could."""
     high = min(_PICKED_PORTS.stop, _ephemeral_start())
     if high - _PICKED_PORTS.start < 1000:  # an ephemeral range that starts low: the kernel's pick is all there is
-        return _bind_once(host, 0) or 0
+        if port := _bind_once(host, 0):
+            return port
+        raise RuntimeError(f"no free TCP port on {host}: even a bind to port 0 failed")
     rng = random.SystemRandom()
     for _ in range(64):
         if port := _bind_once(host, rng.randrange(_PICKED_PORTS.start, high)):

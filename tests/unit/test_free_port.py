@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from async_rl.cluster import net
 
 
@@ -32,3 +34,10 @@ def test_an_ephemeral_range_that_starts_low_leaves_the_kernels_pick(monkeypatch)
     monkeypatch.setattr(net, "_ephemeral_start", lambda: 20500)
     with socket.socket() as s:
         s.bind(("127.0.0.1", net.free_port()))
+
+
+def test_no_port_at_all_is_an_error_not_port_0(monkeypatch):
+    monkeypatch.setattr(net, "_ephemeral_start", lambda: 20500)
+    monkeypatch.setattr(net, "_bind_once", lambda host, port: None)
+    with pytest.raises(RuntimeError, match="no free TCP port on 127.0.0.1"):
+        net.free_port()
