@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from async_rl.learner.rl.losses import value_loss
 
 
 class ValueHead(torch.nn.Module):
@@ -52,19 +51,26 @@ class Critic:
             return self.head(hidden.to(self.device)).to(hidden.device)
 
     def update(self, hidden: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-        """One optimizer step on 0.5 * (V - R)^2; returns the loss before the step."""
+        """One optimizer step on 0.5 * (V - R)^2, the mean over the loss tokens of every data-parallel
+        rank (not the mean of per-rank means: ranks hold different token counts); returns that loss
+        before the step. SP ranks of a group hold the same tokens, which counts them in the sum and in
+        the token total alike, so the mean is the same."""
         d = self.device
-        loss = value_loss(self.head(hidden.detach().to(d)), returns.to(d), mask.to(d))
+        mask = mask.to(d, torch.float32)
+        sq = 0.5 * ((self.head(hidden.detach().to(d)) - returns.to(d)) ** 2 * mask).sum()
+        totals = torch.stack([sq.detach(), mask.sum()])
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            dist.all_reduce(totals)
+        tokens = totals[1].clamp(min=1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            world = dist.get_world_size()
+        (sq / tokens).backward()  # this rank's part of the global mean's gradient
+        if distributed:
             for p in self.head.parameters():
                 dist.all_reduce(p.grad)
-                p.grad.div_(world)
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.max_grad_norm)
         self.optimizer.step()
-        return float(loss.detach())
+        return float(totals[0] / tokens)
 
     def state_dict(self) -> dict:
         return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
