@@ -16,7 +16,13 @@ from async_rl.learner.rl.advantages import (
     rloo_advantages,
     token_rewards,
 )
-from async_rl.learner.rl.losses import extreme_ratio_mask, kl_estimate, kl_penalty, policy_loss, value_loss
+from async_rl.learner.rl.losses import (
+    extreme_ratio_mask,
+    kl_estimate,
+    kl_penalty,
+    policy_loss,
+    value_loss_sum,
+)
 
 KW = dict(eps_low=0.2, eps_high=0.2, tis_cap=2.0)
 
@@ -279,7 +285,7 @@ def test_each_kl_loss_gradient_is_the_gradient_of_the_divergence_it_claims(seed)
 
 def test_value_loss_hand_values():
     values = t([[1.0, 2.0, 5.0]]).requires_grad_(True)
-    loss = value_loss(values, t([[0.0, 0.0, 0.0]]), t([[1, 1, 0]]))
-    assert loss.item() == pytest.approx(0.5 * (1 + 4) / 2)
+    loss = value_loss_sum(values, t([[0.0, 0.0, 0.0]]), t([[1, 1, 0]]))
+    assert loss.item() == pytest.approx(0.5 * (1 + 4))
     loss.backward()
-    close(values.grad, [[0.5, 1.0, 0.0]])
+    close(values.grad, [[1.0, 2.0, 0.0]])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from async_rl.learner.rl.losses import value_loss_sum
 
 
 class ValueHead(torch.nn.Module):
@@ -57,7 +58,7 @@ class Critic:
         the token total alike, so the mean is the same."""
         d = self.device
         mask = mask.to(d, torch.float32)
-        sq = 0.5 * ((self.head(hidden.detach().to(d)) - returns.to(d)) ** 2 * mask).sum()
+        sq = value_loss_sum(self.head(hidden.detach().to(d)), returns.to(d), mask)
         totals = torch.stack([sq.detach(), mask.sum()])
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:

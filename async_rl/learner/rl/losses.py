@@ -259,7 +259,7 @@ def kl_penalty_term(
     return (kl_estimate(logp, ref_logp, estimator) * mask).sum() / denom
 
 
-def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """0.5 * mean over masked tokens of (V - R)^2."""
+def value_loss_sum(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0.5 * sum over masked tokens of (V - R)^2: the critic divides it by the global batch's loss tokens."""
     mask = mask.to(values.dtype)
-    return 0.5 * (((values - returns.to(values.dtype)) ** 2) * mask).sum() / mask.sum().clamp(min=1.0)
+    return 0.5 * (((values - returns.to(values.dtype)) ** 2) * mask).sum()
