@@ -70,7 +70,8 @@ class RewardModelServing(_Section):
     """Where and how many replicas of a reward model run: Ray actors placed beside the generator pool,
     each in a placement group of its own; never trained, never weight-synced."""
 
-    replicas: Annotated[int, _f("replicas of the reward model; reward workers spread their calls over them", ge=1)] = 1
+    replicas: Annotated[int, _f("replicas of the served model; its callers (reward workers, or the engines for the "
+                                "teacher) spread their calls over them", ge=1)] = 1
     device: Annotated[
         Device, _f(f"where each replica runs: cuda (its Ray bundle holds its GPUs), cpu; {DEVICE_AUTO}")
     ] = "auto"
@@ -178,6 +179,13 @@ class TeacherConfig(VllmReplicaServing):
         _f("how long a group waits for a teacher score, trying every replica and waiting out restarts, before it "
            "is pushed unscored (counted as teacher_unscored; its tokens then carry no distillation signal)", gt=0),
     ] = 300.0
+    max_waiting_groups: Annotated[
+        int,
+        _f("a finished group waiting for its teacher scores gives its generating slot "
+           "(generators.max_inflight_prompts) back, so a slow or restarting teacher does not stop generation; an "
+           "engine holds at most max_inflight_prompts + this many prompts, then stops leasing until a group is "
+           "scored (a bound on its memory and on the groups' staleness); 0: a waiting group keeps its slot", ge=0),
+    ] = 32
 
 
 class TaskConfig(_Section):
@@ -405,8 +413,9 @@ class TrainConfig(_Section):
     mode: Annotated[
         Literal["rl", "sft"],
         _f("rl: reinforcement learning (generators, buffer, learner); sft: supervised fine-tuning of the learner alone "
-           "on chat demonstrations (the sft section; loss on assistant tokens only), with the same backends, "
-           "checkpoints and resume; an RL run then starts from its checkpoint's model/ folder as model.path"),
+           "on chat demonstrations (the sft section; loss on assistant tokens only), with the torch backend's packing, "
+           "checkpoints and resume (megatron and learner.lora are refused); an RL run then starts from its "
+           "checkpoint's model/ folder as model.path"),
     ] = "rl"
     total_steps: Annotated[int, _f("training steps to run: batches, each of train.minibatches x epochs optimizer steps", ge=1)] = 60
     prompts_per_step: Annotated[int, _f("prompt groups per training step (batch = this * group_size)", ge=1)] = 8

@@ -22,6 +22,7 @@ from async_rl.evaluation.scores import EvalBatch, EvalParams
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.rollout import Rollout, RolloutCounters
 from async_rl.generator.rollout_choice import make_rollout
+from async_rl.generator.slots import PromptSlots
 from async_rl.learner.base import Probe
 from async_rl.protocol import Prompt, TrajectoryGroup, encode_groups
 from async_rl.reward_models.calls import RewardModelCounts
@@ -113,7 +114,9 @@ class GeneratorEngine:
             else None
         )
         self._stop = False
-        self._inflight: dict[str, asyncio.Task] = {}
+        self._inflight: dict[str, asyncio.Task] = {}  # every request until it is pushed, lost or cancelled
+        # a group waiting for its teacher scores gives its generating slot back (slots.py)
+        self._slots = PromptSlots(settings.max_inflight_prompts, t.max_waiting_groups if t.model else 0)
         self._requests = 0  # request ids are e{engine}-r{n}-p{prompt}: unique for the run, also when a
         # restarted buffer leases a prompt id again (engine ids are never reused within a run)
         self._loop_task: asyncio.Task | None = None
@@ -171,9 +174,9 @@ class GeneratorEngine:
         while not self._stop and not self._draining:
             try:
                 await self.model.wait_running()
-                free = self.s.max_inflight_prompts - len(self._inflight)
+                free = self._slots.room()
                 if free <= 0:
-                    await asyncio.wait(list(self._inflight.values()), return_when=asyncio.FIRST_COMPLETED)
+                    await self._slots.wait_for_room()
                     continue
                 t0 = loop.time()
                 prompts: list[Prompt] = await self.buffer.lease.remote(self.s.engine_id, free, 0.5)
@@ -182,6 +185,7 @@ class GeneratorEngine:
                 for p in prompts:
                     self._requests += 1
                     rid = f"e{self.s.engine_id}-r{self._requests}-p{p.prompt_id}"
+                    self._slots.start(rid)
                     self._inflight[rid] = asyncio.create_task(self._run_prompt(p, rid))
             except asyncio.CancelledError:
                 raise
@@ -196,6 +200,7 @@ class GeneratorEngine:
             t0 = asyncio.get_running_loop().time()
             group = await self.rollout.group(prompt, request_id, self.sampling, self.s.group_size)
             if self.teacher is not None:
+                self._slots.rolled_out(request_id)  # the engine goes on generating meanwhile
                 group = await self.teacher.score(group, asyncio.get_running_loop().time() - t0)
             await self._push_group(group)
         except Exception as exc:  # one bad request must not stop the engine; the buffer counts it lost
@@ -209,6 +214,7 @@ class GeneratorEngine:
                 self._last_error += f"; mark_lost failed: {lost_exc}"
         finally:
             self._inflight.pop(request_id, None)
+            self._slots.finished(request_id)
 
     async def _push_group(self, group: TrajectoryGroup) -> None:
         await self._push.send_multipart(encode_groups(self.s.run_id, [group]))
