@@ -99,6 +99,11 @@ class VllmReplicaServing(RewardModelServing):
         _f("dtype the model is served in; auto = bfloat16 on cuda, float32 on cpu"),
     ] = "auto"
     max_inflight: Annotated[int, _f("requests a replica runs at once (vLLM max_num_seqs)", ge=1)] = 16
+    hang_s: Annotated[
+        float,
+        _f("a replica whose vLLM engine holds requests this long without answering any is hung (its core stopped "
+           "or stuck): it kills the core and is restarted like a dead one (0 = never)", ge=0),
+    ] = 120.0
 
 
 class JudgeConfig(VllmReplicaServing):

@@ -25,6 +25,7 @@ class JudgeSettings(msgspec.Struct, frozen=True):
     model_name: str  # what the endpoint's /v1/models names (and callers send as `model`)
     key: str
     threads: int  # vLLM's OpenMP threads (the replica is not pinned to cores)
+    hang_s: float  # requests held this long with none answered: hung (0 = never)
     max_tokens: int  # a verdict's default length (callers send their own max_tokens)
     temperature: float
     host: str = "127.0.0.1"  # the address the endpoint binds ('' = its node's IP: reward workers on other nodes)
@@ -35,7 +36,7 @@ class JudgeSettings(msgspec.Struct, frozen=True):
 
 class JudgeEngine(ServedModelReplica):
     def __init__(self, settings: JudgeSettings) -> None:
-        super().__init__(settings.spec, settings.threads)
+        super().__init__(settings.spec, settings.threads, settings.hang_s)
         self.s = settings
         self._endpoint = None
 

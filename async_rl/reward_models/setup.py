@@ -48,7 +48,7 @@ def reward_model_pool(cfg: Config, key: str = "") -> RewardModelPool | None:
         def judge_settings(replica_id: int) -> JudgeSettings:
             spec = replica_engine_spec(j, model_dir, j.max_model_len, replica_id)
             return JudgeSettings(replica_id=replica_id, spec=spec, model_name=model, key=key, threads=j.cpus_per_replica,
-                                 max_tokens=j.max_tokens, temperature=j.temperature,
+                                 hang_s=j.hang_s, max_tokens=j.max_tokens, temperature=j.temperature,
                                  host=replica_host(cfg))
 
         return RewardModelPool("judge", JudgeEngine, judge_settings, j.replicas, replica_bundle(j, j.tensor_parallel_size))

@@ -11,6 +11,9 @@ health and processes; shut down. It owns its engine: nobody else holds the vLLM 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -49,6 +52,11 @@ class ServedModel:
         self._kv_asleep = False  # woken for a weight update (weights only): the KV cache comes back at resume
         self._paused_since: float | None = None  # held since (None: serving)
         self._paused_s = 0.0
+        # Progress (stalled_s): requests in vLLM now, and when it last answered one. A request its
+        # caller gave up on (cancelled) is no answer: a hung core's callers time out and try again.
+        self._in_engine = 0
+        self._answered_at = time.monotonic()
+        self._unanswered = False  # a request was given up on since the last answer
 
     async def start(self) -> None:
         """Make the vLLM engine (paused until `open` or `resume`)."""
@@ -76,7 +84,9 @@ class ServedModel:
         `params`: vLLM's sampling parameters (`vc.params_for`); `token_ids` empty: vLLM renders `text`."""
         await self._running.wait()
         start = self.version
-        prompt_ids, completions = await vc.generate(self._llm, vc.generation_input(token_ids, text), params, request_id)
+        prompt_ids, completions = await self._answered(
+            vc.generate(self._llm, vc.generation_input(token_ids, text), params, request_id)
+        )
         if self.spec.routes is not None:
             await engine_routes.attach(self._llm, self.spec.routes, len(prompt_ids), completions)
         # The lowest and highest versions, not the start's and the end's: a learner recovery syncs an
@@ -87,7 +97,35 @@ class ServedModel:
     async def score_tokens(self, token_ids: list[int], request_id: str) -> list[float]:
         """vLLM's log-prob of every token given the ones before it (first entry: nan), with the
         weights served now; fails at once when the engine core dies."""
-        return await vc.watched(self._llm, vc.score_tokens(self._llm, token_ids, request_id), "score")
+        return await self._answered(vc.watched(self._llm, vc.score_tokens(self._llm, token_ids, request_id), "score"))
+
+    async def _answered(self, call: Awaitable[T]) -> T:
+        """`call`, a request to vLLM, counted for `stalled_s`."""
+        if self._in_engine == 0 and not self._unanswered:
+            self._answered_at = time.monotonic()  # a busy spell begins: the clock starts now
+        self._in_engine += 1
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            self._unanswered = True
+            raise
+        except BaseException:
+            self._answer()  # vLLM answered, with an error
+            raise
+        finally:
+            self._in_engine -= 1
+        self._answer()
+        return result
+
+    def _answer(self) -> None:
+        self._answered_at = time.monotonic()
+        self._unanswered = False
+
+    def stalled_s(self) -> float:
+        """How long vLLM has held requests without answering any (0.0 while it holds none). A hung
+        engine core (stopped, or stuck) answers nothing however long its callers retry; a slow one
+        answers some."""
+        return time.monotonic() - self._answered_at if self._in_engine else 0.0
 
     async def watched(self, call: Awaitable[T], what: str) -> T:
         """`call`, failed (vc.EngineDied) the moment the engine core dies instead of never."""
@@ -165,6 +203,15 @@ class ServedModel:
 
     def engine_core_pids(self) -> list[int]:
         return vc.engine_core_pids(self._llm) if self._llm is not None else []
+
+    def kill_engine_core(self) -> list[int]:
+        """SIGKILL vLLM's processes (a hung core does not answer a shutdown); returns their pids. vLLM
+        then finds its core gone, and `dead()` says so."""
+        pids = self.engine_core_pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
 
     def shutdown(self) -> None:
         """Shut vLLM down (its engine process included); waiting requests are let go."""

@@ -44,16 +44,18 @@ class EngineDied(RuntimeError):
 
 async def watched(llm, call: Awaitable[T], what: str) -> T:
     """Await a call into vLLM's engine core, raising EngineDied as soon as the core is dead. vLLM 0.32
-    marks the client dead when the core process exits, but leaves a call already in flight (a
-    collective_rpc receiving weights, a pause) waiting for an answer that never comes."""
+    marks the client dead when the core process exits, but leaves a call in flight (a collective_rpc
+    receiving weights, a pause) waiting for an answer that never comes. Cancelling it cancels the call."""
     task = asyncio.ensure_future(call)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
-        if done:
-            return task.result()
-        if is_dead(llm):
-            task.cancel()
-            raise EngineDied(f"{what}: vLLM's engine core died")
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
+            if done:
+                return task.result()
+            if is_dead(llm):
+                raise EngineDied(f"{what}: vLLM's engine core died")
+    finally:
+        task.cancel()  # no request goes on unowned (a no-op once it is done)
 
 
 class EngineSpec(msgspec.Struct, frozen=True):

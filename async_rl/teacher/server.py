@@ -33,6 +33,7 @@ class TeacherSettings(msgspec.Struct, frozen=True):
     model_name: str
     key: str
     threads: int  # vLLM's OpenMP threads (the replica is not pinned to cores)
+    hang_s: float  # requests held this long with none answered: hung (0 = never)
     host: str = "127.0.0.1"  # the address the endpoint binds ('' = its node's IP: engines on other nodes)
 
     def __repr__(self) -> str:
@@ -53,7 +54,7 @@ async def score_group(model: ServedModel, prompt: list[int], completions: list[l
 
 class TeacherServer(ServedModelReplica):
     def __init__(self, settings: TeacherSettings) -> None:
-        super().__init__(settings.spec, settings.threads)
+        super().__init__(settings.spec, settings.threads, settings.hang_s)
         self.s = settings
         self._stats = ReplicaStats(settings.replica_id)
         self._calls = itertools.count()

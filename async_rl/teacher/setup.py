@@ -56,6 +56,6 @@ def teacher_pool(cfg: Config, max_model_len: int, key: str = "") -> RewardModelP
     def settings(replica_id: int) -> TeacherSettings:
         spec = replica_engine_spec(t, model_dir, max_model_len, replica_id)
         return TeacherSettings(replica_id=replica_id, spec=spec, model_name=t.model, key=key,
-                               threads=t.cpus_per_replica, host=replica_host(cfg))
+                               threads=t.cpus_per_replica, hang_s=t.hang_s, host=replica_host(cfg))
 
     return RewardModelPool("teacher", TeacherServer, settings, t.replicas, replica_bundle(t, t.tensor_parallel_size))

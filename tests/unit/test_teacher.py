@@ -67,7 +67,7 @@ def replica(monkeypatch, replica_id: int = 0, key: str = KEY, delay_s: float = 0
     for var in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):  # the replica sets them for its vLLM
         monkeypatch.setenv(var, "1")
     spec = replica_engine_spec(TeacherConfig(device="cpu"), "/nowhere", 64, replica_id)
-    server = TeacherServer(TeacherSettings(replica_id=replica_id, spec=spec, model_name="t", key=key, threads=1))
+    server = TeacherServer(TeacherSettings(replica_id=replica_id, spec=spec, model_name="t", key=key, threads=1, hang_s=0.0))
     server.model = ScriptedModel(delay_s)
     return server
 
