@@ -178,7 +178,7 @@ class Controller:
             if rt.reward_models is not None:
                 add_reward_model_counts(record, engines, rt.reward_models.restarts)
             if rt.teacher is not None:
-                add_teacher_counts(record, self.teacher_meter.step([e.teacher for e in engines if e.teacher], elapsed))
+                add_teacher_counts(record, self.teacher_meter.step({e.engine_id: e.teacher for e in engines if e.teacher}, elapsed))
                 record.teacher_restarts = rt.teacher.restarts
         metrics.log(record)
         sup.check_failures(buffer)  # a run whose rewards all fail stops here

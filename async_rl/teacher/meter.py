@@ -1,7 +1,8 @@
 """The teacher's per-step metrics from the engines' cumulative counters (wire.TeacherCounts): the
 tokens scored since the last step per second of the step, and the share of the scored groups' time
-spent waiting for the teacher. An engine that was replaced starts its counters at 0: its predecessor's
-are gone from the sum, so a step's difference is floored at 0 rather than negative."""
+spent waiting for the teacher. Engines are keyed by id (never reused within a run), and a replaced
+engine's last reported counters stay in the sums: `unscored`, `failures` and `timeouts` only grow,
+whatever died. (What a dead engine counted after its last report is lost with it.)"""
 
 from __future__ import annotations
 
@@ -21,16 +22,22 @@ class TeacherStep(msgspec.Struct, frozen=True):
 
 class TeacherMeter:
     def __init__(self) -> None:
-        self._last = TeacherCounts()
+        self._engines: dict[int, TeacherCounts] = {}  # every engine's last counters, replaced ones too
 
-    def step(self, engines: list[TeacherCounts], step_s: float) -> TeacherStep:
+    def _total(self) -> TeacherCounts:
         total = TeacherCounts()
-        for counts in engines:
+        for counts in self._engines.values():
             total.add(counts)
-        tokens = max(0, total.tokens - self._last.tokens)
-        score_s = max(0.0, total.score_s - self._last.score_s)
-        rollout_s = max(0.0, total.rollout_s - self._last.rollout_s)
-        self._last = total
+        return total
+
+    def step(self, engines: dict[int, TeacherCounts], step_s: float) -> TeacherStep:
+        """`engines`: the live engines' cumulative counters by engine id."""
+        last = self._total()
+        self._engines.update(engines)
+        total = self._total()
+        tokens = total.tokens - last.tokens
+        score_s = total.score_s - last.score_s
+        rollout_s = total.rollout_s - last.rollout_s
         return TeacherStep(
             tokens=tokens,
             tokens_per_s=tokens / step_s if step_s > 0 else 0.0,

@@ -249,12 +249,16 @@ def test_meter_takes_per_step_differences():
     meter = TeacherMeter()
     a = TeacherCounts(groups=2, samples=8, tokens=400, score_s=1.0, rollout_s=3.0)
     b = TeacherCounts(groups=1, samples=4, tokens=100, unscored=4, failures=2, score_s=1.0, rollout_s=1.0)
-    first = meter.step([a, b], step_s=10.0)
+    first = meter.step({0: a, 1: b}, step_s=10.0)
     assert (first.tokens, first.tokens_per_s, first.share) == (500, 50.0, 2.0 / 6.0)
     assert (first.unscored, first.failures) == (4, 2)
     a2 = TeacherCounts(groups=3, samples=12, tokens=600, score_s=2.0, rollout_s=6.0)
-    second = meter.step([a2, b], step_s=4.0)
+    second = meter.step({0: a2, 1: b}, step_s=4.0)
     assert (second.tokens, second.tokens_per_s, second.share) == (200, 50.0, 0.25)
+    # engine 1 was replaced by engine 2 (its counters start at 0): what engine 1 counted stays counted
+    c = TeacherCounts(groups=1, samples=4, tokens=50, unscored=2, score_s=1.0, rollout_s=1.0)
+    third = meter.step({0: a2, 2: c}, step_s=1.0)
+    assert (third.tokens, third.unscored, third.failures) == (50, 6, 2)
 
 
 def test_console_line_shows_the_teacher():
