@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from jinja2 import TemplateError
 
 from async_rl.errors import RunError
 from async_rl.protocol import ChatMessage, Prompt
@@ -30,6 +31,17 @@ class RenderError(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+    """`tokenizer.apply_chat_template(messages, **kwargs)`; RenderError (`template_error`) when the
+    template refuses the messages: a template may raise on its own ("roles must alternate"), or fail on a
+    message it cannot take."""
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except (TemplateError, ValueError, TypeError, KeyError) as exc:
+        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise RenderError("template_error", f"the chat template refused the messages: {text}") from None
 
 
 @cache
@@ -101,7 +113,8 @@ class PromptRenderer:
         for m in chat:
             if m.role not in ROLES:
                 raise RenderError("bad_role", f"message role '{m.role}' is not one of {ROLES}")
-        rendered: Any = self.tokenizer.apply_chat_template(
+        rendered: Any = apply_chat_template(
+            self.tokenizer,
             [{"role": m.role, "content": m.content} for m in chat],
             add_generation_prompt=True,
             tokenize=True,

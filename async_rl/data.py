@@ -94,22 +94,34 @@ def _json_rows(raw: bytes, what: str, whole: bool) -> list[dict[str, Any]]:
             values = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{what} cannot be read as json: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except (ValueError, RecursionError) as exc:  # a number too long to convert, nesting too deep
+            raise ConfigError(f"{what} cannot be read as json: {_brief(exc)}") from None
         lines = list(range(len(values)))  # rows of an array have no line of their own
         where = [f"row {i}" for i in lines]
     else:
         values, where = [], []
-        for n, line in enumerate(text.splitlines(), start=1):
+        # JSON lines end at "\n" (str.splitlines would also cut at U+2028, U+0085, ... which a JSON string
+        # may hold as they are: json.dumps(ensure_ascii=False) writes them so)
+        for n, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:
                 values.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{what} cannot be read as json: row {len(values)} (line {n}) is not JSON: {exc.msg}") from None
+            except (ValueError, RecursionError) as exc:  # a number too long to convert, nesting too deep
+                raise ConfigError(f"{what} cannot be read as json: row {len(values)} (line {n}): {_brief(exc)}") from None
             where.append(f"row {len(values) - 1} (line {n})")
     for value, at in zip(values, where, strict=True):
         if not isinstance(value, dict):
             raise ConfigError(f"{what} cannot be read as json: {at} is a {type(value).__name__}, not an object of columns")
     return values
+
+
+def _brief(exc: Exception) -> str:
+    """An exception as one short line."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
 def file_rows(files: list[str], field: str) -> Iterator[tuple[str, int, dict[str, Any], str]]:

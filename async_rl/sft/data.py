@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from async_rl.chat import RenderError, apply_chat_template
 from async_rl.data import BadRow, file_rows
 from async_rl.errors import ConfigError
 from async_rl.protocol import REWARD_OK, TOKEN_DTYPE, TrajectoryGroup
@@ -59,7 +60,7 @@ class ChatTokenizer:
         self.eos = self.tok.eos_token_id
 
     def ids(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        text = apply_chat_template(self.tok, messages, tokenize=False, add_generation_prompt=generation_prompt)
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -78,6 +79,13 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
 
 def render(messages: list[dict[str, str]], chat: ChatTokenizer, where: str) -> tuple[list[int], list[int]]:
     """(token ids of the whole conversation, 0/1 per token: 1 on the assistant's)."""
+    try:
+        return _render(messages, chat, where)
+    except RenderError as exc:
+        raise BadRow(exc.reason, f"{where}: {exc}") from None
+
+
+def _render(messages: list[dict[str, str]], chat: ChatTokenizer, where: str) -> tuple[list[int], list[int]]:
     full = chat.ids(messages, generation_prompt=False)
     mask = [0] * len(full)
     for k, m in enumerate(messages):

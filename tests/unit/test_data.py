@@ -159,6 +159,26 @@ def test_chat_rendering_is_the_tokenizers_chat_template_with_generation_prompt(c
     assert plain.render(Prompt(prompt_id=0, text="What is 12*3?")) == tok.encode("What is 12*3?")
 
 
+# a template that raises on its own, as many do ("roles must alternate")
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns here') }}"
+                     "{% endif %}{{ m['content'] }}{% endfor %}")
+
+
+def test_a_row_the_chat_template_refuses_is_one_line_naming_file_and_row(tmp_path, chat_model):
+    rows = [{"prompt": [{"role": "user", "content": "a"}], "answer": "1"},
+            {"prompt": [{"role": "user", "content": "b"}, {"role": "tool", "content": "c"}], "answer": "2"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    renderer = PromptRenderer(chat_model)
+    renderer.tokenizer.chat_template = REFUSING_TEMPLATE
+    with pytest.raises(ConfigError) as err:
+        load_prompt_files([path], DataConfig(), renderer, 0, "data.train_files")
+    text = str(err.value)
+    assert "\n" not in text
+    assert text == f"data.train_files: '{path}' row 1: the chat template refused the messages: no tool turns here"
+    skipping = load_prompt_files([path], DataConfig(skip_bad_rows=True), renderer, 0, "data.train_files")
+    assert len(skipping.prompts) == 1 and dict(skipping.skipped) == {"template_error": 1}
+
+
 def test_a_model_without_chat_template_tokenizes_text_and_refuses_chat(tiny):
     from transformers import AutoTokenizer
 

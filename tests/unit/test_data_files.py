@@ -33,12 +33,24 @@ def one_line(path) -> str:
         ("broken.json", b'[{"prompt": "a"},\n {"prompt": ]', "line 2 column 13"),
         ("empty.json", b"[]", "has no rows"),
         ("text.parquet", b"not parquet at all", "cannot be read as parquet"),
+        ("long.jsonl", b'{"prompt": "a"}\n{"n": ' + b"1" * 5000 + b"}\n", "row 1 (line 2): ValueError: Exceeds the limit"),
+        ("long.json", b'[{"n": ' + b"1" * 5000 + b"}]", "cannot be read as json: ValueError: Exceeds the limit"),
+        ("deep.jsonl", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "row 0 (line 1): RecursionError"),
     ],
 )
 def test_an_unreadable_file_is_one_line(tmp_path, name, body, words):
     path = tmp_path / name
     path.write_bytes(body)
     assert words in one_line(path)
+
+
+def test_line_separators_inside_a_string_are_not_line_ends(tmp_path):
+    """JSON allows U+2028, U+2029 and U+0085 in a string as they are (json.dumps(ensure_ascii=False)
+    writes them so); only "\\n" ends a JSON line."""
+    rows = [{"prompt": "a\u2028b\u2029c\u0085d", "answer": "1"}, {"prompt": "e", "answer": "2"}]
+    path = tmp_path / "sep.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    assert read_rows(path) == rows
 
 
 def test_a_truncated_parquet_file(tmp_path):

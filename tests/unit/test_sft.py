@@ -160,6 +160,17 @@ def test_a_bad_row_is_one_line_naming_file_and_row(chat_model, tmp_path, row, wo
     assert "\n" not in line and f"sft.train_files: '{data}' row 1" in line and words in line
 
 
+def test_a_conversation_the_chat_template_refuses_is_one_line_naming_file_and_row(chat_model, tmp_path):
+    tool_turn = [{"role": "user", "content": "1+2=?"}, {"role": "tool", "content": "3"},
+                 {"role": "assistant", "content": "3"}]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": conversation(0)}, {"messages": tool_turn}])
+    chat = ChatTokenizer(chat_model)
+    chat.tok.chat_template = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError) as exc:
+        load_demonstrations([data], "messages", chat, 512, "sft.train_files")
+    assert str(exc.value) == (f"sft.train_files: '{data}' row 1: the chat template refused the messages: no tool turns")
+
+
 def test_a_conversation_cut_before_any_assistant_token_is_left_out_and_counted(chat_model, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": conversation(0)},
                                              {"messages": [{"role": "user", "content": "x" * 40},
