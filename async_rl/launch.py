@@ -180,6 +180,9 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
 
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     if cfg.train.mode == "sft":
+        from async_rl.sft.data import check_demonstrations
+
+        check_demonstrations(cfg.sft, model_dir, cfg.sft.max_length or cfg.generators.max_model_len)
         with marked():  # an SFT run's processes carry the launcher's mark too (leftovers.py)
             return run_sft(cfg, plan, model_dir, resume_from)
     loaded = check_train_data(cfg, model_dir)  # a bad data row fails here, before anything starts

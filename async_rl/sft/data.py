@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from async_rl.chat import RenderError, apply_chat_template
+from async_rl.config import SftConfig
 from async_rl.data import BadRow, file_rows
 from async_rl.errors import ConfigError
 from async_rl.protocol import REWARD_OK, TOKEN_DTYPE, TrajectoryGroup
@@ -134,6 +135,15 @@ def load_demonstrations(files: list[str], key: str, chat: ChatTokenizer, max_len
     if files and not items:
         raise ConfigError(f"{field}: no usable conversation in {files} ({dict(skipped)} skipped)")
     return Demonstrations(items, skipped)
+
+
+def check_demonstrations(sft: SftConfig, model_dir: str | Path, max_length: int) -> None:
+    """Every train and eval file read and rendered in the launching process, before anything starts: a
+    bad file or row fails here in one line, not in the learner ranks after Ray has started (they read
+    the files again)."""
+    chat = ChatTokenizer(model_dir)
+    load_demonstrations(sft.train_files, sft.messages_key, chat, max_length, "sft.train_files")
+    load_demonstrations(sft.eval_files, sft.messages_key, chat, max_length, "sft.eval_files")
 
 
 def as_group(d: Demonstration, index: int) -> TrajectoryGroup:

@@ -171,6 +171,20 @@ def test_a_conversation_the_chat_template_refuses_is_one_line_naming_file_and_ro
     assert str(exc.value) == (f"sft.train_files: '{data}' row 1: the chat template refused the messages: no tool turns")
 
 
+def test_the_launch_refuses_a_bad_demonstration_before_anything_starts(chat_model, tmp_path, capsys):
+    """One line on stderr naming the file and row, exit 2, no run directory, no Ray."""
+    from async_rl import launch
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": conversation(0)}, {"messages": "not a chat"}])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  path: {chat_model}\ntrain:\n  mode: sft\nsft:\n  train_files: [{data}]\n"
+                      f"logging:\n  run_dir: {tmp_path / 'runs'}\n")
+    assert launch.main([str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: sft.train_files: '{data}' row 1: ")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_conversation_cut_before_any_assistant_token_is_left_out_and_counted(chat_model, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": conversation(0)},
                                              {"messages": [{"role": "user", "content": "x" * 40},
