@@ -76,15 +76,20 @@ def _rank(rank: int, world: int, sp: int, ports: list[int], model_dir: str, out:
         driver.shutdown()
 
 
+def _one_rank(model_dir, case: str) -> LearnerDriver:
+    """A plain rank (SP = 1, world 1) with the case's settings, set up. One rank: DDP's step is FSDP2's."""
+    learner = {k: v for k, v in CASES[case][0].items() if k != "parallel"}
+    driver = LearnerDriver(settings(model_dir, **learner), 0, 1, "", [])
+    driver.setup()
+    return driver
+
+
 def _reference(model_dir, case: str, dp: int) -> dict:
     """SP = 1 on one rank, over the DP ranks' shards together (the loss is the global token mean, so
     one rank on their union has their summed gradient)."""
-    learner, kind = CASES[case]
-    learner = {k: v for k, v in learner.items() if k != "parallel"}  # one rank: DDP's step is FSDP2's
     torch.manual_seed(0)
-    driver = LearnerDriver(settings(model_dir, **learner), 0, 1, "", [])
-    driver.setup()
-    union = [g for d in range(dp) for g in shard(kind, d)]
+    driver = _one_rank(model_dir, case)
+    union = [g for d in range(dp) for g in shard(CASES[case][1], d)]
     result = spied_step(driver, union)
     result["params"] = {n: p.detach().clone() for n, p in driver.backend.model.named_parameters()}
     driver.shutdown()
@@ -121,9 +126,7 @@ def _joined(parts: list[dict]) -> dict:
 
 
 def _resumes_exactly(model_dir, case: str, checkpoint: Path, params: dict) -> None:
-    learner = {k: v for k, v in CASES[case][0].items() if k != "parallel"}
-    driver = LearnerDriver(settings(model_dir, **learner), 0, 1, "", [])
-    driver.setup()
+    driver = _one_rank(model_dir, case)
     assert driver.load_checkpoint(str(checkpoint)) == 1
     loaded = dict(driver.backend.model.named_parameters())
     assert all(torch.equal(loaded[n].detach(), p) for n, p in params.items()), case
