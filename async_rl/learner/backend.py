@@ -34,6 +34,7 @@ import torch
 from async_rl.learner.batch.cut import MicroBatchCut
 from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.model.moe import MoeShape, RouterStats
+from async_rl.learner.rl.reference import RowShare
 from async_rl.protocol import AttentionPath, TrajectoryGroup
 
 
@@ -189,6 +190,11 @@ class ModelBackend(abc.ABC):
     def base_reference(self, cut: MicroBatchCut, logprob_chunk_tokens: int, head_kernel: str = "eager"):
         """A `reference.ReferencePolicy` over the trained model's own frozen base (LoRA: the adapter
         disabled), or None: the driver loads the reference weights from the run's initial folder."""
+        return None
+
+    def reference_share(self) -> RowShare | None:
+        """The other ranks that hold this rank's shard (its sequence-parallel group), with whom the KL
+        reference pass shares the shard's micro-batches; None: this rank scores all of them."""
         return None
 
     # ---- checkpoints -------------------------------------------------------------------------------

@@ -293,8 +293,8 @@ class LearnerDriver(LearnerRank):
         )
         if s.learner.micro_batch_tokens == "auto" and self.rank == 0:
             print(f"[learner] {budget.line}", file=sys.stderr, flush=True)
-        # The KL reference runs whole sequences on every rank (not split over an SP group): its micro-batches
-        # get one rank's share of the budget, cut as every pass's are.
+        # The KL reference runs whole sequences (not split over an SP group): its micro-batches get one rank's
+        # share of the budget, cut as every pass's are, and the SP group's ranks share them (reference.RowShare).
         whole = self.cut.with_max_tokens(self.micro_batch_tokens // s.learner.sequence_parallel_size)
         self.algo = Algorithm(
             s.algorithm,
@@ -311,6 +311,7 @@ class LearnerDriver(LearnerRank):
             base_reference=self.backend.base_reference(whole, s.learner.logprob_chunk_tokens, self.backend.head_kernel),
             head_kernel=self.backend.head_kernel,
             routing_replay=self.backend.replays_routes,
+            reference_share=self.backend.reference_share(),
         )
         return params
 

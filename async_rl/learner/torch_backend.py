@@ -34,6 +34,7 @@ from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
 from async_rl.learner.moe_settings import settings_error
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.rendezvous import join_group
+from async_rl.learner.rl.reference import RowShare
 from async_rl.models.cost import path_of
 from async_rl.protocol import TrajectoryGroup
 
@@ -396,8 +397,12 @@ class TorchBackend(ModelBackend):
 
         return ReferencePolicy.of_base(
             self.model, lambda: adapter_disabled(self.peft), cut=cut, logprob_chunk_tokens=logprob_chunk_tokens,
-            head_kernel=head_kernel,
+            head_kernel=head_kernel, share=self.reference_share(),
         )
+
+    def reference_share(self) -> RowShare | None:
+        g = self.groups
+        return RowShare(g.size, g.rank, g.sequence) if g.size > 1 else None
 
     def weights_gathered(self) -> bool:
         return not self.sharded or self._full is not None

@@ -250,6 +250,9 @@ class _StubBackend:
     def base_reference(self, cut, logprob_chunk_tokens: int, head_kernel: str = "eager") -> None:
         return None  # no LoRA: the driver loads the reference from the run's initial folder
 
+    def reference_share(self) -> None:
+        return None  # no sequence parallelism
+
 
 def test_reference_and_critic_take_the_backends_device(model_dir, monkeypatch):
     monkeypatch.setattr(driver_mod, "make_backend", lambda *a, **k: _StubBackend())

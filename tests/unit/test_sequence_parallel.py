@@ -31,14 +31,36 @@ CASES = {
     "one_a_row": ({"share_prompt": False, "micro_batch_size": 1}, "plain"),
     # the varlen layout (on CPU its per-segment reference) of shared-prompt blocks inside the exchange
     "varlen_shared": ({"attention": "varlen", "share_prompt": True, "micro_batch_tokens": 48}, "episodes"),
-    # LoRA, its frozen base as the KL reference (run whole on every rank), a KL loss term
+    # LoRA, its frozen base as the KL reference, a KL loss term; the reference runs whole sequences, the SP
+    # ranks of a group each scoring a share of the shard's micro-batches
     "lora_kl": ({"lora": LoraConfig(enabled=True, rank=4, init="gaussian"), "algorithm": AlgorithmConfig(kl_coef=0.1),
                  "micro_batch_tokens": 48}, "episodes"),
     # FSDP2: sharded over all four ranks of DP x SP (the reference: one plain rank)
     "fsdp2": ({"parallel": "fsdp2", "share_prompt": False, "pack_row_tokens": 16, "micro_batch_tokens": 40}, "plain"),
+    # full fine-tuning with a KL penalty: the reference is a loaded copy of the initial weights
+    "kl": ({"algorithm": AlgorithmConfig(kl_coef=0.1), "micro_batch_tokens": 48}, "plain"),
     # ppo: the critic reads the policy's hidden states, gathered over the SP group
     "ppo": ({"algorithm": AlgorithmConfig(name="ppo"), "micro_batch_tokens": 40}, "plain"),
 }
+
+
+WITH_REFERENCE = ("lora_kl", "kl")
+
+
+def _count_reference_rows() -> list[int]:
+    """The rows of each micro-batch the KL reference pass scores in this process, from now on (it
+    calls `model_scores` once a micro-batch). The list is cleared by the caller between cases."""
+    from async_rl.learner.rl import reference
+
+    rows: list[int] = []
+    inner = reference.model_scores
+
+    def counted(model, inputs, *args, **kwargs):
+        rows.append(int(inputs["input_ids"].shape[0]))
+        return inner(model, inputs, *args, **kwargs)
+
+    reference.model_scores = counted
+    return rows
 
 
 def shard(kind: str, dp_rank: int) -> list:
@@ -57,7 +79,9 @@ def _full(tensors: dict) -> dict:
 
 def _rank(rank: int, world: int, sp: int, ports: list[int], model_dir: str, out: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
+    reference_rows = _count_reference_rows()  # a spawned process of its own: patched for its life
     for case, port in zip(cases, ports, strict=True):
+        reference_rows.clear()
         learner, kind = CASES[case]
         torch.manual_seed(0)
         driver = LearnerDriver(settings(model_dir, sequence_parallel_size=sp, **learner), rank, world,
@@ -68,6 +92,7 @@ def _rank(rank: int, world: int, sp: int, ports: list[int], model_dir: str, out:
         result.pop("mbs")
         result["grads"] = _full(result["grads"])
         result["params"] = _full(dict(driver.backend.model.named_parameters()))
+        result["reference_rows"] = sum(reference_rows)
         torch.save(result, f"{out}/{case}_{rank}.pt")
         if case in CHECKPOINTED:  # every rank takes part, as in a run; rank 0 writes the model
             ckpt = Path(out) / f"checkpoint_{case}"
@@ -148,6 +173,11 @@ def _run(model_dir, tmp_path, world: int, sp: int, cases: list[str], atol: float
                 # the parameters after the step are the same on every rank of the group (checkpoints and
                 # the weight sync read rank 0's)
                 assert all(torch.equal(other["params"][n], p) for n, p in group[0]["params"].items()), case
+        if case in WITH_REFERENCE and sp > 1:  # the reference pass shared, not repeated, over each SP group
+            for d in range(dp):  # every row of the DP rank's shard scored once, by one SP rank, each some
+                rows = [r["reference_rows"] for r in ranks[d * sp : (d + 1) * sp]]
+                assert sum(rows) == sum(len(g.completions) for g in shard(CASES[case][1], d)), (case, rows)
+                assert all(n > 0 for n in rows), (case, rows)
         if case in CHECKPOINTED:  # a checkpoint of SP ranks is any run's: one plain rank resumes from it
             _resumes_exactly(model_dir, case, tmp_path / f"checkpoint_{case}", ranks[0]["params"])
         got = _joined([ranks[d * sp] for d in range(dp)])

@@ -141,6 +141,9 @@ class _MaskFreeBackend:
     def base_reference(self, cut, logprob_chunk_tokens: int, head_kernel: str = "eager") -> None:
         return None
 
+    def reference_share(self) -> None:
+        return None
+
 
 def test_a_backend_without_block_masks_falls_back_with_a_note(model_dir, monkeypatch, capsys):
     from async_rl.learner import driver as driver_mod

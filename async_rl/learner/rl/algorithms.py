@@ -35,7 +35,7 @@ from async_rl.learner.rl.losses import (
     policy_loss_terms,
     token_covariance,
 )
-from async_rl.learner.rl.reference import ReferencePolicy
+from async_rl.learner.rl.reference import ReferencePolicy, RowShare
 
 if TYPE_CHECKING:
     from async_rl.learner.batch.packing import MicroBatch
@@ -196,8 +196,10 @@ class Algorithm:
         base_reference: ReferencePolicy | None = None,
         head_kernel: str = "eager",
         routing_replay: bool = False,
+        reference_share: RowShare | None = None,
     ) -> None:
         """`device`: where the reference model and the critic live (the learner backend's device);
+        `reference_share`: the SP group a loaded reference shares the shard's micro-batches with;
         `cut`, `logprob_chunk_tokens`, `head_kernel`: the reference pass's micro-batches (the learner's cut,
         `batch/cut.py`), head chunks and head arithmetic (the `learner` fields); `routing_replay`: an MoE
         reference replays the shard's recorded routes, as the policy does."""
@@ -208,7 +210,7 @@ class Algorithm:
         if cfg.kl_coef > 0:  # `base_reference`: the trained model's own frozen base (LoRA), else a loaded copy
             self.reference = base_reference or ReferencePolicy(
                 model_dir, dtype, device, cut=cut, logprob_chunk_tokens=logprob_chunk_tokens, head_kernel=head_kernel,
-                routing_replay=routing_replay,
+                routing_replay=routing_replay, share=reference_share,
             )
         self.critic = (
             Critic(hidden_size, cfg.critic_hidden, cfg.critic_lr, seed, max_grad_norm, device)

@@ -6,6 +6,11 @@ learner's cost model, on the path of the kernel that scores padded rows: SDPA un
 at the loss positions only, with the chunked head (`head.py`): no whole-shard pass, no [tokens x
 vocabulary] logits. The head's per-chunk arithmetic runs compiled where the policy's does
 (`learner.head_kernel`, `head_fused`).
+
+Under sequence parallelism the ranks of an SP group hold the same shard. The reference pass does not
+split a sequence over them (it runs whole sequences); instead each rank scores a share of the shard's
+micro-batches (`RowShare`, balanced by padded tokens) and the group sums the results, so the pass
+costs each rank 1/SP of the shard, not all of it.
 """
 
 from __future__ import annotations
@@ -13,14 +18,44 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from async_rl.learner.batch.cut import MicroBatchCut
 from async_rl.learner.model import head_fused
 from async_rl.learner.model.head import DEFAULT_CHUNK, flat_index, model_scores, unsupported
 from async_rl.learner.model.moe import RouterReplay, moe_shape
 from async_rl.models.cost import path_of
+
+
+@dataclass(frozen=True)
+class RowShare:
+    """The ranks that hold the same shard (an SP group): `size` of them, this one `rank` among them,
+    `group` their process group."""
+
+    size: int
+    rank: int
+    group: Any  # torch.distributed.ProcessGroup
+
+    def mine(self, batches: list[list[int]], lengths: list[int]) -> list[list[int]]:
+        """This rank's micro-batches: each, largest first, goes to the rank with the fewest padded
+        tokens so far (the same on every rank of the group: the same shard, the same cut)."""
+        cost = [len(b) * max(lengths[r] for r in b) for b in batches]
+        load, owner = [0] * self.size, [0] * len(batches)
+        for i in sorted(range(len(batches)), key=lambda i: (-cost[i], i)):
+            owner[i] = min(range(self.size), key=load.__getitem__)
+            load[owner[i]] += cost[i]
+        return [b for b, o in zip(batches, owner, strict=True) if o == self.rank]
+
+    def sum(self, out: torch.Tensor, device: torch.device) -> None:
+        """Every rank's scores into `out` (each row was scored by one rank, zeros elsewhere), over the
+        device the group's backend takes (NCCL: CUDA tensors)."""
+        t = out.to(device)
+        dist.all_reduce(t, group=self.group)
+        out.copy_(t)
 
 
 class ReferencePolicy:
@@ -34,8 +69,10 @@ class ReferencePolicy:
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         head_kernel: str = "eager",
         routing_replay: bool = False,
+        share: RowShare | None = None,
     ) -> None:
-        """`cut`: the learner's micro-batch cut, its cost model with it (`batch/cut.py`); `head_kernel`:
+        """`share`: the SP group the shard's micro-batches are shared with (None: all are this rank's);
+        `cut`: the learner's micro-batch cut, its cost model with it (`batch/cut.py`); `head_kernel`:
         `learner.head_kernel` (auto: compiled on CUDA, eager on the CPU; triton: the forward statistics in
         `head_triton`'s kernel, the reference pass's only use of the head);
         `routing_replay`: an MoE model replays the shard's recorded routes (`learner/model/moe.py`)."""
@@ -53,6 +90,7 @@ class ReferencePolicy:
         self._as_reference: Callable[[], AbstractContextManager] = contextlib.nullcontext
         replays = routing_replay and moe_shape(self.model) is not None
         self.router_replay = RouterReplay(self.model) if replays else None
+        self.share = share
 
     @classmethod
     def of_base(
@@ -63,6 +101,7 @@ class ReferencePolicy:
         cut: MicroBatchCut,
         logprob_chunk_tokens: int = DEFAULT_CHUNK,
         head_kernel: str = "eager",
+        share: RowShare | None = None,
     ) -> ReferencePolicy:
         """The trained model itself, scored inside `as_reference()` (LoRA: the adapter disabled, so the
         frozen base weights are the reference and no second copy of them is loaded)."""
@@ -73,6 +112,7 @@ class ReferencePolicy:
         ref.fused = head_fused.fused_setting(head_kernel, ref.device.type)
         ref._as_reference = as_reference
         ref.router_replay = None  # LoRA's base: dense models only (MoE with lora is refused)
+        ref.share = share
         return ref
 
     def _routing(self, b, rows: torch.Tensor, width: int):
@@ -88,7 +128,8 @@ class ReferencePolicy:
         out = torch.zeros(b.loss_mask.shape, dtype=torch.float32, device=b.loss_mask.device)
         lengths = [int(n) for n in b.attention_mask.sum(dim=1).tolist()]
         # HF's SDPA under the rows' padding mask, on every device: the `dense` path (`models/cost.py`)
-        for rows in self.cut.padded_rows(lengths, path_of("sdpa", self.device.type)):
+        batches = self.cut.padded_rows(lengths, path_of("sdpa", self.device.type))
+        for rows in batches if self.share is None else self.share.mine(batches, lengths):
             width = max(1, max(lengths[r] for r in rows))
             idx = torch.tensor(rows)
             ids = b.input_ids[idx, :width].to(self.device)
@@ -107,4 +148,6 @@ class ReferencePolicy:
                 )
             logp = logp * positions  # the full head (chunk 0) scores every position
             out[idx, : width - 1] = logp[:, : width - 1].to(out.device)
+        if self.share is not None:
+            self.share.sum(out, self.device)
         return out
