@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 
-from async_rl.errors import RunError
+from async_rl.errors import RunError, first_line
 from async_rl.protocol import ChatMessage, Prompt
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -40,8 +40,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], **kwargs
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except (TemplateError, ValueError, TypeError, KeyError) as exc:
-        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise RenderError("template_error", f"the chat template refused the messages: {text}") from None
+        raise RenderError("template_error", f"the chat template refused the messages: {first_line(exc)}") from None
 
 
 @cache

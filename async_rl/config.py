@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from async_rl.errors import ConfigError
+from async_rl.errors import ConfigError, first_line
 
 
 def _f(description: str, **constraints: Any) -> msgspec.Meta:
@@ -1092,7 +1092,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         try:
             loaded = _yaml(p.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+            raise ConfigError(f"config file '{p}' is not valid YAML: {first_line(exc, limit=500)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping of sections at the top level")
         # An empty section ('learner:' with nothing under it) means "all defaults".

@@ -26,7 +26,7 @@ import msgspec
 
 from async_rl.chat import PromptRenderer, RenderError
 from async_rl.config import Config, DataConfig
-from async_rl.errors import ConfigError
+from async_rl.errors import ConfigError, first_line, typed_line
 from async_rl.protocol import ChatMessage, MetaValue, Prompt
 
 
@@ -77,8 +77,7 @@ def _parquet_rows(raw: bytes, what: str) -> list[dict[str, Any]]:
     try:
         return pq.read_table(io.BytesIO(raw)).to_pylist()
     except (pa.ArrowException, OSError, ValueError) as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{what} cannot be read as parquet: {text}") from None
+        raise ConfigError(f"{what} cannot be read as parquet: {first_line(exc)}") from None
 
 
 def _json_rows(raw: bytes, what: str, whole: bool) -> list[dict[str, Any]]:
@@ -95,7 +94,7 @@ def _json_rows(raw: bytes, what: str, whole: bool) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{what} cannot be read as json: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
         except (ValueError, RecursionError) as exc:  # a number too long to convert, nesting too deep
-            raise ConfigError(f"{what} cannot be read as json: {_brief(exc)}") from None
+            raise ConfigError(f"{what} cannot be read as json: {typed_line(exc)}") from None
         lines = list(range(len(values)))  # rows of an array have no line of their own
         where = [f"row {i}" for i in lines]
     else:
@@ -110,18 +109,12 @@ def _json_rows(raw: bytes, what: str, whole: bool) -> list[dict[str, Any]]:
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{what} cannot be read as json: row {len(values)} (line {n}) is not JSON: {exc.msg}") from None
             except (ValueError, RecursionError) as exc:  # a number too long to convert, nesting too deep
-                raise ConfigError(f"{what} cannot be read as json: row {len(values)} (line {n}): {_brief(exc)}") from None
+                raise ConfigError(f"{what} cannot be read as json: row {len(values)} (line {n}): {typed_line(exc)}") from None
             where.append(f"row {len(values) - 1} (line {n})")
     for value, at in zip(values, where, strict=True):
         if not isinstance(value, dict):
             raise ConfigError(f"{what} cannot be read as json: {at} is a {type(value).__name__}, not an object of columns")
     return values
-
-
-def _brief(exc: Exception) -> str:
-    """An exception as one short line."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
 def file_rows(files: list[str], field: str) -> Iterator[tuple[str, int, dict[str, Any], str]]:

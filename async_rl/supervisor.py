@@ -49,7 +49,7 @@ from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.config import Config
 from async_rl.control import ControlInbox, ScaleReply, ScaleRequest
 from async_rl.death_watch import DeathNotice, DeathWatch, Target, Watched, actor_key
-from async_rl.errors import RunError
+from async_rl.errors import RunError, first_line
 from async_rl.evaluation.scores import EvalRecord
 from async_rl.failure_watch import Failing, FailureWatch, reward_name
 from async_rl.generator.pool import LEARNER
@@ -109,8 +109,7 @@ def learner_hung(ranks: list[int], step: int, limit_s: float) -> str:
 
 def learner_died(rank: int, exc: BaseException) -> str:
     """One line: which rank died and the first line of why (for LearnerRecovery.decide)."""
-    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"learner rank {rank} died ({cause})"
+    return f"learner rank {rank} died ({first_line(exc, limit=500)})"
 
 
 class LearnerRestarted(Exception):

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from async_rl.errors import RunError
+from async_rl.errors import RunError, first_line
 from async_rl.weight_sync.base import (
     BroadcastGroup,
     BucketChannel,
@@ -108,8 +108,7 @@ class GlooGroup(BroadcastGroup):
                 raise
             except RuntimeError as exc:
                 if SLICE_TIMED_OUT not in str(exc):
-                    text = str(exc).strip()
-                    reason = f"rank {self.rank}: {text.splitlines()[0] if text else type(exc).__name__}"
+                    reason = f"rank {self.rank}: {first_line(exc, limit=500)}"
                     self.abort(reason)
                     self._abandon()
                     raise SyncAborted(f"weight sync abandoned: {reason}") from None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from async_rl.errors import typed_line
 from async_rl.learner.model import head_fused, head_triton
 from async_rl.learner.model.head import ChunkedHead
 
@@ -108,7 +109,7 @@ def measure(weight: torch.Tensor, chunk: int, dtype: torch.dtype, kernels: tuple
         try:
             seconds[name] = _seconds(FUSED[name], hidden, w, targets, chunk, repeats)
         except Exception as e:  # noqa: BLE001 - a kernel that does not build or run here is not chosen
-            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            failed[name] = typed_line(e)
     configs = {"triton": config} if "triton" in seconds and (config := head_triton.tuned()) else {}
     return HeadProbe(positions, int(weight.shape[0]), seconds, failed, configs)
 

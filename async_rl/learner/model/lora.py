@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from async_rl.config import LoraConfig
+from async_rl.errors import ConfigError, RunError, first_line
 
 ADAPTER_NAME = "default"  # PEFT's adapter name; it is not part of the saved names
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -44,9 +45,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     try:
         return get_peft_model(model, peft_config(cfg))
     except ValueError as exc:  # e.g. a target module the model does not have
-        from async_rl.errors import ConfigError
-
-        raise ConfigError(f"learner.lora.target_modules: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"learner.lora.target_modules: {first_line(exc, limit=500)}") from None
 
 
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the HF model's own names when it saves
@@ -118,8 +117,6 @@ def load_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 def copy_into(params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor], where: str) -> None:
     """Load saved adapter tensors into the live parameters (names must match exactly)."""
-    from async_rl.errors import RunError
-
     missing = sorted(set(params) - set(tensors))
     if missing:
         raise RunError(f"{where}: the adapter misses {len(missing)} tensor(s), e.g. '{missing[0]}'")
