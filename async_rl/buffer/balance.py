@@ -14,7 +14,7 @@ packed row pays for the row's whole width. With the default `CostModel()` (weigh
 
 from __future__ import annotations
 
-from async_rl.models.cost import TOKENS, CostModel
+from async_rl.models.cost import TOKENS, CostModel, deal
 from async_rl.protocol import TrajectoryGroup
 
 
@@ -30,11 +30,6 @@ def balanced_shards(batch: list[TrajectoryGroup], world_size: int, cost: CostMod
     per_rank = len(batch) // world_size
     if world_size == 1:
         return [batch[:per_rank]]
-    costs = [group_cost(g, cost) for g in batch]
-    loads = [0.0] * world_size
-    members: list[list[int]] = [[] for _ in range(world_size)]
-    for i in sorted(range(per_rank * world_size), key=lambda i: -costs[i]):
-        r = min((r for r in range(world_size) if len(members[r]) < per_rank), key=lambda r: loads[r])
-        members[r].append(i)
-        loads[r] += costs[i]
-    return [[batch[i] for i in sorted(m)] for m in members]
+    dealt = batch[: per_rank * world_size]
+    owner = deal([group_cost(g, cost) for g in dealt], world_size, per_rank)
+    return [[g for g, o in zip(dealt, owner, strict=True) if o == r] for r in range(world_size)]

@@ -92,4 +92,18 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         return self.layout(Layout(1, length, [(length, 0)]))
 
 
+def deal(costs: list[float], bins: int, per_bin: int | None = None) -> list[int]:
+    """The bin each item goes to: largest cost first (ties in index order), each to the least-loaded bin
+    that still has room (`per_bin` items at most; None: no limit). A function of the costs alone, so
+    every rank that computes it from the same costs deals the same way: the buffer's shards
+    (`buffer/balance.py`), the reference pass's micro-batches shared over an SP group (`learner/rl/reference.py`)."""
+    load, count, owner = [0.0] * bins, [0] * bins, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        b = min((b for b in range(bins) if per_bin is None or count[b] < per_bin), key=load.__getitem__)
+        owner[i] = b
+        load[b] += costs[i]
+        count[b] += 1
+    return owner
+
+
 TOKENS = CostModel()  # weight 0, no padding: a sample costs its tokens (the dealing before the learner says more)

@@ -33,7 +33,7 @@ from async_rl.learner.batch.packing import (
 from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.batch.shared_prefix import shared, shared_layout, shared_micro_batches
 from async_rl.learner.driver import shard_samples
-from async_rl.models.cost import TOKENS, CostModel, Layout, path_of
+from async_rl.models.cost import TOKENS, CostModel, Layout, deal, path_of
 from async_rl.protocol import SCHEMA_VERSION, BatchRequest, decode_request, encode_request
 from tests.unit._learner_fixtures import assert_equal_steps, groups, make_rank, spied_step
 
@@ -311,3 +311,13 @@ def test_the_batch_request_carries_the_cost_model():
     assert decode_request(encode_request(req), "r") == req
     old = BatchRequest(schema=SCHEMA_VERSION, run_id="r", step=1, rank=0, world_size=2)
     assert (old.attention_weight, old.attention_path, old.row_tokens) == (0.0, "flash", 0)  # tokens alone
+
+
+def test_deal_gives_the_largest_first_to_the_least_loaded_bin_with_room():
+    # 9 -> bin 0, 7 -> bin 1, 5 -> bin 1 (7 < 9), 4 -> bin 0 (9 < 12), 3 -> bin 1 (12 < 13)
+    assert deal([5, 9, 3, 7, 4], 2) == [1, 0, 1, 1, 0]
+    # The last 1 would go to the lighter bin 1, but it is full at 2 items a bin.
+    assert deal([9, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert deal([9, 1, 1, 1], 2, per_bin=2) == [0, 1, 1, 0]
+    assert deal([1, 1, 1, 1, 1, 1], 3, per_bin=2) == [0, 1, 2, 0, 1, 2]  # ties: index order, lowest bin
+    assert deal([], 4) == []

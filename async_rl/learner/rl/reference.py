@@ -28,7 +28,7 @@ from async_rl.learner.batch.cut import MicroBatchCut
 from async_rl.learner.model import head_fused
 from async_rl.learner.model.head import DEFAULT_CHUNK, flat_index, model_scores, unsupported
 from async_rl.learner.model.moe import RouterReplay, moe_shape
-from async_rl.models.cost import path_of
+from async_rl.models.cost import deal, path_of
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,7 @@ class RowShare:
     def mine(self, batches: list[list[int]], lengths: list[int]) -> list[list[int]]:
         """This rank's micro-batches: each, largest first, goes to the rank with the fewest padded
         tokens so far (the same on every rank of the group: the same shard, the same cut)."""
-        cost = [len(b) * max(lengths[r] for r in b) for b in batches]
-        load, owner = [0] * self.size, [0] * len(batches)
-        for i in sorted(range(len(batches)), key=lambda i: (-cost[i], i)):
-            owner[i] = min(range(self.size), key=load.__getitem__)
-            load[owner[i]] += cost[i]
+        owner = deal([float(len(b) * max(lengths[r] for r in b)) for b in batches], self.size)
         return [b for b, o in zip(batches, owner, strict=True) if o == self.rank]
 
     def sum(self, out: torch.Tensor, device: torch.device) -> None:
