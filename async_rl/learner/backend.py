@@ -134,6 +134,13 @@ class ModelBackend(abc.ABC):
         over data-parallel ranks once, after the last one. Every rank passes the same number of
         micro-batches (the driver pads with `packing.dummy_micro_batch()`, whose loss is 0)."""
 
+    def router_stats(self) -> RouterStats | None:
+        """MoE backends whose micro-batches' `TokenScores.router` cannot say it (megatron with several
+        pipeline stages: a token's agreement needs every stage's layers): the routing statistics of the
+        last `forward_backward` as a whole, the same on every model-parallel peer. None: they came per
+        micro-batch, or the model is dense."""
+        return None
+
     @abc.abstractmethod
     def optimizer_step(self, lr: float, max_grad_norm: float) -> float:
         """Collective. Set the learning rate to `lr`, clip the global gradient norm (over all ranks and

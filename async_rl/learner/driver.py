@@ -503,6 +503,8 @@ class LearnerDriver(LearnerRank):
             return loss
 
         self.backend.forward_backward(mbs, s.generators.temperature, loss_fn)
+        if tally is not None and (whole := self.backend.router_stats()) is not None:
+            tally.add(whole)
         stats = dict(zip(_STATS, self.backend.share_outputs(acc.cpu()).tolist(), strict=True))
         # This rank's loss is its share of the global token mean; the controller averages over ranks.
         stats["loss"] *= self.backend.info.dp_size

@@ -200,32 +200,42 @@ def run_moe_backend_rank(rank: int, world: int, port: int, model_dir: str, ep: i
         backend.shutdown()
 
 
-def run_moe_driver_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def run_moe_driver_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, pp: int = 1) -> None:
     """A LearnerDriver with learner.backend=megatron on one rank of a Qwen3-MoE (learner.routing_replay auto,
-    the mismatch probe on): a step on groups carrying the model's own routes, then one on random routes with
-    some rows missing (scored as an engine that routes as recorded would score them); writes both steps'
-    `MoeMetrics` and the rows without a route."""
+    the mismatch probe on; `pp` pipeline stages, the other ranks data parallel): a step on groups carrying
+    the model's own routes (one reward a group: no update), one on its own routes with other experts in
+    layer 0 on some rows and in layer 1 on others (`disagree_by_layer`), then one on random routes with
+    some rows missing (scored as an engine that routes as recorded would score them); writes the steps'
+    `MoeMetrics` and the rows without a route.
+    The stages of a replica train the same shard (that of its data-parallel rank)."""
     from transformers import AutoModelForCausalLM
 
+    from async_rl.config import MegatronConfig
     from async_rl.learner.driver import LearnerDriver
     from tests.unit._learner_fixtures import groups, settings
-    from tests.unit._moe_fixtures import random_routes, with_routes
+    from tests.unit._moe_fixtures import disagree_by_layer, random_routes, with_routes
 
     torch.set_num_threads(1)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    spec = settings(model_dir, backend="megatron", device="cpu", routing_probe_samples=4)
+    spec = settings(model_dir, backend="megatron", device="cpu", routing_probe_samples=4, world_size=world,
+                    megatron=MegatronConfig(pipeline_parallel_size=pp))
     driver = LearnerDriver(spec, rank, world, f"127.0.0.1:{port}", [])
     driver.setup()
+    dp_rank = rank // pp
     try:
-        own = driver.train_on_shard(0, with_routes(hf, groups(4 + rank, n_groups=3, group_size=3))).moe
-        shard = random_routes(groups(8 + rank, n_groups=3, group_size=3), 2, 2, 8, seed=5 + rank, missing_every=4)
+        still = with_routes(hf, groups(4 + dp_rank, n_groups=3, group_size=3))
+        for g in still:  # one reward a group: no advantage, no update, so the weights stay hf's for `mixed`
+            g.rewards = [1.0] * len(g.rewards)
+        own = driver.train_on_shard(0, still).moe
+        mixed = driver.train_on_shard(1, disagree_by_layer(with_routes(hf, groups(6 + dp_rank, n_groups=3)), 8)).moe
+        shard = random_routes(groups(8 + dp_rank, n_groups=3, group_size=3), 2, 2, 8, seed=5 + dp_rank, missing_every=4)
         missing = sum(len(range(0, len(r), 4)) for g in shard for r in g.routes)
         scores = iter(driver.compute_logprobs(shard))  # what an engine routing as recorded scores
         for g in shard:
             g.logprobs = [next(scores) for _ in g.completions]
-        randomly = driver.train_on_shard(1, shard).moe
+        randomly = driver.train_on_shard(2, shard).moe
         moe = driver.backend.moe
-        torch.save({"own": own, "random": randomly, "missing": missing, "moe": (moe.layers, moe.experts, moe.top_k)},
+        torch.save({"own": own, "mixed": mixed, "random": randomly, "missing": missing, "moe": (moe.layers, moe.experts, moe.top_k)},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         driver.backend.shutdown()

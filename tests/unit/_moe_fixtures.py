@@ -91,3 +91,16 @@ def experts_calls(model: torch.nn.Module) -> tuple[list[tuple[int, torch.Tensor]
         for layer, experts in blocks
     ]
     return calls, handles
+
+
+def disagree_by_layer(gs: list[TrajectoryGroup], experts: int) -> list[TrajectoryGroup]:
+    """`gs` (carrying the model's own routes, `with_routes`) with other experts recorded in layer 0 on every
+    2nd row and in layer 1 on every 3rd: a token agrees in layer 0, in layer 1 and in both on different
+    rows, so the all-layer agreement is neither layer's alone. The replacement is the first `top_k`
+    experts the row does not name (another set)."""
+    for g in gs:
+        for r in g.routes:
+            for layer, every in ((0, 2), (1, 3)):
+                for row in range(0, len(r), every):
+                    r[row, layer] = [e for e in range(experts) if e not in set(r[row, layer].tolist())][: r.shape[2]]
+    return gs

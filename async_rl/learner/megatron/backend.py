@@ -62,7 +62,7 @@ from async_rl.learner.megatron.routing import RoutingReplay, check_layout, token
 from async_rl.learner.model.attention import AttentionLayout, Segments, cumulative, varlen_layout
 from async_rl.learner.model.head import keeps_logits
 from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
-from async_rl.learner.model.moe import MoeShape
+from async_rl.learner.model.moe import MoeShape, RouterStats
 from async_rl.learner.moe_settings import megatron_aux_loss_error
 from async_rl.learner.rendezvous import join_group
 from async_rl.models.cost import path_of
@@ -297,6 +297,7 @@ class MegatronBackend(ModelBackend):
         self.recompute = activation_checkpointing
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self._snapshot: dict[str, torch.Tensor] | None = None
+        self._joined: RouterStats | None = None  # several pipeline stages: the last gradient pass's routing
 
     # ---- setup ------------------------------------------------------------------------------------
 
@@ -393,7 +394,7 @@ class MegatronBackend(ModelBackend):
         except ConfigError as e:
             raise RunError(str(e)) from None
         # every layer is an MoE layer (`convert.arch_from_hf_config`): the stage's first is its first layer
-        self.routing = RoutingReplay.install(self._gpt, stage_layers(self.arch.num_layers, self.pp, stage)[0])
+        self.routing = RoutingReplay.install(self._gpt, stage_layers(self.arch.num_layers, self.pp, stage)[0], self.pp)
 
     def _routes(self, mb: MicroBatch, rows: int, cols: int, one_row: bool) -> torch.Tensor | None:
         """The micro-batch's routes in the order megatron's routers see its tokens (`routing.token_routes`),
@@ -477,7 +478,7 @@ class MegatronBackend(ModelBackend):
             feeding = contextlib.nullcontext()
             if self.routing is not None:  # MoE: this micro-batch's routes, or the live router
                 routes = self._routes(mb, rows, cols, one_row and mb.position_ids is not None)
-                feeding = self.routing.feeding(routes, self.replays_routes)
+                feeding = self.routing.feeding(routes, self.replays_routes, count=bool(mbs[i].spans))
             with at, feeding:
                 output = model(ids, positions, mask, packed_seq_params=packed)
 
@@ -492,6 +493,8 @@ class MegatronBackend(ModelBackend):
 
             return output, loss_func
 
+        if self.routing is not None:
+            self.routing.reset()  # the counts are this run's (several stages: its token flags)
         with self._hidden_out(), self._routes_cleared():
             get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -657,8 +660,8 @@ class MegatronBackend(ModelBackend):
         index = [mb.head_index().to(self.device, non_blocking=True) for mb in mbs]
 
         # One pipeline stage: the loss of a micro-batch follows its forward (its recompute counts nothing),
-        # so the routers' counts since the last `take` are that forward's. With several stages the last one
-        # holds its own layers' counts only: no statistics (the driver then reports no agreement).
+        # so the routers' counts since the last `take` are that forward's. With several stages a stage
+        # holds its own layers' counts only: they are joined over the stages after the run (`router_stats`).
         routing = self.routing if self.pp == 1 else None
 
         def loss(i: int, logits: torch.Tensor, m: MicroBatch, _as_rows) -> torch.Tensor:
@@ -668,10 +671,19 @@ class MegatronBackend(ModelBackend):
                 scores.router = routing.take()
             return loss_fn(i, scores) * scale
 
-        if routing is not None:
-            routing.reset()  # the scoring passes' counts are not this step's
         self._snapshot = None
+        self._joined = None
         self._run(mbs, temperature, False, loss)
+        if self.routing is not None and self.pp > 1:
+            from megatron.core import parallel_state
+
+            self._joined = self.routing.joined_stats(
+                self.arch.num_layers, parallel_state.get_pipeline_model_parallel_group())
+
+    def router_stats(self) -> RouterStats | None:
+        """With several pipeline stages: the last `forward_backward`'s routing statistics over every
+        stage's layers, the same on each stage (with one, they came per micro-batch)."""
+        return self._joined
 
     def optimizer_step(self, lr: float, max_grad_norm: float) -> float:
         opt = self.policy.optimizer

@@ -24,6 +24,11 @@ router in the backward: with one pipeline stage the micro-batch's backward follo
 the targets in place are still its own; the counting is off by then (`feeding` counts the forward
 only). With several stages megatron's 1F1B schedule runs later forwards before the recompute:
 `check_layout` refuses replay with recompute there.
+
+Each pipeline stage routes the same tokens through its own layers, so whether a token agreed in every
+layer is known only across stages: with several stages each forward keeps its per-token flags
+(agreed in every layer of this stage), and `joined_stats` takes their minimum over the stages once the
+schedule has run (one collective of the flags, one of the per-layer counts).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from async_rl.errors import ConfigError
 from async_rl.learner.batch.routes import ROUTE_PAD as PAD  # padding: left out of the counts; -1: live
@@ -95,16 +101,21 @@ class LayerReplay:
 class RoutingReplay:
     """The `LayerReplay`s of one rank's GPTModel (its pipeline stage's MoE layers, in order)."""
 
-    def __init__(self, layers: list[LayerReplay], first_layer: int) -> None:
+    def __init__(self, layers: list[LayerReplay], first_layer: int, stages: int = 1) -> None:
         self.layers = layers
         self.first_layer = first_layer  # the model's index of this stage's first MoE layer
+        self.stages = stages  # pipeline stages: above 1, each counted forward keeps its token flags
         self._unrouted = torch.zeros((), dtype=torch.float64)
         self._routed = torch.zeros((), dtype=torch.float64)
         self._agree_all: torch.Tensor | None = None
+        # per counted forward (several stages only): int32 [tokens], 1 where the token has a route and
+        # the live router agreed with it in every layer of this stage
+        self._token_flags: list[torch.Tensor] = []
 
     @classmethod
-    def install(cls, gpt: torch.nn.Module, first_layer: int) -> RoutingReplay:
-        """A `LayerReplay` in place of megatron's replay on every TopKRouter of `gpt` (once)."""
+    def install(cls, gpt: torch.nn.Module, first_layer: int, stages: int = 1) -> RoutingReplay:
+        """A `LayerReplay` in place of megatron's replay on every TopKRouter of `gpt` (once); `stages`:
+        the pipeline's, `first_layer` the model's index of this stage's first MoE layer."""
         from megatron.core.transformer.moe.router import TopKRouter
 
         routers = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
@@ -122,27 +133,30 @@ class RoutingReplay:
             if not isinstance(router.router_replay, LayerReplay):
                 router.router_replay = LayerReplay(router.config.num_moe_experts)
             layers.append(router.router_replay)
-        return cls(layers, first_layer)
+        return cls(layers, first_layer, stages)
 
     @contextlib.contextmanager
-    def feeding(self, routes: torch.Tensor | None, replay: bool) -> Iterator[None]:
+    def feeding(self, routes: torch.Tensor | None, replay: bool, count: bool = True) -> Iterator[None]:
         """Forwards inside run with `routes` (long [tokens, model MoE layers, k] in the router's token
         order, `token_routes`; None: the live router everywhere, nothing measured against a route) and
-        count; with `replay` the routed tokens run their recorded experts. The targets stay after the
-        block for the recompute of this micro-batch's backward; the counting does not."""
+        count unless `count` is false (a rank's dummy micro-batch); with `replay` the routed tokens run
+        their recorded experts. The targets stay after the block for the recompute of this micro-batch's
+        backward; the counting does not."""
         for i, layer in enumerate(self.layers):
             layer.target = None if routes is None else routes[:, self.first_layer + i]
             layer.replay = replay and routes is not None
-            layer.counting = True
+            layer.counting = count
         try:
             yield
         finally:
             for layer in self.layers:
                 layer.counting = False
-            if routes is not None:
+            if count and routes is not None:
                 self._count_tokens(routes[:, self.first_layer])
-            elif self.layers[0].ran is not None:  # no routes: every token (padding too) took the live router
-                self._unrouted = self._unrouted + self.layers[0].ran.shape[0]
+            elif count and (ran := self.layers[0].ran) is not None:  # no routes: every token (padding too) took the live router
+                self._unrouted = self._unrouted + ran.shape[0]
+                if self.stages > 1:
+                    self._token_flags.append(torch.zeros(ran.shape[0], dtype=torch.int32, device=ran.device))
 
     def clear(self) -> None:
         """No replay target left in place: later forwards route live (the end of a schedule's run)."""
@@ -157,8 +171,11 @@ class RoutingReplay:
         self._unrouted = self._unrouted.to(rows.device) + ((rows < 0) & (rows != PAD)).sum()
         agree = [layer.agree for layer in self.layers if layer.agree is not None]
         if len(agree) == len(self.layers):
-            every = torch.stack(agree).all(dim=0).sum().to(torch.float64)
+            flags = torch.stack(agree).all(dim=0)
+            every = flags.sum().to(torch.float64)
             self._agree_all = every if self._agree_all is None else self._agree_all + every
+            if self.stages > 1:
+                self._token_flags.append(flags.to(torch.int32))
 
     def ran(self) -> torch.Tensor:
         """The experts every layer ran for the last counted forward: long [tokens, layers, k]."""
@@ -181,6 +198,27 @@ class RoutingReplay:
             aux_loss=None,  # learner.moe_aux_loss_coef > 0 is refused with megatron
         )
 
+    def joined_stats(self, model_layers: int, group: dist.ProcessGroup) -> RouterStats:
+        """Collective over the pipeline group `group`: the statistics of the forwards since the last
+        `reset` for the whole model, the same on every stage. A token agreed in every layer where it
+        agreed in every stage's layers (the minimum of the stages' token flags: every stage ran the same
+        forwards on the same tokens); the per-layer counts and loads sit at their layers' rows (a sum,
+        each stage's rows zero elsewhere); the token counts are each stage's own, the same on all."""
+        mine = self.stats()
+        dev = mine.load.device
+        rows = slice(self.first_layer, self.first_layer + len(self.layers))
+        per_layer = torch.zeros(model_layers, 1 + mine.load.shape[1], dtype=torch.float64, device=dev)
+        per_layer[rows, 0] = mine.agree_layer
+        per_layer[rows, 1:] = mine.load
+        dist.all_reduce(per_layer, group=group)
+        flags = torch.cat(self._token_flags) if self._token_flags else torch.zeros(0, dtype=torch.int32, device=dev)
+        if flags.numel():  # every stage ran the same forwards: all skip together (only dummy micro-batches)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        return RouterStats(
+            routed=mine.routed, agree_all=flags.sum().to(torch.float64), agree_layer=per_layer[:, 0],
+            tokens=mine.tokens, load=per_layer[:, 1:], aux_loss=None,
+        )
+
     def take(self) -> RouterStats:
         """`stats`, then `reset`: the statistics of one forward when reset before it."""
         stats = self.stats()
@@ -195,6 +233,7 @@ class RoutingReplay:
         self._routed = torch.zeros_like(self._routed)
         self._unrouted = torch.zeros_like(self._unrouted)
         self._agree_all = None
+        self._token_flags = []
 
 
 def token_routes(routes: torch.Tensor, rows: int, cols: int, one_row: bool) -> torch.Tensor:
