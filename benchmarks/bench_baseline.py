@@ -15,6 +15,9 @@ alone (on a machine where two runs do not fit beside each other).
 `report` reads every RUN_DIR/eval.jsonl (greedy held-out pass@1, length, truncation) and metrics.jsonl
 (train reward) under WORKDIR, writes benchmarks/results/NAME.{json,png} and prints the tables for NAME.md:
 per evaluation step the min-max range and mean of each arm, and each run's curve and train reward.
+`--keep-reported` also takes the runs that the last report of NAME kept in NAME.json and whose folders
+WORKDIR no longer holds (a run of an earlier day, its /tmp since cleaned), so seeds run on different
+days make one report.
 """
 
 from __future__ import annotations
@@ -82,12 +85,30 @@ def runs_of(arm: str, workdir: Path) -> dict[str, dict]:
     return out
 
 
+def reported_runs(name: str) -> dict[str, dict[str, dict]]:
+    """The runs, by arm, that the last `report --name NAME` kept in benchmarks/results/NAME.json (JSON
+    made the evaluation steps strings; they are ints again here)."""
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        return {}
+    return {arm: {run: {"evals": {int(s): e for s, e in r["evals"].items()}, "reward": r["reward"]}
+                  for run, r in runs.items()}
+            for arm, runs in json.loads(path.read_text())["arms"].items()}
+
+
 def span(values: list[float]) -> str:
     return f"{min(values):.3f}-{max(values):.3f} ({statistics.fmean(values):.3f})" if values else "-"
 
 
 def report(args: argparse.Namespace) -> None:
     arms = {arm: runs_of(arm, args.workdir) for arm in ARMS}
+    if args.keep_reported:
+        for arm, runs in reported_runs(args.name).items():
+            for run, kept in runs.items():
+                if run not in arms.get(arm, {}):
+                    arms.setdefault(arm, {})[run] = kept
+                    print(f"{run}: from benchmarks/results/{args.name}.json (not under {args.workdir})")
+        arms = {arm: dict(sorted(runs.items())) for arm, runs in arms.items()}
     arms = {arm: runs for arm, runs in arms.items() if runs}
     if not arms:
         sys.exit(f"error: no finished run (eval.jsonl) under {args.workdir}")
@@ -149,6 +170,8 @@ def main() -> None:
                       help="run the reference alone (one run at a time on a machine where two do not fit)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_baseline"))
     p.add_argument("--name", default="arith_baseline", help="report: benchmarks/results/NAME.*")
+    p.add_argument("--keep-reported", action="store_true",
+                   help="report: also the runs NAME.json kept whose folders WORKDIR no longer holds")
     p.add_argument("--head-label", default="HEAD")
     p.add_argument("--ref-label", default="reference")
     p.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
