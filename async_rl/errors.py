@@ -24,5 +24,4 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 def typed_line(exc: BaseException, limit: int = 200) -> str:
     """`first_line` after the exception's type ("ValueError: ..."), for errors whose type says what went
     wrong (a number too long to convert, nesting too deep)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:limit]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc, limit)}" if str(exc).strip() else type(exc).__name__

@@ -33,7 +33,7 @@ def steps(moe_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stages(moe_model_dir, tmp_path_factory):
-    """The same two steps with two pipeline stages: layer 0 on rank 0, layer 1 on rank 1."""
+    """The same three steps with two pipeline stages: layer 0 on rank 0, layer 1 on rank 1."""
     return run_ranks(moe_model_dir, tmp_path_factory.mktemp("megatron-moe-driver-pp2"), 2)
 
 
