@@ -8,6 +8,11 @@ token ids vLLM generates from and the learner trains on are exactly what the tem
 A model without a chat template: text is tokenized as it is; chat messages are an error.
 A model with one: text is rendered as one user message (`data.chat_template_for_text`, default on),
 or tokenized as it is when that is off.
+
+A prompt with images (`Prompt.images`) needs a vision-language model: its processor renders the chat
+(its own chat template, images as content parts where the text has `<image>` markers, or before the
+text) and expands each image's placeholder into the image's tokens at the run's pixel bounds
+(`vision.*`), so `token_ids` hold what the engine's vLLM expands them to and the learner trains on.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 
+from async_rl.config import VisionConfig
 from async_rl.errors import RunError, first_line
+from async_rl.images import IMAGE_MARKER, ImageError
 from async_rl.protocol import ChatMessage, Prompt
+from async_rl.vision import VisionModel
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -78,10 +86,14 @@ def load_tokenizer(model_dir: str | Path, tokenizer_class: str = "") -> Any:
 
 class PromptRenderer:
     def __init__(
-        self, model_dir: str | Path, system_prompt: str = "", template_for_text: bool = True, tokenizer_class: str = ""
+        self, model_dir: str | Path, system_prompt: str = "", template_for_text: bool = True, tokenizer_class: str = "",
+        vision: VisionConfig | None = None,
     ) -> None:
-        """`tokenizer_class`: `tokenizer_class_of(model_dir)` where the caller has it ('' = AutoTokenizer)."""
+        """`tokenizer_class`: `tokenizer_class_of(model_dir)` where the caller has it ('' = AutoTokenizer).
+        `vision`: the run's image settings (a vision-language model's processor is loaded with them)."""
         self.tokenizer = load_tokenizer(model_dir, tokenizer_class)
+        self.vision_settings = vision or VisionConfig()
+        self.vision = VisionModel.of(model_dir, self.vision_settings)  # None: a text-only model
         self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.system_prompt = system_prompt
         self.template_for_text = template_for_text
@@ -99,7 +111,9 @@ class PromptRenderer:
         return chat
 
     def render(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids. RenderError: empty prompt, chat without a template, bad role."""
+        """The prompt's token ids. RenderError: empty prompt, chat without a template, bad role, bad images."""
+        if prompt.images:
+            return self._render_with_images(prompt)
         if not prompt.messages and not prompt.text.strip():
             raise RenderError("empty_prompt", "empty prompt")
         if prompt.messages and not any(m.content.strip() for m in prompt.messages):
@@ -120,6 +134,33 @@ class PromptRenderer:
             return_dict=True,
         )
         return list(rendered["input_ids"])
+
+    def _render_with_images(self, prompt: Prompt) -> list[int]:
+        """A vision-language prompt through the model's processor (chat template, placeholders expanded)."""
+        if self.vision is None:
+            raise RenderError(
+                "images_without_vision", f"the prompt has {len(prompt.images)} image(s) but the model has no vision tower"
+            )
+        limit = self.vision_settings.max_images_per_prompt
+        if len(prompt.images) > limit:
+            raise RenderError(
+                "too_many_images", f"the prompt has {len(prompt.images)} images, more than vision.max_images_per_prompt={limit}"
+            )
+        chat = self.messages_of(prompt) or [ChatMessage(role="user", content=prompt.text)]
+        markers = sum(m.content.count(IMAGE_MARKER) for m in chat)
+        if markers and markers != len(prompt.images):
+            raise RenderError(
+                "image_count", f"{len(prompt.images)} image(s) for {markers} '{IMAGE_MARKER}' marker(s) in the prompt"
+            )
+        for m in chat:
+            if m.role not in ROLES:
+                raise RenderError("bad_role", f"message role '{m.role}' is not one of {ROLES}")
+        try:
+            return self.vision.render(
+                [(m.role, m.content) for m in chat], prompt.images, self.vision_settings.max_image_pixels
+            )
+        except ImageError as exc:
+            raise RenderError(exc.reason, str(exc)) from None
 
     def rendered(self, prompt: Prompt, max_tokens: int) -> Prompt:
         """`prompt` with its token ids; RenderError also when longer than `max_tokens` (0 = no limit)."""

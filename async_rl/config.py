@@ -26,7 +26,8 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelConfig(_Section):
-    path: Annotated[str, _f("built-in preset ('tiny-qwen2'; 'tiny-qwen2-wide', 13M, for benchmarks; 'smollm2-135m', the "
+    path: Annotated[str, _f("built-in preset ('tiny-qwen2'; 'tiny-qwen2-wide', 13M, for benchmarks; 'tiny-qwen2.5-vl', "
+           "a tiny random Qwen2.5-VL vision-language model with its processor; 'smollm2-135m', the "
            "real SmolLM2-135M-Instruct chat model, fetched with pip and converted on first use) or a local HF "
            "model directory")] = (
         "tiny-qwen2"
@@ -50,7 +51,8 @@ CLASSIFIER_PREFIX = "classifier:"
 # tests/unit/test_config.py checks that it builds exactly these). Named here so that validating a
 # config imports no model code.
 MODEL_PRESETS = (
-    "tiny-qwen2", "tiny-qwen2-wide", "tiny-qwen3-moe", "tiny-qwen2-moe", "smollm2-135m", "smollm2-135m-moe"
+    "tiny-qwen2", "tiny-qwen2-wide", "tiny-qwen3-moe", "tiny-qwen2-moe", "smollm2-135m", "smollm2-135m-moe",
+    "tiny-qwen2.5-vl",
 )
 
 # verifiers 0.4 resolves an environment id as one top-level module: 'name', 'owner/name' or
@@ -297,6 +299,28 @@ class DataConfig(_Section):
     eval_task_seed: Annotated[
         int, _f("without eval_files: seed of the task's held-out prompt stream (not task.seed)")
     ] = 1_000_000
+
+
+class VisionConfig(_Section):
+    """Images of vision-language prompts (docs/vision.md): checked when read, processed alike by the
+    engines and the learner. A text-only model takes no images."""
+
+    min_pixels: Annotated[
+        int, _f("the processor's lower pixel bound per image, for engines and learner alike (0: the model's processor's own)", ge=0)
+    ] = 0
+    max_pixels: Annotated[
+        int, _f("the processor's upper pixel bound per image (an image is resized into [min_pixels, max_pixels]); 0: the processor's own", ge=0)
+    ] = 0
+    max_images_per_prompt: Annotated[
+        int, _f("most images one prompt may hold (vLLM's limit_mm_per_prompt); a prompt with more is a bad row", ge=1)
+    ] = 1
+    max_image_pixels: Annotated[
+        int, _f("an image file larger than this (width x height, before processing) is a bad row; 0: no limit", ge=0)
+    ] = 4096 * 4096
+
+    def processor_kwargs(self) -> dict[str, int]:
+        """The pixel bounds as the processor's keyword arguments (vLLM's mm_processor_kwargs)."""
+        return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v}
 
 
 class AutoscaleConfig(_Section):
@@ -734,6 +758,11 @@ class LearnerConfig(_Section):
            "page-faulted afresh; docs/learner.md); 0 = glibc's dynamic default (fastest)", ge=0),
     ] = 0
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
+    freeze_vision: Annotated[
+        bool,
+        _f("vision-language models: the vision tower stays as loaded (no gradient, not in the optimizer, not "
+           "sent at a weight sync); the projector (patch merger) and the language model train. false: all train"),
+    ] = True
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
@@ -994,6 +1023,7 @@ class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    vision: VisionConfig = msgspec.field(default_factory=VisionConfig)
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     generators: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)

@@ -229,7 +229,10 @@ def make_renderer(cfg: Config, model_dir: str | Path) -> PromptRenderer:
     """The run's prompt renderer: data.system_prompt with the environment's text (env) appended."""
     from async_rl.envs.factory import combined_system_prompt
 
-    return PromptRenderer(model_dir, combined_system_prompt(cfg.data.system_prompt, cfg.env), cfg.data.chat_template_for_text)
+    return PromptRenderer(
+        model_dir, combined_system_prompt(cfg.data.system_prompt, cfg.env), cfg.data.chat_template_for_text,
+        vision=cfg.vision,
+    )
 
 
 def check_train_data(cfg: Config, model_dir: str | Path) -> LoadedPrompts | None:

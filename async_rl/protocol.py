@@ -13,6 +13,9 @@ A trajectory message is a ZMQ multipart frame of three parts, with up to two opt
       ROUTE_DTYPES), in sample order, as raw little-endian uint8/uint16 [rows, layers, top_k] arrays back to back; the
       header's layout gives layers, top_k and the item size, the rows follow from the sample's lengths
 
+A vision-language group carries its prompt's images in the header (`GroupMeta.images`: the encoded
+files, once per group, not per sample; processed pixels would be 10-100x larger, see docs/vision.md).
+
 A multi-turn episode's completion holds the model's turns and the environment's turns (tool results,
 feedback) in order; its sample carries a loss mask (1 byte per completion token: 1 the model's, 0 the
 environment's; log-prob 0.0 there) in the header. No mask: every completion token is the model's.
@@ -36,8 +39,8 @@ import numpy as np
 
 # 2: finish reason per sample; 3: multi-turn episodes (loss mask, turns, tool counts); 4: a sample may be
 # one segment of an episode (`episode_index`); 5: teacher log-probs (on-policy distillation: part [3]);
-# 6: MoE routes (the header's `routes` layout, a group's `routed` flag, the last part)
-SCHEMA_VERSION = 6
+# 6: MoE routes (the header's `routes` layout, a group's `routed` flag, the last part); 7: a group's images
+SCHEMA_VERSION = 7
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -132,6 +135,9 @@ class GroupMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     prompt_len: int
     samples: list[SampleMeta]
     routed: bool = False  # every sample's routes are in the frame's fourth part (see RouteLayout)
+    # The prompt's images as the engine read them (encoded files: PNG, JPEG, ...), in prompt order: the
+    # learner processes these bytes with the same processor settings, so it trains on the engine's pixels
+    images: list[bytes] = []
 
 
 class GroupsHeader(msgspec.Struct, forbid_unknown_fields=True):
@@ -185,6 +191,10 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int] = []  # the rendered prompt; empty until the prompt source renders it
     data_source: str = ""  # task or dataset name: eval metrics are reported per data source
     metadata: dict[str, MetaValue] = {}
+    # Images of a vision-language prompt, encoded files (PNG, JPEG, ...), in the order of the prompt's
+    # `<image>` markers (none: before the text). `token_ids` then hold every image's placeholder tokens
+    # expanded by the model's processor (images.py, chat.py).
+    images: list[bytes] = []
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
@@ -232,6 +242,8 @@ class TrajectoryGroup:
     # On-policy distillation: per sample the teacher's log-prob of each completion token (float32
     # [completion_len], 0.0 on environment tokens), or None where no teacher scored it; None: none was
     teacher_logprobs: list[np.ndarray | None] | None = None
+    # A vision-language prompt's images (encoded files), as on `Prompt.images`; None: a text prompt
+    images: list[bytes] | None = None
 
     def teacher_logprob(self, i: int) -> np.ndarray | None:
         """Sample i's teacher log-probs, or None when no teacher scored it."""
@@ -384,7 +396,9 @@ def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) ->
             )
         if g.routes is not None and layout is not None:
             route_parts.extend(np.ascontiguousarray(r, dtype=layout.dtype).tobytes() for r in g.routes)
-        metas.append(GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples, g.routes is not None))
+        metas.append(
+            GroupMeta(g.prompt_id, g.engine_id, len(g.prompt_tokens), samples, g.routes is not None, list(g.images or ()))
+        )
     header = GroupsHeader(schema=SCHEMA_VERSION, run_id=run_id, groups=metas, step=step, routes=layout)
     tokens = np.concatenate(token_parts) if token_parts else np.empty(0, TOKEN_DTYPE)
     logprobs = np.concatenate(logprob_parts) if logprob_parts else np.empty(0, LOGPROB_DTYPE)
@@ -492,6 +506,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 episode_of=episode_of,
                 teacher_logprobs=teachers if any(x is not None for x in teachers) else None,
                 routes=[next(routes) for _ in g.samples] if g.routed and routes is not None else None,
+                images=list(g.images) if g.images else None,
             )
         )
     if tokens.size and int(tokens.min()) < 0:

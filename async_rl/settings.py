@@ -21,7 +21,9 @@ from async_rl.protocol import LOGPROB_DTYPE, RouteLayout
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.security import RunKeys, frame_limit_bytes
 from async_rl.serving import vllm_compat as vc
+from async_rl.serving.prompt_images import EngineImages
 from async_rl.serving.route_capture import RouteCapture
+from async_rl.vision import image_token_id, is_vision_model
 
 BATCH_TIMEOUT_S = 600.0
 
@@ -71,16 +73,21 @@ def recorded_routes(cfg: Config, routing: MoeRouting | None) -> RouteLayout | No
     return routing.layout() if routing is not None and cfg.generators.capture_routes != "off" else None
 
 
-def frame_limit(cfg: Config, routing: MoeRouting | None) -> int:
+def frame_limit(cfg: Config, routing: MoeRouting | None, vision: bool = False) -> int:
     """The buffer's frame limit in bytes (`buffer.max_frame_mb`, 0: one full-length group); a set limit
     below what one group of full-length samples needs is one line, not groups rejected as too_large
     in the run (long traces: 8 samples of 40,960 tokens need 2.6 MiB). Per token beyond an id and a
     log-prob: a teacher's log-prob (`teacher.model`) and the routes of `routing`'s MoE model (where recorded).
-    The launcher checks it before anything starts (launch.check_inputs), with the same routing."""
+    The launcher checks it before anything starts (launch.check_inputs), with the same routing.
+    `vision`: a vision-language model's group also carries its prompt's images, each at most
+    vision.max_image_pixels RGB pixels (an encoded file is rarely larger than its raw pixels)."""
     sequences = cfg.generators.group_size * sequences_per_episode(cfg)
     routes = recorded_routes(cfg, routing)
     extra = (routes.bytes_per_token if routes is not None else 0) + (LOGPROB_DTYPE.itemsize if cfg.teacher.model else 0)
     need = frame_limit_bytes(0, sequences, cfg.generators.max_model_len, extra)
+    if vision and not cfg.buffer.max_frame_mb:
+        images = cfg.vision.max_images_per_prompt * (cfg.vision.max_image_pixels or 4096 * 4096) * 3
+        return -(-(need + images) // (1 << 20)) << 20
     if cfg.buffer.max_frame_mb and cfg.buffer.max_frame_mb << 20 < need:
         with_routes = f" with their routes ({routes.layers} MoE layers x top-{routes.top_k})" if routes is not None else ""
         raise ConfigError(
@@ -108,7 +115,7 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         prompts_per_step=cfg.train.prompts_per_step,
         group_size=cfg.generators.group_size,
         filter_uniform_groups=cfg.algorithm.dynamic_sampling,
-        max_frame_bytes=frame_limit(cfg, routing),
+        max_frame_bytes=frame_limit(cfg, routing, is_vision_model(model_dir)),
         routes=recorded_routes(cfg, routing),
         task_name=cfg.task.name,
         task_seed=cfg.task.seed,
@@ -116,8 +123,17 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         tokenizer_class=tokenizer_class_of(str(model_dir)),
         max_prompt_tokens=cfg.generators.max_model_len - cfg.generators.max_tokens,
         data=with_env_system_prompt(with_absolute_paths(cfg.data), cfg),
+        vision=cfg.vision,
         curve=keys.server if keys is not None else None,
     )
+
+
+def engine_images(cfg: Config, model_dir: Path) -> EngineImages | None:
+    """A vision-language model's image serving (None: text only): its placeholder token, vision.* limits."""
+    if not is_vision_model(model_dir):
+        return None
+    v = cfg.vision
+    return EngineImages(image_token_id(model_dir), v.max_images_per_prompt, v.processor_kwargs())
 
 
 def engine_cores(plan: PlacementPlan, engine_id: int) -> list[int]:
@@ -185,6 +201,7 @@ def engine_settings(
             routes=route_capture(
                 g.capture_routes, read_routing(model_dir), use_prefix_caching(g.prefix_caching, device), device
             ),
+            images=engine_images(cfg, model_dir),
         ),
         cores=engine_cores(plan, engine_id),
         threads=g.cpus_per_engine,
@@ -232,6 +249,7 @@ def learner_spec(
         batch_timeout_s=BATCH_TIMEOUT_S,
         curve=keys.learner if keys is not None else None,
         sft=cfg.sft,
+        vision=cfg.vision,
     )
 
 

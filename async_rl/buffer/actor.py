@@ -30,7 +30,7 @@ from async_rl.buffer.prompt_source import DataPosition, PromptSource
 from async_rl.buffer.serving import BatchServer
 from async_rl.buffer.snapshot import BufferParts, BufferState, read_snapshot, write_snapshot
 from async_rl.cluster.net import advertised_host
-from async_rl.config import DataConfig
+from async_rl.config import DataConfig, VisionConfig
 from async_rl.errors import RunError
 from async_rl.protocol import Prompt, RouteLayout
 from async_rl.security import (
@@ -68,6 +68,7 @@ class BufferSettings(msgspec.Struct, frozen=True):
     tokenizer_class: str = ""
     max_prompt_tokens: int = 0
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    vision: VisionConfig = msgspec.field(default_factory=VisionConfig)  # how prompts' images are rendered
     snapshot_path: str = ""  # where the buffer snapshots its state at every batch ('' = never)
     restore: bool = False  # start from the snapshot at snapshot_path (a restarted buffer)
     curve: ServerKeys | None = None  # CURVE keys and admitted clients (None: security.curve is off)
@@ -125,7 +126,7 @@ class ReplayBuffer:
         s = self.s = settings
         self.ledger = Ledger(s.max_lag, s.prompts_per_step * s.group_size, s.group_size)
         self.source = PromptSource.from_settings(
-            s.task_name, s.task_seed, s.model_dir, s.max_prompt_tokens, s.data, s.tokenizer_class
+            s.task_name, s.task_seed, s.model_dir, s.max_prompt_tokens, s.data, s.tokenizer_class, s.vision
         )
         self.leases = Leases(self.ledger, self.source, s.group_size)
         rejected: collections.Counter[str] = collections.Counter()

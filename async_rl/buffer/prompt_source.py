@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from async_rl.chat import PromptRenderer, RenderError
-from async_rl.config import DataConfig
+from async_rl.config import DataConfig, VisionConfig
 from async_rl.errors import RunError
 from async_rl.protocol import Prompt
 from async_rl.tasks.registry import load_task
@@ -162,12 +162,13 @@ class PromptSource:
         max_prompt_tokens: int,
         data: DataConfig,
         tokenizer_class: str = "",
+        vision: VisionConfig | None = None,
     ) -> PromptSource:
         """data.train_files set: their rows (loaded, checked and rendered now); else the task's stream.
         `model_dir` '' renders nothing (prompts leased as the task gives them: buffer tests);
         `tokenizer_class`: chat.tokenizer_class_of(model_dir), '' = AutoTokenizer."""
         renderer = (
-            PromptRenderer(model_dir, data.system_prompt, data.chat_template_for_text, tokenizer_class)
+            PromptRenderer(model_dir, data.system_prompt, data.chat_template_for_text, tokenizer_class, vision)
             if model_dir
             else None
         )

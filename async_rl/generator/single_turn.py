@@ -26,8 +26,12 @@ class SingleTurn(Rollout):
 
     async def _generate_scored(self, prompt: Prompt, sampling: SamplingSpec, request_id: str):
         """One request: (its generation, (reward, status) per completion)."""
-        out = await self.model.generate(list(prompt.token_ids), vc.params_for(sampling), request_id, prompt.text)
+        out = await self.model.generate(
+            list(prompt.token_ids), vc.params_for(sampling), request_id, prompt.text, list(prompt.images)
+        )
         if prompt.token_ids and out.prompt_ids != list(prompt.token_ids):
+            # with images: vLLM expanded a placeholder to another token count than the prompt source's
+            # processor did (other pixel bounds: vision.*), so the learner could not see the same pixels
             raise RuntimeError(f"prompt {prompt.prompt_id}: vLLM generated from other tokens than the rendered ones")
         scored = await asyncio.gather(
             *(
@@ -71,4 +75,5 @@ def single_turn_group(prompt: Prompt, engine_id: int, out: Generation, scored: l
         reward_status=[st for _, st in scored],
         finish_reasons=[finish_code(c.finish_reason, prompt.prompt_id) for c in out.completions],
         routes=[c.routes for c in out.completions] if all(c.routes is not None for c in out.completions) else None,
+        images=list(prompt.images) or None,
     )

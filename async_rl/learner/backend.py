@@ -34,6 +34,7 @@ import torch
 from async_rl.learner.batch.cut import MicroBatchCut
 from async_rl.learner.batch.packing import MicroBatch
 from async_rl.learner.model.moe import MoeShape, RouterStats
+from async_rl.learner.model.vision_inputs import VisionInputs
 from async_rl.learner.rl.reference import RowShare
 from async_rl.protocol import AttentionPath, TrajectoryGroup
 
@@ -92,6 +93,8 @@ class ModelBackend(abc.ABC):
     # or a backend that does not replay routes
     moe: MoeShape | None = None
     replays_routes: bool = False  # learner.routing_replay as it runs (an MoE model's recorded routes decide)
+    # a vision-language model (a backend that trains one): turns a group's images into its samples'; None: text only
+    vision_inputs: VisionInputs | None = None
     # the attention path its kernel runs, as the cost estimate knows it (models/cost.py), set by setup
     attention_path: AttentionPath = "flash"
 

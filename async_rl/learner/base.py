@@ -28,6 +28,7 @@ from async_rl.config import (
     ModelConfig,
     SftConfig,
     TrainConfig,
+    VisionConfig,
     WeightSyncConfig,
 )
 from async_rl.protocol import FINISH_LENGTH, EpisodeInfo, TrajectoryGroup
@@ -54,6 +55,7 @@ class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     batch_timeout_s: float = 600.0
     curve: ClientKeys | None = None  # the learner's CURVE keys for the buffer (None: security.curve off)
     sft: SftConfig = msgspec.field(default_factory=SftConfig)  # train.mode=sft: the demonstrations
+    vision: VisionConfig = msgspec.field(default_factory=VisionConfig)  # a VLM's pixel bounds (the engines')
 
 
 class MoeMetrics(msgspec.Struct, kw_only=True):

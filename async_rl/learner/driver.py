@@ -48,6 +48,7 @@ from async_rl.learner.batch_client import BatchClient
 from async_rl.learner.hf_io import rng_state, set_rng_state
 from async_rl.learner.host_memory import set_malloc_mmap_threshold
 from async_rl.learner.model.moe import MoeShape
+from async_rl.learner.model.vision_inputs import VisionInputs
 from async_rl.learner.moe_metrics import ProbeSums, RouterTally
 from async_rl.learner.rendezvous import host_store
 from async_rl.learner.rl.algorithms import LOSS_STATS, Algorithm, Prepared
@@ -73,7 +74,7 @@ def make_backend(
     if spec.learner.backend == "torch":
         from async_rl.learner.torch_backend import TorchBackend
 
-        return TorchBackend(spec.learner, spec.model.dtype, rank, world_size, master, rendezvous_store)
+        return TorchBackend(spec.learner, spec.model.dtype, rank, world_size, master, rendezvous_store, spec.vision)
     if spec.learner.backend == "megatron":
         from async_rl.cluster.devices import device_of
         from async_rl.learner.megatron.backend import MegatronBackend
@@ -136,16 +137,18 @@ def check_shard_routes(groups: list[TrajectoryGroup], moe: MoeShape | None) -> N
 
 
 def shard_samples(
-    groups: list[TrajectoryGroup], prepared: Prepared | None = None, moe: MoeShape | None = None
+    groups: list[TrajectoryGroup], prepared: Prepared | None = None, moe: MoeShape | None = None,
+    vision: VisionInputs | None = None,
 ) -> list[SeqSample]:
     """Sequences of a shard, row i of `prepared` being sequence i: with the algorithm's per-token
     advantages (and the proximal and reference log-probs when its loss needs them), or, without
     `prepared` (scoring only), zero advantages. `moe`: the model's routing, with which the samples carry
-    their recorded routes."""
+    their recorded routes; `vision`: a vision-language model's, with which they carry their images."""
     samples = []
     row = 0
     for g in groups:
         prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
+        images = vision.of(g) if vision is not None else None
         for i, (comp, lp) in enumerate(zip(g.completions, g.logprobs, strict=True)):
             col, n = len(prompt) - 1, len(comp)
             p = prepared
@@ -161,6 +164,7 @@ def shard_samples(
                     in_loss=bool(p.mask[row].any()) if p else True,
                     loss_mask=g.loss_mask(i) if g.loss_masks is not None else None,
                     routes=g.routes[i] if moe is not None and g.routes is not None else None,
+                    vision=images,
                 )
             )
             row += 1
@@ -363,7 +367,7 @@ class LearnerDriver(LearnerRank):
         logp = torch.zeros(b.loss_mask.shape)
         hidden = None
         i = 0  # the shard's row of the micro-batches' next sequence (they keep the shard's order)
-        for mb in self._micro_batches(shard_samples(groups, moe=self.backend.moe)):
+        for mb in self._micro_batches(shard_samples(groups, moe=self.backend.moe, vision=self.backend.vision_inputs)):
             scores = self.backend.score(mb, self.spec.generators.temperature, hidden=with_hidden, head=with_logp)
             lp = h = None
             if scores is not None:
@@ -403,7 +407,7 @@ class LearnerDriver(LearnerRank):
         prepared = self.algo.prepare(
             shard, lambda h: self._score_padded(groups, shard, h, with_logp=decoupled or not h), self._dp_sum
         )
-        samples = shard_samples(groups, prepared, self.backend.moe)
+        samples = shard_samples(groups, prepared, self.backend.moe, self.backend.vision_inputs)
         self._last_samples = samples
         moe = self.backend.moe
         tally = RouterTally(moe, self.device) if moe is not None else None
@@ -542,7 +546,7 @@ class LearnerDriver(LearnerRank):
     def compute_logprobs(self, groups: list[TrajectoryGroup], temperature: float = 1.0) -> list[np.ndarray]:
         with self._weights_lock:
             check_shard_routes(groups, self.backend.moe)
-            return self._score(shard_samples(groups, moe=self.backend.moe), temperature)
+            return self._score(shard_samples(groups, moe=self.backend.moe, vision=self.backend.vision_inputs), temperature)
 
     def probe_logprobs(self, max_samples: int) -> Probe:
         """Log-probs of the current weights on completion tokens of the last batch (temperature 1, the

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from async_rl.config import LearnerConfig
+from async_rl.config import LearnerConfig, VisionConfig
 from async_rl.errors import RunError
 from async_rl.learner.backend import Adapter, LossFn, ModelBackend, ParallelInfo, TokenScores
 from async_rl.learner.batch.cut import MicroBatchCut
@@ -31,12 +31,14 @@ from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.model.kernels import apply_kernels, compile_layers, decoder_layers
 from async_rl.learner.model.moe import MoeShape, RouterReplay, moe_shape, set_experts
 from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
+from async_rl.learner.model.vision_inputs import VisionInputs, frozen_vision_tower
 from async_rl.learner.moe_settings import settings_error
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.rendezvous import join_group
 from async_rl.learner.rl.reference import RowShare
 from async_rl.models.cost import path_of
 from async_rl.protocol import TrajectoryGroup
+from async_rl.vision import is_vision_model
 
 OPTIMIZER_STATE = "optimizer.pt"
 
@@ -83,11 +85,13 @@ def routing_replay(cfg: LearnerConfig, moe: MoeShape | None) -> bool:
 class TorchBackend(ModelBackend):
     def __init__(
         self, cfg: LearnerConfig, dtype: str, rank: int, world_size: int, master: str,
-        rendezvous_store: dist.TCPStore | None = None,
+        rendezvous_store: dist.TCPStore | None = None, vision: VisionConfig | None = None,
     ) -> None:
         """`master`: the group's store ('host:port'); `rendezvous_store`: rank 0's, already listening
-        there (`rendezvous.host_store`), or None for rank 0 to start it on that port."""
+        there (`rendezvous.host_store`), or None for rank 0 to start it on that port; `vision`: a
+        vision-language model's pixel bounds (the engines')."""
         self.cfg = cfg
+        self.vision = vision or VisionConfig()
         self.dtype = getattr(torch, dtype)
         self.rank = rank
         self.world_size = world_size
@@ -129,7 +133,10 @@ class TorchBackend(ModelBackend):
             rank=self.rank, world_size=self.world_size, dp_rank=self.groups.dp_rank, dp_size=self.groups.dp_size,
             fetches_batch=self.groups.rank == 0, has_outputs=True, counts_samples=self.groups.rank == 0,
         )
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        if is_vision_model(model_dir):
+            self.model = self._vision_model(model_dir, sp)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
         self._kv_repeat = self._check_sequence_parallel(self.model.config)
         self.moe = moe_shape(self.model)
         self.replays_routes = routing_replay(self.cfg, self.moe)
@@ -153,7 +160,9 @@ class TorchBackend(ModelBackend):
             raise RunError(f"learner.logprob_chunk_tokens: the chunked head cannot score this model ({why}); set it to 0")
         half = self._compute_dtype() is not None or self.dtype in (torch.bfloat16, torch.float16)
         try:
-            self.attention_kernels = resolve_attention(self.cfg.attention, self.device.type, half)
+            # a VLM's vision tower runs the model's own attention: sdpa, not the registry's kernels
+            setting = "sdpa" if self.vision_inputs is not None else self.cfg.attention
+            self.attention_kernels = resolve_attention(setting, self.device.type, half)
         except ValueError as e:
             raise RunError(f"learner.attention={self.cfg.attention}: {e}") from None
         self.attention_path = path_of(self.attention_kernels.unshared, self.device.type)
@@ -206,6 +215,22 @@ class TorchBackend(ModelBackend):
             [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
         return sum(p.numel() for p in self.model.parameters())
+
+    def _vision_model(self, model_dir: str, sp: int) -> torch.nn.Module:
+        """A vision-language model (its image-text-to-text class), its vision tower frozen by
+        learner.freeze_vision (the projector, the patch merger, trains); the settings it cannot take
+        refused in one line each."""
+        from transformers import AutoModelForImageTextToText
+
+        if sp > 1:
+            raise RunError(f"learner.sequence_parallel_size={sp}: vision-language models train without sequence parallelism (set 1)")
+        if self.cfg.attention in ("varlen", "flex"):
+            raise RunError(f"learner.attention={self.cfg.attention}: vision-language models train with sdpa (set sdpa or auto)")
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=self.dtype)
+        if self.cfg.freeze_vision:
+            frozen_vision_tower(model)
+        self.vision_inputs = VisionInputs(model, model_dir, self.vision)
+        return model
 
     def _check_sequence_parallel(self, config) -> int:
         """The K/V heads' repeat count of learner.sequence_parallel_size on this model (1 without SP), or

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from async_rl.errors import ConfigError
-from async_rl.models import smollm2, tiny_moe, upcycle
+from async_rl.models import smollm2, tiny_moe, tiny_vl, upcycle
 from async_rl.models.moe import MoeRouting, read_routing
 
 _PRESET_VERSION = "v1"
@@ -35,10 +35,11 @@ SHAPES: dict[str, PresetShape] = {
     "tiny-qwen2": PresetShape(128, 256, 2, 4, 2),
     "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
 }
-# Mixture-of-experts presets (models/tiny_moe.py: their sizes by name), the same tokenizer.
-PRESETS = (*SHAPES, *tiny_moe.PRESETS)  # created offline from code
+# Mixture-of-experts presets (models/tiny_moe.py: their sizes by name) and vision-language ones
+# (models/tiny_vl.py), the same tokenizer (the VLMs' with their vision tokens added).
+PRESETS = (*SHAPES, *tiny_moe.PRESETS, *tiny_vl.PRESETS)  # created offline from code
 # every name model.path accepts besides a folder (config.MODEL_PRESETS)
-ALL_PRESETS = (*PRESETS, smollm2.NAME, upcycle.NAME)
+ALL_PRESETS = (*SHAPES, *tiny_moe.PRESETS, smollm2.NAME, upcycle.NAME, *tiny_vl.PRESETS)
 
 # Characters the built-in tasks use; every one is its own token.
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?,. ")
@@ -91,11 +92,14 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        tokenizer = build_tokenizer()
-        ids = (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-        model = tiny_moe.preset(name, *ids) if name in tiny_moe.PRESETS else build_model(*ids, shape=SHAPES[name])
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        if name in tiny_vl.PRESETS:
+            tiny_vl.write(name, tmp, build_tokenizer())  # weights, tokenizer and processor
+        else:
+            tokenizer = build_tokenizer()
+            ids = (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+            model = tiny_moe.preset(name, *ids) if name in tiny_moe.PRESETS else build_model(*ids, shape=SHAPES[name])
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

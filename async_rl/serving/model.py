@@ -22,6 +22,7 @@ import msgspec
 
 from async_rl.serving import engine_routes
 from async_rl.serving import vllm_compat as vc
+from async_rl.serving.prompt_images import prompt_images
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ShardChecksum
@@ -79,13 +80,17 @@ class ServedModel:
     async def wait_running(self) -> None:
         await self._running.wait()
 
-    async def generate(self, token_ids: list[int], params: Any, request_id: str, text: str = "") -> Generation:
+    async def generate(
+        self, token_ids: list[int], params: Any, request_id: str, text: str = "", images: list[bytes] | None = None
+    ) -> Generation:
         """One request, started only while the model runs (never in the middle of a weight update).
-        `params`: vLLM's sampling parameters (`vc.params_for`); `token_ids` empty: vLLM renders `text`."""
+        `params`: vLLM's sampling parameters (`vc.params_for`); `token_ids` empty: vLLM renders `text`;
+        `images`: a vision-language prompt's encoded images (`token_ids` hold their expanded placeholders)."""
         await self._running.wait()
         start = self.version
+        pixels = prompt_images(images or [], self.spec.images)
         prompt_ids, completions = await self._answered(
-            vc.generate(self._llm, vc.generation_input(token_ids, text), params, request_id)
+            vc.generate(self._llm, vc.generation_input(token_ids, text, pixels), params, request_id, pixels)
         )
         if self.spec.routes is not None:
             await engine_routes.attach(self._llm, self.spec.routes, len(prompt_ids), completions)

@@ -17,6 +17,7 @@ import numpy as np
 
 from async_rl.serving import core_watch, lora_serving
 from async_rl.serving import worker_extension as ext
+from async_rl.serving.prompt_images import EngineImages, PromptImages
 from async_rl.serving.route_capture import RouteCapture
 from async_rl.serving.sampling import SamplingSpec
 from async_rl.versions import vllm_untested_line
@@ -73,6 +74,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     lora: LoraServing | None = None  # learner.lora: serve the trained adapter (serving/lora_serving.py)
     kv_cache_bytes: int = 0  # CPU: the KV cache vLLM allocates (kv_cache_memory_bytes); 0 = vLLM's own choice
     routes: RouteCapture | None = None  # generators.capture_routes resolved: record every sample's MoE routes
+    images: EngineImages | None = None  # a vision-language model: how its prompts' images are served
 
 
 class LoraServing(msgspec.Struct, frozen=True):
@@ -159,6 +161,7 @@ def make_engine(spec: EngineSpec):
         # The native capture needs Model Runner V2 (Triton): CUDA only. CPU: start_route_capture.
         **({"enable_return_routed_experts": True} if spec.routes is not None and cuda else {}),
         **kv_cache,
+        **(spec.images.engine_args() if spec.images is not None else {}),
         # learner.lora: one adapter slot, updated in place while paused (see serving/lora_serving.py).
         **(
             {
@@ -231,9 +234,11 @@ def params_for(spec: SamplingSpec):
     )
 
 
-def generation_input(token_ids: list[int], text: str):
+def generation_input(token_ids: list[int], text: str, images: PromptImages | None = None):
     """What vLLM generates from: the rendered prompt tokens when the prompt has them (token in,
-    token out: nothing re-tokenizes), its text otherwise."""
+    token out: nothing re-tokenizes; with images: `PromptImages.tokens_prompt`), its text otherwise."""
+    if images is not None:
+        return images.tokens_prompt(token_ids)
     if token_ids:
         from vllm.inputs import TokensPrompt
 
@@ -272,8 +277,9 @@ async def _generate_once(llm, prompt, params, request_id: str) -> tuple[list[int
     return list(final.prompt_token_ids), completions
 
 
-async def generate(llm, prompt, params, request_id: str) -> tuple[list[int], list[Completion]]:
-    """Run one request to completion; returns the prompt token ids and every completion.
+async def generate(llm, prompt, params, request_id: str, images: PromptImages | None = None) -> tuple[list[int], list[Completion]]:
+    """Run one request to completion; returns the prompt token ids and every completion (`images`: the
+    prompt's, which a continuation carries again).
 
     A completion cut short by a pause in 'abort' mode is resubmitted from where it stopped (prompt +
     its tokens so far, the remaining token budget); vLLM holds the continuation until the engine
@@ -281,23 +287,13 @@ async def generate(llm, prompt, params, request_id: str) -> tuple[list[int], lis
     prompt_ids, completions = await _generate_once(llm, prompt, params, request_id)
     for i, c in enumerate(completions):
         while c.finish_reason == "abort" and len(c.token_ids) < params.max_tokens:
-            from vllm.inputs import TokensPrompt
-
-            remaining = params.max_tokens - len(c.token_ids)
-            rest = sampling_params(
-                1,
-                remaining,
-                params.temperature,
-                params.seed,
-                params.ignore_eos,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                min_p=params.min_p,
-                stop=params.stop or (),
-                stop_token_ids=params.stop_token_ids or (),
+            rest = sampling_params(  # the rest of the budget, the same sampler
+                1, params.max_tokens - len(c.token_ids), params.temperature, params.seed, params.ignore_eos,
+                top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+                stop=params.stop or (), stop_token_ids=params.stop_token_ids or (),
             )
             rid = f"{request_id}-s{i}-part{c.parts + 1}"
-            _, (more,) = await _generate_once(llm, TokensPrompt(prompt_token_ids=prompt_ids + c.token_ids), rest, rid)
+            _, (more,) = await _generate_once(llm, generation_input(prompt_ids + c.token_ids, "", images), rest, rid)
             c = Completion(
                 c.token_ids + more.token_ids, c.logprobs + more.logprobs, c.text + more.text, more.finish_reason,
                 c.parts + 1, rid, 0, more.routes,  # the last part recomputed the whole prefix: its routes cover it

@@ -8,10 +8,13 @@ from collections.abc import Callable
 
 from async_rl.errors import ConfigError
 from async_rl.tasks.base import Task
+from async_rl.tasks.colour import ColourTask, blank_colour
 from async_rl.tasks.modsum import ModSumTask
 from async_rl.tasks.repeat import RepeatTask
 
-_BUILTIN_FACTORIES: dict[str, Callable[[], Task]] = {"repeat": RepeatTask, "modsum": ModSumTask}
+_BUILTIN_FACTORIES: dict[str, Callable[[], Task]] = {
+    "repeat": RepeatTask, "modsum": ModSumTask, "colour": ColourTask, "colour_blank": blank_colour,
+}
 BUILTIN_TASKS = tuple(_BUILTIN_FACTORIES)
 
 

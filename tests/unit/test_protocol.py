@@ -488,4 +488,4 @@ def test_header_types_are_array_like():
     # teacher-scored (no)
     assert msgspec.msgpack.decode(raw) == [2, 1.0, 3, 4, 0, 0, None, None, None, False]
     raw = msgspec.msgpack.encode(GroupMeta(1, 2, 3, []))
-    assert msgspec.msgpack.decode(raw) == [1, 2, 3, [], False]  # then `routed`: no routes
+    assert msgspec.msgpack.decode(raw) == [1, 2, 3, [], False, []]  # then `routed`: no routes; no images

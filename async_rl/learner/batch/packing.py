@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from async_rl.learner.batch.routes import put_routes, route_table
+from async_rl.learner.batch.vision_rows import SampleVision, VisionBatch, VisionRows
 from async_rl.learner.model.attention import (
     LAYOUT_KWARG,
     SDPA,
@@ -54,6 +55,7 @@ class SeqSample:
     loss_mask: np.ndarray | None = None  # per completion token 0/1: 0 on environment tokens (None: all 1)
     # an MoE model's recorded routes [len(tokens) - 1, moe_layers, top_k] (protocol.py; batch/routes.py)
     routes: np.ndarray | None = None
+    vision: SampleVision | None = None  # a vision-language prompt's images (its group's, shared)
 
     @property
     def completion_len(self) -> int:
@@ -85,6 +87,8 @@ class MicroBatch:
     # int32 [B, T, moe_layers, top_k]: the experts to replay per input token (`batch/routes.py`); None
     # when no sample carries routes
     routes: torch.Tensor | None = None
+    # the placed prompts' images and 3-D positions (`batch/vision_rows.py`); None: no sample has images
+    vision: VisionBatch | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -115,13 +119,27 @@ class MicroBatch:
                 inputs["position_ids"] = self.position_ids.to(device)
             if self.attention_mask is not None:
                 inputs["attention_mask"] = self.attention_mask.to(device)
-            return inputs
+            return self._with_images(inputs, device)
         inputs["position_ids"] = segment_positions(seg)
         if kernel == "sdpa":
             if seg.shares_prefixes:
                 inputs["attention_mask"] = dense_mask(seg)
         else:
             inputs[LAYOUT_KWARG] = layout_for(seg, kernel)
+        return self._with_images(inputs, device)
+
+    def _with_images(self, inputs: dict, device: torch.device) -> dict:
+        """A vision-language micro-batch's images and, with 3-D positions, position ids [4, B, T] (the 1-D
+        ones first: the model's packed-sequence mask reads them)."""
+        if self.vision is None:
+            return inputs
+        v = self.vision.to(device)
+        inputs["pixel_values"], inputs["image_grid_thw"] = v.pixel_values, v.image_grid_thw
+        if v.rope is not None:
+            flat = inputs.get("position_ids")
+            if flat is None:  # the padded layout: positions count from 0 in every row
+                flat = torch.arange(self.input_ids.shape[1], device=device).expand(self.input_ids.shape[0], -1)
+            inputs["position_ids"] = torch.cat([flat.unsqueeze(0), v.rope])
         return inputs
 
     def per_sequence(self, logp: torch.Tensor) -> list[np.ndarray]:
@@ -145,6 +163,7 @@ class MicroBatch:
             segments=None if self.segments is None else self.segments.to(device),
             loss_index=None if self.loss_index is None else self.loss_index.to(device),
             routes=None if self.routes is None else self.routes.to(device),
+            vision=None if self.vision is None else self.vision.to(device),
         )
 
     def head_index(self) -> torch.Tensor:
@@ -401,8 +420,10 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
     routes = _route_rows(samples, n_rows, width)
     spans = []
     offsets = [0] * n_rows
+    images = VisionRows()
     for s, row in zip(samples, rows, strict=True):
         offset, length = offsets[row], len(s.tokens)
+        images.place(row, offset, offset + length, s.vision)
         input_ids[row, offset : offset + length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
         if routes is not None:
             put_routes(routes[row], offset, length, s.routes)
@@ -419,7 +440,7 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
             table.add(n)
         table.end_row("extend")
     return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width), routes)
+                      loss_index(samples, spans, width), routes, images.build(position_ids))
 
 
 def padded(samples: list[SeqSample]) -> MicroBatch:
@@ -434,8 +455,10 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
     cov = _optional(samples, "cov_select", (n_rows, width))
     routes = _route_rows(samples, n_rows, width)
     spans = []
+    images = VisionRows()
     for i, s in enumerate(samples):
         length = len(s.tokens)
+        images.place(i, 0, length, s.vision)
         input_ids[i, :length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
         if routes is not None:
             put_routes(routes[i], 0, length, s.routes)
@@ -449,8 +472,9 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
     for s in samples:
         table.add(len(s.tokens))
         table.end_row("own")
+    positions = torch.arange(width).expand(n_rows, -1)
     return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width), routes)
+                      loss_index(samples, spans, width), routes, images.build(positions))
 
 
 def micro_batches(

@@ -43,16 +43,19 @@ from async_rl.learner.batch.packing import (
     row_tensors,
 )
 from async_rl.learner.batch.routes import put_routes
+from async_rl.learner.batch.vision_rows import VisionRows
 from async_rl.learner.model.attention import SegmentTable
 from async_rl.models.cost import CostModel, Layout
 
 
 def _prompt_key(s: SeqSample) -> bytes:
-    return np.asarray(s.tokens[: s.start], dtype=np.int64).tobytes()
+    """A prompt's identity: its tokens, and its images (equal placeholder tokens may hold other pixels)."""
+    images = s.vision.key if s.vision is not None else b""
+    return np.asarray(s.tokens[: s.start], dtype=np.int64).tobytes() + images
 
 
 def prompt_runs(samples: list[SeqSample]) -> list[list[SeqSample]]:
-    """Runs of consecutive samples with the same prompt (`tokens[:start]`), in order."""
+    """Runs of consecutive samples with the same prompt (`tokens[:start]` and images), in order."""
     runs: list[list[SeqSample]] = []
     key = None
     for s in samples:
@@ -198,8 +201,10 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
     span_of: dict[int, tuple[int, int, int]] = {}
     offsets = [0] * n_rows
     in_row: list[list[tuple[int, list[int]]]] = [[] for _ in range(n_rows)]  # per row: (prefix, suffixes)
+    images = VisionRows()  # one placed prompt per block: its images once
     for b, row in zip(blocks, rows, strict=True):
         at = offsets[row]
+        block_start = at
         p = prefix_len(b[0])
         input_ids[row, at : at + p] = torch.from_numpy(np.asarray(b[0].tokens[:p], dtype=np.int64))
         position_ids[row, at : at + p] = torch.arange(p)
@@ -223,6 +228,7 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
             at += n
         offsets[row] = at
         in_row[row].append((p, suffixes))
+        images.place(row, block_start, at, b[0].vision)
     # The attention segments, row by row: a block's prefix, then its suffixes reading it; a row's
     # padding is a segment of its own (it sees only padding), its positions counting from 0.
     table = SegmentTable(width)
@@ -235,7 +241,7 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
         table.end_row("own")
     spans = [span_of[id(s)] for s in samples]
     return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width), routes)
+                      loss_index(samples, spans, width), routes, images.build(position_ids))
 
 
 def shared_micro_batches(

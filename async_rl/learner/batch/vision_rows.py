@@ -1,0 +1,85 @@
+"""A micro-batch's images: pixel values in the order the model consumes them, and 3-D positions.
+
+A vision-language model puts each image's features at the image placeholder tokens in the flattened
+order of `input_ids` [B, T] (row by row, left to right). So a micro-batch's pixel values are its placed
+prompts' images in that order: once per placed prompt, which under the shared-prompt layout is once per
+block (one vision forward per group), and once per sequence otherwise.
+
+Models with multimodal rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: 3-D positions, temporal,
+height, width) get them per token from the 1-D positions the layout already gave (restarting at 0 for
+every sequence, continuing after a shared prefix): a position p inside the prompt takes the prompt's
+3-D position p, a position past it continues from the prompt's largest position + 1 on all three axes
+(as the model's own `get_rope_index` counts text after the last image). Rows without images take p on
+all three axes. The model receives [4, B, T]: the 1-D positions first (its packed-sequence mask reads
+them), then the three axes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class SampleVision:
+    """The images of one sample's prompt (shared by every sample of its group)."""
+
+    key: bytes  # digest of the prompt's image bytes: samples with equal tokens and key share a prompt
+    pixel_values: torch.Tensor  # [patches, patch_dim]
+    image_grid_thw: torch.Tensor  # long [images, 3]
+    rope: np.ndarray | None  # int64 [3, prompt_len]: the prompt's 3-D positions; None: 1-D positions
+
+
+@dataclass
+class VisionBatch:
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    rope: torch.Tensor | None  # long [3, B, T]
+
+    def to(self, device: torch.device) -> VisionBatch:
+        rope = None if self.rope is None else self.rope.to(device)
+        return VisionBatch(self.pixel_values.to(device), self.image_grid_thw.to(device), rope)
+
+
+def rope_of(vision: SampleVision, positions: torch.Tensor) -> torch.Tensor:
+    """long [3, n]: the 3-D positions of 1-D positions `positions` [n] of a sequence with `vision`'s prompt."""
+    assert vision.rope is not None
+    rope = torch.from_numpy(vision.rope)
+    prompt_len = rope.shape[1]
+    inside = rope[:, positions.clamp(max=prompt_len - 1)]
+    after = (positions - prompt_len + int(rope.max()) + 1).expand(3, -1)
+    return torch.where(positions < prompt_len, inside, after)
+
+
+class VisionRows:
+    """Collects the placed prompts of one micro-batch: `place` each stretch of columns that one prompt's
+    images and positions cover (a sequence, or a shared-prompt block), then `build`."""
+
+    def __init__(self) -> None:
+        self._placed: list[tuple[int, int, int, SampleVision | None]] = []
+
+    def place(self, row: int, start: int, end: int, vision: SampleVision | None) -> None:
+        """Columns [start, end) of `row` hold one prompt with `vision`'s images (None: a text prompt)."""
+        self._placed.append((row, start, end, vision))
+
+    def build(self, positions: torch.Tensor) -> VisionBatch | None:
+        """The micro-batch's images and 3-D positions, from its 1-D positions [B, T]; None: no images.
+        A row's columns after its last stretch (its unused tail) continue that stretch's positions."""
+        placed = sorted(self._placed, key=lambda p: (p[0], p[1]))
+        seen = [v for *_, v in placed if v is not None]
+        if not seen:
+            return None
+        pixels = torch.cat([v.pixel_values for v in seen])
+        grid = torch.cat([v.image_grid_thw for v in seen])
+        rope = None
+        if any(v.rope is not None for v in seen):
+            rope = positions.unsqueeze(0).expand(3, -1, -1).clone()
+            width = positions.shape[1]
+            for i, (row, start, end, v) in enumerate(placed):
+                last_in_row = i + 1 == len(placed) or placed[i + 1][0] != row
+                stop = width if last_in_row else end
+                if v is not None and v.rope is not None:
+                    rope[:, row, start:stop] = rope_of(v, positions[row, start:stop])
+        return VisionBatch(pixels, grid, rope)

@@ -1,0 +1,80 @@
+"""The learner's side of a vision-language model: a group's images -> what its samples carry.
+
+The group's images arrive as the encoded files the engine read (`TrajectoryGroup.images`); the
+processor (`async_rl.vision`, loaded from the same folder with the same `vision.*` pixel bounds as the
+engine's) turns them into pixel values and grids. The prompt's tokens must hold exactly as many image
+tokens as those grids make: otherwise the engine saw other pixels, and the step stops in one line.
+Qwen-VL families also get their prompt's 3-D rotary positions from the model's own `get_rope_index`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from async_rl.config import VisionConfig
+from async_rl.errors import RunError
+from async_rl.learner.batch.vision_rows import SampleVision
+from async_rl.protocol import TrajectoryGroup
+from async_rl.vision import VisionModel
+
+_CACHE_GROUPS = 4096  # a step's groups are scored, then trained: process each group's images once
+
+
+def images_key(images: list[bytes]) -> bytes:
+    """A digest of a prompt's images (length-prefixed, so that no two lists share one)."""
+    h = hashlib.blake2b(digest_size=16)
+    for data in images:
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+class VisionInputs:
+    def __init__(self, model: torch.nn.Module, model_dir: str, settings: VisionConfig) -> None:
+        self.vision = VisionModel(model_dir, settings)
+        # Qwen2-VL, Qwen2.5-VL, Qwen3-VL: 3-D positions from the model itself; other families: 1-D
+        self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
+        self._cache: dict[tuple[bytes, bytes], SampleVision] = {}
+
+    def of(self, group: TrajectoryGroup) -> SampleVision | None:
+        """The images of `group`'s prompt for its samples (None: a text prompt)."""
+        if not group.images:
+            return None
+        tokens = np.asarray(group.prompt_tokens, dtype=np.int64)
+        key = (images_key(group.images), tokens.tobytes())
+        if (hit := self._cache.get(key)) is not None:
+            return hit
+        pixels = self.vision.pixels(group.images)
+        have, want = self.vision.image_tokens(tokens), sum(pixels.tokens_per_image)
+        if have != want:
+            raise RunError(
+                f"prompt {group.prompt_id} (engine {group.engine_id}): its tokens hold {have} image tokens, its "
+                f"{len(group.images)} image(s) make {want} here: the engine processed other pixels (vision.min_pixels/max_pixels)"
+            )
+        rope = None
+        if self._rope_index is not None:
+            ids = torch.from_numpy(tokens).unsqueeze(0)
+            kinds = (ids == self.vision.image_token_id).int()  # 1: an image token
+            positions, _ = self._rope_index(ids, kinds, pixels.image_grid_thw)
+            rope = positions[:, 0].to(torch.int64).numpy().copy()
+        out = SampleVision(key[0], pixels.pixel_values, pixels.image_grid_thw, rope)
+        if len(self._cache) >= _CACHE_GROUPS:
+            self._cache.clear()
+        self._cache[key] = out
+        return out
+
+
+def frozen_vision_tower(model: torch.nn.Module) -> int:
+    """learner.freeze_vision: the vision tower's parameters stop requiring grad, but for its projector
+    (Qwen-VL: `visual.merger`; LLaVA: `multi_modal_projector`, outside the tower); returns how many froze."""
+    frozen = 0
+    for name, p in model.named_parameters():
+        if (".visual." in f".{name}" or "vision_tower." in name) and ".merger." not in name:
+            p.requires_grad_(False)
+            frozen += 1
+    if not frozen:
+        raise RunError("learner.freeze_vision: the model names no vision tower ('visual'): set it false")
+    return frozen
