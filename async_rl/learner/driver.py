@@ -274,7 +274,8 @@ class LearnerDriver(LearnerRank):
         self.weights = WeightSource(s.weight_sync, self._named_tensors, adopt=self.backend.weights_are_live)
         from transformers import AutoConfig
 
-        model_config = AutoConfig.from_pretrained(s.model_dir)
+        # a vision-language model's language model sets the budgets and costs (its images are not counted)
+        model_config = AutoConfig.from_pretrained(s.model_dir).get_text_config()
         hidden_size = int(model_config.hidden_size) if s.algorithm.name == "ppo" else 0
         budget = resolve_budget(
             s.learner.micro_batch_tokens, device=self.device, config=model_config, trainable_params=params,

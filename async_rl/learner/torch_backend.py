@@ -153,7 +153,7 @@ class TorchBackend(ModelBackend):
             # Non-reentrant: gradients reach the layers' weights even when the layer's input needs none
             # (LoRA: the frozen embedding's output), and it nests with compile and FSDP2.
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.hidden_size = int(self.model.config.hidden_size)
+        self.hidden_size = int(self.model.config.get_text_config().hidden_size)
         self._model_files = read_model_files(Path(model_dir))  # config + tokenizer for checkpoints
         self.model.to(self.device).train()
         if self.cfg.logprob_chunk_tokens and (why := unsupported(self.model)):

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from async_rl.errors import ConfigError
 from async_rl.models import smollm2, tiny_moe, tiny_vl, upcycle
 from async_rl.models.moe import MoeRouting, read_routing
+from async_rl.vision import is_vision_model
 
 _PRESET_VERSION = "v1"
 
@@ -139,3 +140,12 @@ def model_routing(path: str, cache_dir: str) -> MoeRouting | None:
     if path in ALL_PRESETS:  # the dense presets
         return None
     return read_routing(resolve_model_path(path, cache_dir))
+
+
+def model_is_vision(path: str, cache_dir: str) -> bool:
+    """Whether `model.path` is a vision-language model, without building a preset (launch checks)."""
+    if path in tiny_vl.PRESETS:
+        return True
+    if path in ALL_PRESETS:
+        return False
+    return is_vision_model(resolve_model_path(path, cache_dir))

@@ -133,8 +133,8 @@ class MicroBatch:
         ones first: the model's packed-sequence mask reads them)."""
         if self.vision is None:
             return inputs
-        v = self.vision.to(device)
-        inputs["pixel_values"], inputs["image_grid_thw"] = v.pixel_values, v.image_grid_thw
+        v = self.vision.to(device)  # the learner's forward embeds them (`model/vision_embed.py`)
+        inputs["pixel_values"], inputs["image_grid_thw"], inputs["image_mask"] = v.pixel_values, v.image_grid_thw, v.image_mask
         if v.rope is not None:
             flat = inputs.get("position_ids")
             if flat is None:  # the padded layout: positions count from 0 in every row
@@ -423,7 +423,7 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
     images = VisionRows()
     for s, row in zip(samples, rows, strict=True):
         offset, length = offsets[row], len(s.tokens)
-        images.place(row, offset, offset + length, s.vision)
+        images.place(row, offset, offset + length, s.start, s.vision)
         input_ids[row, offset : offset + length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
         if routes is not None:
             put_routes(routes[row], offset, length, s.routes)
@@ -440,7 +440,7 @@ def packed(samples: list[SeqSample], row_tokens: int = 0) -> MicroBatch:
             table.add(n)
         table.end_row("extend")
     return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width), routes, images.build(position_ids))
+                      loss_index(samples, spans, width), routes, images.build(position_ids, input_ids))
 
 
 def padded(samples: list[SeqSample]) -> MicroBatch:
@@ -458,7 +458,7 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
     images = VisionRows()
     for i, s in enumerate(samples):
         length = len(s.tokens)
-        images.place(i, 0, length, s.vision)
+        images.place(i, 0, length, s.start, s.vision)
         input_ids[i, :length] = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
         if routes is not None:
             put_routes(routes[i], 0, length, s.routes)
@@ -474,7 +474,7 @@ def padded(samples: list[SeqSample]) -> MicroBatch:
         table.end_row("own")
     positions = torch.arange(width).expand(n_rows, -1)
     return MicroBatch(input_ids, None, attention_mask, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width), routes, images.build(positions))
+                      loss_index(samples, spans, width), routes, images.build(positions, input_ids))
 
 
 def micro_batches(

@@ -228,7 +228,7 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
             at += n
         offsets[row] = at
         in_row[row].append((p, suffixes))
-        images.place(row, block_start, at, b[0].vision)
+        images.place(row, block_start, at, p + 1, b[0].vision)  # the prefix and the first suffix token
     # The attention segments, row by row: a block's prefix, then its suffixes reading it; a row's
     # padding is a segment of its own (it sees only padding), its positions counting from 0.
     table = SegmentTable(width)
@@ -241,7 +241,7 @@ def shared(samples: list[SeqSample], row_tokens: int = 0, pack: bool = True) -> 
         table.end_row("own")
     spans = [span_of[id(s)] for s in samples]
     return MicroBatch(input_ids, position_ids, None, targets, mask, behav, adv, spans, prox, ref, cov, table.build(),
-                      loss_index(samples, spans, width), routes, images.build(position_ids))
+                      loss_index(samples, spans, width), routes, images.build(position_ids, input_ids))
 
 
 def shared_micro_batches(

@@ -30,17 +30,19 @@ class SampleVision:
     pixel_values: torch.Tensor  # [patches, patch_dim]
     image_grid_thw: torch.Tensor  # long [images, 3]
     rope: np.ndarray | None  # int64 [3, prompt_len]: the prompt's 3-D positions; None: 1-D positions
+    image_token_id: int  # the placeholder token (inside the prompt: an image's; in a completion: text)
 
 
 @dataclass
 class VisionBatch:
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
+    image_mask: torch.Tensor  # bool [B, T]: the placed prompts' placeholders (where the images' features go)
     rope: torch.Tensor | None  # long [3, B, T]
 
     def to(self, device: torch.device) -> VisionBatch:
         rope = None if self.rope is None else self.rope.to(device)
-        return VisionBatch(self.pixel_values.to(device), self.image_grid_thw.to(device), rope)
+        return VisionBatch(self.pixel_values.to(device), self.image_grid_thw.to(device), self.image_mask.to(device), rope)
 
 
 def rope_of(vision: SampleVision, positions: torch.Tensor) -> torch.Tensor:
@@ -58,28 +60,34 @@ class VisionRows:
     images and positions cover (a sequence, or a shared-prompt block), then `build`."""
 
     def __init__(self) -> None:
-        self._placed: list[tuple[int, int, int, SampleVision | None]] = []
+        self._placed: list[tuple[int, int, int, int, SampleVision | None]] = []
 
-    def place(self, row: int, start: int, end: int, vision: SampleVision | None) -> None:
-        """Columns [start, end) of `row` hold one prompt with `vision`'s images (None: a text prompt)."""
-        self._placed.append((row, start, end, vision))
+    def place(self, row: int, start: int, end: int, prompt_len: int, vision: SampleVision | None) -> None:
+        """Columns [start, end) of `row` hold one sequence (or block) whose first `prompt_len` tokens are a
+        prompt with `vision`'s images (None: a text prompt)."""
+        self._placed.append((row, start, end, start + prompt_len, vision))
 
-    def build(self, positions: torch.Tensor) -> VisionBatch | None:
-        """The micro-batch's images and 3-D positions, from its 1-D positions [B, T]; None: no images.
-        A row's columns after its last stretch (its unused tail) continue that stretch's positions."""
+    def build(self, positions: torch.Tensor, input_ids: torch.Tensor) -> VisionBatch | None:
+        """The micro-batch's images, where they go, and 3-D positions, from its 1-D positions and token
+        ids [B, T]; None: no images. A row's columns after its last stretch (its unused tail) continue
+        that stretch's positions."""
         placed = sorted(self._placed, key=lambda p: (p[0], p[1]))
         seen = [v for *_, v in placed if v is not None]
         if not seen:
             return None
         pixels = torch.cat([v.pixel_values for v in seen])
         grid = torch.cat([v.image_grid_thw for v in seen])
+        mask = torch.zeros(input_ids.shape, dtype=torch.bool)
+        for row, start, _, prompt_end, v in placed:
+            if v is not None:
+                mask[row, start:prompt_end] = input_ids[row, start:prompt_end] == v.image_token_id
         rope = None
         if any(v.rope is not None for v in seen):
             rope = positions.unsqueeze(0).expand(3, -1, -1).clone()
             width = positions.shape[1]
-            for i, (row, start, end, v) in enumerate(placed):
+            for i, (row, start, end, _, v) in enumerate(placed):
                 last_in_row = i + 1 == len(placed) or placed[i + 1][0] != row
                 stop = width if last_in_row else end
                 if v is not None and v.rope is not None:
                     rope[:, row, start:stop] = rope_of(v, positions[row, start:stop])
-        return VisionBatch(pixels, grid, rope)
+        return VisionBatch(pixels, grid, mask, rope)

@@ -19,6 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from async_rl.learner.model import head_fused
+from async_rl.learner.model.vision_embed import with_image_embeds
 
 # What the no-grad scoring passes and training use when `learner.logprob_chunk_tokens` is not set
 # (kept equal to the config default).
@@ -245,7 +246,9 @@ def model_scores(
     `head=False` skips the output layer (logp and entropy None); `entropy=False` skips the entropy
     (None) where the chunked head runs; `fused`: its per-chunk arithmetic compiled (`head_fused`);
     `keep_logits`: its chunks' logits kept for the backward (`ChunkedHead`).
-    `chunk` 0: the full head at every position (the former path, kept for comparison)."""
+    `chunk` 0: the full head at every position (the former path, kept for comparison).
+    Images in `inputs` (a vision-language micro-batch) are embedded first (`vision_embed`)."""
+    inputs = with_image_embeds(model, inputs)
     if chunk <= 0:
         out = model(**inputs, output_hidden_states=hidden)
         logp, entropy = full_token_scores(out.logits, targets, temperature)

@@ -1,0 +1,44 @@
+"""What a vision-language model takes from the rest of the config, decided before anything starts.
+
+A VLM trains on the torch backend with sdpa attention and without sequence parallelism; its prompts'
+images reach neither a teacher, a multi-turn environment nor a KL reference model yet, and LoRA's target
+names would also match the vision tower's layers. Each of these is refused in one line naming the
+setting. A text-only model given prompts with images is refused too.
+"""
+
+from __future__ import annotations
+
+from async_rl.config import Config
+
+
+def vision_error(cfg: Config, vision: bool) -> str | None:
+    """The one line that says why this config cannot run its model (a VLM when `vision`), or None."""
+    if not vision:
+        return None
+    path = f"model.path '{cfg.model.path}' is a vision-language model"
+    lr = cfg.learner
+    if lr.backend != "torch":
+        return f"learner.backend={lr.backend}: {path}; they train on the torch backend (learner.backend=torch)"
+    if lr.sequence_parallel_size > 1:
+        return f"learner.sequence_parallel_size={lr.sequence_parallel_size}: {path}; they train without sequence parallelism (set 1)"
+    if lr.attention in ("varlen", "flex"):
+        return f"learner.attention={lr.attention}: {path}; they train with sdpa (set sdpa or auto)"
+    if lr.lora.enabled:
+        return f"learner.lora.enabled: {path}; LoRA does not yet keep its adapters off the vision tower"
+    if cfg.teacher.model:
+        return f"teacher.model: {path}; the teacher would score its prompts without their images"
+    if cfg.env.name:
+        return f"env.name={cfg.env.name}: {path}; multi-turn episodes do not carry images yet"
+    if cfg.algorithm.kl_coef > 0:
+        return f"algorithm.kl_coef={cfg.algorithm.kl_coef}: {path}; the KL reference would score its prompts without their images"
+    return None
+
+
+def images_error(cfg: Config, vision: bool, first_has_images: bool) -> str | None:
+    """A text-only model whose task gives prompts with images: one line, or None."""
+    if first_has_images and not vision:
+        return (
+            f"task.name '{cfg.task.name}' gives prompts with images, but model.path '{cfg.model.path}' has no "
+            "vision tower: use a vision-language model"
+        )
+    return None
