@@ -328,7 +328,7 @@ class GeneratorEngine:
         probe's own log-probs are not read)."""
         out: list[list[float]] = []
         for i, (ids, positions) in enumerate(zip(probe.token_ids, probe.positions, strict=True)):
-            ours = await self.model.score_tokens(ids, f"e{self.s.engine_id}-probe-v{self.version}-{i}")
+            ours = await self.model.score_tokens(ids, f"e{self.s.engine_id}-probe-v{self.version}-{i}", *probe.images_of(i))
             out.append([ours[p] for p in positions])
         return out
 

@@ -170,6 +170,13 @@ class Probe(msgspec.Struct):
     token_ids: list[list[int]]
     positions: list[list[int]]
     logprobs: list[list[float]]
+    # vision-language samples: each sample's prompt images (empty: a text prompt) and prompt length
+    images: list[list[bytes]] = []
+    prompt_lens: list[int] = []
+
+    def images_of(self, i: int) -> tuple[list[bytes], int]:
+        """Sample i's prompt images and prompt length (none and 0: a text sample)."""
+        return (self.images[i], self.prompt_lens[i]) if self.images else ([], 0)
 
 
 class LearnerRank(abc.ABC):

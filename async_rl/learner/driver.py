@@ -559,10 +559,14 @@ class LearnerDriver(LearnerRank):
             values = self._score(samples, 1.0)
         # The model's tokens only: a multi-turn episode's environment tokens were never sampled.
         keep = [np.ones(x.completion_len, bool) if x.loss_mask is None else x.loss_mask.astype(bool) for x in samples]
+        images = [list(x.vision.images) if x.vision is not None else [] for x in samples]
         return Probe(
             token_ids=[x.tokens.tolist() for x in samples],
             positions=[(x.start + np.flatnonzero(k)).tolist() for x, k in zip(samples, keep, strict=True)],
             logprobs=[v[k].tolist() for v, k in zip(values, keep, strict=True)],
+            # the engine scores a vision-language sample with its images (its prompt's first x.start tokens)
+            images=images if any(images) else [],
+            prompt_lens=[x.start for x in samples] if any(images) else [],
         )
 
     # ---- weights under HF names ------------------------------------------------------------------

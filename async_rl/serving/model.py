@@ -99,10 +99,15 @@ class ServedModel:
         # otherwise end before it began, a frame the buffer rejects (its samples counted lost).
         return Generation(prompt_ids, completions, min(start, self.version), max(start, self.version))
 
-    async def score_tokens(self, token_ids: list[int], request_id: str) -> list[float]:
+    async def score_tokens(
+        self, token_ids: list[int], request_id: str, images: list[bytes] | None = None, prompt_len: int = 0
+    ) -> list[float]:
         """vLLM's log-prob of every token given the ones before it (first entry: nan), with the
-        weights served now; fails at once when the engine core dies."""
-        return await self._answered(vc.watched(self._llm, vc.score_tokens(self._llm, token_ids, request_id), "score"))
+        weights served now; fails at once when the engine core dies. `images`: the images of the
+        prompt that the first `prompt_len` tokens render."""
+        pixels = prompt_images(images or [], self.spec.images)
+        scored = vc.score_tokens(self._llm, token_ids, request_id, pixels, prompt_len)
+        return await self._answered(vc.watched(self._llm, scored, "score"))
 
     async def _answered(self, call: Awaitable[T]) -> T:
         """`call`, a request to vLLM, counted for `stalled_s`."""

@@ -29,16 +29,19 @@ class PromptImages(msgspec.Struct):
     images: list[Any]  # PIL images, in prompt order
     image_token_id: int
 
-    def tokens_prompt(self, token_ids: list[int]) -> Any:
+    def tokens_prompt(self, token_ids: list[int], prompt_len: int = 0) -> Any:
         """vLLM's prompt: the rendered tokens with each image's expanded run of placeholders cut back
-        to one, which vLLM expands again from the same pixels (`async_rl.vision`), and the images."""
+        to one, which vLLM expands again from the same pixels (`async_rl.vision`), and the images.
+        `prompt_len` > 0: only the first `prompt_len` tokens are the rendered prompt; the rest (a
+        completion so far, scored or continued) stays as it is, a sampled placeholder token being text
+        to vLLM (it expands only the first placeholder of each image)."""
         from vllm.inputs import TokensPrompt
 
         from async_rl.vision import collapse
 
-        return TokensPrompt(
-            prompt_token_ids=collapse(list(token_ids), self.image_token_id), multi_modal_data={"image": self.images}
-        )
+        cut = prompt_len or len(token_ids)
+        ids = collapse(list(token_ids[:cut]), self.image_token_id) + list(token_ids[cut:])
+        return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": self.images})
 
 
 def prompt_images(images: list[bytes], spec: EngineImages | None) -> PromptImages | None:

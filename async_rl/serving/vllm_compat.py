@@ -234,11 +234,11 @@ def params_for(spec: SamplingSpec):
     )
 
 
-def generation_input(token_ids: list[int], text: str, images: PromptImages | None = None):
+def generation_input(token_ids: list[int], text: str, images: PromptImages | None = None, prompt_len: int = 0):
     """What vLLM generates from: the rendered prompt tokens when the prompt has them (token in,
     token out: nothing re-tokenizes; with images: `PromptImages.tokens_prompt`), its text otherwise."""
     if images is not None:
-        return images.tokens_prompt(token_ids)
+        return images.tokens_prompt(token_ids, prompt_len)
     if token_ids:
         from vllm.inputs import TokensPrompt
 
@@ -293,7 +293,7 @@ async def generate(llm, prompt, params, request_id: str, images: PromptImages | 
                 stop=params.stop or (), stop_token_ids=params.stop_token_ids or (),
             )
             rid = f"{request_id}-s{i}-part{c.parts + 1}"
-            _, (more,) = await _generate_once(llm, generation_input(prompt_ids + c.token_ids, "", images), rest, rid)
+            _, (more,) = await _generate_once(llm, generation_input(prompt_ids + c.token_ids, "", images, len(prompt_ids)), rest, rid)
             c = Completion(
                 c.token_ids + more.token_ids, c.logprobs + more.logprobs, c.text + more.text, more.finish_reason,
                 c.parts + 1, rid, 0, more.routes,  # the last part recomputed the whole prefix: its routes cover it
@@ -302,14 +302,15 @@ async def generate(llm, prompt, params, request_id: str, images: PromptImages | 
     return prompt_ids, completions
 
 
-async def score_tokens(llm, token_ids: list[int], request_id: str) -> list[float]:
-    """vLLM's log-prob of every token of `token_ids` given the ones before it (first entry: nan)."""
+async def score_tokens(llm, token_ids: list[int], request_id: str, images: PromptImages | None = None,
+                       prompt_len: int = 0) -> list[float]:
+    """vLLM's log-prob of every token of `token_ids` given the ones before it (first entry: nan); with
+    `images`, the first `prompt_len` tokens are their rendered prompt."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
     final = None
-    async for out in llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+    async for out in llm.generate(generation_input(token_ids, "", images, prompt_len), params, request_id):
         final = out
     plp = final.prompt_logprobs
     return [float("nan")] + [plp[i][tok].logprob for i, tok in enumerate(token_ids) if i > 0]

@@ -31,6 +31,7 @@ class SampleVision:
     image_grid_thw: torch.Tensor  # long [images, 3]
     rope: np.ndarray | None  # int64 [3, prompt_len]: the prompt's 3-D positions; None: 1-D positions
     image_token_id: int  # the placeholder token (inside the prompt: an image's; in a completion: text)
+    images: tuple[bytes, ...] = ()  # the encoded files (the mismatch probe sends them to an engine)
 
 
 @dataclass

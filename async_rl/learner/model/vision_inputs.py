@@ -60,7 +60,8 @@ class VisionInputs:
             kinds = (ids == self.vision.image_token_id).int()  # 1: an image token
             positions, _ = self._rope_index(ids, kinds, pixels.image_grid_thw)
             rope = positions[:, 0].to(torch.int64).numpy().copy()
-        out = SampleVision(key[0], pixels.pixel_values, pixels.image_grid_thw, rope, self.vision.image_token_id)
+        out = SampleVision(key[0], pixels.pixel_values, pixels.image_grid_thw, rope, self.vision.image_token_id,
+                           tuple(group.images))
         if len(self._cache) >= _CACHE_GROUPS:
             self._cache.clear()
         self._cache[key] = out
