@@ -29,6 +29,7 @@ check raises `FrameError` with a short reason that the receiver counts.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -473,6 +474,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 raise FrameError("bad_value", f"prompt {g.prompt_id}: reward or versions out of range")
             if s.finish_reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):
                 raise FrameError("bad_value", f"prompt {g.prompt_id}: finish reason {s.finish_reason} out of range")
+        _check_images(g)
         prompt = tokens[t : t + g.prompt_len]
         t += g.prompt_len
         comps, lps, teachers = [], [], []
@@ -516,6 +518,21 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
         # A log-probability is finite and never positive (1e-3 allows float rounding).
         raise FrameError("bad_value", "log-probs must be finite and <= 0")
     return groups
+
+
+def _check_images(g: GroupMeta) -> None:
+    """A group's images are files an image library can open (their header read, not the pixels): one
+    that cannot be is the counted reason `bad_image`, never a group the learner fails on."""
+    if not g.images:
+        return
+    from PIL import Image, UnidentifiedImageError
+
+    for i, data in enumerate(g.images):
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                im.size  # noqa: B018 (reading the header is the check)
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+            raise FrameError("bad_image", f"prompt {g.prompt_id}: image {i} ({len(data)} bytes) is not a readable image") from None
 
 
 def _teacher_scored(header: GroupsHeader) -> bool:

@@ -24,7 +24,7 @@ from async_rl.learner.driver import shard_samples
 from async_rl.learner.model.head import model_scores
 from async_rl.learner.model.vision_inputs import VisionInputs, frozen_vision_tower
 from async_rl.models.tiny import resolve_model_path
-from async_rl.protocol import Prompt, Sample, TrajectoryGroup, decode_groups, encode_groups
+from async_rl.protocol import FrameError, Prompt, Sample, TrajectoryGroup, decode_groups, encode_groups
 from async_rl.tasks.colour import COLOURS, ColourTask, blank_colour
 from async_rl.vision import collapse, image_token_id, is_vision_model
 
@@ -145,6 +145,9 @@ def test_a_groups_images_travel_in_its_frame_once():
     assert back.images == images
     _, (text,) = decode_groups(encode_groups("run", [dataclasses.replace(g, images=None)]), "run")
     assert text.images is None
+    with pytest.raises(FrameError, match="image 1 .* is not a readable image") as e:
+        decode_groups(encode_groups("run", [dataclasses.replace(g, images=[images[0], b"GIF89a..."])]), "run")
+    assert e.value.reason == "bad_image" and e.value.header is not None  # the buffer releases its prompt
 
 
 def test_the_colour_tasks_images_tell_the_answer_and_the_blank_ones_do_not():
