@@ -274,6 +274,12 @@ class DataConfig(_Section):
     data_source_key: Annotated[
         str, _f("column naming each row's data source (eval metrics per source); missing: the file's name")
     ] = "data_source"
+    image_key: Annotated[
+        str,
+        _f("column with a row's images (a vision-language model's; a list, or one): each a path (relative to the "
+           "data file's folder), bytes, or datasets' {bytes, path} dict, in the order of the prompt's <image> "
+           "markers; missing: no images; '' = the files have no images"),
+    ] = "images"
     system_prompt: Annotated[
         str, _f("prepended as a system message to every chat prompt that has none ('' = none)")
     ] = ""
@@ -289,9 +295,9 @@ class DataConfig(_Section):
     seed: Annotated[int, _f("seed of the per-epoch shuffle")] = 0
     skip_bad_rows: Annotated[
         bool,
-        _f("a bad row (missing column, wrong type, empty prompt, prompt longer than generators.max_model_len "
-           "- generators.max_tokens) is skipped and counted; false: the launch fails on the first one, "
-           "naming file and row"),
+        _f("a bad row (missing column, wrong type, empty prompt, an unusable image, prompt longer than "
+           "generators.max_model_len - generators.max_tokens) is skipped and counted; false: the launch fails on "
+           "the first one, naming file and row"),
     ] = False
     eval_task_prompts: Annotated[
         int, _f("without eval_files: how many held-out prompts the task's stream gives for evaluation", ge=1)

@@ -5,12 +5,15 @@ neither the row nor the line): an unreadable file is one line naming the file, r
 A row holds a prompt (`data.prompt_key`: a string, or a list of chat messages {role, content}), an
 answer (`data.answer_key`, a dotted path may reach into a nested column, e.g. verl's
 `reward_model.ground_truth`), optionally a data source (`data.data_source_key`; missing: the file's
-name), and any other columns, kept as `Prompt.metadata` (nested columns flattened to dotted keys,
-lists as JSON text). Rows are counted from 0.
+name), optionally images for a vision-language model (`data.image_key`: paths relative to the data
+file's folder, bytes or datasets' image dicts, read into `Prompt.images`), and any other columns, kept
+as `Prompt.metadata` (nested columns flattened to dotted keys, lists as JSON text). Rows are counted
+from 0.
 
 Every row is checked and rendered (see chat.py) when the files are loaded, at start-up: a bad row
-(missing column, wrong type, empty prompt, prompt longer than the model allows) is a one-line
-`ConfigError` naming file and row, or with `data.skip_bad_rows` it is skipped and counted by reason.
+(missing column, wrong type, empty prompt, an image that cannot be read or used, prompt longer than
+the model allows) is a one-line `ConfigError` naming file and row, or with `data.skip_bad_rows` it is
+skipped and counted by reason.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import msgspec
 from async_rl.chat import PromptRenderer, RenderError
 from async_rl.config import Config, DataConfig
 from async_rl.errors import ConfigError, first_line, typed_line
+from async_rl.images import ImageError, check, image_bytes
 from async_rl.protocol import ChatMessage, MetaValue, Prompt
 
 
@@ -36,6 +40,10 @@ class BadRow(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+# The renderer's errors about one image (not the prompt's count of them): the row's error names the image.
+ONE_IMAGE_REASONS = ("bad_image", "image_too_large")
 
 
 class LoadedPrompts:
@@ -135,10 +143,13 @@ def _field(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, MetaValue]) -> None:
+def _flatten(prefix: str, value: Any, out: dict[str, MetaValue], skip: set[str]) -> None:
+    """`value` into `out` under dotted keys, leaving out the columns in `skip` (and all below them)."""
+    if prefix in skip:  # cut before flattening: an image column's bytes would be turned into text first
+        return
     if isinstance(value, dict):
         for k, v in value.items():
-            _flatten(f"{prefix}.{k}", v, out)
+            _flatten(f"{prefix}.{k}", v, out, skip)
     elif value is None or isinstance(value, (str, int, float, bool)):
         out[prefix] = value
     else:  # lists and other structures: kept as JSON text (metadata values are scalars)
@@ -154,8 +165,28 @@ def _messages(value: list[Any], where: str, key: str) -> list[ChatMessage]:
     return messages
 
 
-def row_to_prompt(row: dict[str, Any], index: int, source_name: str, data: DataConfig, where: str) -> Prompt:
-    """One row -> an unrendered Prompt (prompt_id = row index); BadRow names `where` and why."""
+def _images(row: dict[str, Any], data: DataConfig, where: str, base_dir: Path | None) -> list[bytes]:
+    """The encoded images of a row's image column (a list of cells, or one cell), read now so that a
+    missing or unreadable file is this row's error at start-up, not a failed request later."""
+    present, value = _field(row, data.image_key) if data.image_key else (False, None)
+    if not present:
+        return []
+    cells = value if isinstance(value, list | tuple) else [value]
+    images = []
+    for j, cell in enumerate(cells):
+        try:
+            images.append(image_bytes(cell, base_dir))
+        except ImageError as exc:
+            raise BadRow(exc.reason, f"{where}: column '{data.image_key}' image {j}: {exc}") from None
+    return images
+
+
+def row_to_prompt(
+    row: dict[str, Any], index: int, source_name: str, data: DataConfig, where: str, base_dir: Path | None = None
+) -> Prompt:
+    """One row -> an unrendered Prompt (prompt_id = row index); BadRow names `where` and why.
+    `base_dir`: the folder an image's relative path is read from (the data file's; None: the working
+    directory)."""
     present, value = _field(row, data.prompt_key)
     if not present:
         raise BadRow("missing_column", f"{where}: missing column '{data.prompt_key}'")
@@ -184,13 +215,15 @@ def row_to_prompt(row: dict[str, Any], index: int, source_name: str, data: DataC
     if present and not isinstance(value, str):
         raise BadRow("wrong_type", f"{where}: column '{data.data_source_key}' is {type(value).__name__}, not a string")
     data_source = value if present else source_name
+    images = _images(row, data, where, base_dir)
     metadata: dict[str, MetaValue] = {}
-    consumed = {data.prompt_key, data.answer_key, data.data_source_key}
+    consumed = {data.prompt_key, data.answer_key, data.data_source_key, data.image_key}
     for k, v in row.items():
-        _flatten(k, v, metadata)
-    for k in consumed:
-        metadata.pop(k, None)
-    return Prompt(prompt_id=index, text=text, messages=messages, answer=answer, data_source=data_source, metadata=metadata)
+        _flatten(k, v, metadata, consumed)
+    return Prompt(
+        prompt_id=index, text=text, messages=messages, answer=answer, data_source=data_source, metadata=metadata,
+        images=images,
+    )
 
 
 def load_prompt_files(
@@ -202,11 +235,11 @@ def load_prompt_files(
     skipped: collections.Counter[str] = collections.Counter()
     for f, i, row, where in file_rows(files, field):
         try:
-            prompt = row_to_prompt(row, i, Path(f).stem, data, where)
-            prompt = renderer.rendered(prompt, max_prompt_tokens)
+            prompt = row_to_prompt(row, i, Path(f).stem, data, where, Path(f).expanduser().absolute().parent)
+            prompt = _rendered(renderer, prompt, max_prompt_tokens, row, data)
         except RenderError as exc:
             if not data.skip_bad_rows:
-                raise ConfigError(f"{where}: {exc}") from None
+                raise ConfigError(f"{where}: {exc}{_hint(exc.reason, data)}") from None
             skipped[exc.reason] += 1
             continue
         except BadRow as exc:
@@ -218,6 +251,43 @@ def load_prompt_files(
     if not prompts and files:
         raise ConfigError(f"{field}: no usable row in {files} ({dict(skipped)} skipped)")
     return LoadedPrompts(prompts, skipped)
+
+
+def _rendered(
+    renderer: PromptRenderer, prompt: Prompt, max_tokens: int, row: dict[str, Any], data: DataConfig
+) -> Prompt:
+    """`renderer.rendered`, with an image it refuses named by its place in the image column (and its
+    file): the renderer sees only bytes, and a row may hold several images."""
+    try:
+        return renderer.rendered(prompt, max_tokens)
+    except RenderError as exc:
+        if exc.reason not in ONE_IMAGE_REASONS:
+            raise
+        culprit = _refused_image(prompt.images, renderer.vision_settings.max_image_pixels)
+        if culprit is None:
+            raise
+        _, value = _field(row, data.image_key)
+        cell = (value if isinstance(value, list | tuple) else [value])[culprit]
+        path = cell.get("path") if isinstance(cell, dict) else cell
+        named = f" ('{path}')" if isinstance(path, str) and path else ""
+        raise RenderError(exc.reason, f"column '{data.image_key}' image {culprit}{named}: {exc}") from None
+
+
+def _refused_image(images: list[bytes], max_pixels: int) -> int | None:
+    """The first image that fails the renderer's check; checked again only once the row has failed."""
+    for j, data in enumerate(images):
+        try:
+            check(data, max_pixels)
+        except ImageError:
+            return j
+    return None
+
+
+def _hint(reason: str, data: DataConfig) -> str:
+    """What to change when a text-only model meets a file with an image column."""
+    if reason != "images_without_vision":
+        return ""
+    return f" (the images of column '{data.image_key}'; data.image_key='' reads none)"
 
 
 def max_prompt_tokens(cfg: Config) -> int:
