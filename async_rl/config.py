@@ -763,12 +763,12 @@ class LearnerConfig(_Section):
            "micro_batch_tokens 4096 from 4.6 to 3.2 GB for a 1.3x slower step (every large tensor is "
            "page-faulted afresh; docs/learner.md); 0 = glibc's dynamic default (fastest)", ge=0),
     ] = 0
-    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
     freeze_vision: Annotated[
         bool,
         _f("vision-language models: the vision tower stays as loaded (no gradient, not in the optimizer, not "
            "sent at a weight sync); the projector (patch merger) and the language model train. false: all train"),
     ] = True
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
