@@ -69,7 +69,16 @@ def decode(data: bytes) -> Image.Image:
             im.load()
             return im.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageError("bad_image", f"not a readable image ({len(data)} bytes): {str(exc).splitlines()[0][:120]}") from None
+        raise ImageError("bad_image", f"not a readable image ({len(data)} bytes): {_why(exc)}") from None
+
+
+def _why(exc: Exception) -> str:
+    """PIL's reason in one short line (its 'cannot identify' message names a memory address: not kept)."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "no image format PIL knows"
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:120]
 
 
 def check(data: bytes, max_pixels: int) -> tuple[int, int]:
@@ -81,7 +90,7 @@ def check(data: bytes, max_pixels: int) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as im:
             width, height = im.size
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageError("bad_image", f"not a readable image ({len(data)} bytes): {str(exc).splitlines()[0][:120]}") from None
+        raise ImageError("bad_image", f"not a readable image ({len(data)} bytes): {_why(exc)}") from None
     if max_pixels and width * height > max_pixels:
         raise ImageError(
             "image_too_large", f"image of {width}x{height} = {width * height} pixels is over vision.max_image_pixels={max_pixels}"

@@ -8,7 +8,7 @@ tiny preset's character tokenizer (models/tiny.py hands it in) with Qwen's visio
 video processor, tokenizer) is saved beside the weights, so vLLM and the learner load the same one.
 
 Images are processed at `PIXELS` pixels (56x56: 16 patches of 14x14, 4 image tokens after the merger)
-unless the run's `model.max_pixels`/`model.min_pixels` say otherwise.
+unless the run's `vision.min_pixels`/`vision.max_pixels` say otherwise.
 """
 
 from __future__ import annotations
