@@ -192,6 +192,11 @@ class ModelBackend(abc.ABC):
         """Rank 0, after `gather_weights`: every parameter, full, under its HF name (tied once), the
         same names, shapes and dtypes every call (the sync manifest is built once)."""
 
+    def synced_weights(self) -> dict[str, torch.Tensor]:
+        """What a full-weight sync sends: `hf_weights`, less the weights that never train (a frozen vision
+        tower: the engines hold them from the same folder). The served checksum still covers every weight."""
+        return self.hf_weights()
+
     def adapter(self) -> Adapter | None:
         """learner.lora, rank 0, after `gather_weights`: the adapter (what a weight sync sends instead
         of `hf_weights`). None: the backend trains every weight."""

@@ -271,7 +271,8 @@ class LearnerDriver(LearnerRank):
         if s.learner.share_prompt and not self.share_prompt and self.rank == 0:
             print(f"[learner] learner.share_prompt: learner.backend={s.learner.backend} takes no block attention "
                   "mask; every sample carries its prompt", file=sys.stderr, flush=True)
-        self.weights = WeightSource(s.weight_sync, self._named_tensors, adopt=self.backend.weights_are_live)
+        self.weights = WeightSource(s.weight_sync, self._named_tensors, adopt=self.backend.weights_are_live,
+                                    served=self.backend.hf_weights)
         from transformers import AutoConfig
 
         # a vision-language model's language model sets the budgets and costs (its images are not counted)
@@ -572,9 +573,9 @@ class LearnerDriver(LearnerRank):
     # ---- weights under HF names ------------------------------------------------------------------
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
-        """What a weight sync sends: the adapter alone (learner.lora), else every weight."""
+        """What a weight sync sends: the adapter alone (learner.lora), else every weight that trains."""
         adapter = self.backend.adapter()
-        return adapter.tensors if adapter is not None else self.backend.hf_weights()
+        return adapter.tensors if adapter is not None else self.backend.synced_weights()
 
     def gather_weights(self, version: int | None = None, during_step: bool = False) -> bool:
         # Under the weights lock: a recovery sync that lands during train_step waits for the step's

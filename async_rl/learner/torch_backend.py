@@ -429,6 +429,13 @@ class TorchBackend(ModelBackend):
         g = self.groups
         return RowShare(g.size, g.rank, g.sequence) if g.size > 1 else None
 
+    def synced_weights(self) -> dict[str, torch.Tensor]:
+        weights = self.hf_weights()
+        if self.vision_inputs is None or not self.cfg.freeze_vision:
+            return weights
+        trains = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {name: t for name, t in weights.items() if name in trains}
+
     def weights_gathered(self) -> bool:
         return not self.sharded or self._full is not None
 

@@ -21,12 +21,16 @@ from async_rl.weight_sync.transport import join_sender, open_membership
 
 class WeightSource:
     def __init__(
-        self, cfg: WeightSyncConfig, named_tensors: Callable[[], dict[str, torch.Tensor]], adopt: bool = False
+        self, cfg: WeightSyncConfig, named_tensors: Callable[[], dict[str, torch.Tensor]], adopt: bool = False,
+        served: Callable[[], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         """`cfg.backend` resolved (not 'auto'). `adopt`: the named tensors are the live parameters
-        (same storage every call), so the shm sender may move them into its mapping once."""
+        (same storage every call), so the shm sender may move them into its mapping once. `served`:
+        every weight the engines serve, when a sync sends fewer (a frozen vision tower); the checksum
+        covers them (None: the named tensors)."""
         self.cfg = cfg
         self._named_tensors = named_tensors
+        self._served = served or named_tensors
         self._adopt = adopt
         self._store = None
         self._sender: WeightSender | None = None
@@ -85,7 +89,7 @@ class WeightSource:
     def checksum(self) -> ParamChecksum:
         """Of the weights as they go on the wire (cast to weight_sync.wire_dtype, e.g. bf16 for bf16
         generators): what every receiver then holds, exactly."""
-        tensors = self._named_tensors().values()
+        tensors = self._served().values()
         if self.cfg.wire_dtype:
             wire = to_dtype(self.cfg.wire_dtype)
             tensors = (t.to(wire) if t.is_floating_point() else t for t in tensors)

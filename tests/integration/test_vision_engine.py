@@ -127,3 +127,43 @@ def test_a_placeholder_sampled_in_a_completion_is_text_to_engine_and_learner(ser
     # and what the images change: the same tokens without them are scored otherwise
     blank = loop.run_until_complete(model.score_tokens(prompt_ids + completion, "vl-probe-text"))
     assert np.abs(np.asarray(blank[len(prompt_ids):]) - engine).max() > 1e-3
+
+
+def test_a_sync_sends_only_what_trains_and_the_served_checksum_covers_every_weight(served, learner):
+    """learner.freeze_vision (the default): the update holds the projector and the language model, not
+    the vision tower; the engine keeps its tower (loaded from the same folder), so its checksum over every
+    weight equals the learner's, and it serves the learner's new weights (log-probs agree on images)."""
+    import torch
+
+    from async_rl.controller import engine_checksums
+
+    model, loop, model_dir = served[:3]
+    with torch.no_grad():  # a step's worth of change on every weight that trains
+        for p in learner.backend.model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.02)
+    manifest = learner.weight_manifest()
+    sent = [t.name for b in manifest.buckets for t in b.tensors]
+    assert any("merger" in n for n in sent) and any("language_model" in n for n in sent)
+    assert not any(".visual.blocks." in n or "patch_embed" in n for n in sent)
+    info = learner.open_weight_group(2)
+
+    async def push():
+        await model.pause()
+        joined = asyncio.create_task(model.join_weight_group(info, 1, manifest))
+        await asyncio.to_thread(learner.join_weight_group)
+        await joined
+        received = asyncio.create_task(model.receive_weights(1, 0))
+        await asyncio.to_thread(learner.broadcast_weights, 1)
+        await received
+        await model.resume(1)
+        return await model.param_checksums()
+
+    parts = loop.run_until_complete(push())
+    assert engine_checksums({0: parts})[0].close_to(learner.param_checksum(), rtol=1e-6)
+    renderer = PromptRenderer(model_dir, vision=VISION)
+    p = renderer.rendered(PROMPTS[0], 0)
+    params = vc.sampling_params(n=2, max_tokens=8, temperature=1.0, ignore_eos=True)
+    out = loop.run_until_complete(model.generate(p.token_ids, params, "vl-after-sync", "", list(PROMPTS[0].images)))
+    (ours, *_) = learner.compute_logprobs([group_of(PROMPTS[0], out)], 1.0)
+    assert np.abs(ours - np.asarray(out.completions[0].logprobs)).max() < 1e-4
