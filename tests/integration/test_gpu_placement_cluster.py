@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import yaml
 
 from async_rl import launch
 from async_rl.cluster.devices import ray_view, resolve_devices
@@ -58,11 +59,18 @@ def gpu_cluster(tmp_path_factory):
         cluster.shutdown()
 
 
-def offline(cluster, data: Path) -> list[str]:
+def offline(cluster, data: Path, model: str = "tiny-qwen2") -> list[str]:
     """A recipe as the tests run it: no model download (a built-in preset; --dry-run loads no
     weights, but check_inputs wants the folder), its data file present, on the test cluster."""
-    return ["model.path=tiny-qwen2", f"data.train_files=[{data}]", f"data.eval_files=[{data}]",
+    return [f"model.path={model}", f"data.train_files=[{data}]", f"data.eval_files=[{data}]",
             f"ray.address={cluster.address}"]
+
+
+def preset_for(recipe: Path) -> str:
+    """The built-in preset a recipe dry-runs with: the tiny vision-language one for a recipe with a
+    `vision` section, so the launch's checks of what a VLM refuses (vision_settings.py) run on it. Read
+    from the YAML: load_config would want the recipe's own data files."""
+    return "tiny-qwen2.5-vl" if "vision" in yaml.safe_load(recipe.read_text()) else "tiny-qwen2"
 
 
 def dry_run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -80,11 +88,12 @@ def dry_run(argv: list[str], capsys) -> tuple[int, str, str]:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_gpu_recipe_dry_runs_clean(gpu_cluster, recipe, capsys):
     cluster, data = gpu_cluster
-    rc, out, err = dry_run([str(recipe), "--dry-run", *offline(cluster, data)], capsys)
+    overrides = offline(cluster, data, preset_for(recipe))
+    rc, out, err = dry_run([str(recipe), "--dry-run", *overrides], capsys)
     assert rc == 0, err
     plan = out[out.index("placement plan"):]
     assert "generators on cuda, learner on cuda" in plan
-    cfg = load_config(recipe, offline(cluster, data))
+    cfg = load_config(recipe, overrides)
     # auto picks the GPU channel: CUDA IPC when colocated, NCCL when engines have GPUs of their own
     want = "cuda_ipc" if cfg.placement == "colocated" else "nccl"
     assert f"weight sync: {want}" in plan
