@@ -23,6 +23,14 @@ at a fixed low rate (no queueing), and latency is the consumer's decode-complete
 producer's send time (CLOCK_MONOTONIC, shared by processes on one host).
 
     python benchmarks/bench_transport.py [--quick] [--repeats 3]
+
+`--images`: no transports; the frame of one vision-language group (8 samples, 256-token prompt and
+completions) with 0, 1 or 4 images of 56x56, 448x448 and 1024x1024 pixels (a smooth gradient with
+noise, PNG and JPEG at quality 90), as we send it (the encoded files once in the header) against the
+same group with Qwen2.5-VL's processed pixel values instead, and encode + decode groups/s and MB/s in
+one process (`protocol.encode_groups` then `decode_groups`, what an engine and the buffer's ingest do).
+
+    python benchmarks/bench_transport.py --images [--quick]
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -285,6 +294,241 @@ def run_ray(n_tokens: int, producers: int, total: int, rate: float) -> dict:
     return {"seconds": last - t0, "latency_ns": lat}
 
 
+# ---- images in the frame -------------------------------------------------------------------------
+
+IMAGE_SIZES = (56, 448, 1024)
+IMAGE_COUNTS = (0, 1, 4)
+IMAGE_CODECS = ("png", "jpeg90")
+IMAGE_GROUP = 8  # samples of the group
+IMAGE_TEXT_TOKENS = 256  # the prompt's text tokens (its image placeholders come on top) and each completion's
+QWEN_PATCH = 14  # pixels a side of a ViT patch
+QWEN_MERGE = 2  # the merger joins 2x2 patches into one token: sizes are multiples of 28
+QWEN_MIN_PIXELS = 56 * 56  # Qwen2.5-VL's processor default floor
+# One patch as the processor hands it to the model: 3 channels x 2 frames (an image is repeated to
+# the temporal patch of 2) x 14 x 14, float32
+QWEN_PATCH_BYTES = 3 * 2 * QWEN_PATCH * QWEN_PATCH * 4
+
+
+def qwen_vl_resized(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(width, height) Qwen2.5-VL's processor resizes an image to: each side a multiple of 28, the
+    aspect kept, the area within [min_pixels, max_pixels] (scaled down by flooring, up by ceiling; a
+    side that rounds to 0 is scaled up with the rest, as transformers' smart_resize does)."""
+    f = QWEN_PATCH * QWEN_MERGE
+    w, h = round(width / f) * f, round(height / f) * f
+    if w * h > max_pixels:
+        scale = math.sqrt(width * height / max_pixels)
+        w, h = max(f, math.floor(width / scale / f) * f), max(f, math.floor(height / scale / f) * f)
+    elif w * h < min_pixels:
+        scale = math.sqrt(min_pixels / (width * height))
+        w, h = math.ceil(width * scale / f) * f, math.ceil(height * scale / f) * f
+    return w, h
+
+
+def qwen_vl_patches(width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+    """Patches of one image after the resize: pixel_values rows (each QWEN_PATCH_BYTES); tokens are a quarter."""
+    w, h = qwen_vl_resized(width, height, min_pixels, max_pixels)
+    return (w // QWEN_PATCH) * (h // QWEN_PATCH)
+
+
+def natural_image(size: int, seed: int) -> np.ndarray:
+    """An RGB uint8 image that compresses like a photograph more than a flat colour does: smooth
+    gradients and low-frequency waves per channel, plus per-pixel noise (sigma 6)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    channels = []
+    for _ in range(3):
+        a, b, fx, fy, phase = rng.uniform(0.2, 1.0, 5)
+        wave = np.sin(2 * np.pi * (fx * 3 * x + fy * 2 * y) + phase * 6)
+        channels.append(255 * (0.35 * a * x + 0.35 * b * y + 0.15 * wave + 0.2))
+    pixels = np.stack(channels, -1) + rng.normal(0, 6, (size, size, 3))
+    return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+def encode_image(pixels: np.ndarray, codec: str) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    if codec == "png":
+        Image.fromarray(pixels).save(out, format="PNG")
+    else:  # jpeg90
+        Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def image_group(images: list[bytes], image_tokens: int, seed: int = 0) -> TrajectoryGroup:
+    """A group of IMAGE_GROUP samples whose prompt holds IMAGE_TEXT_TOKENS text tokens and the images'
+    `image_tokens` placeholders (a VLM prompt's ids carry them expanded), its images in the header."""
+    rng = np.random.default_rng(seed)
+    n = IMAGE_TEXT_TOKENS
+    return TrajectoryGroup(
+        prompt_id=0,
+        engine_id=0,
+        prompt_tokens=rng.integers(0, 150_000, n + image_tokens, dtype=np.int32),
+        completions=[rng.integers(0, 150_000, n, dtype=np.int32) for _ in range(IMAGE_GROUP)],
+        logprobs=[-rng.random(n, dtype=np.float32) for _ in range(IMAGE_GROUP)],
+        rewards=[1.0] * IMAGE_GROUP,
+        version_first=[0] * IMAGE_GROUP,
+        version_last=[0] * IMAGE_GROUP,
+        reward_status=[0] * IMAGE_GROUP,
+        images=list(images) or None,
+    )
+
+
+def frame_bytes(group: TrajectoryGroup) -> int:
+    return sum(len(part) for part in encode_groups(RUN_ID, [group]))
+
+
+def round_trips(group: TrajectoryGroup, seconds: float) -> tuple[float, float]:
+    """encode_groups + decode_groups (with its validation) of one group, as often as `seconds` allow:
+    (round trips per wall-clock second, CPU microseconds of this process per round trip). The CPU
+    time is the cost on a machine other work shares; the wall-clock rate is what it sustained there."""
+    n, t0, cpu0 = 0, time.perf_counter(), time.process_time()
+    while True:
+        decode_groups(encode_groups(RUN_ID, [group]), RUN_ID)
+        n += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds and n >= 3:
+            return n / elapsed, (time.process_time() - cpu0) / n * 1e6
+
+
+def decode_ms(images: list[bytes]) -> float:
+    """Milliseconds to decode a group's images to RGB pixels (what the learner does once per group)."""
+    from async_rl.images import decode
+
+    if not images:
+        return 0.0
+    t0 = time.perf_counter()
+    for data in images:
+        decode(data)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def processor_patches(pixels: np.ndarray, min_pixels: int, max_pixels: int) -> tuple[int, int] | None:
+    """(patches, pixel_values bytes) from the Qwen2-VL image processor the tiny VLM preset saves
+    (models/tiny_vl.py), to check the arithmetic; None where transformers lacks it."""
+    try:
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError:
+        return None
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    proc = Qwen2VLImageProcessorPil(size=size, min_pixels=min_pixels, max_pixels=max_pixels)
+    values = np.asarray(proc(images=[Image.fromarray(pixels)], return_tensors="np")["pixel_values"])
+    return values.shape[0], values.nbytes
+
+
+def measure_images(quick: bool, repeats: int) -> list[dict]:
+    """One row per (images, size, codec): the frame as sent, the frame with processed pixels instead,
+    and encode + decode throughput. The `repeats` timed passes go over all rows in turn (a burst of other
+    work on the shared machine then lands on several rows' passes, not all of one row's)."""
+    seconds = 0.25 if quick else 1.0
+    base = image_group([], 0)
+    cases = [(0, 0, "")] + [(k, s, c) for k in IMAGE_COUNTS if k for s in IMAGE_SIZES for c in IMAGE_CODECS]
+    pixels = {s: [natural_image(s, seed) for seed in range(max(IMAGE_COUNTS))] for s in IMAGE_SIZES}
+    checked = {}
+    for s in IMAGE_SIZES:  # at max_pixels = H x W: the image's own size, rounded to multiples of 28
+        want = qwen_vl_patches(s, s, QWEN_MIN_PIXELS, s * s)
+        got = processor_patches(pixels[s][0], QWEN_MIN_PIXELS, s * s)
+        if got is not None and got != (want, want * QWEN_PATCH_BYTES):
+            raise SystemExit(f"{s}x{s}: the processor gives {got} (patches, bytes), the arithmetic {want}")
+        checked[s] = got is not None
+    rows, groups = [], []
+    for count, size, codec in cases:
+        images = [encode_image(p, codec) for p in pixels[size][:count]] if count else []
+        patches = count * qwen_vl_patches(size, size, QWEN_MIN_PIXELS, size * size) if count else 0
+        group = image_group(images, patches // (QWEN_MERGE * QWEN_MERGE))
+        sent = frame_bytes(group)
+        _, back = decode_groups(encode_groups(RUN_ID, [group]), RUN_ID)
+        assert (back[0].images or []) == images  # the bytes arrive as they left
+        # The alternative: the same group (tokens, log-probs) with the pixel values in place of the files
+        processed = sent - sum(len(b) for b in images) + patches * QWEN_PATCH_BYTES
+        groups.append(group)
+        rows.append({
+            "images": count, "size": size, "codec": codec,
+            "image_bytes": len(images[0]) if images else 0,
+            "frame_bytes": sent, "text_frame_bytes": frame_bytes(base),
+            "patches": patches, "pixel_bytes": patches * QWEN_PATCH_BYTES, "processed_frame_bytes": processed,
+            "processed_over_sent": processed / sent, "processor_checked": checked.get(size, False),
+            "groups_per_s_reps": [], "cpu_us_reps": [], "decode_ms_reps": [],
+        })
+    round_trips(base, 0.3)  # warm-up: the first timed row would pay msgspec's and numpy's first calls
+    for _ in range(repeats):
+        for row, group in zip(rows, groups, strict=True):
+            rate, cpu_us = round_trips(group, seconds)
+            row["groups_per_s_reps"].append(rate)
+            row["cpu_us_reps"].append(cpu_us)
+            row["decode_ms_reps"].append(decode_ms(group.images or []))
+    for row in rows:
+        row["groups_per_s"] = statistics.median(row["groups_per_s_reps"])
+        row["mb_per_s"] = row["groups_per_s"] * row["frame_bytes"] / 1e6
+        row["cpu_us_per_group"] = statistics.median(row["cpu_us_reps"])
+        row["image_decode_ms"] = statistics.median(row["decode_ms_reps"])
+    return rows
+
+
+def image_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| images | size | codec | one image KB | frame KB (sent) | pixel values MB | processed / sent | "
+        "encode + decode groups/s min / **med** / max | MB/s | CPU us a group | image decode ms |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        size = f"{r['size']}x{r['size']}" if r["images"] else "-"
+        reps = r["groups_per_s_reps"]
+        lines.append(
+            f"| {r['images']} | {size} | {r['codec'] or '-'} | {r['image_bytes'] / 1e3:.1f} | {r['frame_bytes'] / 1e3:.1f} | "
+            f"{r['pixel_bytes'] / 1e6:.2f} | {r['processed_over_sent']:.1f}x | "
+            f"{min(reps):,.0f} / **{r['groups_per_s']:,.0f}** / {max(reps):,.0f} | {r['mb_per_s']:,.0f} | "
+            f"{r['cpu_us_per_group']:,.0f} | {r['image_decode_ms']:.1f} |"
+        )
+    return lines
+
+
+def plot_images(rows: list[dict], path: Path) -> None:
+    """Bytes per group on the wire: as sent (encoded files) against processed pixel values, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['images']}x{r['size']} {r['codec']}" if r["images"] else "text only" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar(x - 0.2, [r["frame_bytes"] / 1e6 for r in rows], 0.4, label="sent (encoded images in the header)")
+    ax.bar(x + 0.2, [r["processed_frame_bytes"] / 1e6 for r in rows], 0.4, label="with processed pixel values")
+    ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("MB per group of 8")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_images(args: argparse.Namespace) -> None:
+    out = args.out or ("transport-images-quick" if args.quick else "transport-images")
+    repeats = 1 if args.quick else args.repeats
+    command = "python benchmarks/bench_transport.py " + " ".join(sys.argv[1:])
+    load_before = os.getloadavg()[0]
+    rows = measure_images(args.quick, repeats)
+    table = image_table(rows)
+    print("\n".join(table))
+    meta = {"command": command, "repeats": repeats, "cores": len(os.sched_getaffinity(0)),
+            "load_average_1min": [load_before, os.getloadavg()[0]], "group": IMAGE_GROUP, "text_tokens": IMAGE_TEXT_TOKENS,
+            "min_pixels": QWEN_MIN_PIXELS, "max_pixels": "H x W of each image", "patch_bytes": QWEN_PATCH_BYTES}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{out}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    (RESULTS / f"{out}.md").write_text(
+        f"Frame sizes with images (`{command}`; {meta['cores']} cores, 1-minute load average "
+        f"{load_before:.1f} before and {os.getloadavg()[0]:.1f} after, {repeats} timed pass(es) per row)\n\n"
+        + "\n".join(table) + "\n"
+    )
+    plot_images(rows, RESULTS / f"{out}.png")
+    print(f"wrote {RESULTS / (out + '.json')}, .md and .png")
+
+
 # ---- driver --------------------------------------------------------------------------------------
 
 
@@ -353,8 +597,12 @@ def main() -> None:
     ap.add_argument("--transports", default="zmq+msgspec,zmq+pickle,ray,buffer")
     ap.add_argument("--latency-rate", type=float, default=200.0, help="trajectories/s of the latency pass")
     ap.add_argument("--routes", default="", help="LAYERS,TOP_K: attach MoE routes (uint8) to every trajectory")
+    ap.add_argument("--images", action="store_true", help="frame sizes and encode + decode rates of a group with images")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.images:
+        run_images(args)
+        return
     out = args.out or ("transport-quick" if args.quick else "transport")
     repeats = 1 if args.quick else args.repeats
     transports = args.transports.split(",")
