@@ -253,6 +253,9 @@ class _StubBackend:
     def reference_share(self) -> None:
         return None  # no sequence parallelism
 
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        return {}  # the weight source's served checksum is never asked for here
+
 
 def test_reference_and_critic_take_the_backends_device(model_dir, monkeypatch):
     monkeypatch.setattr(driver_mod, "make_backend", lambda *a, **k: _StubBackend())

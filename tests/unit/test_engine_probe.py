@@ -21,7 +21,7 @@ def engine(monkeypatch) -> GeneratorEngine:
     """An engine whose vLLM scores token t at position i as -(t + i / 10); requests are recorded."""
     requests: list[str] = []
 
-    async def score_tokens(llm, token_ids: list[int], request_id: str) -> list[float]:
+    async def score_tokens(llm, token_ids: list[int], request_id: str, images=None, prompt_len: int = 0) -> list[float]:
         requests.append(request_id)
         return [math.nan] + [-(t + i / 10) for i, t in enumerate(token_ids) if i > 0]
 

@@ -425,7 +425,7 @@ def test_engine_episode_waits_out_a_pause_between_turns(chat_tokenizer, monkeypa
     async def scenario():
         eng = episode_engine(tok, "guess", group_size=1, max_tokens=8, reward=lambda sample: 0.0)
 
-        async def generate(llm, source, params, request_id):
+        async def generate(llm, source, params, request_id, images=None):
             started.append((request_id, eng.version, list(source["prompt_token_ids"])))
             if len(started) == 1:
                 eng.model.hold()  # the controller pauses the engine right after the first turn
@@ -482,7 +482,7 @@ def test_engine_tool_episodes_score_the_final_answer_in_the_reward_workers(chat_
         eng = episode_engine(tok, "tools", group_size=2, max_tokens=16, task=task, reward_timeout_s=10.0,
                              reward_workers=2)
 
-        async def generate(llm, source, params, request_id):
+        async def generate(llm, source, params, request_id, images=None):
             episode, turn = request_id.split("-")[-2:]  # r1-s0-t1
             ids_in = list(source["prompt_token_ids"])
             seen.append(ids_in)

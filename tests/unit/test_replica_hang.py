@@ -45,7 +45,7 @@ def clock(monkeypatch) -> Clock:
 
 @pytest.fixture
 def core(monkeypatch) -> Core:
-    async def score_tokens(llm: Core, token_ids: list[int], request_id: str) -> list[float]:
+    async def score_tokens(llm: Core, token_ids: list[int], request_id: str, images=None, prompt_len: int = 0) -> list[float]:
         return await llm.answers.get()
 
     monkeypatch.setattr(vc, "score_tokens", score_tokens)

@@ -26,12 +26,12 @@ def generated_across(monkeypatch, before: int, after: int) -> tuple[int, int]:
     model.version = before
     model.open()
 
-    async def generate(llm, prompt, params, request_id):
+    async def generate(llm, prompt, params, request_id, images=None):
         model.version = after  # a weight sync lands while the request runs (pause mode keep)
         return [1, 2], []
 
     monkeypatch.setattr(vc, "generate", generate)
-    monkeypatch.setattr(vc, "generation_input", lambda ids, text: ids)
+    monkeypatch.setattr(vc, "generation_input", lambda ids, text, images=None, prompt_len=0: ids)
     out = asyncio.run(model.generate([1, 2], None, "r"))
     return out.version_first, out.version_last
 
