@@ -6,15 +6,23 @@
         rng_rank{r}.pt       every learner rank's RNG states
         run_state.json       step, policy version, buffer accounting and prompt stream position
         buffer_groups.msgpack  the groups generated but not yet trained (the resumed run trains them)
+        manifest.json        every other file's size and xxh3 checksum, written last (checkpoint_manifest.py)
 
 A checkpoint is written into a hidden temporary folder and renamed into place: a folder named
 `step_N` is always complete, whenever the run was killed. A checkpoint cut short (a rank or the
 controller killed while writing it) leaves its `.tmp-` folder behind; no resume or recovery reads one,
 and `discard_partial` removes them (at a resume, after a learner recovery, at the next commit).
+
+A resume or a learner recovery checks the checkpoint it picks against its manifest first (`pick`). A
+damaged one (a file truncated, missing or changed after the commit) is renamed `damaged-step_N-*`,
+which no later pick reads and retention never deletes, and the one before it is tried; a user can
+still resume from it by naming its folder. `python -m async_rl.checkpoint verify RUN_DIR` checks
+every checkpoint of a run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -26,6 +34,7 @@ from typing import TextIO
 
 import msgspec
 
+from async_rl import checkpoint_manifest
 from async_rl.buffer.actor import BufferState
 from async_rl.errors import ConfigError
 
@@ -34,6 +43,7 @@ RUN_STATE = "run_state.json"
 GROUPS_FILE = "buffer_groups.msgpack"  # the buffer's untrained groups (binary frames), beside run_state.json
 _PREFIX = "step_"
 _TMP = ".tmp-"
+_DAMAGED = "damaged-"
 
 
 class RunCheckpoint(msgspec.Struct, kw_only=True):
@@ -69,6 +79,7 @@ def commit(tmp: Path, state: RunCheckpoint, keep: int) -> Path:
     (tmp / GROUPS_FILE).write_bytes(msgspec.msgpack.encode(state.buffer.groups))
     readable = msgspec.structs.replace(state, buffer=msgspec.structs.replace(state.buffer, groups=[]))
     (tmp / RUN_STATE).write_bytes(msgspec.json.encode(readable))
+    checkpoint_manifest.write(tmp)  # last: it describes every file written above
     for f in tmp.rglob("*"):  # data on disk before the rename makes it visible
         if f.is_file():
             with open(f, "rb") as fh:
@@ -122,15 +133,72 @@ def completed(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
+def set_aside(ckpt: Path) -> Path:
+    """Rename a damaged checkpoint so that no pick reads it again; never deleted (the user's to judge)."""
+    aside = ckpt.parent / f"{_DAMAGED}{ckpt.name}-{uuid.uuid4().hex[:6]}"
+    os.rename(ckpt, aside)
+    return aside
+
+
+def pick(run_dir: Path, when: str, stream: TextIO | None = None) -> Path | None:
+    """The newest checkpoint of `run_dir` that its manifest vouches for (or that has no manifest, said in
+    one line); each damaged one on the way is set aside, in one line naming its damaged file. None when
+    no checkpoint is left. `when` starts each line (resume, recovery)."""
+    out = stream or sys.stdout
+    for ckpt in reversed(completed(run_dir)):
+        verdict = checkpoint_manifest.verify(ckpt)
+        if verdict.intact:
+            if not verdict.verified:
+                print(f"{when}: checkpoint {ckpt} has no manifest (written before manifests existed): "
+                      "it loads unverified", file=out, flush=True)
+            return ckpt
+        aside = set_aside(ckpt)
+        print(f"{when}: checkpoint {ckpt} is damaged: {verdict.damaged}; set aside as {aside.name}, "
+              "trying the one before", file=out, flush=True)
+    return None
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return (path / RUN_STATE).is_file()
+
+
+def resume_run_dir(path: Path) -> Path:
+    """The run directory `--resume PATH` names: PATH itself, or the run of a checkpoint folder PATH
+    (RUN_DIR/checkpoints/FOLDER); a one-line ConfigError when it does not exist or holds no checkpoint."""
+    path = Path(path)
+    if _is_checkpoint(path):
+        return path.parent.parent
+    if not path.is_dir():
+        raise ConfigError(f"--resume: run directory '{path}' does not exist")
+    if not completed(path):
+        raise ConfigError(f"--resume: '{path}' has no checkpoint (no {CHECKPOINTS}/{_PREFIX}N folder)")
+    return path
+
+
+def choose(path: Path, stream: TextIO | None = None) -> Path:
+    """The checkpoint `--resume PATH` resumes from: a checkpoint folder named explicitly is taken as it
+    is (a damaged one with a warning line: the user chose it), a run directory's newest intact one
+    (`pick`). A one-line ConfigError when none is left."""
+    path = Path(path)
+    out = stream or sys.stdout
+    if _is_checkpoint(path):
+        verdict = checkpoint_manifest.verify(path)
+        if not verdict.intact:
+            print(f"resume: warning: checkpoint {path}, chosen by name, is damaged: {verdict.damaged}",
+                  file=out, flush=True)
+        return path
+    run_dir = resume_run_dir(path)
+    found = pick(run_dir, "resume", out)
+    if found is None:
+        raise ConfigError(f"--resume: every checkpoint of '{run_dir}' is damaged (set aside as "
+                          f"{CHECKPOINTS}/{_DAMAGED}*; name one's folder to resume from it anyway)")
+    return found
+
+
 def latest(run_dir: Path) -> Path:
-    """The newest complete checkpoint of `run_dir`; a one-line ConfigError when there is none."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"--resume: run directory '{run_dir}' does not exist")
-    found = completed(run_dir)
-    if not found:
-        raise ConfigError(f"--resume: '{run_dir}' has no checkpoint (no {CHECKPOINTS}/{_PREFIX}N folder)")
-    return found[-1]
+    """The checkpoint folder `run_dir` names, else the run's newest complete checkpoint, unchecked; a
+    one-line ConfigError when there is none."""
+    return Path(run_dir) if _is_checkpoint(Path(run_dir)) else completed(resume_run_dir(run_dir))[-1]
 
 
 def load_state(checkpoint: Path) -> RunCheckpoint:
@@ -163,3 +231,40 @@ def trim_metrics(run_dir: Path, step: int, name: str = "metrics.jsonl") -> int:
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
     return dropped
+
+
+def verify_run(run_dir: Path, stream: TextIO | None = None) -> int:
+    """One line per checkpoint of `run_dir` (set-aside ones too): intact, damaged (and how) or
+    unverified. Returns the number damaged."""
+    out = stream or sys.stdout
+    root = Path(run_dir) / CHECKPOINTS
+    folders = sorted(p for p in root.iterdir() if _is_checkpoint(p)) if root.is_dir() else []
+    if not folders:
+        raise ConfigError(f"verify: '{run_dir}' has no checkpoint")
+    damaged = 0
+    for folder in folders:
+        verdict = checkpoint_manifest.verify(folder)
+        if not verdict.intact:
+            damaged += 1
+            line = f"damaged: {verdict.damaged}"
+        else:
+            line = "intact" if verdict.verified else "unverified (no manifest)"
+        print(f"{folder.name}: {line}", file=out, flush=True)
+    return damaged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m async_rl.checkpoint", description="Check a run's checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("verify", help="check every checkpoint of RUN_DIR against its manifest; exit 1 if any is damaged")
+    check.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        return 1 if verify_run(args.run_dir) else 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -52,8 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--resume",
         metavar="RUN_DIR",
-        help="continue RUN_DIR from its latest checkpoint (same step and version numbering) with the run's saved "
-        "config (overrides apply on top); a CONFIG given too is compared with it key by key",
+        help="continue RUN_DIR from its newest intact checkpoint (same step and version numbering; a damaged "
+        "one is set aside, said in one line) with the run's saved config (overrides apply on top); a CONFIG "
+        "given too is compared with it key by key. RUN_DIR/checkpoints/FOLDER resumes from that checkpoint",
     )
     return ap.parse_intermixed_args(argv)  # flags before or after the overrides
 
@@ -266,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resume_line = None
         if args.resume and config is None:  # the run's own config, overrides on top
-            from async_rl.checkpoint import latest
+            from async_rl.checkpoint import resume_run_dir
 
-            latest(Path(args.resume))  # no checkpoint: that one line first, not a missing config.yaml
-            cfg, resume_line = saved_with_overrides(Path(args.resume), overrides)
+            # no checkpoint: that one line first, not a missing config.yaml
+            cfg, resume_line = saved_with_overrides(resume_run_dir(Path(args.resume)), overrides)
         else:
             cfg = load_config(config, overrides)
         check_inputs(cfg)
@@ -278,11 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_placement(cfg, view=view)  # a plan the cluster cannot hold: one line, exit 2
         resume_from = None
         if args.resume:
-            from async_rl.checkpoint import latest
+            from async_rl.checkpoint import choose, latest, resume_run_dir
 
-            resume_from = latest(Path(args.resume))  # no checkpoint: one-line ConfigError, exit 2
+            # no checkpoint, or none intact: one-line ConfigError, exit 2 (a dry run changes nothing: unchecked)
+            resume_from = latest(Path(args.resume)) if args.dry_run else choose(Path(args.resume))
             if config is not None:  # a CONFIG beside --resume: what differs from the run's own, key by key
-                saved_path = saved_config(Path(args.resume))
+                saved_path = saved_config(resume_run_dir(Path(args.resume)))
                 resume_line = check_given(saved_path, resolve_devices(load_config(saved_path), view), cfg)
             if resume_line:
                 print(resume_line, flush=True)

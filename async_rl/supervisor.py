@@ -93,10 +93,11 @@ class ScaleEvent(msgspec.Struct, frozen=True):
     at: float = 0.0  # wall-clock time (time.time()) the event was logged: detection delays are measured from it
 
 
-def latest_checkpoint(run_dir: Path) -> str | None:
-    """The newest complete checkpoint (what `--resume` would pick), or None."""
-    found = checkpoint.completed(run_dir)
-    return str(found[-1]) if found else None
+def latest_checkpoint(run_dir: Path, stream: TextIO | None = None) -> str | None:
+    """The newest intact checkpoint (what `--resume` would pick; damaged ones on the way are set aside,
+    in one line each on `stream`), or None."""
+    found = checkpoint.pick(run_dir, "[recovery]", stream)
+    return str(found) if found is not None else None
 
 
 def learner_hung(ranks: list[int], step: int, limit_s: float) -> str:
@@ -332,7 +333,7 @@ class Supervisor:
         policy (recovery.py) decides: the run stops with one line (RunError), or every rank of the group
         is replaced by a fresh actor restored from the newest checkpoint (the initial weights without
         one), the engines get those weights, and LearnerRestarted tells the loop where to go on."""
-        ckpt = latest_checkpoint(self.run_dir)
+        ckpt = latest_checkpoint(self.run_dir, self.stream)
         ckpt_step = checkpoint.load_state(Path(ckpt)).step if ckpt is not None else None
         plan = self.recovery.decide(step, what, ckpt, ckpt_step)
         if isinstance(plan, RunError):
