@@ -34,9 +34,9 @@ from typing import TextIO
 
 import msgspec
 
-from async_rl import checkpoint_manifest
+from async_rl import checkpoint_manifest, storage
 from async_rl.buffer.actor import BufferState
-from async_rl.errors import ConfigError
+from async_rl.errors import ConfigError, RunError
 
 CHECKPOINTS = "checkpoints"
 RUN_STATE = "run_state.json"
@@ -99,6 +99,17 @@ def commit(tmp: Path, state: RunCheckpoint, keep: int) -> Path:
     for old in completed(root.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def out_of_space(run_dir: Path, tmp: Path, step: int) -> RunError:
+    """Checkpoint `step` did not fit: its partial folder goes (it would only hold the space), and the
+    run stops with one line naming the bytes needed (the newest checkpoint's size), the bytes free and
+    the checkpoint to resume from, which stays intact."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    found = completed(run_dir)
+    needed = storage.folder_bytes(found[-1]) if found else None
+    resume = f"free space, then --resume {run_dir} (from {found[-1].name})" if found else "no checkpoint was written"
+    return RunError(f"{storage.space_line(f'checkpoint {_PREFIX}{step}', Path(run_dir) / CHECKPOINTS, needed)}; {resume}")
 
 
 def discard_partial(run_dir: Path, when: str, stream: TextIO | None = None) -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from async_rl import checkpoint, versions
+from async_rl import checkpoint, storage, versions
 from async_rl.autoscale import ScaleSignal
 from async_rl.buffer.actor import BufferStats
 from async_rl.cluster.placement import PlacementPlan
@@ -246,16 +246,21 @@ class Controller:
         """RUN_DIR/checkpoints/step_N after N steps: learner state (every rank), buffer accounting and
         prompt position, policy version. Written aside and renamed into place."""
         tmp = checkpoint.begin(self.run_dir)
-        # a rank dying in it is recovered (the written part stays in a .tmp- folder no resume reads)
-        self.supervisor.on_learner(self.version - 1, [a.save_checkpoint.remote(str(tmp)) for a in self.learner.actors])
-        state = checkpoint.RunCheckpoint(
-            step=self.version,  # one optimizer step per version
-            version=self.version,
-            initial_model_dir=str(self.initial_model_dir),
-            buffer=self.supervisor.on_buffer(self.version - 1, self.runtime.buffer_checkpoint_state),
-            saved_at=time.time(),
-        )
-        final = checkpoint.commit(tmp, state, self.cfg.train.checkpoint_keep)
+        try:
+            # a rank dying in it is recovered (the written part stays in a .tmp- folder no resume reads)
+            self.supervisor.on_learner(self.version - 1, [a.save_checkpoint.remote(str(tmp)) for a in self.learner.actors])
+            state = checkpoint.RunCheckpoint(
+                step=self.version,  # one optimizer step per version
+                version=self.version,
+                initial_model_dir=str(self.initial_model_dir),
+                buffer=self.supervisor.on_buffer(self.version - 1, self.runtime.buffer_checkpoint_state),
+                saved_at=time.time(),
+            )
+            final = checkpoint.commit(tmp, state, self.cfg.train.checkpoint_keep)
+        except Exception as exc:
+            if not storage.out_of_space(exc):
+                raise
+            raise checkpoint.out_of_space(self.run_dir, tmp, self.version) from None
         checkpoint.discard_partial(self.run_dir, f"checkpoint {final.name}", self.supervisor.stream)  # cut short earlier
         return final
 

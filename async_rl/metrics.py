@@ -9,7 +9,9 @@ from typing import Any, TextIO
 
 import msgspec
 
+from async_rl import storage
 from async_rl.config import WandbConfig
+from async_rl.errors import RunError
 from async_rl.evaluation import scores
 from async_rl.evaluation.scores import EvalRecord
 
@@ -226,8 +228,14 @@ class MetricsSink:
 
     def log(self, record: StepRecord) -> None:
         # One line per record, flushed: a crash never leaves a half-written line behind.
-        self._jsonl.write(msgspec.json.encode(record) + b"\n")
-        self._jsonl.flush()
+        line = msgspec.json.encode(record) + b"\n"
+        try:
+            self._jsonl.write(line)
+            self._jsonl.flush()
+        except OSError as exc:
+            if not storage.out_of_space(exc):
+                raise
+            raise RunError(storage.space_line(f"metrics step {record.step}", Path(self._jsonl.name), len(line))) from None
         print(console_line(record, self.total_steps), file=self.stream, flush=True)
         if self._wandb is not None:
             data = {k: v for k, v in msgspec.structs.asdict(record).items() if v is not None}

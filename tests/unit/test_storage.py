@@ -1,0 +1,58 @@
+"""A write that fails for lack of space is told apart and said in one line (async_rl/storage.py), and a
+checkpoint that does not fit stops the run without touching the last complete one."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from async_rl import checkpoint, storage
+from tests.unit.test_checkpoint_partial import write
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_full_disk_writes_are_told_apart_on_a_real_full_filesystem(tmp_path):
+    """torch.save, safetensors and a plain write into a 64 KiB tmpfs mounted in a mount namespace of
+    our own (unshare), so nothing outside the test sees it."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare: cannot make a small filesystem of our own")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    script = f"mount -t tmpfs -o size=64k tmpfs {mnt} && exec {sys.executable} -m tests.unit._disk_full_probe {mnt}"
+    for flags in (["-m"], ["-rm"]):  # root, else an unprivileged user namespace
+        proc = subprocess.run(["unshare", *flags, "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+        if proc.returncode == 0:
+            break
+    else:
+        pytest.skip(f"cannot mount a tmpfs in a namespace here: {proc.stderr.strip()[-200:]}")
+    results = {r["write"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert set(results) == {"torch.save", "safetensors", "python"}
+    for name, r in results.items():
+        assert r["failed"] and r["out_of_space"], f"{name}: {r.get('error', 'did not fail')}"
+        assert "no space left" in r["line"] and "free" in r["line"] and "0.2 MiB" in r["line"]
+
+
+def test_other_failures_are_not_called_a_full_disk():
+    assert not storage.out_of_space(OSError(errno.EACCES, "Permission denied"))
+    assert not storage.out_of_space(RuntimeError("CUDA out of memory"))
+    wrapped = RuntimeError("rank 0 failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert storage.out_of_space(wrapped)
+
+
+def test_a_checkpoint_that_does_not_fit_stops_with_one_line_and_keeps_the_last(tmp_path):
+    kept = write(tmp_path, 4, weights=b"w" * 4096)
+    tmp = checkpoint.begin(tmp_path)
+    (tmp / "partial").write_bytes(b"x" * 100)
+    err = checkpoint.out_of_space(tmp_path, tmp, 6)
+    line = str(err)
+    assert "\n" not in line and line.startswith("checkpoint step_6: no space left")
+    assert f"{storage.folder_bytes(kept)} bytes" in line and "free" in line and f"--resume {tmp_path} (from step_4)" in line
+    assert not tmp.exists() and checkpoint.choose(tmp_path) == kept  # the partial folder freed, the last intact
