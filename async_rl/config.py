@@ -432,6 +432,14 @@ class GeneratorConfig(_Section):
         float, _f("a removed engine finishes its requests in flight for up to this long; the rest are "
                   "handed back to the prompt pool", ge=0)
     ] = 60.0
+    start_attempts: Annotated[
+        int, _f("a replacement or added engine whose start fails (its engine core dies while initializing, a "
+                "start timeout, an out-of-memory at load) is started again, up to this many starts in all; then "
+                "the run goes on with the engines it has, or with none left stops with one line", ge=1)
+    ] = 3
+    start_backoff_s: Annotated[
+        float, _f("wait before the second start of a failed engine; doubled before each later one", ge=0)
+    ] = 5.0
     health_check_s: Annotated[
         float, _f("while the learner waits, engines and buffer get a full check this often (a process that died is "
                   "noticed at once, from Ray's notice of a pending watch call)", gt=0)

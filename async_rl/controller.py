@@ -168,6 +168,7 @@ class Controller:
         record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
         record.num_engines = len(rt.generators.engines)
         record.recoveries = sup.recovery.recoveries
+        record.failed_starts = sup.starts.failed
         record.replayed = step <= self._last_logged_step
         self._last_logged_step = max(self._last_logged_step, step)
         record.kl_teacher = per_rank[0].kl_teacher  # a global mean: the same on every rank

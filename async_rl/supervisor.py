@@ -56,6 +56,7 @@ from async_rl.generator.pool import LEARNER
 from async_rl.learner.base import StepMetrics
 from async_rl.recovery import LearnerRecovery
 from async_rl.runtime import Runtime
+from async_rl.start_retry import StartRetry, StartsSpent
 
 SYNC_ATTEMPTS = 3
 T = TypeVar("T")
@@ -132,6 +133,8 @@ class Supervisor:
         self.run_dir = run_dir
         self.stream = stream
         self.target = cfg.generators.num_engines
+        g = cfg.generators
+        self.starts = StartRetry(g.start_attempts, g.start_backoff_s, (ray.exceptions.RayError, TimeoutError))
         self.inbox = ControlInbox(run_dir, run_id)
         self.signals: list[ScaleSignal] = []
         self.steps_since_change = 0
@@ -450,7 +453,16 @@ class Supervisor:
             before -= 1
         missing = self.target - len(pool.engines)
         if missing > 0:
-            new = pool.add(missing, paused=True)
+            try:
+                new = self.start_engines(step, missing, f"engine(s) replacing {dead}")
+            except StartsSpent as spent:
+                if not pool.engines:  # nothing left to generate with: the run stops, its checkpoint named
+                    found = checkpoint.completed(self.run_dir)
+                    where = f"resume from checkpoint {found[-1]}" if found else "no checkpoint was written"
+                    raise RunError(f"{spent}; {where}") from None
+                self.target = len(pool.engines)
+                self._event(step, "recovery", before, before, f"{spent}; going on with {before} engine(s)")
+                return
             self._event(step, "recovery", before, len(pool.engines), f"started engine(s) {new} in its place")
 
     def restart_buffer(self, step: int) -> None:
@@ -536,9 +548,15 @@ class Supervisor:
 
     def add_engines(self, count: int) -> list[int]:
         """New engines start paused and receive the current weights at the next sync."""
-        new = self.rt.generators.add(count, paused=True)
+        new = self.start_engines(self.step, count, f"{count} added engine(s)")
         self.target = len(self.rt.generators.engines)
         return new
+
+    def start_engines(self, step: int, count: int, what: str) -> list[int]:
+        """`count` new engines, started again with backoff when their start fails (generators.start_attempts);
+        StartsSpent when every start failed."""
+        say = lambda line: print(f"[recovery] {line}", file=self.stream, flush=True)  # noqa: E731
+        return self.starts.run(lambda: self.rt.generators.add(count, paused=True), what, say)
 
     def remove_engine(self, engine_id: int) -> int:
         """Drain and stop one engine; returns how many of its leases went back to the prompt pool."""
@@ -554,7 +572,7 @@ class Supervisor:
             free = ray.available_resources().get("CPU", 0.0)
             if free < need:  # refuse now rather than wait for a placement that cannot happen
                 raise RunError(f"{engines - before} more engine(s) need {need} CPU(s), the Ray cluster has {free:g} free")
-            new = pool.add(engines - before, paused=True)
+            new = self.start_engines(step, engines - before, f"{engines - before} added engine(s)")
             self.sync(step + 1)  # added engines generate only with the current weights
             detail = f"added engine(s) {new}"
         elif engines < before:

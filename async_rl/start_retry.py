@@ -1,0 +1,50 @@
+"""Starting a process again when its start fails, with backoff, up to a bound.
+
+On GPUs a replacement engine failing at start is common (the dead engine's memory not yet freed: an
+out-of-memory at load; an NCCL or port set-up failing once), and on any machine a second fault can
+hit a replacement while it initializes (its engine core killed). Each of these is retried; what a
+start that can never succeed raises (no room in the placement: a RunError) is not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from async_rl.errors import RunError, first_line
+
+T = TypeVar("T")
+
+
+class StartsSpent(RunError):
+    """Every allowed start of a process failed; the message names it and the last cause."""
+
+
+class StartRetry:
+    """`run(start, what)` calls `start` until it returns, at most `attempts` times, waiting `backoff_s`
+    before the second call and twice as long before each later one. `failed` counts the failed starts
+    over the run (the step metrics' `failed_starts`)."""
+
+    def __init__(self, attempts: int, backoff_s: float, retry_on: tuple[type[BaseException], ...],
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.retry_on = retry_on
+        self.failed = 0
+        self._sleep = sleep
+
+    def run(self, start: Callable[[], T], what: str, say: Callable[[str], None]) -> T:
+        """`say` gets one line per failed start that will be retried."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return start()
+            except self.retry_on as exc:
+                self.failed += 1
+                cause = first_line(exc)
+                if attempt == self.attempts:
+                    raise StartsSpent(f"{what}: {self.attempts} start(s) failed, the last with: {cause}") from exc
+                wait = self.backoff_s * 2 ** (attempt - 1)
+                say(f"{what}: start {attempt} of {self.attempts} failed ({cause}); starting again in {wait:.0f}s")
+                self._sleep(wait)
+        raise AssertionError("unreachable: attempts >= 1")
