@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import msgspec
 
@@ -201,6 +201,17 @@ def console_line(r: StepRecord, total_steps: int) -> str:
     )
 
 
+def _append(fh: BinaryIO, line: bytes, what: str) -> None:
+    """One record, flushed; a full disk stops the run with one line (bytes needed and free)."""
+    try:
+        fh.write(line)
+        fh.flush()
+    except OSError as exc:
+        if not storage.out_of_space(exc):
+            raise
+        raise RunError(storage.space_line(what, Path(fh.name), len(line))) from None
+
+
 class MetricsSink:
     def __init__(
         self,
@@ -230,14 +241,7 @@ class MetricsSink:
 
     def log(self, record: StepRecord) -> None:
         # One line per record, flushed: a crash never leaves a half-written line behind.
-        line = msgspec.json.encode(record) + b"\n"
-        try:
-            self._jsonl.write(line)
-            self._jsonl.flush()
-        except OSError as exc:
-            if not storage.out_of_space(exc):
-                raise
-            raise RunError(storage.space_line(f"metrics step {record.step}", Path(self._jsonl.name), len(line))) from None
+        _append(self._jsonl, msgspec.json.encode(record) + b"\n", f"metrics step {record.step}")
         print(console_line(record, self.total_steps), file=self.stream, flush=True)
         if self._wandb is not None:
             data = {k: v for k, v in msgspec.structs.asdict(record).items() if v is not None}
@@ -248,8 +252,7 @@ class MetricsSink:
         training step. In wandb they share the step axis (optimizer steps done) under eval/."""
         if self._eval_jsonl is None:
             self._eval_jsonl = open(self._eval_path, "ab")
-        self._eval_jsonl.write(msgspec.json.encode(record) + b"\n")
-        self._eval_jsonl.flush()
+        _append(self._eval_jsonl, msgspec.json.encode(record) + b"\n", f"evaluation at step {record.step}")
         print(scores.console_line(record), file=self.stream, flush=True)
         if self._wandb is not None:
             self._wandb.log(scores.flat_metrics(record), step=record.step)

@@ -53,7 +53,7 @@ def free_bytes(path: Path) -> int:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB ({n} bytes)"
+    return f"{n / 2**20:.1f} MiB ({n} bytes)" if n >= 2**20 else f"{n / 2**10:.1f} KiB ({n} bytes)"
 
 
 def space_line(what: str, path: Path, needed: int | None) -> str:

@@ -234,8 +234,32 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
     vLLM engine core is killed before its share reaches it; in the second, the buffer; in the last,
     an engine's Ray actor with its share in flight. Each time exactly the dead engine's prompts go to
     the other engine, the record counts them, every eval prompt is scored once, the dead engine is
-    replaced and the buffer restarted: the run goes on. Every death is found within DETECT_S."""
+    replaced and the buffer restarted: the run goes on. Every death is found within DETECT_S. A second
+    fault during the first recovery: engine 0's replacement is killed while it starts; it is started
+    again (generators.start_attempts), counted in failed_starts, and the evaluation goes on."""
     real = Evaluation._dispatch
+    real_add = GeneratorPool.add
+    struck: list[int] = []  # the replacement engine killed while it started
+
+    def add(self, count, paused, while_starting=None):
+        if "engine_core" in kill_times and not struck:  # the first evaluation's dead engine is being replaced
+            before = set(self.engines)
+
+            def strike():
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not struck:
+                    new = sorted(set(dict(self.engines)) - before)
+                    if new:
+                        time.sleep(2.0)  # into its start (vLLM takes >10 s to start here): not yet serving
+                        kill_times["replacement"] = time.time()
+                        struck.append(new[0])
+                        ray.kill(self.engines[new[0]].actor, no_restart=True)
+                    time.sleep(0.05)
+
+            threading.Thread(target=strike, daemon=True).start()
+        return real_add(self, count, paused, while_starting)
+
+    monkeypatch.setattr(GeneratorPool, "add", add)
     sent: list[tuple[int, int, list[int]]] = []  # (evaluation: its last_step, engine id, prompt ids)
     killed: list[tuple[str, int, list[int]]] = []  # (what, engine id, the prompts it held)
     kill_times: dict[str, float] = {}
@@ -276,7 +300,8 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
 
     evals = ["eval.enabled=true", "eval.max_prompts=6", "eval.n=2", "eval.temperature=1.0", "eval.every=2"]
     out = run_short(
-        tmp_path, model_cache, [*SHORT, "train.total_steps=3", "generators.num_engines=2", *evals], between=between
+        tmp_path, model_cache, [*SHORT, "train.total_steps=3", "generators.num_engines=2", "generators.start_backoff_s=1",
+                                *evals], between=between
     )
     cfg, summary, _, engine_cks, final, records = out
     assert [(k, e) for k, e, _ in killed] == [("engine_core", 0), ("engine_actor", 1)], killed
@@ -289,11 +314,15 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
         assert record["reassigned_prompts"] == len(held) == 3 and record["dead_engines"] == 1
         # Every eval prompt scored exactly once (the phase checks the ids), none counted failed.
         assert (record["prompts"], record["samples"], record["failed_prompts"]) == (6, 12, 0)
-    # Both dead engines were replaced and the run went on to its last step on their successors.
-    assert summary.steps == cfg.train.total_steps and sorted(engine_cks) == [2, 3]
+    # Both dead engines were replaced and the run went on to its last step on their successors; engine
+    # 0's first replacement (2) was killed while it started, and the second start (3) took its place.
+    assert struck == [2] and records[-1]["failed_starts"] == 1
+    assert summary.steps == cfg.train.total_steps and sorted(engine_cks) == [3, 4]
     log = events(tmp_path)
     replaced = [e["reason"] for e in log if e["source"] == "recovery" and e["reason"].startswith("engine ")]
     assert [r.split(";")[0] for r in replaced] == ["engine 0 died", "engine 1 died"], replaced
+    (back,) = [e for e in log if e["source"] == "recovery" and e["reason"] == "started engine(s) [3] in its place"]
+    print(f"replacement killed while starting: back {back['at'] - kill_times['replacement']:.1f}s after the kill")
     assert any(e["source"] == "recovery" and e["reason"].startswith("buffer died") for e in log)
     assert (records_eval[1]["reassigned_prompts"], records_eval[1]["failed_prompts"]) == (0, 0)  # no engine lost
     # Found: the watcher's event, or the recovery itself where the evaluation's failed call got there
@@ -308,7 +337,7 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
     (last_death,) = [e["reason"] for e in log if e["source"] == "recovery" and e["reason"].startswith("engine 1 died")]
     requeued_late = int(last_death.split("; ")[1].split()[0]) * cfg.generators.group_size
     check_common(
-        *out, engines=[2, 3], rejected_ok=("unknown_prompt", "wrong_engine"),
+        *out, engines=[3, 4], rejected_ok=("unknown_prompt", "wrong_engine"),
         requeued=final.accounts.requeued, late_groups=True, requeued_after_last_step=requeued_late,
     )
     assert final.accounts.lost == 0
