@@ -112,6 +112,23 @@ def out_of_space(run_dir: Path, tmp: Path, step: int) -> RunError:
     return RunError(f"{storage.space_line(f'checkpoint {_PREFIX}{step}', Path(run_dir) / CHECKPOINTS, needed)}; {resume}")
 
 
+def space_warning(run_dir: Path, step: int) -> str | None:
+    """Before checkpoint `step`: one line when the run directory's disk has room for fewer than two more
+    checkpoints of the newest one's size (the older ones go only after the new one is complete), so a
+    run about to fill its disk says so a checkpoint ahead. None when there is room or nothing to go by."""
+    found = completed(run_dir)
+    if not found:
+        return None
+    size = storage.folder_bytes(found[-1])
+    root = Path(run_dir) / CHECKPOINTS
+    free = storage.free_bytes(root)
+    if free >= 2 * size:
+        return None
+    fits = "may not fit" if free < size else "fits, the one after it may not"
+    return (f"checkpoint {_PREFIX}{step}: {storage.size_text(free)} free under {root}, the newest checkpoint "
+            f"({found[-1].name}) takes {storage.size_text(size)}: this one {fits}")
+
+
 def discard_partial(run_dir: Path, when: str, stream: TextIO | None = None) -> list[str]:
     """Remove the `.tmp-` folders of checkpoints cut short (no writer may be running: call it when
     every learner rank that could write one is gone or idle) and, if any went, say so in one line on

@@ -246,6 +246,8 @@ class Controller:
     def save_checkpoint(self) -> Path:
         """RUN_DIR/checkpoints/step_N after N steps: learner state (every rank), buffer accounting and
         prompt position, policy version. Written aside and renamed into place."""
+        if warning := checkpoint.space_warning(self.run_dir, self.version):
+            print(warning, file=self.supervisor.stream, flush=True)
         tmp = checkpoint.begin(self.run_dir)
         try:
             # a rank dying in it is recovered (the written part stays in a .tmp- folder no resume reads)

@@ -52,12 +52,13 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """A byte count for a line: MiB at 1 MiB and over, KiB below, the exact bytes beside it."""
     return f"{n / 2**20:.1f} MiB ({n} bytes)" if n >= 2**20 else f"{n / 2**10:.1f} KiB ({n} bytes)"
 
 
 def space_line(what: str, path: Path, needed: int | None) -> str:
     """One line: `what` failed writing under `path` for lack of space, the bytes it needed (if known)
     and the bytes free there now."""
-    need = f"needs about {_size(needed)}" if needed else "needs an unknown amount"
-    return f"{what}: no space left on the device of {path}: {need}, {_size(free_bytes(path))} free"
+    need = f"needs about {size_text(needed)}" if needed else "needs an unknown amount"
+    return f"{what}: no space left on the device of {path}: {need}, {size_text(free_bytes(path))} free"

@@ -60,3 +60,17 @@ def test_a_checkpoint_that_does_not_fit_stops_with_one_line_and_keeps_the_last(t
     assert "\n" not in line and line.startswith("checkpoint step_6: no space left")
     assert f"{storage.folder_bytes(kept)} bytes" in line and "free" in line and f"--resume {tmp_path} (from step_4)" in line
     assert not tmp.exists() and checkpoint.choose(tmp_path) == kept  # the partial folder freed, the last intact
+
+
+def test_a_run_about_to_fill_its_disk_says_so_a_checkpoint_ahead(tmp_path, monkeypatch):
+    assert checkpoint.space_warning(tmp_path, 2) is None  # nothing written yet: nothing to go by
+    newest = write(tmp_path, 2, weights=b"w" * 8192)
+    size = storage.folder_bytes(newest)
+    for free, expected in ((3 * size, None), (size + size // 2, "the one after it may not"), (size // 2, "may not fit")):
+        monkeypatch.setattr(storage, "free_bytes", lambda path, free=free: free)
+        line = checkpoint.space_warning(tmp_path, 4)
+        if expected is None:
+            assert line is None
+            continue
+        assert line.startswith("checkpoint step_4: ") and expected in line and "\n" not in line
+        assert f"({free} bytes) free" in line and f"(step_2) takes {size / 2**10:.1f} KiB ({size} bytes)" in line
