@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from async_rl import checkpoint
+from async_rl.control import checkpoint
 from async_rl.errors import RunError
 from async_rl.learner.base import checkpoint_adapter_dir
 from async_rl.learner.hf_io import read_model_files, write_hf_folder

@@ -19,11 +19,11 @@ from async_rl import versions
 from async_rl.cluster.devices import ClusterView, local_view, ray_view, resolve_devices
 from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, reward_model_serving, to_dict, to_yaml
+from async_rl.control.leftovers import marked, stop_orphans
+from async_rl.control.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.errors import ConfigError, RunError
 from async_rl.learner.moe_settings import settings_error
-from async_rl.leftovers import marked, stop_orphans
 from async_rl.models.tiny import model_is_vision, model_routing, resolve_model_path
-from async_rl.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.tasks.registry import load_task
 from async_rl.tasks.rewards import load_reward
 from async_rl.vision_settings import images_error, vision_error
@@ -31,7 +31,7 @@ from async_rl.vision_settings import images_error, vision_error
 
 def weight_sync_line(cfg: Config) -> str:
     """The weight-sync backend the run uses (`auto` resolved), shown under the placement plan."""
-    from async_rl.settings import resolve_backend
+    from async_rl.control.settings import resolve_backend
 
     chosen = resolve_backend(cfg)
     how = " (auto)" if cfg.weight_sync.backend == "auto" else ""
@@ -71,7 +71,7 @@ def check_inputs(cfg: Config) -> None:
     if why := vision_error(cfg, vision) or images_error(cfg, vision, first is not None and bool(first.images)):
         raise ConfigError(why)
     load_reward(cfg.task)  # a bad task.reward or task.reward_pattern fails here, not in every reward worker
-    from async_rl.settings import frame_limit
+    from async_rl.control.settings import frame_limit
 
     # a buffer.max_frame_mb below one full-length group (with its routes): one line here, not rejected groups
     frame_limit(cfg, routing, vision)
@@ -139,8 +139,8 @@ def start_ray(cfg: Config, plan: PlacementPlan) -> None:
 
 def _run_dir(cfg: Config, resume_from: Path | None) -> Path:
     """A new run directory with its config, or the resumed checkpoint's (its later metrics trimmed)."""
-    from async_rl import checkpoint
-    from async_rl.metrics import EVAL_FILE
+    from async_rl.control import checkpoint
+    from async_rl.control.metrics import EVAL_FILE
 
     if resume_from is None:
         run_dir = make_run_dir(cfg)
@@ -215,8 +215,8 @@ def run(cfg: Config, plan: PlacementPlan, resume_from: Path | None = None) -> in
 def _run_marked(cfg: Config, plan: PlacementPlan, run_dir: Path, model_dir: Path, resume_from: Path | None) -> int:
     import ray
 
-    from async_rl.controller import Controller
-    from async_rl.metrics import MetricsSink
+    from async_rl.control.controller import Controller
+    from async_rl.control.metrics import MetricsSink
 
     start_ray(cfg, plan)
     controller = Controller(cfg, model_dir, run_dir, plan, resume_from)
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resume_line = None
         if args.resume and config is None:  # the run's own config, overrides on top
-            from async_rl.checkpoint import resume_run_dir
+            from async_rl.control.checkpoint import resume_run_dir
 
             # no checkpoint: that one line first, not a missing config.yaml
             cfg, resume_line = saved_with_overrides(resume_run_dir(Path(args.resume)), overrides)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_placement(cfg, view=view)  # a plan the cluster cannot hold: one line, exit 2
         resume_from = None
         if args.resume:
-            from async_rl.checkpoint import choose, latest, resume_run_dir
+            from async_rl.control.checkpoint import choose, latest, resume_run_dir
 
             # no checkpoint, or none intact: one-line ConfigError, exit 2 (a dry run changes nothing: unchecked)
             resume_from = latest(Path(args.resume)) if args.dry_run else choose(Path(args.resume))

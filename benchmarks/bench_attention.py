@@ -106,7 +106,7 @@ def child(a: argparse.Namespace) -> None:
         TrainConfig,
         WeightSyncConfig,
     )
-    from async_rl.learner.base import LearnerSpec
+    from async_rl.config.spec import LearnerSpec
     from async_rl.learner.driver import LearnerDriver
 
     torch.set_num_threads(a.threads)

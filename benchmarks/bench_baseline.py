@@ -1,5 +1,5 @@
 """The learning check: a real-model config run N times at HEAD and N times at a reference commit, side by
-side, with the held-out curves as ranges. What a learner change is measured against (issue 49, part 0).
+side, with the held-out curves as ranges. What a learner change is measured against.
 
     .venv/bin/python benchmarks/bench_baseline.py run --ref c40a23c --seeds 0 1 2     # ~35 min a seed
     .venv/bin/python benchmarks/bench_baseline.py report --name arith_baseline         # tables, JSON, PNG

@@ -1,4 +1,4 @@
-"""Learning from a teacher on the arithmetic task (issue 49): on-policy distillation against RL alone,
+"""Learning from a teacher on the arithmetic task: on-policy distillation against RL alone,
 and SFT-then-RL against RL alone, at the same RL sample budget. Every run is a fresh
 `python -m async_rl.launch` process; held-out pass@1 comes from each run's RUN_DIR/eval.jsonl (greedy,
 the 96 questions of configs/data/arith_eval.jsonl), the reverse KL to the teacher from metrics.jsonl.

@@ -131,9 +131,9 @@ def run_one(config: str, overrides: list[str], warmup: int, out: Path) -> None:
 
     from async_rl.cluster.placement import plan_placement
     from async_rl.config import load_config, to_dict
-    from async_rl.controller import Controller
+    from async_rl.control.controller import Controller
+    from async_rl.control.metrics import MetricsSink
     from async_rl.launch import make_run_dir, start_ray
-    from async_rl.metrics import MetricsSink
     from async_rl.models.tiny import resolve_model_path
 
     cfg = load_config(REPO / config, overrides)

@@ -236,7 +236,7 @@ def make_driver(batch: str, variant: str, micro_batch_tokens: int):
     import msgspec
 
     from async_rl.config import WeightSyncConfig
-    from async_rl.learner.base import LearnerSpec
+    from async_rl.config.spec import LearnerSpec
     from async_rl.learner.driver import LearnerDriver
 
     cfg, model_dir = load(batch)
@@ -581,8 +581,8 @@ def main() -> None:
     variants = a.variants.split(",")
     if "share_prompt" in variants and not has_share_prompt():
         variants.remove("share_prompt")
-        notes.append("share_prompt: skipped, this checkout's LearnerConfig has no `share_prompt` field (issue 21 "
-                     "item 2 not merged here); the bf16 and compile rows are on the chunked fp32 path without it")
+        notes.append("share_prompt: skipped, this checkout's LearnerConfig has no `share_prompt` field "
+                     "(an older learner); the bf16 and compile rows are on the chunked fp32 path without it")
         print(notes[-1], file=sys.stderr)
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

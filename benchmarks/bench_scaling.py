@@ -51,10 +51,10 @@ _MP = mp.get_context("forkserver")
 def generation(engines: int, warmup_s: float, window_s: float, quick: bool) -> dict:
     import ray
 
-    from async_rl import settings
     from async_rl.buffer.actor import ReplayBuffer
     from async_rl.cluster.placement import plan_placement
     from async_rl.config import load_config
+    from async_rl.control import settings
     from async_rl.generator.pool import GeneratorPool
     from async_rl.models.tiny import resolve_model_path
     from async_rl.security import make_run_keys

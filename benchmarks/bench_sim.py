@@ -4,7 +4,7 @@ What is REAL here: the `ReplayBuffer` Ray actor (admission control, ZMQ ingest w
 serving), the wire frames (`protocol.encode_groups`, msgspec header + int32 tokens + float32
 log-probs of each sample's real length), one ZMQ PUSH socket with the run's engine CURVE keys per
 simulated engine (`security.make_run_keys`, as real engines have), the learner ranks' real
-`BatchClient`, and a controller loop of the same shape as `async_rl/controller.py`: train step ->
+`BatchClient`, and a controller loop of the same shape as `async_rl/control/controller.py`: train step ->
 version + 1 -> weight sync (engines pause, `set_generator_version`, engines resume).
 
 What is SIMULATED: the GPUs. Each simulated vLLM engine (an asyncio task; all of them in one

@@ -1,5 +1,5 @@
 """Does sequence parallelism learn as one rank does? The quickstart task (tiny-qwen2 learns 'repeat')
-at learner.sequence_parallel_size 1 and 2, N seeds each, one run at a time (issue 47's evidence).
+at learner.sequence_parallel_size 1 and 2, N seeds each, one run at a time.
 
     .venv/bin/python benchmarks/bench_sp_learning.py run --seeds 0 1 2      # ~4 min a run on 2 cores
     .venv/bin/python benchmarks/bench_sp_learning.py report                 # benchmarks/results/sp_quickstart.*

@@ -1,4 +1,4 @@
-"""`bench_learner.py --device cuda`: one learner step on a GPU, each switch of issue 31 on and off, beside
+"""`bench_learner.py --device cuda`: one learner step on a GPU, each of its switches on and off, beside
 a plain Hugging Face step written the way TRL computes GRPO.
 
     python benchmarks/bench_learner.py --device cuda --out gpu/<DATE>-learner [--dry-run]
@@ -9,7 +9,7 @@ writes benchmarks/results/<out>.json and .md and exits 0 when it ran; without CU
 line `SKIP: <reason>` and exits 3. `--dry-run`: a tiny model and batch, every default variant, seconds.
 
 Models: random-init Qwen2.5-0.5B and -1.5B shapes (no download), saved once per run in bf16 (the learner
-loads them into fp32 master weights). MoE (issue 46): `--shapes qwen3-30b-a3b-4l`, Qwen3-30B-A3B's widths,
+loads them into fp32 master weights). MoE: `--shapes qwen3-30b-a3b-4l`, Qwen3-30B-A3B's widths,
 128 experts top-8, 4 of its 48 layers (2.7B parameters, ~0.9B active), every sample with random routes
 that `combined` replays (`combined_live`: the live router; `combined_eager_experts`: HF's loop over the
 experts instead of grouped GEMMs); its `trl` row is plain HF with transformers' default experts (grouped_mm
@@ -23,7 +23,7 @@ compute, eager kernels, SDPA): each switch's log-prob difference. MFU = 6 x para
 sample's prompt counted) / step seconds / the bf16 matmul rate measured in this run (8192^3). Peak
 memory: torch.cuda.max_memory_allocated over the timed step.
 
-Variants (learner.* overrides; `today` is the learner before issue 31: autocast, eager kernels):
+Variants (learner.* overrides; `today` is the learner's former default: autocast, eager kernels):
   today          mixed_precision=bf16 (autocast), kernels=none, attention=sdpa where the field exists
   bf16_params    today + the bf16 working copy (learner/model/precision.py)
   liger          today + kernels=liger (needs the liger-kernel package; the row says so if it is absent)
@@ -47,7 +47,7 @@ Variants (learner.* overrides; `today` is the learner before issue 31: autocast,
   megatron       learner.backend=megatron without Transformer Engine (transformer_engine=off), its
                  attention at the default (learner.megatron.attention auto = varlen flash attention on
                  CUDA in bf16), the model in bf16 (megatron's fp32 main weights in the optimizer), at
-                 --tokens: issue 31's target is this row's step within 1.5x of `combined`'s. Not in the
+                 --tokens: the target is this row's step within 1.5x of `combined`'s. Not in the
                  defaults.
   megatron_sdpa  the same with torch's SDPA and the block-diagonal mask (learner.megatron.attention=sdpa,
                  auto before 2026-11-28)
@@ -124,7 +124,7 @@ VARIANTS: dict[str, dict] = {
     "megatron_local": {"backend": "megatron", "megatron": {"transformer_engine": "off", "attention": "local"}},
     "trl": {},
     "fp32": {"mixed_precision": "none", "kernels": "none", "attention": "sdpa", "head_kernel": "eager"},
-    # MoE shapes (issue 46): `combined` replays the batch's routes (learner.routing_replay auto) with the
+    # MoE shapes: `combined` replays the batch's routes (learner.routing_replay auto) with the
     # experts as grouped GEMMs (learner.moe_experts auto); these switch one thing off
     "combined_live": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "routing_replay": "off"},
     "combined_eager_experts": {"mixed_precision": "auto", "kernels": "auto", "attention": "auto", "moe_experts": "eager"},
@@ -270,7 +270,7 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
         TrainConfig,
         WeightSyncConfig,
     )
-    from async_rl.learner.base import LearnerSpec
+    from async_rl.config.spec import LearnerSpec
     from async_rl.learner.driver import LearnerDriver
 
     groups = make_groups(SHAPES[a.shape]["vocab_size"], a.prompts, a.group_size, a.max_completion, moe=moe_of(a.shape))

@@ -149,13 +149,13 @@ def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[st
     part_a = [python, "-m", "pytest", "tests/gpu", "-m", "gpu and not gpu_e2e", "-rs", "-p", "no:cacheprovider"]
     # -v: the log names each test as it starts, so a hang is named; faulthandler dumps its stack at 60 s.
     part_a += ["-v", "-o", "faulthandler_timeout=60", "--exit-3-without-cuda", f"--junitxml={junit}"]
-    # The learner benchmark's contract (issue 31): --out is relative to benchmarks/results.
+    # The learner benchmark's contract: --out is relative to benchmarks/results.
     learner_out = RESULTS / "gpu" / f"{tag}-learner"
     # Its own budget ends before the part's timeout, so it writes what it measured instead of being killed.
     learner_budget = f"{max(timeouts['learner'] - 30, 10):.0f}"
     learner = [python, "benchmarks/bench_learner.py", "--device", "cuda", "--out", f"gpu/{tag}-learner",
                "--budget-s", learner_budget, *learner_args]
-    # The longest sequence per shape (issue 47): its own budget ends before the part's timeout, as the learner's.
+    # The longest sequence per shape: its own budget ends before the part's timeout, as the learner's.
     longest_out = RESULTS / "gpu" / f"{tag}-longest"
     longest = [python, "benchmarks/bench_learner.py", "--longest", "--device", "cuda", "--out", f"gpu/{tag}-longest",
                "--budget-s", f"{max(timeouts['longest'] - 30, 10):.0f}", *longest_args]

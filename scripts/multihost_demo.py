@@ -350,7 +350,7 @@ def run_demo(args: argparse.Namespace) -> Summary:
         "learner.ray_resources={learner_host: 1}",
         f"train.total_steps={args.steps}",
         # The post-sync log-prob probe calls engine 0 outside the death watch: a node death noticed
-        # there ends the run with ActorDiedError instead of a replacement (seen; issue 13, item 1).
+        # there ends the run with ActorDiedError instead of a replacement (seen).
         "train.mismatch_probe_samples=0",
         f"logging.run_dir={run_dir}",
         "logging.run_name=run",

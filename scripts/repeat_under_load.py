@@ -1,4 +1,4 @@
-"""Run one pytest command several times in a row with CPU burners spinning throughout (issue 32's bar:
+"""Run one pytest command several times in a row with CPU burners spinning throughout (the faults' bar:
 the fault module 10 times in a row under two burners), and say how many runs passed.
 
     python scripts/repeat_under_load.py --runs 10 --burners 2 --log /tmp/faults-10x.log \

@@ -141,3 +141,7 @@ def unhealthy_actors(health: dict[int, ray.ObjectRef], timeout_s: float) -> list
         except ray.exceptions.GetTimeoutError:
             pass
     return dead
+
+
+def actor_key(actor: ActorHandle) -> str:
+    return actor._actor_id.hex()

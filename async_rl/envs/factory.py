@@ -66,7 +66,7 @@ def build_environment(cfg: EnvConfig, reward: RewardFn) -> Environment | None:
         return module.build(cfg.name.removeprefix(VERIFIERS_PREFIX), cfg, reward)
     if ":" not in cfg.name:
         raise ConfigError(f"env.name '{cfg.name}' is not 'tools', 'guess', 'verifiers:<id>' nor 'pkg.module:factory'")
-    from async_rl.tasks.registry import load_callable
+    from async_rl.config.loading import load_callable
 
     factory = load_callable("env.name", cfg.name)
     try:

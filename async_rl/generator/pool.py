@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import ray
 from ray.actor import ActorHandle
 
-from async_rl.cluster.resources import PoolShare, ResourcePool, unhealthy_actors
-from async_rl.death_watch import actor_key
+from async_rl.cluster.resources import PoolShare, ResourcePool, actor_key, unhealthy_actors
 from async_rl.errors import RunError
 from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
 from async_rl.weight_sync.base import WeightGroupInfo

@@ -21,41 +21,10 @@ import msgspec
 import numpy as np
 import torch
 
-from async_rl.config import (
-    AlgorithmConfig,
-    GeneratorConfig,
-    LearnerConfig,
-    ModelConfig,
-    SftConfig,
-    TrainConfig,
-    VisionConfig,
-    WeightSyncConfig,
-)
 from async_rl.protocol import FINISH_LENGTH, EpisodeInfo, TrajectoryGroup
-from async_rl.security import ClientKeys
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.bucketing import Manifest
 from async_rl.weight_sync.checksum import ParamChecksum
-
-
-class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What a learner rank is told when it starts: the config sections it is configured by, as they
-    are, and the facts of this run."""
-
-    model: ModelConfig  # dtype (the path is resolved into `model_dir`)
-    learner: LearnerConfig
-    algorithm: AlgorithmConfig
-    generators: GeneratorConfig  # max_tokens (Dr.GRPO's normaliser) and the sampling temperature
-    train: TrainConfig  # seed, total_steps (LR schedule), mismatch_probe_samples
-    weight_sync: WeightSyncConfig  # with `backend` resolved ('gloo', 'shm', 'nccl' or 'cuda_ipc')
-    run_id: str
-    model_dir: str  # the HF folder the weights start from (a checkpoint's model/ on resume)
-    reference_model_dir: str  # the run's initial weights: the frozen KL reference, the same across resumes
-    buffer_address: str
-    batch_timeout_s: float = 600.0
-    curve: ClientKeys | None = None  # the learner's CURVE keys for the buffer (None: security.curve off)
-    sft: SftConfig = msgspec.field(default_factory=SftConfig)  # train.mode=sft: the demonstrations
-    vision: VisionConfig = msgspec.field(default_factory=VisionConfig)  # a VLM's pixel bounds (the engines')
 
 
 class MoeMetrics(msgspec.Struct, kw_only=True):

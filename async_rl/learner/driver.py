@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from async_rl.cluster.net import node_ip
 from async_rl.cluster.placement import pin_current_process
+from async_rl.config.spec import LearnerSpec
 from async_rl.errors import RunError
 from async_rl.learner.backend import ModelBackend, TokenScores
 from async_rl.learner.base import (
     LearnerRank,
-    LearnerSpec,
     Probe,
     StepMetrics,
     across_updates_count,

@@ -10,7 +10,7 @@ rank of SmolLM2-135M on configs/smollm2_arith.yaml grew from 4 GB to 10 GB in 4 
 replacement started again from the initial weights: the run stopped learning without failing. The
 same run with `MALLOC_ARENA_MAX=1` stayed at 6.0 GB from step 2 to step 6. glibc reads the limit only
 when the process starts (the first thread's arena sizing is fixed before any actor code runs), so it
-is set in the actor's environment (`LEARNER_ENV`, runtime.py), not by `mallopt` here.
+is set in the actor's environment (`LEARNER_ENV`, config/spec.py; control/runtime.py), not by `mallopt` here.
 
 torch's CPU allocator takes every tensor from malloc. glibc serves an allocation above its mmap
 threshold with its own mmap, unmapped again on free, but the threshold is dynamic: the first time
@@ -37,12 +37,6 @@ import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
-
-# The learner rank's process environment (Ray's runtime_env env_vars; merged with the job's): one
-# malloc arena for all its threads. Only concurrent allocations contend for it, and a rank's step
-# runs on one thread at a time.
-LEARNER_ENV = {"MALLOC_ARENA_MAX": "1"}
-
 
 def set_malloc_mmap_threshold(kb: int) -> bool:
     """Fix glibc's mmap and trim thresholds of this process at `kb` KiB (learner.malloc_mmap_threshold_kb).

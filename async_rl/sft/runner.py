@@ -17,16 +17,16 @@ from typing import TextIO
 import msgspec
 import ray
 
-from async_rl import checkpoint
 from async_rl.buffer.actor import BufferState
 from async_rl.buffer.ledger import Accounts
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config
+from async_rl.control import checkpoint
+from async_rl.control.metrics import EVAL_FILE
+from async_rl.control.runtime import START_TIMEOUT_S, Runtime
 from async_rl.errors import RunError
 from async_rl.learner.base import checkpoint_model_dir
-from async_rl.learner.sft import SftEval, SftLearner
-from async_rl.metrics import EVAL_FILE
-from async_rl.runtime import START_TIMEOUT_S, Runtime
+from async_rl.sft.learner import SftEval, SftLearner
 
 STEP_TIMEOUT_S = 3600.0
 
@@ -68,11 +68,11 @@ class SftRun:
         self.resume_from = resume_from
         start_dir = checkpoint_model_dir(resume_from) if resume_from is not None else model_dir
         self.initial_model_dir = model_dir
-        self.runtime = Runtime(cfg, uuid.uuid4().hex[:12], start_dir, run_dir, plan, model_dir)
+        self.runtime = Runtime(cfg, uuid.uuid4().hex[:12], start_dir, run_dir, plan, model_dir, SftLearner)
 
     def run(self, stream: TextIO = sys.stdout) -> SftSummary:
         cfg = self.cfg
-        group = self.runtime.start_learner_alone(SftLearner)
+        group = self.runtime.start_learner_alone()
         start = 0
         if self.resume_from is not None:
             state = checkpoint.load_state(self.resume_from)

@@ -1,11 +1,11 @@
 """Tasks and other user callables by name: `load_task` for `task.name` (a built-in task, a
-reasoning-gym dataset or 'pkg.module:factory') and `load_callable` for any 'pkg.module:attr' field."""
+reasoning-gym dataset or 'pkg.module:factory'); any other 'pkg.module:attr' field is read by `load_callable` (config/loading.py)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
+from async_rl.config.loading import load_callable
 from async_rl.errors import ConfigError
 from async_rl.tasks.base import Task
 from async_rl.tasks.colour import ColourTask, blank_colour
@@ -16,20 +16,6 @@ _BUILTIN_FACTORIES: dict[str, Callable[[], Task]] = {
     "repeat": RepeatTask, "modsum": ModSumTask, "colour": ColourTask, "colour_blank": blank_colour,
 }
 BUILTIN_TASKS = tuple(_BUILTIN_FACTORIES)
-
-
-def load_callable(field: str, name: str) -> Callable:
-    """The callable a config field names as 'pkg.module:attr'; a one-line ConfigError naming `field`
-    when the module does not import or has no such callable."""
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an import can fail with any error; name it in one line
-        raise ConfigError(f"{field} '{name}' does not import: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ConfigError(f"{field} '{name}': module '{module_name}' has no callable '{attr}'")
-    return fn
 
 
 def load_task(name: str) -> Task:

@@ -12,9 +12,10 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from async_rl.config.loading import load_callable
 from async_rl.errors import ConfigError
 from async_rl.protocol import Sample
-from async_rl.tasks.registry import load_callable, load_task
+from async_rl.tasks.registry import load_task
 
 if TYPE_CHECKING:
     from async_rl.config import TaskConfig

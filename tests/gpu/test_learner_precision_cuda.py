@@ -1,4 +1,4 @@
-"""On CUDA (issue 31): the bf16 working copy against autocast and fp32, the fused head's fp32-output
+"""On CUDA: the bf16 working copy against autocast and fp32, the fused head's fp32-output
 GEMM against the CPU's, kernels=compile, and a step at the `micro_batch_tokens: auto` budget within
 the GPU's memory (marked gpu; skipped without CUDA)."""
 

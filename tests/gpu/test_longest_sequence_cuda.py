@@ -1,4 +1,4 @@
-"""On CUDA (issue 47): `bench_learner.py --longest`'s search on a real out-of-memory. The allocator is
+"""On CUDA: `bench_learner.py --longest`'s search on a real out-of-memory. The allocator is
 capped a little above what this process holds, so the tiny shape runs out of memory within 16k tokens;
 the search must catch torch.OutOfMemoryError and free what the failed step held before the next try
 (marked gpu; skipped without CUDA)."""

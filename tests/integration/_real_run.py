@@ -14,8 +14,8 @@ import ray
 
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import Config, WandbConfig, load_config
-from async_rl.controller import Controller
-from async_rl.metrics import MetricsSink
+from async_rl.control.controller import Controller
+from async_rl.control.metrics import MetricsSink
 from tests import _presets
 from tests._presets import model_cache
 from tests.integration._engine_env import FAST_ENGINE_ENV

@@ -16,8 +16,8 @@ import pytest
 import ray
 from test_training_run import REPO, check_common, run_short
 
+from async_rl.control.runtime import Runtime
 from async_rl.generator.pool import GeneratorPool
-from async_rl.runtime import Runtime
 from async_rl.weight_sync.base import SendProgress
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
@@ -36,11 +36,11 @@ SHORT = [
 
 
 def scale(run_dir: Path, engines: int) -> subprocess.Popen:
-    """`python -m async_rl.scale` as an operator runs it; returns once its request is on disk."""
+    """`python -m async_rl.control.scale` as an operator runs it; returns once its request is on disk."""
     requests = run_dir / "control" / "requests"
     before = set(requests.glob("*.json"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "async_rl.scale", str(run_dir), "--engines", str(engines), "--timeout", "600"],
+        [sys.executable, "-m", "async_rl.control.scale", str(run_dir), "--engines", str(engines), "--timeout", "600"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -24,7 +24,7 @@ from _load import start_burners, stop_burners
 from test_elastic import SHORT, _kill_after_first_bucket, events
 from test_training_run import check_common, run_short
 
-from async_rl import checkpoint as checkpoint_module
+from async_rl.control import checkpoint as checkpoint_module
 from async_rl.evaluation.phase import Evaluation
 from async_rl.generator.pool import GeneratorPool
 

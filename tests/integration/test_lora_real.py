@@ -20,14 +20,14 @@ import pytest
 import ray
 import torch
 
-from async_rl import checkpoint
 from async_rl.config import WandbConfig
-from async_rl.controller import Controller
+from async_rl.control import checkpoint
+from async_rl.control.controller import Controller
+from async_rl.control.metrics import MetricsSink
 from async_rl.errors import RunError
 from async_rl.generator.engine import EngineSettings, GeneratorEngine
 from async_rl.learner.base import Probe, checkpoint_adapter_dir
 from async_rl.learner.model.lora import load_adapter, served_tensors
-from async_rl.metrics import MetricsSink
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from tests.integration._chat_task import MAX_TOKENS_ENV, MODEL_ENV, STOP
 from tests.integration._engine_env import FAST_ENGINE_ENV

@@ -29,8 +29,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from async_rl.cluster.placement import plan_placement  # noqa: E402
 from async_rl.config import WandbConfig, load_config  # noqa: E402
-from async_rl.controller import Controller  # noqa: E402
-from async_rl.metrics import MetricsSink  # noqa: E402
+from async_rl.control.controller import Controller  # noqa: E402
+from async_rl.control.metrics import MetricsSink  # noqa: E402
 from async_rl.models.tiny import resolve_model_path  # noqa: E402
 from async_rl.weight_sync.checksum import ParamChecksum  # noqa: E402
 
@@ -132,10 +132,10 @@ def test_megatron_resume_continues_from_its_checkpoint(tmp_path, model_cache, le
     the critic trains throughout. In the resumed run rank 1 is SIGKILLed mid-step 32: the group
     restarts from step_30 (learner recovery), with the same KL reference, and the run ends at step 32
     all the same."""
-    from async_rl.checkpoint import completed, load_state
+    from async_rl.control.checkpoint import completed, load_state
+    from async_rl.control.runtime import Runtime
     from async_rl.learner.base import checkpoint_model_dir
     from async_rl.learner.hf_io import read_hf_weights
-    from async_rl.runtime import Runtime
     from async_rl.weight_sync.checksum import checksum_of
 
     shutil.copytree(learning_runs("tp2").run_dir, tmp_path, dirs_exist_ok=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.controller import engine_checksums
+from async_rl.control.controller import engine_checksums
 from async_rl.learner.driver import shard_samples
 from async_rl.learner.model.moe import routers
 from async_rl.models.moe import read_routing
@@ -118,7 +118,7 @@ def test_captured_routes_equal_hf_router_on_prompt_and_completion(served):
 
 
 def test_a_learner_replays_the_engines_routes_for_every_token_of_its_batch(served):
-    """Replay fidelity on a real engine's batch (issue 46): the experts the learner's training forward
+    """Replay fidelity on a real engine's batch: the experts the learner's training forward
     runs are the ones vLLM recorded, row for row in the learner's own layout, and on the engine's weights
     its log-probs equal the engine's as closely as a dense model's do."""
     model, loop, model_dir = served

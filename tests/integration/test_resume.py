@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.checkpoint import completed, load_state
+from async_rl.control.checkpoint import completed, load_state
 from async_rl.learner.base import checkpoint_model_dir
 from async_rl.learner.hf_io import read_hf_weights
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from async_rl.checkpoint import CHECKPOINTS, completed, load_state
-from async_rl.leftovers import MARK_ENV
+from async_rl.control.checkpoint import CHECKPOINTS, completed, load_state
+from async_rl.control.leftovers import MARK_ENV
 from tests.integration._accounting import check_buckets
 from tests.integration._engine_env import FAST_ENGINE_ENV
 from tests.integration._launch import launch

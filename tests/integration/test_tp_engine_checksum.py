@@ -12,7 +12,7 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from async_rl.controller import engine_checksums
+from async_rl.control.controller import engine_checksums
 from async_rl.models.tiny import resolve_model_path
 from async_rl.serving import vllm_compat as vc
 from async_rl.weight_sync.checksum import checksum_of

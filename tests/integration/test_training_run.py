@@ -12,8 +12,8 @@ import ray
 
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import WandbConfig, load_config
-from async_rl.controller import Controller
-from async_rl.metrics import MetricsSink
+from async_rl.control.controller import Controller
+from async_rl.control.metrics import MetricsSink
 from async_rl.models.tiny import resolve_model_path
 from tests.integration._accounting import check_admission, check_buckets
 from tests.integration._engine_env import FAST_ENGINE_ENV

@@ -135,7 +135,7 @@ def test_a_sync_sends_only_what_trains_and_the_served_checksum_covers_every_weig
     weight equals the learner's, and it serves the learner's new weights (log-probs agree on images)."""
     import torch
 
-    from async_rl.controller import engine_checksums
+    from async_rl.control.controller import engine_checksums
 
     model, loop, model_dir = served[:3]
     with torch.no_grad():  # a step's worth of change on every weight that trains

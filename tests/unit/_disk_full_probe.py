@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from async_rl import storage
 from async_rl.config import WandbConfig
+from async_rl.control.metrics import MetricsSink, StepRecord
 from async_rl.errors import RunError
-from async_rl.metrics import MetricsSink, StepRecord
 
 root = Path(sys.argv[1])
 big = {"w": torch.zeros(64 * 1024)}  # 256 KiB: more than the filesystem holds

@@ -14,7 +14,7 @@ from async_rl.config import (
     TrainConfig,
     WeightSyncConfig,
 )
-from async_rl.learner.base import LearnerSpec
+from async_rl.config.spec import LearnerSpec
 from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.driver import LearnerDriver
 from async_rl.protocol import TrajectoryGroup

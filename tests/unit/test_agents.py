@@ -427,8 +427,8 @@ def test_a_malformed_agent_name_is_a_one_line_config_error():
 
 def test_the_computed_frame_limit_allows_a_sequence_per_call_of_an_agent_episode():
     from async_rl.config import load_config
+    from async_rl.control.settings import buffer_settings
     from async_rl.security import frame_limit_bytes
-    from async_rl.settings import buffer_settings
 
     sizes = ["generators.group_size=16", "generators.max_model_len=8192"]  # above 1 MiB: rounding shows
     plain = load_config(None, sizes)

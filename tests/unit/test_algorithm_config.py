@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from async_rl.config import load_config
+from async_rl.control.settings import buffer_settings
 from async_rl.errors import ConfigError
-from async_rl.settings import buffer_settings
 
 
 def error(overrides: list[str]) -> str:

@@ -1,5 +1,5 @@
 """A checkpoint carries a manifest; a damaged one is named, set aside and passed over for the one
-before it (async_rl/checkpoint.py, async_rl/checkpoint_manifest.py)."""
+before it (async_rl/control/checkpoint.py, async_rl/control/checkpoint_manifest.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from async_rl import checkpoint, checkpoint_manifest
+from async_rl.control import checkpoint, checkpoint_manifest
+from async_rl.control.supervisor import latest_checkpoint
 from async_rl.errors import ConfigError
-from async_rl.supervisor import latest_checkpoint
 from tests.unit.test_checkpoint_partial import write
 
 WEIGHTS = "model/model.safetensors"

@@ -1,5 +1,5 @@
 """A checkpoint cut short (its writer killed) is never what a resume or a recovery restores, and its
-`.tmp-` folder is removed (async_rl/checkpoint.py)."""
+`.tmp-` folder is removed (async_rl/control/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from async_rl import checkpoint
 from async_rl.buffer.actor import BufferState
 from async_rl.buffer.ledger import Accounts
+from async_rl.control import checkpoint
 from async_rl.errors import ConfigError
 
 

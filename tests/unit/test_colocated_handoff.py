@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from async_rl import runtime as runtime_mod
 from async_rl.config import Config, SecurityConfig
+from async_rl.control import runtime as runtime_mod
 from async_rl.learner import gpu_memory
 
 

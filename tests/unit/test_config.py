@@ -258,7 +258,7 @@ def test_overrides_apply_on_top_of_file_in_order(tmp_path):
 
 
 def test_scientific_notation_float(tmp_path):
-    # BUG: async_rl/config.py apply_override/load_config use yaml.safe_load (YAML 1.1), which reads
+    # BUG: async_rl/config/loading.py apply_override/load_config use yaml.safe_load (YAML 1.1), which reads
     # '1e-3' (no dot) as the *string* '1e-3'; msgspec.convert then rejects it for a float field, so
     # the very common `learner.lr=1e-3` (or `lr: 1e-6` in a YAML file) fails with
     # "config key 'learner.lr': Expected `float`, got `str`".

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from async_rl.config import Config, GeneratorConfig, LearnerConfig, RayConfig, WeightSyncConfig
+from async_rl.control.settings import resolve_backend
 from async_rl.errors import RunError
-from async_rl.settings import resolve_backend
 from async_rl.weight_sync.bucketing import build_manifest
 from async_rl.weight_sync.cuda_ipc import CudaIpcHandle, local_device_index
 from async_rl.weight_sync.shm import region_offsets
@@ -100,7 +100,7 @@ def test_auto_backend_needs_both_ends_on_cuda():
 def test_auto_backend_follows_runs_on_cuda(monkeypatch, placement, want):
     """`runs_on_cuda` is the one place the device decision comes from (the device fields plug in there):
     a torch learner that runs on CUDA gets the GPU channels too."""
-    from async_rl import settings
+    from async_rl.control import settings
 
     cfg = Config(placement=placement, learner=LearnerConfig(backend="torch"))
     monkeypatch.setattr(settings, "runs_on_cuda", lambda c: True)

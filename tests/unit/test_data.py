@@ -376,7 +376,7 @@ def test_a_restarted_buffer_continues_the_data_from_its_snapshot(tmp_path, tiny)
 
 
 def test_the_buffer_gets_absolute_data_paths(tmp_path, monkeypatch):
-    from async_rl.settings import buffer_settings as settings_for
+    from async_rl.control.settings import buffer_settings as settings_for
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "a:", "answer": "a"}\n')
     monkeypatch.chdir(tmp_path)

@@ -15,16 +15,17 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from async_rl import death_watch as dw_module
-from async_rl import supervisor as sup_module
 from async_rl.buffer.ledger import Accounts
 from async_rl.buffer.snapshot import BufferState
-from async_rl.checkpoint import RunCheckpoint
+from async_rl.cluster.resources import actor_key
 from async_rl.config import load_config
-from async_rl.death_watch import DeathNotice, DeathWatch, Target, Watched, actor_key
+from async_rl.control import death_watch as dw_module
+from async_rl.control import supervisor as sup_module
+from async_rl.control.checkpoint import RunCheckpoint
+from async_rl.control.death_watch import DeathNotice, DeathWatch, Target, Watched
+from async_rl.control.recovery import LearnerRecovery
+from async_rl.control.supervisor import LearnerRestarted, Supervisor
 from async_rl.errors import RunError
-from async_rl.recovery import LearnerRecovery
-from async_rl.supervisor import LearnerRestarted, Supervisor
 
 _ids = itertools.count()
 

@@ -12,15 +12,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from async_rl.autoscale import ScaleSignal, decide
 from async_rl.buffer.actor import BufferSettings, BufferState, ReplayBuffer
 from async_rl.buffer.ledger import Ledger
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.config import AutoscaleConfig, load_config
-from async_rl.control import ControlInbox, NotRunning, ScaleReply, send_scale
+from async_rl.control.autoscale import ScaleSignal, decide
+from async_rl.control.operator_requests import ControlInbox, NotRunning, ScaleReply, send_scale
+from async_rl.control.supervisor import latest_checkpoint, learner_died
 from async_rl.errors import ConfigError
 from async_rl.protocol import REWARD_CRASH, REWARD_ERROR, REWARD_TIMEOUT, TrajectoryGroup
-from async_rl.supervisor import latest_checkpoint, learner_died
 
 # ---- ledger ------------------------------------------------------------------------------------
 
@@ -262,7 +262,7 @@ def test_malformed_request_is_answered_not_fatal(tmp_path):
 
 
 def test_scale_cli_rejects_k_below_one(tmp_path, capsys):
-    from async_rl.scale import main
+    from async_rl.control.scale import main
 
     assert main([str(tmp_path), "--engines", "0"]) == 2
     assert "--engines must be at least 1" in capsys.readouterr().err
@@ -327,7 +327,7 @@ def test_checkpoint_restore_leases_handed_back_and_in_flight_prompts_first(tmp_p
 def test_groups_built_or_waiting_at_checkpoint_time_survive_the_checkpoint_files(tmp_path):
     """A batch built ahead and a waiting group go through checkpoint.commit/load_state (their frames
     beside run_state.json) and come back waiting, in the order they were to be trained."""
-    from async_rl import checkpoint
+    from async_rl.control import checkpoint
 
     async def scenario():
         old = make_buffer(tmp_path)

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from async_rl.config import WandbConfig, load_config
+from async_rl.control.metrics import EVAL_FILE, MetricsSink
 from async_rl.errors import ConfigError, RunError
 from async_rl.evaluation.phase import Evaluation, eval_prompts, split
 from async_rl.evaluation.scores import EvalBatch, EvalResult, flat_metrics, make_record, score
-from async_rl.metrics import EVAL_FILE, MetricsSink
 from async_rl.models.tiny import resolve_model_path
 from async_rl.protocol import FINISH_LENGTH, FINISH_STOP, Prompt
 
@@ -126,7 +126,7 @@ def test_eval_records_go_to_their_own_file(tmp_path):
 
 
 def test_resume_trims_evaluations_of_steps_the_checkpoint_does_not_hold(tmp_path):
-    from async_rl.checkpoint import trim_metrics
+    from async_rl.control.checkpoint import trim_metrics
 
     lines = [json.dumps({"step": s, "pass_at_1": 0.1 * s}) for s in (0, 4, 8, 12)]
     (tmp_path / EVAL_FILE).write_text("\n".join(lines) + "\n")

@@ -11,11 +11,11 @@ import pytest
 from async_rl.buffer.actor import BufferStats
 from async_rl.buffer.ledger import Accounts
 from async_rl.config import Config, TaskConfig
+from async_rl.control.failure_watch import FailureWatch, FailureWindow, reward_name
+from async_rl.control.supervisor import Supervisor
 from async_rl.errors import RunError
 from async_rl.evaluation.scores import EvalRecord
-from async_rl.failure_watch import FailureWatch, FailureWindow, reward_name
 from async_rl.generator.engine import EngineStats
-from async_rl.supervisor import Supervisor
 
 NAME = reward_name("repeat", "tests.unit._rewards:boom")
 

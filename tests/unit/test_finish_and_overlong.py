@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from async_rl.config import AlgorithmConfig, load_config
-from async_rl.controller import length_stats
+from async_rl.control.controller import length_stats
+from async_rl.control.metrics import console_line
 from async_rl.errors import ConfigError
 from async_rl.learner.base import StepMetrics, completion_lengths, truncated_count
 from async_rl.learner.batch.packing import SeqSample, packed, padded
 from async_rl.learner.batch.padded import PaddedShard
 from async_rl.learner.rl.advantages import grpo_advantages, overlong_penalty
 from async_rl.learner.rl.algorithms import Algorithm
-from async_rl.metrics import console_line
 from async_rl.protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -164,7 +164,7 @@ def test_length_stats_over_every_rank():
 
 
 def test_console_line_shows_lengths_and_truncation():
-    from async_rl.metrics import StepRecord
+    from async_rl.control.metrics import StepRecord
 
     fields = {f.name: 0 for f in msgspec.structs.fields(StepRecord) if f.default is msgspec.NODEFAULT}
     r = StepRecord(**{**fields, "logprob_mismatch": None, "accounting_balanced": True},

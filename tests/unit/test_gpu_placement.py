@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from async_rl import settings
 from async_rl.cluster import placement
 from async_rl.cluster.devices import ClusterView, NodeView, resolve_devices, use_eager, use_prefix_caching
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import load_config
+from async_rl.control import settings
 from async_rl.errors import ConfigError, RunError
 from async_rl.generator.pool import GeneratorPool
 from async_rl.serving import vllm_compat as vc

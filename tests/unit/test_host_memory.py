@@ -93,8 +93,8 @@ def resident_after_threads(env: dict[str, str]) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's arenas")
 def test_the_learner_env_keeps_one_arena_for_the_ranks_threads():
-    from async_rl.learner.host_memory import LEARNER_ENV
-    from async_rl.runtime import learner_actor_options
+    from async_rl.config.spec import LEARNER_ENV
+    from async_rl.control.runtime import learner_actor_options
 
     per_thread_arenas = resident_after_threads({})
     one_arena = resident_after_threads(LEARNER_ENV)

@@ -7,12 +7,12 @@ import time
 
 import torch
 
-from async_rl import checkpoint
 from async_rl.buffer.actor import BufferState
 from async_rl.buffer.ledger import Accounts
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import load_config
-from async_rl.controller import Controller
+from async_rl.control import checkpoint
+from async_rl.control.controller import Controller
 from async_rl.learner.driver import LearnerDriver
 from async_rl.learner.hf_io import read_hf_weights
 from async_rl.models.tiny import resolve_model_path

@@ -1,11 +1,11 @@
-"""The learner-recovery policy (async_rl/recovery.py): mode, the window of max_recoveries, the
+"""The learner-recovery policy (async_rl/control/recovery.py): mode, the window of max_recoveries, the
 checkpoint a restart starts from, and the one line that stops the run. No Ray."""
 
 import pytest
 
 from async_rl.config import TrainConfig
+from async_rl.control.recovery import LearnerRecovery, RestartPlan
 from async_rl.errors import RunError
-from async_rl.recovery import LearnerRecovery, RestartPlan
 
 CKPT = "/runs/r/checkpoints/step_4"
 

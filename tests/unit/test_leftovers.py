@@ -11,13 +11,13 @@ import time
 
 import psutil
 
-from async_rl import leftovers
+from async_rl.control import leftovers
 
 # A stand-in launcher: marks itself as `leftovers.marked` does, starts a child that ignores SIGTERM (as
 # Ray's agents do), prints the child's pid and waits.
 LAUNCHER = """
 import os, subprocess, sys, time
-from async_rl import leftovers
+from async_rl.control import leftovers
 with leftovers.marked():
     child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
     print(child.pid, flush=True)

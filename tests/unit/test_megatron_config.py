@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from async_rl import settings
 from async_rl.config import load_config
+from async_rl.control import settings
 from async_rl.errors import ConfigError
 
 

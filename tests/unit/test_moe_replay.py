@@ -261,9 +261,9 @@ def test_the_kl_reference_replays_the_routes_too(moe_model_dir):
 
 
 def test_moe_metrics_reach_the_record_and_the_console_line():
-    from async_rl.controller import moe_fields
+    from async_rl.control.controller import moe_fields
+    from async_rl.control.metrics import StepRecord, console_line
     from async_rl.learner.base import MoeMetrics
-    from async_rl.metrics import StepRecord, console_line
 
     required = {f.name: 0 for f in msgspec.structs.fields(StepRecord) if f.required}
     dense = StepRecord(**{**required, "accounting_balanced": True, "logprob_mismatch": None, **moe_fields(None)})

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from async_rl.config import load_config
+from async_rl.control.settings import route_capture
 from async_rl.errors import ConfigError
 from async_rl.models import upcycle
 from async_rl.models.moe import read_routing
 from async_rl.models.tiny import model_routing, resolve_model_path
 from async_rl.protocol import RouteLayout
-from async_rl.settings import route_capture
 from async_rl.weight_sync.expert_names import per_expert
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import ray
 import torch
 
-from async_rl import settings
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import WeightSyncConfig, load_config
+from async_rl.control import settings
 from async_rl.generator.pool import GeneratorPool
 from async_rl.learner.weight_source import WeightSource
 from async_rl.serving import cpu_threads

@@ -327,8 +327,8 @@ def test_verifiers_environment_is_imported_lazily_with_a_clear_error(monkeypatch
 
 
 def test_environment_instructions_are_in_the_rendered_prompt(model_dir):
+    from async_rl.control.settings import with_env_system_prompt
     from async_rl.data import make_renderer
-    from async_rl.settings import with_env_system_prompt
 
     cfg = load_config(None, ["env.name=tools", "data.system_prompt=Be brief."])
     text = combined_system_prompt(cfg.data.system_prompt, cfg.env)
@@ -352,7 +352,7 @@ def test_guess_task_prompts_and_reward():
 
 
 def test_episode_metrics_of_a_step():
-    from async_rl.controller import episode_stats
+    from async_rl.control.controller import episode_stats
 
     def rank(eps, env_tokens, lens):
         return StepMetrics(step=0, rank=0, loss=0, reward_mean=0, kl_behav=0, logprob_abs_diff=0, grad_norm=0,

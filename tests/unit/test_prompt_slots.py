@@ -1,6 +1,6 @@
 """A group waiting for its teacher scores gives its generating slot back: a slow or restarting teacher
 does not stop the engine's generation, up to `teacher.max_waiting_groups` finished groups held at once
-(issue 49: scoring never blocks the engines)."""
+(scoring never blocks the engines)."""
 
 from __future__ import annotations
 

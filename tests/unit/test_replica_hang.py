@@ -1,7 +1,7 @@
 """A served replica (the teacher, the LLM judge) whose vLLM engine core hangs: its process lives, so it
 is not dead, and its callers only see their calls time out and try again. The replica notices that
 vLLM held requests `hang_s` without answering any, SIGKILLs the core and reports it, and the supervisor
-then restarts it like a dead one (issue 49: a dead or hung teacher is recovered)."""
+then restarts it like a dead one (a dead or hung teacher is recovered)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from async_rl.config import load_config, to_yaml
+from async_rl.control.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.errors import ConfigError
-from async_rl.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

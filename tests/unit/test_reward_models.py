@@ -296,9 +296,9 @@ def test_pool_settings_follow_the_config(tmp_path, classifier_dir):
 
 
 def test_step_metrics_sum_the_engines_counts():
-    from async_rl.controller import add_reward_model_counts
+    from async_rl.control.controller import add_reward_model_counts
+    from async_rl.control.metrics import StepRecord
     from async_rl.generator.engine import EngineStats
-    from async_rl.metrics import StepRecord
 
     def engine(i, counts):
         return EngineStats(engine_id=i, version=0, groups_pushed=0, samples_pushed=0, tokens_generated=0, inflight=0,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from async_rl.agents.episodes import AgentCounters
 from async_rl.config import EnvConfig
-from async_rl.controller import add_rollout_counts
+from async_rl.control.controller import add_rollout_counts
+from async_rl.control.metrics import StepRecord, console_line
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.rollout import AGENT, ENVIRONMENT, SINGLE_TURN, RolloutCounters
 from async_rl.generator.rollout_choice import make_rollout
-from async_rl.metrics import StepRecord, console_line
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
 from async_rl.serving.sampling import SamplingSpec

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import zmq
 
-from async_rl import security, settings
+from async_rl import security
 from async_rl.cluster.placement import plan_placement
 from async_rl.config import describe, load_config
+from async_rl.control import settings
 from async_rl.errors import ConfigError, RunError
 from async_rl.protocol import TrajectoryGroup, decode_groups, encode_groups
 from async_rl.security import AllowedKeys, frame_limit_bytes, make_run_keys
@@ -145,8 +146,8 @@ def test_a_node_ip_is_a_valid_buffer_host():
 
 def test_a_set_frame_limit_below_one_full_length_group_is_one_line():
     from async_rl.config import load_config
+    from async_rl.control.settings import frame_limit
     from async_rl.errors import ConfigError
-    from async_rl.settings import frame_limit
 
     long = ["generators.max_model_len=40960", "generators.max_tokens=32768", "generators.group_size=8"]
     assert frame_limit(load_config(None, long), None) == frame_limit_bytes(0, group_size=8, max_model_len=40960)

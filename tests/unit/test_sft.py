@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.config import ConfigError, SftConfig, load_config
-from async_rl.learner.sft import SftLearner
 from async_rl.models.tiny import resolve_model_path
 from async_rl.sft.data import ChatTokenizer, as_group, load_demonstrations, render, step_indices
+from async_rl.sft.learner import SftLearner
 from tests._presets import model_cache
 from tests.unit._learner_fixtures import settings
 
@@ -92,7 +92,7 @@ def test_the_sft_loss_is_the_nll_of_the_assistant_tokens_only(chat_model, tmp_pa
 def test_changing_a_non_assistant_token_target_leaves_the_loss_gradient_alone(chat_model, tmp_path):
     """The gradient of the loss w.r.t. the log-probs is 0 outside the mask: a user token weighs nothing."""
     from async_rl.learner.batch.padded import PaddedShard
-    from async_rl.learner.sft import SupervisedLoss
+    from async_rl.sft.learner import SupervisedLoss
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": conversation(i)} for i in range(2)])
     chat = ChatTokenizer(chat_model)

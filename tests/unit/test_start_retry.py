@@ -1,12 +1,12 @@
 """A start that fails is tried again with doubling backoff, up to the bound; a start that cannot succeed
-(no room: a RunError) is not retried (async_rl/start_retry.py)."""
+(no room: a RunError) is not retried (async_rl/control/start_retry.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from async_rl.control.start_retry import StartRetry, StartsSpent
 from async_rl.errors import RunError
-from async_rl.start_retry import StartRetry, StartsSpent
 
 
 class Flaky:

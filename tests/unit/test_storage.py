@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl import checkpoint, storage
+from async_rl import storage
+from async_rl.control import checkpoint
 from tests.unit.test_checkpoint_partial import write
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from async_rl.config import ConfigError, TeacherConfig, load_config
-from async_rl.metrics import console_line
+from async_rl.control.metrics import console_line
 from async_rl.models.tiny import resolve_model_path
 from async_rl.protocol import REWARD_OK, TrajectoryGroup
 from async_rl.reward_models.setup import replica_engine_spec

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from async_rl.controller import engine_checksums
+from async_rl.control.controller import engine_checksums
 from async_rl.errors import RunError
 from async_rl.serving.worker_extension import loaded_weight_parts, shard_checksum
 from async_rl.weight_sync.checksum import checksum_of

@@ -16,7 +16,7 @@ and `discard_partial` removes them (at a resume, after a learner recovery, at th
 A resume or a learner recovery checks the checkpoint it picks against its manifest first (`pick`). A
 damaged one (a file truncated, missing or changed after the commit) is renamed `damaged-step_N-*`,
 which no later pick reads and retention never deletes, and the one before it is tried; a user can
-still resume from it by naming its folder. `python -m async_rl.checkpoint verify RUN_DIR` checks
+still resume from it by naming its folder. `python -m async_rl.control.checkpoint verify RUN_DIR` checks
 every checkpoint of a run.
 """
 
@@ -34,8 +34,9 @@ from typing import TextIO
 
 import msgspec
 
-from async_rl import checkpoint_manifest, storage
+from async_rl import storage
 from async_rl.buffer.actor import BufferState
+from async_rl.control import checkpoint_manifest
 from async_rl.errors import ConfigError, RunError
 
 CHECKPOINTS = "checkpoints"
@@ -282,7 +283,7 @@ def verify_run(run_dir: Path, stream: TextIO | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m async_rl.checkpoint", description="Check a run's checkpoints.")
+    parser = argparse.ArgumentParser(prog="python -m async_rl.control.checkpoint", description="Check a run's checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("verify", help="check every checkpoint of RUN_DIR against its manifest; exit 1 if any is damaged")
     check.add_argument("run_dir", type=Path)

@@ -1,4 +1,4 @@
-"""python -m async_rl.scale RUN_DIR --engines K [--timeout S]
+"""python -m async_rl.control.scale RUN_DIR --engines K [--timeout S]
 
 Resize the generator pool of a running `async_rl.launch` run. Added engines receive the current
 weights before they generate; removed engines drain (finish their requests in flight, hand back the
@@ -11,11 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from async_rl.control import NotRunning, send_scale
+from async_rl.control.operator_requests import NotRunning, send_scale
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m async_rl.scale", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m async_rl.control.scale", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="the run directory printed by async_rl.launch ('run directory: ...')")
     ap.add_argument("--engines", type=int, required=True, help="generator engines wanted (>= 1)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the reply")

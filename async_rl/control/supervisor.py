@@ -26,7 +26,7 @@ touches the controller; the controller's loop calls it. What happens when:
   the engines get its weights, and the loop goes on from that step (LearnerRestarted); the buffer keeps
   its waiting groups and accounting. Past train.max_recoveries, or with train.recover=off, the run
   stops with exit code 1 and one line naming the checkpoint to resume from (recovery.py).
-- between steps: operator requests (`python -m async_rl.scale`) and, if enabled, the autoscaler set
+- between steps: operator requests (`python -m async_rl.control.scale`) and, if enabled, the autoscaler set
   the pool size; added engines get the current weights before they generate, removed ones drain.
 """
 
@@ -42,21 +42,22 @@ import msgspec
 import ray
 from ray.actor import ActorHandle
 
-from async_rl import checkpoint
-from async_rl.autoscale import ScaleDecision, ScaleSignal, decide
 from async_rl.buffer.actor import BufferStats
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
+from async_rl.cluster.resources import actor_key
 from async_rl.config import Config
-from async_rl.control import ControlInbox, ScaleReply, ScaleRequest
-from async_rl.death_watch import DeathNotice, DeathWatch, Target, Watched, actor_key
+from async_rl.control import checkpoint
+from async_rl.control.autoscale import ScaleDecision, ScaleSignal, decide
+from async_rl.control.death_watch import DeathNotice, DeathWatch, Target, Watched
+from async_rl.control.failure_watch import Failing, FailureWatch, reward_name
+from async_rl.control.operator_requests import ControlInbox, ScaleReply, ScaleRequest
+from async_rl.control.recovery import LearnerRecovery
+from async_rl.control.runtime import Runtime
+from async_rl.control.start_retry import StartRetry, StartsSpent
 from async_rl.errors import RunError, first_line
 from async_rl.evaluation.scores import EvalRecord
-from async_rl.failure_watch import Failing, FailureWatch, reward_name
 from async_rl.generator.pool import LEARNER
 from async_rl.learner.base import StepMetrics
-from async_rl.recovery import LearnerRecovery
-from async_rl.runtime import Runtime
-from async_rl.start_retry import StartRetry, StartsSpent
 
 SYNC_ATTEMPTS = 3
 T = TypeVar("T")

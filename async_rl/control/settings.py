@@ -12,10 +12,10 @@ from async_rl.cluster import placement
 from async_rl.cluster.devices import device_of, serving_dtype, use_eager, use_prefix_caching, wire_dtype
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.config import Config, DataConfig
+from async_rl.config.spec import LearnerSpec
 from async_rl.envs.factory import AGENT_PREFIX
 from async_rl.errors import ConfigError
 from async_rl.generator.engine import EngineSettings
-from async_rl.learner.base import LearnerSpec
 from async_rl.models.moe import MoeRouting, read_routing
 from async_rl.protocol import LOGPROB_DTYPE, RouteLayout
 from async_rl.reward_models.server import RewardEndpoint

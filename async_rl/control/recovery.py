@@ -1,4 +1,4 @@
-"""The learner-recovery policy (issue 32): whether a dead or hung learner group is restarted, and
+"""The learner-recovery policy: whether a dead or hung learner group is restarted, and
 from where.
 
 Pure bookkeeping, no Ray: the supervisor asks `LearnerRecovery.decide` once per learner death and

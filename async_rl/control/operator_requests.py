@@ -1,7 +1,7 @@
 """Operator requests to a running controller, through files in the run directory.
 
     RUN_DIR/control.json                the running controller: run id, pid, host (absent = not running)
-    RUN_DIR/control/requests/ID.json    a request (written by `python -m async_rl.scale`)
+    RUN_DIR/control/requests/ID.json    a request (written by `python -m async_rl.control.scale`)
     RUN_DIR/control/replies/ID.json     the controller's reply to it
 
 Every file is written atomically (temporary file, then rename) and is a typed msgspec document, so a

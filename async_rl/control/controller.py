@@ -17,21 +17,24 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from async_rl import checkpoint, storage, versions
-from async_rl.autoscale import ScaleSignal
+from async_rl import storage, versions
 from async_rl.buffer.actor import BufferStats
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.cluster.resources import WorkerGroup
 from async_rl.config import Config
+from async_rl.config.spec import LearnerSpec
+from async_rl.control import checkpoint
+from async_rl.control.autoscale import ScaleSignal
+from async_rl.control.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
+from async_rl.control.runtime import START_TIMEOUT_S, Runtime
+from async_rl.control.supervisor import LearnerRestarted, PromptsExhausted, Supervisor
 from async_rl.errors import RunError
 from async_rl.evaluation.phase import Evaluation, eval_prompts
 from async_rl.generator.engine import EngineStats
 from async_rl.generator.pool import GeneratorPool
-from async_rl.learner.base import LearnerSpec, MoeMetrics, StepMetrics, checkpoint_model_dir
-from async_rl.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
+from async_rl.learner.base import MoeMetrics, StepMetrics, checkpoint_model_dir
+from async_rl.learner.driver import LearnerDriver
 from async_rl.reward_models.calls import RewardModelCounts
-from async_rl.runtime import START_TIMEOUT_S, Runtime
-from async_rl.supervisor import LearnerRestarted, PromptsExhausted, Supervisor
 from async_rl.teacher.meter import TeacherMeter, TeacherStep
 from async_rl.weight_sync.checksum import ParamChecksum, ShardChecksum, engine_checksum
 
@@ -74,7 +77,7 @@ class Controller:
         self.version = 0
         self._last_logged_step = -1  # the highest step logged (a step logged again after a recovery is marked)
         self.teacher_meter = TeacherMeter()  # teacher.model: per-step rates from the engines' counters
-        self.runtime = Runtime(cfg, self.run_id, self.model_dir, run_dir, plan, self.initial_model_dir)
+        self.runtime = Runtime(cfg, self.run_id, self.model_dir, run_dir, plan, self.initial_model_dir, LearnerDriver)
         self.supervisor: Supervisor | None = None
         eval_set = eval_prompts(cfg, self.model_dir) if cfg.eval.enabled else []  # rendered once, here
         self.evaluation = Evaluation(cfg.eval, eval_set, cfg.generators.max_tokens, cfg.train.total_steps)

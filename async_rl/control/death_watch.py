@@ -61,10 +61,6 @@ class DeathNotice(msgspec.Struct, frozen=True):
         return Watched(self.kind, self.ident, self.actor_id)
 
 
-def actor_key(actor: ActorHandle) -> str:
-    return actor._actor_id.hex()
-
-
 class DeathWatch:
     """`targets()` names every process to watch now (read on this thread, so it must be cheap and
     safe beside the loop: a snapshot of the handles); each gets one pending `watch.remote()`, and

@@ -17,17 +17,15 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from async_rl import settings
 from async_rl.buffer.actor import BufferAddresses, BufferState, BufferStats, ReplayBuffer
 from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.cluster.placement import PlacementPlan
 from async_rl.cluster.pools import RunPools
 from async_rl.cluster.resources import PoolShare, ResourcePool, WorkerGroup
 from async_rl.config import Config
+from async_rl.config.spec import LEARNER_ENV, LearnerSpec
+from async_rl.control import settings
 from async_rl.generator.pool import GeneratorPool
-from async_rl.learner.base import LearnerSpec
-from async_rl.learner.driver import LearnerDriver
-from async_rl.learner.host_memory import LEARNER_ENV
 from async_rl.reward_models.pool import RewardModelPool
 from async_rl.reward_models.server import RewardEndpoint
 from async_rl.reward_models.setup import reward_model_pool
@@ -47,9 +45,19 @@ def learner_actor_options(placement: dict[str, Any]) -> dict[str, Any]:
 
 class Runtime:
     def __init__(
-        self, cfg: Config, run_id: str, model_dir: Path, run_dir: Path, plan: PlacementPlan, initial_model_dir: Path
+        self,
+        cfg: Config,
+        run_id: str,
+        model_dir: Path,
+        run_dir: Path,
+        plan: PlacementPlan,
+        initial_model_dir: Path,
+        learner_cls: type,
     ) -> None:
-        """`initial_model_dir`: the run's first weights (the KL reference), kept across resumes."""
+        """`initial_model_dir`: the run's first weights (the KL reference), kept across resumes.
+        `learner_cls`: the class of the learner's ranks (Ray actors made with a LearnerSpec), named by
+        the caller: the RL loop's `LearnerDriver`, or SFT's `SftLearner`."""
+        self.learner_cls = learner_cls
         self.cfg = cfg
         self.run_id = run_id
         self.model_dir = model_dir
@@ -171,17 +179,15 @@ class Runtime:
         """What every learner rank is started with; `serve`: the buffer's batch-serving address."""
         return settings.learner_spec(self.cfg, self.run_id, self.model_dir, self.initial_model_dir, serve, self.keys)
 
-    def start_learner_alone(self, learner_cls: type[LearnerDriver]) -> WorkerGroup:
+    def start_learner_alone(self) -> WorkerGroup:
         """train.mode=sft: the learner's ranks (of `learner_cls`) set up, without a buffer, engines or
         weight sync: they read their data themselves."""
         self._pools = RunPools(self.cfg)
-        self._learner = self._make_learner(learner_cls=learner_cls)
+        self._learner = self._make_learner()
         ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
         return self._learner
 
-    def _make_learner(
-        self, pool: ResourcePool | PoolShare | None = None, learner_cls: type[LearnerDriver] = LearnerDriver
-    ) -> WorkerGroup:
+    def _make_learner(self, pool: ResourcePool | PoolShare | None = None) -> WorkerGroup:
         """The learner's ranks, in a new resource pool or in `pool` (a restarted group takes its
         predecessor's)."""
         cfg = self.cfg
@@ -192,7 +198,7 @@ class Runtime:
 
         def make(rank: int, options: dict[str, Any], master: str) -> ActorHandle:
             options = learner_actor_options(options)
-            return ray.remote(learner_cls).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
+            return ray.remote(self.learner_cls).options(**options).remote(spec, rank, world, master, ranks[rank].cores)
 
         return WorkerGroup(pool, make, lambda a: ray.get(a.rendezvous_address.remote()))
 
