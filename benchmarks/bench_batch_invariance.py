@@ -10,7 +10,8 @@ prompts under the chat template, sampled at temperature 1 with a per-request see
   k others   the target in the middle of k other prompts (k = 1, 3, 7, 15, 31, 63) in one generate call
 
 and reports, per k, how many targets kept every token, how many kept every log-prob bit for bit, and
-the largest |log-prob difference| over the tokens both share before any divergence.
+the largest |log-prob difference| over the tokens both share before any divergence: against the target
+alone, and against the target beside one other (batched results among themselves).
 
     .venv/bin/python benchmarks/bench_batch_invariance.py [--dtypes float32 bfloat16] [--targets 4] [--tokens 32]
 
@@ -69,6 +70,7 @@ def measure(model_dir: str, dtype: str, targets: int, tokens: int) -> dict:
 
         for i, target in enumerate(chosen):
             alone = run([target], params(1000 + i))[0]
+            paired = None  # the target beside one other: batched results compared among themselves too
             for k in BATCHES:
                 batch = others[:k]
                 mid = k // 2
@@ -76,7 +78,9 @@ def measure(model_dir: str, dtype: str, targets: int, tokens: int) -> dict:
                 # the neighbours get seeds of their own: only the target's seed is shared with its run alone
                 plist = [params(j) for j in range(mid)] + [params(1000 + i)] + [params(j) for j in range(mid, k)]
                 got = run(prompts, plist)[mid]
-                rows.append({"mode": mode, "target": i, "others": k, **compare(alone, got)})
+                paired = paired or got
+                vs_pair = {f"{key}_vs_1": v for key, v in compare(paired, got).items()}
+                rows.append({"mode": mode, "target": i, "others": k, **compare(alone, got), **vs_pair})
     return {"dtype": dtype, "rows": rows}
 
 
@@ -88,7 +92,10 @@ def summary(rows: list[dict]) -> list[dict]:
             out.append({"mode": mode, "others": k, "targets": len(mine),
                         "tokens_equal": sum(r["tokens_equal"] for r in mine),
                         "logprobs_bitwise": sum(r["logprobs_bitwise"] for r in mine),
-                        "max_abs_dlogp": max(r["max_abs_dlogp"] for r in mine)})
+                        "max_abs_dlogp": max(r["max_abs_dlogp"] for r in mine),
+                        "tokens_equal_vs_1": sum(r["tokens_equal_vs_1"] for r in mine),
+                        "logprobs_bitwise_vs_1": sum(r["logprobs_bitwise_vs_1"] for r in mine),
+                        "max_abs_dlogp_vs_1": max(r["max_abs_dlogp_vs_1"] for r in mine)})
     return out
 
 
@@ -116,7 +123,10 @@ def main() -> None:
         print(f"{dtype}: mode, others, targets with equal tokens / bit-equal log-probs / max |dlogp| before divergence")
         for s in result["dtypes"][dtype]["summary"]:
             print(f"  {s['mode']:7} {s['others']:2}: {s['tokens_equal']}/{s['targets']} tokens, "
-                  f"{s['logprobs_bitwise']}/{s['targets']} log-probs, max {s['max_abs_dlogp']:.2e}", flush=True)
+                  f"{s['logprobs_bitwise']}/{s['targets']} log-probs, max {s['max_abs_dlogp']:.2e} | against the "
+                  f"target beside 1 other: {s['tokens_equal_vs_1']}/{s['targets']} tokens, "
+                  f"{s['logprobs_bitwise_vs_1']}/{s['targets']} log-probs, max {s['max_abs_dlogp_vs_1']:.2e}",
+                  flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "batch_invariance_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
 

