@@ -60,6 +60,10 @@ from async_rl.generator.pool import LEARNER
 from async_rl.learner.base import StepMetrics
 
 SYNC_ATTEMPTS = 3
+# A failed sync whose members all still look alive waits this long for the death that broke it: the
+# survivors abandon the update the moment a peer's socket resets, and the watcher (or the engine's
+# health check) sees the dead vLLM core a moment later, under load a few seconds later.
+SYNC_DEATH_GRACE_S = 10.0
 T = TypeVar("T")
 START_TIMEOUT_S = 600.0
 WAKE_S = 0.25  # while the learner trains, how often the supervisor looks for death notices
@@ -488,11 +492,8 @@ class Supervisor:
                 self.sync_owed = False
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
-                self._recover_dead_learner(version - 1, exc)
-                # An engine the watcher abandoned is dead or hung even when it has not failed a health
-                # check yet (a slow reply under load is not death): count it dead too.
-                found = set(self._engines_found_dead()) | set(self.rt.generators.abandoned_engines())
-                dead = sorted(set(self.rt.generators.find_dead()) | found)
+                grace = SYNC_DEATH_GRACE_S if attempt < SYNC_ATTEMPTS else 0.0
+                dead = self._dead_after_failed_sync(version - 1, exc, grace)
                 if not dead or attempt == SYNC_ATTEMPTS:
                     if isinstance(exc, RunError):
                         raise
@@ -500,6 +501,20 @@ class Supervisor:
                 self.replace(version - 1, dead)
         self.on_buffer(version - 1, self.rt.tell_buffer_version)
         return time.perf_counter() - t0
+
+    def _dead_after_failed_sync(self, step: int, why: BaseException, grace_s: float) -> list[int]:
+        """After a failed sync: recover a dead learner (which raises), else the engines that are dead.
+        With none found yet, look again for up to `grace_s` (SYNC_DEATH_GRACE_S)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            self._recover_dead_learner(step, why)
+            # An engine the watcher abandoned is dead or hung even when it has not failed a health
+            # check yet (a slow reply under load is not death): count it dead too.
+            found = set(self._engines_found_dead()) | set(self.rt.generators.abandoned_engines())
+            dead = sorted(set(self.rt.generators.find_dead()) | found)
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(WAKE_S)
 
     def on_buffer(self, step: int, call: Callable[[], T]) -> T:
         """A Runtime call to the buffer; a dead buffer is restarted from its snapshot and asked again."""

@@ -10,6 +10,7 @@ import itertools
 import json
 import shutil
 import threading
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -541,3 +542,44 @@ def test_a_failed_sync_raises_before_its_abort_reaches_a_store_gone_with_the_sen
     assert pool.membership_stale and reached == []  # raised while the abort still waits
     let_go.set()
     assert done.wait(10) and reached == ["weight update v4: ActorDiedError"]  # and the abort still goes out
+
+
+def _sync_failing_once(rt: Runtime) -> list[int]:
+    """The runtime's sync: the first attempt fails as a sync broken by a dead peer does; later ones succeed."""
+    attempts: list[int] = []
+
+    def sync_weights(version: int, during_step: bool = False) -> bool:
+        attempts.append(version)
+        if len(attempts) == 1:
+            raise RunError(f"weight update v{version} failed: SyncAborted: Connection reset by peer")
+        return True
+
+    rt.sync_weights = sync_weights
+    rt.tell_buffer_version = lambda: None
+    rt.generators.find_dead = lambda: []  # the health check has not seen the death yet
+    rt.generators.abandoned_engines = lambda: []
+    return attempts
+
+
+def test_a_sync_broken_by_a_death_found_a_moment_later_replaces_the_engine(setup):
+    rt, sup = setup
+    del sup.sync  # the real one, not the fixture's stand-in
+    attempts = _sync_failing_once(rt)
+    engine0 = rt.generators.engines[0].actor
+    threading.Timer(0.6, deliver, (sup, notice("engine", 0, engine0, "vLLM's engine core died"))).start()
+    t0 = time.monotonic()
+    sup.sync(3)
+    waited = time.monotonic() - t0
+    assert attempts == [3, 3] and "replace [0] at step 2" in rt.log
+    assert 0.6 <= waited < sup_module.SYNC_DEATH_GRACE_S
+
+
+def test_a_sync_that_fails_with_every_member_alive_stops_after_the_grace(setup, monkeypatch):
+    rt, sup = setup
+    del sup.sync
+    monkeypatch.setattr(sup_module, "SYNC_DEATH_GRACE_S", 0.5)
+    _sync_failing_once(rt)
+    t0 = time.monotonic()
+    with pytest.raises(RunError, match="weight update v3 failed"):
+        sup.sync(3)
+    assert time.monotonic() - t0 >= 0.5 and not any(line.startswith("replace") for line in rt.log)
