@@ -10,6 +10,7 @@ the optimizer's, not the task's), and after each step, against the weights of th
   density        changed bf16 elements / all elements (whole model, and the densest tensor)
   sparse bytes   int32 index + bf16 value per changed element, or the dense bf16 tensor where that is
                  smaller, per tensor; against the full sync's bf16 bytes
+  mask bytes     the same with a bitmask (1 bit per element) + the changed values instead of indices
 
     .venv/bin/python benchmarks/bench_delta_density.py [--steps 8] [--lr 2e-5]
 
@@ -43,7 +44,7 @@ def batch(tok, rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def delta_stats(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict:
-    changed = total = sparse_bytes = dense_bytes = 0
+    changed = total = sparse_bytes = mask_bytes = dense_bytes = 0
     densest = ("", 0.0)
     for name, b in before.items():
         a = after[name]
@@ -54,10 +55,12 @@ def delta_stats(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor])
         dense = numel * VALUE_BYTES
         dense_bytes += dense
         sparse_bytes += min(n * (INDEX_BYTES + VALUE_BYTES), dense)
+        mask_bytes += min((numel + 7) // 8 + n * VALUE_BYTES, dense)
         if n / numel > densest[1]:
             densest = (name, n / numel)
     return {"density": changed / total, "changed": changed, "elements": total, "delta_bytes": sparse_bytes,
-            "full_bytes": dense_bytes, "bytes_ratio": sparse_bytes / dense_bytes, "densest_tensor": densest[0],
+            "full_bytes": dense_bytes, "bytes_ratio": sparse_bytes / dense_bytes,
+            "mask_bytes": mask_bytes, "mask_bytes_ratio": mask_bytes / dense_bytes, "densest_tensor": densest[0],
             "densest_density": densest[1]}
 
 
@@ -96,7 +99,8 @@ def main() -> None:
         steps.append(s)
         print(f"step {s['step']}: loss {s['loss']:.3f} | bf16 elements changed {s['density']:.2%} "
               f"(densest: {s['densest_tensor']} {s['densest_density']:.1%}) | delta {s['delta_bytes'] / 2**20:.1f} MiB "
-              f"of {s['full_bytes'] / 2**20:.1f} MiB = {s['bytes_ratio']:.1%}", flush=True)
+              f"of {s['full_bytes'] / 2**20:.1f} MiB = {s['bytes_ratio']:.1%}; as a bitmask + values "
+              f"{s['mask_bytes_ratio']:.1%}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = {"command": " ".join(["benchmarks/bench_delta_density.py", *sys.argv[1:]]), "model": "smollm2-135m",
            "lr": args.lr, "batch": args.batch, "cpus": os.cpu_count(), "steps": steps}
