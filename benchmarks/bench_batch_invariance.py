@@ -24,11 +24,14 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
-from bench_engine_dtype import prompt_ids, smollm2_dir  # benchmarks/ is this script's first path entry
+from bench_engine_dtype import (  # benchmarks/ is this script's first path entry
+    in_fresh_process,
+    prompt_ids,
+    smollm2_dir,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -114,11 +117,7 @@ def main() -> None:
     result = {"command": " ".join(["benchmarks/bench_batch_invariance.py", *sys.argv[1:]]),
               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "dtypes": {}}
     for dtype in args.dtypes:
-        out = Path(f"/tmp/bench_batch_invariance_{os.getpid()}_{dtype}.json")
-        subprocess.run([sys.executable, __file__, "--targets", str(args.targets), "--tokens", str(args.tokens),
-                        "--child", f"{dtype}:{out}"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-        measured = json.loads(out.read_text())
-        out.unlink()
+        measured = in_fresh_process(__file__, ["--targets", str(args.targets), "--tokens", str(args.tokens)], dtype)
         result["dtypes"][dtype] = {"summary": summary(measured["rows"]), "rows": measured["rows"]}
         print(f"{dtype}: mode, others, targets with equal tokens / bit-equal log-probs / max |dlogp| before divergence")
         for s in result["dtypes"][dtype]["summary"]:

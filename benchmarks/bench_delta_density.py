@@ -25,12 +25,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine_dtype import PROMPTS, RESULTS, smollm2_dir  # noqa: E402
+from bench_engine_dtype import PROMPTS, RESULTS, smollm2_dir  # benchmarks/ is this script's first path entry
 
 INDEX_BYTES = 4  # int32 flat index
 VALUE_BYTES = 2  # bf16

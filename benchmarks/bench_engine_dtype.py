@@ -30,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +46,16 @@ def smollm2_dir() -> str:
     from async_rl.models.tiny import resolve_model_path
 
     return str(resolve_model_path("smollm2-135m", os.environ.get("ASYNC_RL_MODEL_CACHE", "~/.cache/async_rl/models")))
+
+
+def in_fresh_process(script: str, args: list[str], dtype: str) -> dict:
+    """Run `script ARGS --child DTYPE:OUT` (one engine of `dtype` in a process of its own, so no engine
+    shares a process with another) and return the JSON it wrote to OUT."""
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        out = Path(tmp) / f"{dtype}.json"
+        subprocess.run([sys.executable, script, *args, "--child", f"{dtype}:{out}"], cwd=REPO, check=True,
+                       stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
 
 
 def prompt_ids(model_dir: str, n: int) -> list[list[int]]:
@@ -137,14 +148,10 @@ def main() -> None:
     runs = []
     for rep in range(args.repeats):
         for dtype in ("float32", "bfloat16"):
-            out = Path(f"/tmp/bench_engine_dtype_{os.getpid()}_{dtype}_{rep}.json")
             load = os.getloadavg()[0]
             print(f"repeat {rep}: {dtype} engine (load {load:.1f}) ...", flush=True)
-            subprocess.run([sys.executable, __file__, "--prompts", str(args.prompts), "--tokens", str(args.tokens),
-                            "--seed", str(args.seed), "--child", f"{dtype}:{out}"],
-                           cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-            r = json.loads(out.read_text())
-            out.unlink()
+            r = in_fresh_process(__file__, ["--prompts", str(args.prompts), "--tokens", str(args.tokens),
+                                            "--seed", str(args.seed)], dtype)
             r["load_before"] = load
             r["tok_per_s"] = r["tokens"] / r["wall_s"]
             print(f"  {r['tokens']} tokens in {r['wall_s']:.1f} s: {r['tok_per_s']:.0f} tok/s", flush=True)

@@ -1,4 +1,5 @@
-"""`python -m async_rl.launch` in a child process, as a user starts it from a terminal."""
+"""`python -m async_rl.launch` in a child process, as a user starts it from a terminal, and the tree of
+processes it starts (none may outlive it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,3 +32,31 @@ def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         preexec_fn=_sigint_ignored,
         env={**os.environ, **env} if env else None,
     )
+
+
+class ProcessTree:
+    """Remembers every descendant a process ever had, to check none survives it."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.seen: dict[int, psutil.Process] = {}
+
+    def poll(self) -> None:
+        try:
+            for child in self.root.children(recursive=True):
+                self.seen.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            pass
+
+    def names(self) -> list[str]:
+        out = []
+        for p in self.seen.values():
+            try:
+                out.append(f"{p.name()} {' '.join(p.cmdline())}")
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                pass
+        return out
+
+    def survivors(self, timeout: float = 30.0) -> list[str]:
+        _, alive = psutil.wait_procs(list(self.seen.values()), timeout=timeout)
+        return [f"{p.pid} {p.name()}" for p in alive]

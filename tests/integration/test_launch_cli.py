@@ -9,10 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.integration._launch import launch
+from tests.integration._launch import ProcessTree, launch
 
 pytestmark = pytest.mark.integration
 
@@ -22,34 +21,6 @@ QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 def base_overrides(tmp_path, model_cache) -> list[str]:
     return [f"model.cache_dir={model_cache}", f"logging.run_dir={tmp_path}", "logging.wandb.mode=disabled"]
-
-
-class ProcessTree:
-    """Remembers every descendant a process ever had, to check none survives it."""
-
-    def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
-        self.seen: dict[int, psutil.Process] = {}
-
-    def poll(self) -> None:
-        try:
-            for child in self.root.children(recursive=True):
-                self.seen.setdefault(child.pid, child)
-        except psutil.NoSuchProcess:
-            pass
-
-    def names(self) -> list[str]:
-        out = []
-        for p in self.seen.values():
-            try:
-                out.append(f"{p.name()} {' '.join(p.cmdline())}")
-            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-                pass
-        return out
-
-    def survivors(self, timeout: float = 30.0) -> list[str]:
-        _, alive = psutil.wait_procs(list(self.seen.values()), timeout=timeout)
-        return [f"{p.pid} {p.name()}" for p in alive]
 
 
 @pytest.mark.parametrize(

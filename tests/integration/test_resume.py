@@ -19,8 +19,7 @@ from async_rl.learner.hf_io import read_hf_weights
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from tests.integration._accounting import check_admission, check_buckets
 from tests.integration._engine_env import FAST_ENGINE_ENV
-from tests.integration._launch import launch
-from tests.integration.test_launch_cli import ProcessTree
+from tests.integration._launch import ProcessTree, launch
 
 pytestmark = pytest.mark.integration
 
