@@ -74,6 +74,8 @@ class BufferSettings(msgspec.Struct, frozen=True):
     curve: ServerKeys | None = None  # CURVE keys and admitted clients (None: security.curve is off)
     # The model's routes layout when the engines capture routes (a frame's must match); None: no check
     routes: RouteLayout | None = None
+    # train.deterministic: batches of the lowest prompt ids in order, fresh prompt ids must rise
+    deterministic: bool = False
 
 
 class BufferAddresses(msgspec.Struct, frozen=True):
@@ -128,12 +130,14 @@ class ReplayBuffer:
         self.source = PromptSource.from_settings(
             s.task_name, s.task_seed, s.model_dir, s.max_prompt_tokens, s.data, s.tokenizer_class, s.vision
         )
+        if s.deterministic:
+            self.source.require_rising_ids()
         self.leases = Leases(self.ledger, self.source, s.group_size)
         rejected: collections.Counter[str] = collections.Counter()
         self._changed = asyncio.Condition()
         self.server = BatchServer(
             s.run_id, s.prompts_per_step, s.max_lag, self.ledger, rejected, lambda: self.ingest.filtered_groups,
-            self._changed,
+            self._changed, self.leases.lowest_pending if s.deterministic else None,
         )
         self.ingest = Ingest(
             s.run_id, s.max_frame_bytes, s.group_size, s.filter_uniform_groups,
@@ -191,10 +195,27 @@ class ReplayBuffer:
             if self.leases.is_closed(engine_id):  # closed while this call waited
                 return []
             prompts = self.leases.grant(engine_id, max_groups)
+            self._changed.notify_all()  # the stream may have run out (generation_settled waits on it)
         if not prompts:
             # A finite prompt stream ran out (stats say so): do not let engines spin on empty leases.
             await asyncio.sleep(wait_s)
         return prompts
+
+    async def generation_settled(self, wait_s: float) -> bool:
+        """train.deterministic, before the engines' version moves on: True once every prompt admission
+        allows at the version they hold was leased and has arrived (or the prompts ran out); waits up
+        to `wait_s` for it. Only then does each step's batch come from one policy version whatever
+        the timing."""
+        def settled() -> bool:
+            full = self.ledger.capacity_groups() == 0 or self.source.exhausted
+            return full and self.ledger.accounts.in_flight == 0 and not self.source.returned()
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(settled), wait_s)
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     async def set_generator_version(self, version: int) -> None:
         async with self._changed:

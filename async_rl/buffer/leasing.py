@@ -41,6 +41,11 @@ class Leases:
             self._outstanding[p.prompt_id] = (engine_id, p)
         return prompts
 
+    def lowest_pending(self) -> int | None:
+        """The lowest prompt id leased or handed back and not yet arrived (None: none)."""
+        ids = [*self._outstanding, *(p.prompt_id for p in self._source.returned())]
+        return min(ids) if ids else None
+
     def owner(self, prompt_id: int) -> int | None:
         """The engine holding the lease of `prompt_id` (None: not leased)."""
         held = self._outstanding.get(prompt_id)

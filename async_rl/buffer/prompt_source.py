@@ -152,6 +152,8 @@ class PromptSource:
         self._drawn = 0  # fresh prompts taken from the stream so far
         self._returned: collections.deque[Prompt] = collections.deque()  # handed back, leased first
         self._ended = False  # the stream ran out
+        self._rising_ids = False  # train.deterministic: fresh prompt ids must rise (see require_rising_ids)
+        self._last_id = -1
 
     @classmethod
     def from_settings(
@@ -208,8 +210,20 @@ class PromptSource:
                 self._ended = True
                 break
             self._drawn += 1
+            if self._rising_ids:
+                if prompt.prompt_id <= self._last_id:
+                    raise RunError(
+                        f"train.deterministic: the prompt stream gave prompt id {prompt.prompt_id} after "
+                        f"{self._last_id}; a deterministic run orders its batches by prompt id, which must rise"
+                    )
+                self._last_id = prompt.prompt_id
             prompts.append(prompt)
         return prompts
+
+    def require_rising_ids(self) -> None:
+        """train.deterministic: a batch is its step's prompts in prompt-id order, so each fresh prompt
+        must have a higher id than the one before (the built-in tasks and data files count up)."""
+        self._rising_ids = True
 
     def give_back(self, prompts: Iterable[Prompt]) -> None:
         """These prompts are leased again before any fresh one."""

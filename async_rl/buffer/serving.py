@@ -33,7 +33,11 @@ class BatchServer:
         rejected: collections.Counter[str],
         filtered_groups: Callable[[], int],
         changed: asyncio.Condition,
+        lowest_pending: Callable[[], int | None] | None = None,
     ) -> None:
+        """`lowest_pending`: train.deterministic, the lowest prompt id leased or handed back but not yet
+        arrived (None: none); a batch is then the lowest prompt ids, in order (see `_take_in_order`).
+        None: batches are built first come, first served."""
         self._run_id = run_id
         self._prompts_per_step = prompts_per_step
         self._max_lag = max_lag
@@ -41,6 +45,7 @@ class BatchServer:
         self._rejected = rejected  # the buffer's tally of rejected frames (shared with ingest)
         self._filtered_groups = filtered_groups  # groups dropped by dynamic sampling so far (ingest's count)
         self._changed = changed  # the buffer's condition: notified on every state change
+        self._lowest_pending = lowest_pending
         self._waiting: collections.deque[TrajectoryGroup] = collections.deque()
         self._batches: dict[int, list[list[TrajectoryGroup]]] = {}  # step -> per-rank shards, until acked
         self.last_batch = (-1, 0, 0.0)  # (step, max lag, mean lag)
@@ -98,6 +103,8 @@ class BatchServer:
         batch: list[TrajectoryGroup] = []
         changed = self._changed
         async with changed:
+            if self._lowest_pending is not None:
+                batch = await self._take_in_order(step, need)
             while len(batch) < need:
                 while not self._waiting:
                     await changed.wait()
@@ -114,6 +121,29 @@ class BatchServer:
         self._filtered_at_batch = (filtered, filtered - self._filtered_at_batch[0])
         shards = self._batches[step] = balanced_shards(batch, world_size, cost)
         return shards
+
+    async def _take_in_order(self, step: int, need: int) -> list[TrajectoryGroup]:
+        """train.deterministic (caller holds the condition): the `need` waiting groups of the lowest
+        prompt ids, in prompt-id order, once no lower id is still leased or handed back: the same
+        batch whichever engine finished first. Prompt ids rise in the order prompts are drawn, so
+        these are the step's own prompts. None is stale: the schedule generated each at its version."""
+        def ready() -> bool:
+            if len(self._waiting) < need:
+                return False
+            pending = self._lowest_pending()
+            return pending is None or sorted(g.prompt_id for g in self._waiting)[need - 1] < pending
+
+        await self._changed.wait_for(ready)
+        batch = sorted(self._waiting, key=lambda g: g.prompt_id)[:need]
+        taken = {g.prompt_id for g in batch}
+        self._waiting = collections.deque(g for g in self._waiting if g.prompt_id not in taken)
+        stale = [g.prompt_id for g in batch if Ledger.is_stale(g.oldest_version, step, self._max_lag)]
+        if stale:  # the schedule was broken (a death, a recovery): trained as a free-running step would not
+            for g in [g for g in batch if g.prompt_id in stale]:
+                self._ledger.dropped_stale(g.episode_count)
+            batch = [g for g in batch if g.prompt_id not in stale]
+        self._changed.notify_all()
+        return batch
 
     async def run(self, router: zmq.asyncio.Socket, on_built: Callable[[], None]) -> None:
         """The serve loop: answer each rank's request with its shard of the step's batch.

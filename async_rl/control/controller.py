@@ -162,13 +162,16 @@ class Controller:
         # deaths found since the step's last look (the watcher reports them at once, the loop
         # acts here and after each phase below: sync, checkpoint, evaluation)
         sup.act_on_deaths(step, self.version)
-        sync_s, mismatch = 0.0, None
+        sync_s, settle_s, mismatch = 0.0, 0.0, None
         if self.version % self.cfg.train.sync_every == 0 or sup.sync_owed:
+            if self.cfg.train.deterministic:
+                settle_s = sup.settle_generation(step, self.version)
             sync_s = sup.sync(self.version)
             mismatch = self.logprob_mismatch()
         buffer: BufferStats = sup.on_buffer(step, rt.buffer_stats)
         elapsed = time.perf_counter() - t0
         record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
+        record.settle_s = settle_s
         record.num_engines = len(rt.generators.engines)
         record.recoveries = sup.recovery.recoveries
         record.failed_starts = sup.starts.failed
@@ -203,6 +206,8 @@ class Controller:
         if not self.evaluation.due(self.version, at_start):
             return
         if self.runtime.generators_version != self.version:  # the last step's weights, not yet synced
+            if self.cfg.train.deterministic:
+                self.supervisor.settle_generation(self.version - 1, self.version)
             self.supervisor.sync(self.version)
         engines = {eid: h.actor for eid, h in self.generators.engines.items()}
         sup, version = self.supervisor, self.version

@@ -106,6 +106,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
     replayed: bool = False
     # Engine starts that failed and were retried or given up on (generators.start_attempts), over the run.
     failed_starts: int = 0
+    # train.deterministic: seconds the sync waited for the engines to finish the prompts of their version
+    settle_s: float = 0.0
     data_epoch: int = 0  # the prompt stream's position after the step: epoch ...
     data_index: int = 0  # ... and items of that epoch's order drawn (a task: prompts drawn)
     skipped_prompts: int = 0  # prompts or data rows that could not be used (bad rows, too long), so far

@@ -261,6 +261,10 @@ class Runtime:
     def buffer_checkpoint_state(self) -> BufferState:
         return ray.get(self.buffer.checkpoint_state.remote(), timeout=START_TIMEOUT_S)
 
+    def generation_settled(self, wait_s: float) -> bool:
+        """train.deterministic: everything admitted at the engines' version has arrived (waits up to `wait_s`)."""
+        return ray.get(self.buffer.generation_settled.remote(wait_s), timeout=wait_s + START_TIMEOUT_S)
+
     def buffer_alive(self) -> bool:
         try:
             ray.get(self.buffer.stats.remote(), timeout=30)

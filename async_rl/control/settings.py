@@ -125,6 +125,7 @@ def buffer_settings(cfg: Config, run_id: str, keys: RunKeys | None, model_dir: P
         data=with_env_system_prompt(with_absolute_paths(cfg.data), cfg),
         vision=cfg.vision,
         curve=keys.server if keys is not None else None,
+        deterministic=cfg.train.deterministic,
     )
 
 
@@ -202,6 +203,7 @@ def engine_settings(
                 g.capture_routes, read_routing(model_dir), use_prefix_caching(g.prefix_caching, device), device
             ),
             images=engine_images(cfg, model_dir),
+            batch_invariant=cfg.train.deterministic,
         ),
         cores=engine_cores(plan, engine_id),
         threads=g.cpus_per_engine,
@@ -224,6 +226,7 @@ def engine_settings(
         reward_endpoints=list(reward_endpoints or []),
         teacher=cfg.teacher,
         teacher_endpoints=list(teacher_endpoints or []),
+        request_seed=g.seed if cfg.train.deterministic else None,
     )
 
 

@@ -502,6 +502,26 @@ class Supervisor:
         self.on_buffer(version - 1, self.rt.tell_buffer_version)
         return time.perf_counter() - t0
 
+    def settle_generation(self, step: int, version: int) -> float:
+        """train.deterministic, before the engines move to `version`: wait until they generated every
+        prompt admitted at the version they hold (ReplayBuffer.generation_settled), so each step's
+        batch comes from one policy version however the timing fell. Deaths are acted on meanwhile
+        and the full check runs every `generators.health_check_s`, as in a step. A replaced engine
+        gets `version`: what it generates again is then newer than an unbroken run's. Returns the
+        seconds it waited."""
+        t0 = time.perf_counter()
+        every = self.cfg.generators.health_check_s
+        next_check = time.monotonic() + every
+        while not self.on_buffer(step, lambda: self.rt.generation_settled(WAKE_S)):
+            self.act_on_deaths(step, version)
+            if time.monotonic() >= next_check:
+                self.recover(step)
+                stats = self.on_buffer(step, self.rt.buffer_stats)
+                self.check_failures(stats)
+                self.check_prompts(step, stats)
+                next_check = time.monotonic() + every
+        return time.perf_counter() - t0
+
     def _dead_after_failed_sync(self, step: int, why: BaseException, grace_s: float) -> list[int]:
         """After a failed sync: recover a dead learner (which raises), else the engines that are dead.
         With none found yet, look again for up to `grace_s` (SYNC_DEATH_GRACE_S)."""

@@ -20,6 +20,7 @@ class EvalParams(msgspec.Struct, frozen=True):
     n: int
     temperature: float
     max_tokens: int
+    seed: int | None = None  # the request's sampling seed (train.deterministic; None: vLLM's own)
 
 
 class EvalResult(msgspec.Struct, frozen=True):

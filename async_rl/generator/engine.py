@@ -19,6 +19,7 @@ import zmq.asyncio
 from async_rl.agents.episodes import AgentCounters
 from async_rl.config import EnvConfig, TaskConfig, TeacherConfig
 from async_rl.evaluation.scores import EvalBatch, EvalParams
+from async_rl.generator.request_seeds import RequestSeeds
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.rollout import Rollout, RolloutCounters
 from async_rl.generator.rollout_choice import make_rollout
@@ -66,6 +67,7 @@ class EngineSettings(msgspec.Struct, frozen=True):
     reward_endpoints: list[RewardEndpoint] = []  # task.reward=judge:/classifier: the reward model's replicas
     teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)  # teacher.model '' = no teacher
     teacher_endpoints: list[RewardEndpoint] = []  # the teacher's replicas (on-policy distillation)
+    request_seed: int | None = None  # train.deterministic: generators.seed, every request's own seed from it
 
 
 class EngineStats(msgspec.Struct):
@@ -106,6 +108,7 @@ class GeneratorEngine:
             cpu_threads.leave_engine_unbound(settings.threads, settings.spec.tensor_parallel_size)
         self.model = ServedModel(settings.spec, settings.pause_mode)
         self.rollout: Rollout | None = None  # chosen at start
+        self.seeds = RequestSeeds(settings.request_seed)
         t = settings.teacher
         # teacher.model: each finished group is scored by a teacher replica before it is pushed
         self.teacher = (
@@ -198,7 +201,8 @@ class GeneratorEngine:
         """Lease -> roll out (scored) -> the teacher's scores (teacher.model) -> push, for one prompt."""
         try:
             t0 = asyncio.get_running_loop().time()
-            group = await self.rollout.group(prompt, request_id, self.sampling, self.s.group_size)
+            sampling = self.seeds.sampling(self.sampling, prompt.prompt_id)
+            group = await self.rollout.group(prompt, request_id, sampling, self.s.group_size)
             if self.teacher is not None:
                 self._slots.rolled_out(request_id)  # the engine goes on generating meanwhile
                 group = await self.teacher.score(group, asyncio.get_running_loop().time() - t0)
@@ -232,9 +236,10 @@ class GeneratorEngine:
         version = self.version
         self._evals += 1
         prefix = f"e{self.s.engine_id}-eval{self._evals}"
+        seeded = [(p, self.seeds.eval(params, p.prompt_id, version)) for p in prompts]  # train.deterministic
         outcomes = await asyncio.gather(
             # watched: a prompt in flight when the engine core dies fails at once, not never
-            *(self.model.watched(self.rollout.evaluate(p, params, f"{prefix}-p{p.prompt_id}"), "eval") for p in prompts),
+            *(self.model.watched(self.rollout.evaluate(p, ps, f"{prefix}-p{p.prompt_id}"), "eval") for p, ps in seeded),
             return_exceptions=True,
         )
         results, failed = [], 0
@@ -334,13 +339,7 @@ class GeneratorEngine:
 
     async def score(self, probe: Probe) -> float:
         """Mean |vLLM - learner| log-prob over the probe's tokens, both at the current version."""
-        ours = await self.logprobs(probe)
-        diffs = [
-            abs(v - lp)
-            for vllm_lps, learner_lps in zip(ours, probe.logprobs, strict=True)
-            for v, lp in zip(vllm_lps, learner_lps, strict=True)
-        ]
-        return sum(diffs) / len(diffs) if diffs else 0.0
+        return probe.mean_abs_diff(await self.logprobs(probe))
 
     def sampling_spec(self) -> SamplingSpec:
         """What this engine samples with (stop tokens resolved from the model's generation config)."""

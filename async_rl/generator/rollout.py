@@ -76,4 +76,6 @@ def episodes_result(prompt: Prompt, group: TrajectoryGroup) -> EvalResult:
 
 def eval_sampling(base: SamplingSpec, params: EvalParams, n: int) -> SamplingSpec:
     """The training sampler's stop tokens and strings with the eval's temperature and length."""
-    return msgspec.structs.replace(base, n=n, temperature=params.temperature, max_tokens=params.max_tokens)
+    return msgspec.structs.replace(
+        base, n=n, temperature=params.temperature, max_tokens=params.max_tokens, seed=params.seed
+    )

@@ -147,6 +147,13 @@ class Probe(msgspec.Struct):
         """Sample i's prompt images and prompt length (none and 0: a text sample)."""
         return (self.images[i], self.prompt_lens[i]) if self.images else ([], 0)
 
+    def mean_abs_diff(self, other: list[list[float]]) -> float:
+        """Mean |other - learner| log-prob over the probe's tokens (`other`: an engine's, at `positions`)."""
+        diffs = [
+            abs(o - lp) for theirs, ours in zip(other, self.logprobs, strict=True) for o, lp in zip(theirs, ours, strict=True)
+        ]
+        return sum(diffs) / len(diffs) if diffs else 0.0
+
 
 class LearnerRank(abc.ABC):
     """What the controller calls on each learner rank (rank 0 also sends weights)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import sys
 import threading
@@ -262,6 +263,11 @@ class LearnerDriver(LearnerRank):
         random.seed(s.train.seed)
         np.random.seed(s.train.seed)
         torch.manual_seed(s.train.seed)
+        if s.train.deterministic and s.learner.device == "cuda":
+            # cuBLAS needs a fixed workspace for repeatable results (PyTorch's reproducibility notes);
+            # on CPU torch's kernels already repeat at a fixed thread count (measured: test_determinism.py)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
         set_malloc_mmap_threshold(s.learner.malloc_mmap_threshold_kb)  # a memory switch, off by default
         self.backend = make_backend(s, self.rank, self.world_size, self.master, self._rendezvous_store)
         params = self.backend.setup(s.model_dir)

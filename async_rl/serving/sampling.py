@@ -20,6 +20,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] = []  # stop strings (the text given to rewards ends with the one that matched)
     stop_token_ids: list[int] = []  # EOS and stop tokens of the model's generation config
     ignore_eos: bool = False  # benchmarks: always max_tokens long
+    seed: int | None = None  # the request's own sampling seed (vLLM gives its n samples seed, seed+1, ...)
 
 
 def stop_token_ids(model_dir: str | Path) -> list[int]:

