@@ -4,6 +4,9 @@ side, with the held-out curves as ranges. What a learner change is measured agai
     .venv/bin/python benchmarks/bench_baseline.py run --ref c40a23c --seeds 0 1 2     # ~35 min a seed
     .venv/bin/python benchmarks/bench_baseline.py report --name arith_baseline         # tables, JSON, PNG
 
+Both arms run with `train.deterministic` (unless `--free`): a seed's two runs then differ only by
+what the commits change, and `report` gives the per-seed differences besides the ranges.
+
 `run` checks the reference commit out into a git worktree (WORKDIR/ref-src, detached) and, for each seed,
 launches the config twice at once: this tree (`head-sN`) and the reference (`ref-sN`), each a fresh
 `python -m async_rl.launch` process importing its own tree (PYTHONPATH), in this venv. Both runs of a
@@ -51,11 +54,19 @@ def start(tree: Path, name: str, seed: int, args: argparse.Namespace) -> subproc
     """One run of the config in `tree`, started; its console goes to WORKDIR/NAME.log."""
     cmd = [sys.executable, "-m", "async_rl.launch", args.config, f"data.seed={seed}", f"generators.seed={seed}",
            f"train.seed={seed}", f"logging.run_dir={args.workdir}", f"logging.run_name={name}",
-           "logging.wandb.mode=disabled", *args.overrides]
+           "logging.wandb.mode=disabled", *([] if args.free else ["train.deterministic=true"]), *args.overrides]
     print(f"running ({tree}): {' '.join(cmd[2:])}", flush=True)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with open(args.workdir / f"{name}.log", "w") as log:  # the child keeps its own copy of the file
         return subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def knows_deterministic(tree: Path) -> bool:
+    """The tree's config has train.deterministic (commits before it cannot run a paired comparison)."""
+    for path in (tree / "async_rl" / "config" / "train.py", tree / "async_rl" / "config.py"):
+        if path.is_file() and "deterministic:" in path.read_text():
+            return True
+    return False
 
 
 def run(args: argparse.Namespace) -> None:
@@ -63,6 +74,10 @@ def run(args: argparse.Namespace) -> None:
     trees = {"head": REPO} if args.head_only else {"head": REPO, "ref": ref_tree(args)}
     if args.ref_only:
         trees.pop("head")
+    if not args.free:
+        for arm, tree in trees.items():
+            if not knows_deterministic(tree):
+                sys.exit(f"error: the {arm} tree ({tree}) has no train.deterministic: give --free, or a newer --ref")
     for seed in args.seeds:
         procs = {arm: start(tree, f"{arm}-s{seed}", seed, args) for arm, tree in trees.items()}
         for arm, p in procs.items():
@@ -81,8 +96,29 @@ def runs_of(arm: str, workdir: Path) -> dict[str, dict]:
     for d in sorted(workdir.glob(f"{arm}-s*")):
         evals, steps = read_jsonl(d / "eval.jsonl"), read_jsonl(d / "metrics.jsonl")
         if d.is_dir() and evals:
-            out[d.name] = {"evals": {e["step"]: e for e in evals}, "reward": [s["reward_mean"] for s in steps]}
+            config = (d / "config.yaml").read_text() if (d / "config.yaml").is_file() else ""
+            out[d.name] = {"evals": {e["step"]: e for e in evals}, "reward": [s["reward_mean"] for s in steps],
+                           "deterministic": "deterministic: true" in config}
     return out
+
+
+def paired(arms: dict[str, dict[str, dict]], label: dict[str, str]) -> list[str]:
+    """Per seed, HEAD's held-out pass@1 minus the reference's at every evaluation both made: with both
+    runs deterministic at the same seeds a difference is the change's, not timing's (docs/determinism.md)."""
+    head, ref = arms.get("head", {}), arms.get("ref", {})
+    seeds = sorted({n.split("-s")[1] for n in head} & {n.split("-s")[1] for n in ref}, key=int)
+    if not seeds:
+        return []
+    lines = ["", f"| seed | deterministic | {label['head']} - {label['ref']}, pass@1 by eval step | at the last |",
+             "|---|---|---|---|"]
+    for seed in seeds:
+        h, r = head[f"head-s{seed}"], ref[f"ref-s{seed}"]
+        common = sorted(h["evals"].keys() & r["evals"].keys())
+        diffs = [h["evals"][s]["pass_at_1"] - r["evals"][s]["pass_at_1"] for s in common]
+        both = "yes" if h.get("deterministic") and r.get("deterministic") else "no"
+        curve = " ".join(f"{d:+.3f}" for d in diffs)
+        lines.append(f"| {seed} | {both} | {curve} | {diffs[-1]:+.3f} |" if diffs else f"| {seed} | {both} | - | - |")
+    return lines
 
 
 def reported_runs(name: str) -> dict[str, dict[str, dict]]:
@@ -131,6 +167,7 @@ def report(args: argparse.Namespace) -> None:
             rw = r["reward"]
             first, last = (statistics.fmean(rw[:5]), statistics.fmean(rw[-5:])) if rw else (float("nan"),) * 2
             lines.append(f"| {name} | {curve} | {first:.3f} -> {last:.3f} ({len(rw)} steps) |")
+    lines += paired(arms, label)
     table = "\n".join(lines)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"labels": label, "arms": arms}, indent=1))
@@ -172,6 +209,8 @@ def main() -> None:
     p.add_argument("--name", default="arith_baseline", help="report: benchmarks/results/NAME.*")
     p.add_argument("--keep-reported", action="store_true",
                    help="report: also the runs NAME.json kept whose folders WORKDIR no longer holds")
+    p.add_argument("--free", action="store_true",
+                   help="run: free-running runs (not train.deterministic): needed for a reference that predates it")
     p.add_argument("--head-label", default="HEAD")
     p.add_argument("--ref-label", default="reference")
     p.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")

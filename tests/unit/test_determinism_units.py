@@ -16,6 +16,7 @@ from async_rl.config import load_config
 from async_rl.control.repeat import differences, main, parameter_differences
 from async_rl.errors import ConfigError, RunError
 from async_rl.generator.request_seeds import request_seed
+from async_rl.launch import deterministic_line
 from async_rl.protocol import Prompt, TrajectoryGroup
 
 
@@ -139,7 +140,7 @@ def test_a_stream_whose_prompt_ids_do_not_rise_is_refused_in_one_line():
     [
         (["generators.autoscale.enabled=true"], "generators.autoscale.enabled"),
         (["algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling"),
-        (["env.name=tools"], "env.name"),
+        (["env.name=agent:tests.unit._agents:echo"], "env.name='agent:"),
         (["generators.device=cpu", "generators.dtype=bfloat16"], "generators.dtype=bfloat16 on cpu"),
     ],
 )
@@ -147,6 +148,12 @@ def test_what_cannot_repeat_is_refused_naming_the_key(overrides, names):
     with pytest.raises(ConfigError, match=f"^train.deterministic: {names}"):
         load_config(None, ["train.deterministic=true", *overrides])
     load_config(None, overrides)  # the same config without train.deterministic is fine
+
+
+def test_the_launch_says_what_the_run_repeats_by_and_what_breaks_it():
+    assert deterministic_line(load_config(None, [])) == ""
+    line = deterministic_line(load_config(None, ["train.deterministic=true", "task.reward_timeout_s=7"]))
+    assert "version s-1" in line and "task.reward_timeout_s=7" in line and "\n" not in line
 
 
 def test_request_seeds_are_stable_and_apart():
@@ -157,6 +164,19 @@ def test_request_seeds_are_stable_and_apart():
     assert min(abs(a - b) for a, b in zip(sorted(seeds), sorted(seeds)[1:], strict=False)) > 64
     assert request_seed(0, 5, salt=3) != request_seed(0, 5)
     assert all(0 <= s < 2**63 for s in seeds)  # an int64, as torch.Generator takes
+
+
+def test_each_episode_and_each_of_its_turns_samples_with_a_seed_of_its_own():
+    from async_rl.generator.request_seeds import RequestSeeds, episode_sampling, turn_sampling
+    from async_rl.serving.sampling import SamplingSpec
+
+    base = SamplingSpec(n=4, max_tokens=8, temperature=1.0)
+    assert RequestSeeds(None).sampling(base, 3) is base  # free-running: vLLM's own generator
+    assert episode_sampling(base, 1) is base and turn_sampling(base, 2) is base
+    group = RequestSeeds(0).sampling(base, 3)
+    seeds = [turn_sampling(episode_sampling(group, e), t).seed for e in range(4) for t in (1, 2, 3)]
+    assert len(set(seeds)) == 12 and group.seed not in seeds
+    assert seeds == [turn_sampling(episode_sampling(group, e), t).seed for e in range(4) for t in (1, 2, 3)]
 
 
 def write_run(run_dir, losses: list[float], params: bytes = b"w", elapsed: float = 1.0):
