@@ -101,6 +101,7 @@ class BufferStats(msgspec.Struct):
     skipped_prompts: dict[str, int] = {}  # prompts or data rows that could not be used, by reason
     reward_crashes: int = 0  # samples whose reward worker died mid-call
     reward_pool_restarts: int = 0  # engines' reward pools restarted (wedged or broken), reported by the engines
+    storage_error: str = ""  # the first snapshot write that failed (a full disk), one line; '' = none
 
 
 def bind(socket: zmq.Socket, host: str, port: int, field: str) -> str:
@@ -157,6 +158,7 @@ class ReplayBuffer:
         self._auth = None
         self._ingest_peers = PeerEvents()
         self._serve_peers = PeerEvents()
+        self._storage_error = ""  # the first failed snapshot write (see save_snapshot)
 
     async def start(self) -> BufferAddresses:
         self._ctx = zmq.asyncio.Context()
@@ -310,6 +312,7 @@ class ReplayBuffer:
             serve_peers=msgspec.structs.replace(self._serve_peers),
             data_position=self.source.position,
             skipped_prompts=self.source.skipped,
+            storage_error=self._storage_error,
         )
 
     def checkpoint_state(self) -> BufferState:
@@ -325,8 +328,15 @@ class ReplayBuffer:
             self._changed.notify_all()
 
     def save_snapshot(self) -> None:
-        if self.s.snapshot_path:
+        """A snapshot that cannot be written (a full disk) leaves the previous one in place and is
+        reported in the stats (`storage_error`): the supervisor stops the run with that line. Raising
+        here would end the serve loop and leave the learner waiting for a batch."""
+        if not self.s.snapshot_path:
+            return
+        try:
             write_snapshot(Path(self.s.snapshot_path), self._parts.snapshot())
+        except RunError as exc:
+            self._storage_error = self._storage_error or str(exc)
 
     async def close(self) -> BufferStats:
         """Stop serving; what is still in flight, and batches handed out but never acknowledged, are

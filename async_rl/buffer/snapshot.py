@@ -18,11 +18,13 @@ from pathlib import Path
 
 import msgspec
 
+from async_rl import storage
 from async_rl.buffer.ingest import Ingest
 from async_rl.buffer.leasing import Lease, Leases
 from async_rl.buffer.ledger import Accounts, Ledger
 from async_rl.buffer.prompt_source import DataPosition, PromptSource
 from async_rl.buffer.serving import BatchServer
+from async_rl.errors import RunError
 from async_rl.protocol import Prompt, decode_groups, encode_groups
 
 SNAPSHOT_SCHEMA = 1
@@ -79,13 +81,21 @@ def _position(position: DataPosition | None, drawn: int) -> DataPosition:
 
 
 def write_snapshot(path: Path, snap: BufferSnapshot) -> None:
-    """Atomic: a reader sees the previous snapshot or this one, never half of one."""
+    """Atomic: a reader sees the previous snapshot or this one, never half of one. A write that fails
+    (a full disk: RunError naming the bytes needed and free) leaves no partial file behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(msgspec.msgpack.encode(snap))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    data = msgspec.msgpack.encode(snap)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if storage.out_of_space(exc):
+            raise RunError(storage.space_line("buffer snapshot", path, len(data))) from None
+        raise RunError(f"buffer snapshot {path}: {exc}") from None
 
 
 def read_snapshot(path: Path, run_id: str) -> BufferSnapshot | None:

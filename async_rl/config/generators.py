@@ -115,7 +115,9 @@ class GeneratorConfig(_Section):
     start_attempts: Annotated[
         int, _f("a replacement or added engine whose start fails (its engine core dies while initializing, a "
                 "start timeout, an out-of-memory at load) is started again, up to this many starts in all; then "
-                "the run goes on with the engines it has, or with none left stops with one line", ge=1)
+                "the run goes on with the engines it has, or with none left stops with one line. The same bound "
+                "holds for a restarted reward-model or teacher replica (spent: the run stops, naming its checkpoint)",
+                ge=1)
     ] = 3
     start_backoff_s: Annotated[
         float, _f("wait before the second start of a failed engine; doubled before each later one", ge=0)

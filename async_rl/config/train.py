@@ -32,7 +32,7 @@ class TrainConfig(_Section):
            "version step - max_lag, every request has a seed of its own (generators.seed, prompt), a batch holds "
            "its groups in prompt order, and a weight sync waits until the engines generated everything admitted "
            "at their version (docs/determinism.md). Refuses what cannot repeat (an autoscaled pool, dynamic "
-           "sampling, bf16 engines on cpu, multi-turn and agent episodes, reward and teacher models)"),
+           "sampling, bf16 engines on cpu, agent and verifiers episodes, reward and teacher models)"),
     ] = False
     checkpoint_every: Annotated[
         int, _f("write RUN_DIR/checkpoints/step_N every this many steps (0 = only at the end, if checkpoint_at_end)", ge=0)

@@ -160,8 +160,9 @@ class Controller:
         per_rank: list[StepMetrics] = sup.train_step(step)  # watches for dead processes
         self.version = step + 1
         # deaths found since the step's last look (the watcher reports them at once, the loop
-        # acts here and after each phase below: sync, checkpoint, evaluation)
-        sup.act_on_deaths(step, self.version)
+        # acts here and after each phase below: sync, checkpoint, evaluation); deterministic: a
+        # replacement waits for the sync below, the others finish their version's prompts first
+        sup.act_on_deaths(step, rt.generators_version if self.cfg.train.deterministic else self.version)
         sync_s, settle_s, mismatch = 0.0, 0.0, None
         if self.version % self.cfg.train.sync_every == 0 or sup.sync_owed:
             if self.cfg.train.deterministic:
@@ -174,7 +175,7 @@ class Controller:
         record.settle_s = settle_s
         record.num_engines = len(rt.generators.engines)
         record.recoveries = sup.recovery.recoveries
-        record.failed_starts = sup.starts.failed
+        record.failed_starts = sup.failed_starts
         record.replayed = step <= self._last_logged_step
         self._last_logged_step = max(self._last_logged_step, step)
         record.kl_teacher = per_rank[0].kl_teacher  # a global mean: the same on every rank

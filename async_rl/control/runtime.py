@@ -316,26 +316,15 @@ class Runtime:
 
     # ---- recovery (called by the supervisor) ------------------------------------------------------
 
-    def restart_reward_models(self, dead: list[int]) -> None:
-        """Start dead reward-model replicas anew and point every engine's reward workers at them."""
-        assert self._reward_models is not None
-        self._reward_models.restart(dead)
-        endpoints = self.reward_endpoints()
-        ray.get([a.set_reward_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
-
-    def restart_teacher(self, dead: list[int]) -> None:
-        """Start dead teacher replicas anew and point every engine's teacher scorer at them."""
-        assert self._teacher is not None
-        self._teacher.restart(dead)
-        endpoints = self.teacher_endpoints()
-        ray.get([a.set_teacher_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
-
-    def restart_served(self, kind: str, dead: list[int]) -> None:
-        """Restart dead replicas of the served pool `kind` (served_pools)."""
+    def served_replicas_moved(self, kind: str) -> None:
+        """Replicas of the served pool `kind` (served_pools) were started anew at new addresses: every
+        engine's reward workers (a reward model) or teacher scorer (the teacher) calls them there."""
         if kind == "teacher":
-            self.restart_teacher(dead)
+            endpoints = self.teacher_endpoints()
+            ray.get([a.set_teacher_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
         else:
-            self.restart_reward_models(dead)
+            endpoints = self.reward_endpoints()
+            ray.get([a.set_reward_endpoints.remote(endpoints) for a in self.generators.actors], timeout=START_TIMEOUT_S)
 
     def restart_learner(self, checkpoint_dir: str | None, from_step: int) -> None:
         """Kill every rank of the learner group (a dead one, and the others, likely stuck in a

@@ -140,6 +140,10 @@ class Supervisor:
         self.target = cfg.generators.num_engines
         g = cfg.generators
         self.starts = StartRetry(g.start_attempts, g.start_backoff_s, (ray.exceptions.RayError, TimeoutError))
+        # a reward model's or teacher's replicas: a failed start comes back as a RunError (RewardModelPool)
+        self.served_starts = StartRetry(
+            g.start_attempts, g.start_backoff_s, (RunError, ray.exceptions.RayError, TimeoutError)
+        )
         self.inbox = ControlInbox(run_dir, run_id)
         self.signals: list[ScaleSignal] = []
         self.steps_since_change = 0
@@ -371,7 +375,12 @@ class Supervisor:
     # ---- checks ------------------------------------------------------------------------------------
 
     def check_failures(self, stats: BufferStats) -> None:
-        """Stop a run whose rewards (or requests, or episodes) all fail (failure_watch.py)."""
+        """Stop a run whose rewards (or requests, or episodes) all fail (failure_watch.py), or whose
+        buffer cannot write its snapshot (a full disk: the line names the bytes and the checkpoint)."""
+        if stats.storage_error:
+            found = checkpoint.completed(self.run_dir)
+            resume = f"free space, then --resume {self.run_dir} (from {found[-1].name})" if found else "no checkpoint was written"
+            raise RunError(f"{stats.storage_error}; {resume}")
         self._stop_if(self.failures.check(stats), stats.rejected_frames)
 
     def check_eval(self, record: EvalRecord) -> None:
@@ -434,7 +443,14 @@ class Supervisor:
             return
         n = len(self.rt.generators.engines)
         self._event(step, "recovery", n, n, f"{pool.name} replica(s) {dead} died; restarting them")
-        self.rt.restart_served(kind, dead)
+        say = lambda line: print(f"[recovery] {line}", file=self.stream, flush=True)  # noqa: E731
+        try:
+            self.served_starts.run(lambda: pool.restart(dead), f"{pool.name} replica(s) {dead}", say)
+        except StartsSpent as spent:  # nothing scores the samples: the run stops, its checkpoint named
+            found = checkpoint.completed(self.run_dir)
+            where = f"resume from checkpoint {found[-1]}" if found else "no checkpoint was written"
+            raise RunError(f"{spent}; {where}") from None
+        self.rt.served_replicas_moved(kind)
 
     def replace_dead(self, version: int, dead: list[int]) -> dict[int, ActorHandle]:
         """Engines that died outside a training step (an evaluation) are replaced, and every engine
@@ -506,14 +522,25 @@ class Supervisor:
         """train.deterministic, before the engines move to `version`: wait until they generated every
         prompt admitted at the version they hold (ReplayBuffer.generation_settled), so each step's
         batch comes from one policy version however the timing fell. Deaths are acted on meanwhile
-        and the full check runs every `generators.health_check_s`, as in a step. A replaced engine
-        gets `version`: what it generates again is then newer than an unbroken run's. Returns the
-        seconds it waited."""
+        and the full check runs every `generators.health_check_s`, as in a step. A dead engine's
+        replacement waits, paused, for the next sync (the learner no longer holds the engines'
+        version to give it), and the surviving engines generate its prompts again with that version:
+        the run still repeats. With no engine left serving that version, the replacement gets
+        `version` and the run goes on, no longer repeating (one line says so). Returns the seconds
+        it waited."""
         t0 = time.perf_counter()
+        held = self.rt.generators_version
         every = self.cfg.generators.health_check_s
         next_check = time.monotonic() + every
         while not self.on_buffer(step, lambda: self.rt.generation_settled(WAKE_S)):
-            self.act_on_deaths(step, version)
+            self.act_on_deaths(step, held)
+            if self.sync_owed and not any(e.version == held and not e.paused for e in self.rt.generators.stats()):
+                n = len(self.rt.generators.engines)
+                self._event(step, "deterministic", n, n, (
+                    f"no engine serves version {held} any more: the prompts of a dead engine are generated with "
+                    f"version {version}, and from here on the run no longer repeats an unbroken one"))
+                self.sync(version)
+                break
             if time.monotonic() >= next_check:
                 self.recover(step)
                 stats = self.on_buffer(step, self.rt.buffer_stats)
@@ -587,6 +614,11 @@ class Supervisor:
         new = self.start_engines(self.step, count, f"{count} added engine(s)")
         self.target = len(self.rt.generators.engines)
         return new
+
+    @property
+    def failed_starts(self) -> int:
+        """Starts that failed over the run: engines', and the reward model's or teacher's replicas'."""
+        return self.starts.failed + self.served_starts.failed
 
     def start_engines(self, step: int, count: int, what: str) -> list[int]:
         """`count` new engines, started again with backoff when their start fails (generators.start_attempts);

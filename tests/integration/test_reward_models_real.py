@@ -5,7 +5,8 @@
    counted in the step metrics); after step 2 the judge's vLLM engine core is killed with every CPU core
    kept busy, the run's watcher (or its health check, whichever comes first) finds the replica dead and
    its supervisor restarts it (both timed and printed, not bounded: docs/faults.md), every engine is pointed
-   at its new address, and later samples are scored by the new engine.
+   at its new address, and later samples are scored by the new engine. The restarted replica is killed
+   while it starts: it is started again and the failed start counted.
 2. A tiny random sequence-classification model (built here, SmolLM2's tokenizer) in a reward-model actor
    scores a batch from real reward workers, equal to the model's own outputs.
 """
@@ -19,6 +20,7 @@ import threading
 import time
 
 import pytest
+import ray
 from _load import start_burners
 from test_elastic import events
 from test_faults import burn_until_found, found_and_acted
@@ -27,6 +29,7 @@ from async_rl.config import load_config
 from async_rl.generator.rewards import RewardRunner
 from async_rl.protocol import REWARD_OK, Prompt, Sample
 from async_rl.reward_models.classifier import ClassifierModel, ClassifyInput
+from async_rl.reward_models.pool import RewardModelPool
 from async_rl.reward_models.setup import reward_model_pool
 from tests.integration._real_run import smollm2_dir
 from tests.integration.test_training_run import run_short
@@ -64,10 +67,33 @@ def _kill_judge(controller, step: int, seen: dict) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_a_judge_scores_the_run_and_is_restarted_after_its_engine_dies(tmp_path, model_cache):
+def test_a_judge_scores_the_run_and_is_restarted_after_its_engine_dies(tmp_path, model_cache, monkeypatch):
     # the judge: the real preset's folder (converted once per machine, shared with the other real-model tests)
     judge = f"task.reward=judge:{smollm2_dir()}"
     seen: dict = {"run_dir": tmp_path}
+    # A second fault during the recovery: the restarted replica is killed while it starts; it is started
+    # again (generators.start_attempts), and the failed start is counted.
+    real_restart = RewardModelPool.restart
+
+    def restart(pool, dead):
+        if "struck" not in seen:
+            old = pool.handles[dead[0]].actor
+
+            def strike():
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    handle = pool.handles.get(dead[0])
+                    if handle is not None and handle.actor is not old:
+                        time.sleep(2.0)  # into its start (a judge's vLLM takes >10 s to start here)
+                        seen["struck"] = time.time()
+                        ray.kill(handle.actor, no_restart=True)
+                        return
+                    time.sleep(0.05)
+
+            threading.Thread(target=strike, daemon=True).start()
+        return real_restart(pool, dead)
+
+    monkeypatch.setattr(RewardModelPool, "restart", restart)
     cfg, summary, _, _, _, records = run_short(
         tmp_path, model_cache,
         [f"train.total_steps={STEPS}", "train.prompts_per_step=2", "generators.group_size=2", "train.max_lag=1",
@@ -89,6 +115,7 @@ def test_a_judge_scores_the_run_and_is_restarted_after_its_engine_dies(tmp_path,
     # the replica came back at a new address and the engines call it there
     assert seen["before"][0].base_url != seen["after"][0].base_url
     assert records[-1]["reward_model_restarts"] == 1 and records[KILL_AFTER]["reward_model_restarts"] == 0
+    assert "struck" in seen and records[-1]["failed_starts"] == 1 and records[KILL_AFTER]["failed_starts"] == 0
 
     def ok(r):
         return r["reward_model_calls"] - r["reward_model_unparseable"] - r["reward_model_failures"] - r["reward_model_timeouts"]

