@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from async_rl.buffer.actor import BufferStats
 from async_rl.buffer.ledger import Accounts
 from async_rl.config import Config, TaskConfig
+from async_rl.control.checkpoint import RUN_STATE
 from async_rl.control.failure_watch import FailureWatch, FailureWindow, reward_name
 from async_rl.control.supervisor import Supervisor
 from async_rl.errors import RunError
@@ -157,3 +159,17 @@ def test_supervisor_with_window_zero_never_stops(tmp_path):
         sup.check_eval(eval_record(8, failures=8))
     finally:
         sup.close()
+
+
+def test_a_buffer_snapshot_that_did_not_fit_stops_the_run_naming_the_checkpoint(tmp_path):
+    (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_4" / RUN_STATE).write_text("{}")  # complete: its run state is written
+    sup = supervisor(tmp_path, [engine()])
+    full = "buffer snapshot: no space left on the device of /x/buffer_snapshot.msgpack: needs about 1.0 KiB (1024 bytes), 0.0 KiB (0 bytes) free"
+    try:
+        sup.check_failures(stats(8))  # no storage error: nothing happens
+        with pytest.raises(RunError) as info:
+            sup.check_failures(msgspec.structs.replace(stats(8), storage_error=full))
+    finally:
+        sup.close()
+    assert str(info.value) == f"{full}; free space, then --resume {tmp_path} (from step_4)"
