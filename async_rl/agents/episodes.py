@@ -43,7 +43,7 @@ from async_rl.protocol import (
     route_rows,
 )
 from async_rl.serving.engine_routes import sequence_routes
-from async_rl.serving.sampling import SamplingSpec
+from async_rl.serving.sampling import SamplingSpec, episode_sampling
 
 # env.name 'verifiers:ID' runs this agent (under env.python, a venv with verifiers 0.4) with env_id=ID.
 VERIFIERS_BRIDGE = "async_rl.agents.verifiers_bridge:run_episode"
@@ -149,7 +149,9 @@ class AgentEpisodes:
 
     async def run_group(self, prompt: Prompt, request_id: str, sampling: SamplingSpec, n: int, version: int) -> TrajectoryGroup:
         """`n` agent episodes of `prompt` as one group (`version`: the engine's, for episodes without a call)."""
-        outs = await asyncio.gather(*(self.episode(prompt, f"{request_id}-s{i}", sampling) for i in range(n)))
+        outs = await asyncio.gather(
+            *(self.episode(prompt, f"{request_id}-s{i}", episode_sampling(sampling, i)) for i in range(n))
+        )
         trained = [s for o in outs for s in o.segments]
         if not trained:
             raise RuntimeError(f"prompt {prompt.prompt_id}: no agent episode made a model call ({self.counters.last_error})")

@@ -93,7 +93,8 @@ def validate_deterministic(cfg: Config) -> None:
     elif cfg.algorithm.dynamic_sampling:
         why = "algorithm.dynamic_sampling fills a batch with whichever groups pass first"
     elif cfg.env.name.startswith(("agent:", "verifiers:")):
-        why = f"env.name={cfg.env.name!r}: an agent's calls come from its own program, not seeded by the run"
+        why = (f"env.name={cfg.env.name!r}: agent calls are seeded one by one, but no agent run has yet "
+               "been shown to repeat")
     elif cfg.task.reward.startswith((JUDGE_PREFIX, CLASSIFIER_PREFIX)):
         why = f"task.reward={cfg.task.reward!r}: a reward model's answers are not yet seeded"
     elif cfg.teacher.model:

@@ -28,7 +28,7 @@ from async_rl.endpoint.rendering import ChatRenderer, parse_reply
 from async_rl.endpoint.streaming import StreamFlags, chat_completion_chunks, sse_body
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
-from async_rl.serving.sampling import SamplingSpec
+from async_rl.serving.sampling import SamplingSpec, turn_sampling
 
 EPISODE_HEADER = "X-Episode-Id"
 
@@ -231,6 +231,12 @@ class ChatEndpoint:
             raise RequestError(400, f"max_tokens must be >= 1, got {want}")
         return CallSampling(n=n, max_tokens=min(want, room), temperature=temperature, top_p=top_p, stop=_stop_list(stop))
 
+    @staticmethod
+    def _seeded(log: EpisodeLog) -> SamplingSpec:
+        """The episode's sampler for its next call: with a seed (train.deterministic), one of the
+        call's own, by its place in the episode (the agent's calls come one after another)."""
+        return turn_sampling(log.sampling, len(log.calls) + 1)
+
     def _request_id(self, log: EpisodeLog) -> str:
         return f"{log.episode_id}-c{len(log.calls)}-{next(self._ids)}"
 
@@ -248,7 +254,7 @@ class ChatEndpoint:
             log, req.n, req.max_completion_tokens or req.max_tokens, len(prompt_ids), req.temperature, req.top_p, req.stop
         )
         rid = self._request_id(log)
-        choices = await self.backend.complete(prompt_ids, log.sampling, sampling, rid)
+        choices = await self.backend.complete(prompt_ids, self._seeded(log), sampling, rid)
         self.calls += 1
         use_tools = req.tools if req.tool_choice != "none" else None
         replies = [parse_reply(c.text, use_tools, f"call-{rid}-{j}") for j, c in enumerate(choices)]
@@ -284,7 +290,7 @@ class ChatEndpoint:
             raise RequestError(400, "prompt is empty")
         sampling = self._sampling(log, req.n, req.max_tokens, len(prompt_ids), req.temperature, req.top_p, req.stop)
         rid = self._request_id(log)
-        choices = await self.backend.complete(prompt_ids, log.sampling, sampling, rid)
+        choices = await self.backend.complete(prompt_ids, self._seeded(log), sampling, rid)
         self.calls += 1
         log.record_completion(CallRecord(prompt_ids=prompt_ids, choices=choices))
         out_choices = []

@@ -18,7 +18,6 @@ from async_rl.envs.base import Environment
 from async_rl.envs.episode import ChatDelta, EpisodeResult, ModelTurn, run_episode
 from async_rl.envs.tool_env import RewardFn
 from async_rl.evaluation.scores import EvalParams, EvalResult
-from async_rl.generator.request_seeds import episode_sampling, turn_sampling
 from async_rl.generator.rewards import RewardRunner
 from async_rl.generator.rollout import (
     ENVIRONMENT,
@@ -41,7 +40,7 @@ from async_rl.protocol import (
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.engine_routes import sequence_routes
 from async_rl.serving.model import ServedModel
-from async_rl.serving.sampling import SamplingSpec
+from async_rl.serving.sampling import SamplingSpec, episode_sampling, turn_sampling
 
 # The reward status of the episode the current task runs (each episode runs in its own task).
 _episode_reward_status: contextvars.ContextVar[list[int]] = contextvars.ContextVar("episode_reward_status")

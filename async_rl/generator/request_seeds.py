@@ -1,20 +1,14 @@
 """Request seeds (train.deterministic): every request samples with a seed of its own, made from the
 run's generators.seed and its prompt, so a prompt samples the same tokens on any engine, beside any
-other requests, in any run with that seed (vLLM seeds a request's i-th sample with seed + i)."""
+other requests, in any run with that seed (vLLM seeds a request's i-th sample with seed + i).
+Episodes and their calls derive theirs from it (serving/sampling.py)."""
 
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 
 from async_rl.evaluation.scores import EvalParams
-from async_rl.serving.sampling import SamplingSpec
-
-
-def request_seed(seed: int, prompt_id: int, salt: int = 0) -> int:
-    """`salt` tells apart other requests of one prompt (an evaluation's version). Mixed by SeedSequence
-    over 63 bits, so neighbouring prompts' seeds and their samples' seed + i never meet."""
-    return int(np.random.SeedSequence([seed, prompt_id, salt]).generate_state(1, dtype=np.uint64)[0] >> 1)
+from async_rl.serving.sampling import SamplingSpec, request_seed
 
 
 class RequestSeeds:
@@ -34,17 +28,3 @@ class RequestSeeds:
             return params
         return msgspec.structs.replace(params, seed=request_seed(self._seed, prompt_id, salt=version + 1))
 
-
-def episode_sampling(sampling: SamplingSpec, episode: int) -> SamplingSpec:
-    """A multi-turn group's `episode`-th episode: its own seed (each episode's turns are requests of
-    one sample, and would otherwise all draw the same numbers). Unseeded samplers stay unseeded."""
-    if sampling.seed is None:
-        return sampling
-    return msgspec.structs.replace(sampling, seed=request_seed(sampling.seed, episode))
-
-
-def turn_sampling(sampling: SamplingSpec, turn: int) -> SamplingSpec:
-    """An episode's `turn`-th model call (from 1): its own seed from the episode's."""
-    if sampling.seed is None:
-        return sampling
-    return msgspec.structs.replace(sampling, seed=request_seed(sampling.seed, turn, salt=1))

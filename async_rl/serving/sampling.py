@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,3 +44,26 @@ def stop_token_ids(model_dir: str | Path) -> list[int]:
         pass
     add(getattr(AutoConfig.from_pretrained(str(model_dir)), "eos_token_id", None))
     return ids
+
+
+def request_seed(seed: int, prompt_id: int, salt: int = 0) -> int:
+    """train.deterministic: a request's sampling seed from the run's generators.seed and its prompt, so
+    the prompt samples the same tokens on any engine, beside any other requests. `salt` tells apart other requests of one prompt (an evaluation's version). Mixed by SeedSequence
+    over 63 bits, so neighbouring prompts' seeds and their samples' seed + i never meet."""
+    return int(np.random.SeedSequence([seed, prompt_id, salt]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def episode_sampling(sampling: SamplingSpec, episode: int) -> SamplingSpec:
+    """A multi-turn group's `episode`-th episode: its own seed (each episode's turns are requests of
+    one sample, and would otherwise all draw the same numbers). Unseeded samplers stay unseeded."""
+    if sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=request_seed(sampling.seed, episode))
+
+
+def turn_sampling(sampling: SamplingSpec, turn: int) -> SamplingSpec:
+    """An episode's `turn`-th model call (from 1; an environment's turn, or an agent's call through the
+    endpoint): its own seed from the episode's."""
+    if sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=request_seed(sampling.seed, turn, salt=1))

@@ -62,7 +62,8 @@ def test_an_asynchronous_run_repeats_with_an_engine_killed_and_another_seed_does
     assert not [e for e in log if e["source"] == "deterministic"], log  # the repeat was not given up
     assert differences(a, b, across_faults=True) == []
     assert parameter_differences(a, b) == []
-    # the comparison can fail: another sampling seed changes the samples, and with them every value
-    c = deterministic_run(tmp_path, model_cache, "c", [*lag1, "generators.seed=1"])
-    assert differences(a, c)
-    assert parameter_differences(a, c)
+    # the comparison can fail: another sampling seed changes the samples, and with them the first
+    # step's values (one engine, two steps: which engine generates a prompt does not matter)
+    c = deterministic_run(tmp_path, model_cache, "c", ["train.max_lag=1", "generators.seed=1", "train.total_steps=2"])
+    first_a, first_c = read_records(a / "metrics.jsonl")[0], read_records(c / "metrics.jsonl")[0]
+    assert first_a["loss"] != first_c["loss"] and first_a["grad_norm"] != first_c["grad_norm"]

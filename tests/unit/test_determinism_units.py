@@ -16,9 +16,9 @@ from async_rl.buffer.prompt_source import DataPosition, PromptSource, PromptStre
 from async_rl.config import load_config
 from async_rl.control.repeat import differences, main, parameter_differences
 from async_rl.errors import ConfigError, RunError
-from async_rl.generator.request_seeds import request_seed
 from async_rl.launch import deterministic_line
 from async_rl.protocol import Prompt, TrajectoryGroup
+from async_rl.serving.sampling import request_seed
 
 
 def make_buffer(max_lag: int = 1, prompts_per_step: int = 2, deterministic: bool = True) -> ReplayBuffer:
@@ -141,7 +141,7 @@ def test_a_stream_whose_prompt_ids_do_not_rise_is_refused_in_one_line():
     [
         (["generators.autoscale.enabled=true"], "generators.autoscale.enabled"),
         (["algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling"),
-        (["env.name=agent:tests.unit._agents:echo"], "env.name='agent:"),
+        (["env.name=agent:tests.unit._agents:two_calls"], "env.name='agent:"),
         (["generators.device=cpu", "generators.dtype=bfloat16"], "generators.dtype=bfloat16 on cpu"),
     ],
 )
@@ -168,8 +168,8 @@ def test_request_seeds_are_stable_and_apart():
 
 
 def test_each_episode_and_each_of_its_turns_samples_with_a_seed_of_its_own():
-    from async_rl.generator.request_seeds import RequestSeeds, episode_sampling, turn_sampling
-    from async_rl.serving.sampling import SamplingSpec
+    from async_rl.generator.request_seeds import RequestSeeds
+    from async_rl.serving.sampling import SamplingSpec, episode_sampling, turn_sampling
 
     base = SamplingSpec(n=4, max_tokens=8, temperature=1.0)
     assert RequestSeeds(None).sampling(base, 3) is base  # free-running: vLLM's own generator
