@@ -197,7 +197,8 @@ class ReplayBuffer:
             if self.leases.is_closed(engine_id):  # closed while this call waited
                 return []
             prompts = self.leases.grant(engine_id, max_groups)
-            self._changed.notify_all()  # the stream may have run out (generation_settled waits on it)
+            if not prompts:  # the stream ran out with nothing in flight: generation_settled waits on that
+                self._changed.notify_all()
         if not prompts:
             # A finite prompt stream ran out (stats say so): do not let engines spin on empty leases.
             await asyncio.sleep(wait_s)

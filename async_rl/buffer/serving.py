@@ -137,11 +137,10 @@ class BatchServer:
         batch = sorted(self._waiting, key=lambda g: g.prompt_id)[:need]
         taken = {g.prompt_id for g in batch}
         self._waiting = collections.deque(g for g in self._waiting if g.prompt_id not in taken)
-        stale = [g.prompt_id for g in batch if Ledger.is_stale(g.oldest_version, step, self._max_lag)]
-        if stale:  # the schedule was broken (a death, a recovery): trained as a free-running step would not
-            for g in [g for g in batch if g.prompt_id in stale]:
-                self._ledger.dropped_stale(g.episode_count)
-            batch = [g for g in batch if g.prompt_id not in stale]
+        # the schedule was broken (a death, a recovery): stale groups go, as in a free-running step
+        for g in [g for g in batch if Ledger.is_stale(g.oldest_version, step, self._max_lag)]:
+            self._ledger.dropped_stale(g.episode_count)
+            batch.remove(g)
         self._changed.notify_all()
         return batch
 

@@ -109,8 +109,14 @@ def out_of_space(run_dir: Path, tmp: Path, step: int) -> RunError:
     shutil.rmtree(tmp, ignore_errors=True)
     found = completed(run_dir)
     needed = storage.folder_bytes(found[-1]) if found else None
-    resume = f"free space, then --resume {run_dir} (from {found[-1].name})" if found else "no checkpoint was written"
-    return RunError(f"{storage.space_line(f'checkpoint {_PREFIX}{step}', Path(run_dir) / CHECKPOINTS, needed)}; {resume}")
+    where = storage.space_line(f"checkpoint {_PREFIX}{step}", Path(run_dir) / CHECKPOINTS, needed)
+    return RunError(f"{where}; {after_full_disk(run_dir)}")
+
+
+def after_full_disk(run_dir: Path) -> str:
+    """What a run stopped by a full disk says to do: free space and resume from its newest checkpoint."""
+    found = completed(run_dir)
+    return f"free space, then --resume {run_dir} (from {found[-1].name})" if found else "no checkpoint was written"
 
 
 def space_warning(run_dir: Path, step: int) -> str | None:

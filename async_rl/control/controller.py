@@ -165,9 +165,7 @@ class Controller:
         sup.act_on_deaths(step, rt.generators_version if self.cfg.train.deterministic else self.version)
         sync_s, settle_s, mismatch = 0.0, 0.0, None
         if self.version % self.cfg.train.sync_every == 0 or sup.sync_owed:
-            if self.cfg.train.deterministic:
-                settle_s = sup.settle_generation(step, self.version)
-            sync_s = sup.sync(self.version)
+            settle_s, sync_s = self.advance_engines(step)
             mismatch = self.logprob_mismatch()
         buffer: BufferStats = sup.on_buffer(step, rt.buffer_stats)
         elapsed = time.perf_counter() - t0
@@ -207,9 +205,7 @@ class Controller:
         if not self.evaluation.due(self.version, at_start):
             return
         if self.runtime.generators_version != self.version:  # the last step's weights, not yet synced
-            if self.cfg.train.deterministic:
-                self.supervisor.settle_generation(self.version - 1, self.version)
-            self.supervisor.sync(self.version)
+            self.advance_engines(self.version - 1)
         engines = {eid: h.actor for eid, h in self.generators.engines.items()}
         sup, version = self.supervisor, self.version
         record = self.evaluation.run(
@@ -217,6 +213,13 @@ class Controller:
         )
         metrics.log_eval(record)
         self.supervisor.check_eval(record)
+
+    def advance_engines(self, step: int) -> tuple[float, float]:
+        """The learner's weights (version step + 1) into the engines. train.deterministic: first the
+        engines finish the prompts of the version they hold (Supervisor.settle_generation). Returns
+        the seconds of each: (settle, sync)."""
+        settle_s = self.supervisor.settle_generation(step, self.version) if self.cfg.train.deterministic else 0.0
+        return settle_s, self.supervisor.sync(self.version)
 
     def take_turns(self) -> None:
         """Colocated: once the batch is generated, the engines sleep and the learner gets the cores

@@ -18,6 +18,7 @@ import math
 import sys
 from pathlib import Path
 
+from async_rl.control.checkpoint import completed
 from async_rl.control.checkpoint_manifest import file_digest
 
 # metrics.jsonl (control/metrics.py StepRecord): values that depend on timing, not on what was learned
@@ -86,11 +87,7 @@ def differences(run_a: Path, run_b: Path, limit: int = 10, across_faults: bool =
 
 def parameter_differences(run_a: Path, run_b: Path) -> list[str]:
     """The newest checkpoints' parameters (their model/ files, byte for byte); [] = the same."""
-    newest = []
-    for run in (run_a, run_b):
-        steps = sorted((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-        newest.append(steps[-1] if steps else None)
-    a, b = newest
+    a, b = ((found[-1] if (found := completed(run)) else None) for run in (run_a, run_b))
     if a is None or b is None:
         return [] if a is b else [f"checkpoints: {a} vs {b}"]
     if a.name != b.name:

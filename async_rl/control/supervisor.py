@@ -210,10 +210,7 @@ class Supervisor:
                 except ray.exceptions.RayError as exc:
                     self._rank_call_failed(step, rank, exc)
             if running and time.monotonic() >= next_check:
-                self.recover(step)
-                stats = self.on_buffer(step, self.rt.buffer_stats)
-                self.check_failures(stats)
-                self.check_prompts(step, stats)
+                self.full_check(step)
                 next_check = time.monotonic() + every
         metrics = ray.get(refs)
         self._step_times = [*self._step_times[-(STEP_WINDOW - 1) :], time.monotonic() - t0]
@@ -374,13 +371,19 @@ class Supervisor:
 
     # ---- checks ------------------------------------------------------------------------------------
 
+    def full_check(self, step: int) -> None:
+        """What the loop checks every `generators.health_check_s` while it waits (a step, a settle):
+        dead or hung processes recovered, failing rewards and an ended prompt stream stop the run."""
+        self.recover(step)
+        stats = self.on_buffer(step, self.rt.buffer_stats)
+        self.check_failures(stats)
+        self.check_prompts(step, stats)
+
     def check_failures(self, stats: BufferStats) -> None:
         """Stop a run whose rewards (or requests, or episodes) all fail (failure_watch.py), or whose
         buffer cannot write its snapshot (a full disk: the line names the bytes and the checkpoint)."""
         if stats.storage_error:
-            found = checkpoint.completed(self.run_dir)
-            resume = f"free space, then --resume {self.run_dir} (from {found[-1].name})" if found else "no checkpoint was written"
-            raise RunError(f"{stats.storage_error}; {resume}")
+            raise RunError(f"{stats.storage_error}; {checkpoint.after_full_disk(self.run_dir)}")
         self._stop_if(self.failures.check(stats), stats.rejected_frames)
 
     def check_eval(self, record: EvalRecord) -> None:
@@ -447,9 +450,7 @@ class Supervisor:
         try:
             self.served_starts.run(lambda: pool.restart(dead), f"{pool.name} replica(s) {dead}", say)
         except StartsSpent as spent:  # nothing scores the samples: the run stops, its checkpoint named
-            found = checkpoint.completed(self.run_dir)
-            where = f"resume from checkpoint {found[-1]}" if found else "no checkpoint was written"
-            raise RunError(f"{spent}; {where}") from None
+            raise RunError(f"{spent}; {self._resume_from()}") from None
         self.rt.served_replicas_moved(kind)
 
     def replace_dead(self, version: int, dead: list[int]) -> dict[int, ActorHandle]:
@@ -478,13 +479,16 @@ class Supervisor:
                 new = self.start_engines(step, missing, f"engine(s) replacing {dead}")
             except StartsSpent as spent:
                 if not pool.engines:  # nothing left to generate with: the run stops, its checkpoint named
-                    found = checkpoint.completed(self.run_dir)
-                    where = f"resume from checkpoint {found[-1]}" if found else "no checkpoint was written"
-                    raise RunError(f"{spent}; {where}") from None
+                    raise RunError(f"{spent}; {self._resume_from()}") from None
                 self.target = len(pool.engines)
                 self._event(step, "recovery", before, before, f"{spent}; going on with {before} engine(s)")
                 return
             self._event(step, "recovery", before, len(pool.engines), f"started engine(s) {new} in its place")
+
+    def _resume_from(self) -> str:
+        """The end of a stop line: the checkpoint to resume from."""
+        found = checkpoint.completed(self.run_dir)
+        return f"resume from checkpoint {found[-1]}" if found else "no checkpoint was written"
 
     def restart_buffer(self, step: int) -> None:
         n = len(self.rt.generators.engines)
@@ -542,10 +546,7 @@ class Supervisor:
                 self.sync(version)
                 break
             if time.monotonic() >= next_check:
-                self.recover(step)
-                stats = self.on_buffer(step, self.rt.buffer_stats)
-                self.check_failures(stats)
-                self.check_prompts(step, stats)
+                self.full_check(step)
                 next_check = time.monotonic() + every
         return time.perf_counter() - t0
 

@@ -14,6 +14,7 @@ import pytest
 from async_rl.buffer.actor import BufferSettings, ReplayBuffer
 from async_rl.buffer.prompt_source import DataPosition, PromptSource, PromptStream
 from async_rl.config import load_config
+from async_rl.control.checkpoint import RUN_STATE
 from async_rl.control.repeat import differences, main, parameter_differences
 from async_rl.errors import ConfigError, RunError
 from async_rl.launch import deterministic_line
@@ -192,8 +193,10 @@ def test_deterministic_engines_prefill_whole_prompts_on_cpu_and_ask_for_batch_in
 
 
 def write_run(run_dir, losses: list[float], params: bytes = b"w", elapsed: float = 1.0):
-    (run_dir / "checkpoints" / f"step_{len(losses)}" / "model").mkdir(parents=True)
-    (run_dir / "checkpoints" / f"step_{len(losses)}" / "model" / "model.safetensors").write_bytes(params)
+    ckpt = run_dir / "checkpoints" / f"step_{len(losses)}"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "model.safetensors").write_bytes(params)
+    (ckpt / RUN_STATE).write_text("{}")  # a complete checkpoint: its run state is written
     lines = [json.dumps({"step": i, "loss": x, "elapsed_s": elapsed * i, "in_flight": i}) for i, x in enumerate(losses)]
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run_dir
