@@ -54,6 +54,8 @@ def test_an_asynchronous_run_repeats_with_an_engine_killed_and_another_seed_does
     records = read_records(a / "metrics.jsonl")
     assert len(records) == STEPS and len(read_records(a / "eval.jsonl")) >= 3
     assert [r["lag_max"] for r in records] == [0, *[1] * (STEPS - 1)]  # the fixed schedule: step s from version s-1
+    # the samples are drawn, not greedy: a group whose 8 samples were alike would have no gradient
+    assert all(r["grad_norm"] > 0 for r in records)
     # Engine 0 dies with prompts in flight: they go back to the pool, engine 1 generates them again with
     # the version engine 0 held, and the replacement waits for the next sync. Nothing changes.
     b = deterministic_run(tmp_path, model_cache, "b", lag1, between=kill_engine_after_step_1)

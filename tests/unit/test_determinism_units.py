@@ -168,6 +168,21 @@ def test_request_seeds_are_stable_and_apart():
     assert all(0 <= s < 2**63 for s in seeds)  # an int64, as torch.Generator takes
 
 
+def test_the_engines_seed_their_requests_from_generators_seed_only_when_deterministic():
+    from pathlib import Path
+
+    from async_rl.cluster.placement import plan_placement
+    from async_rl.control import settings
+
+    def engine_seed(*overrides: str) -> int | None:
+        cfg = load_config(None, ["generators.device=cpu", *overrides])
+        return settings.engine_settings(cfg, "r", Path("/m"), plan_placement(cfg, [0, 1]), 0, "tcp://x:1", None).request_seed
+
+    assert engine_seed("train.deterministic=true", "generators.seed=7") == 7
+    assert engine_seed("train.deterministic=true", "generators.seed=8") == 8  # another seed, other samples
+    assert engine_seed("generators.seed=7") is None  # free-running: vLLM's own generator
+
+
 def test_each_episode_and_each_of_its_turns_samples_with_a_seed_of_its_own():
     from async_rl.generator.request_seeds import RequestSeeds
     from async_rl.serving.sampling import SamplingSpec, episode_sampling, turn_sampling
