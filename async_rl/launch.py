@@ -20,8 +20,9 @@ from async_rl.cluster.devices import ClusterView, local_view, ray_view, resolve_
 from async_rl.cluster.placement import PlacementPlan, plan_placement
 from async_rl.config import Config, describe, load_config, reward_model_serving, to_dict, to_yaml
 from async_rl.control.leftovers import marked, stop_orphans
+from async_rl.control.remote_cause import cause_line
 from async_rl.control.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
-from async_rl.errors import ConfigError, RunError
+from async_rl.errors import ConfigError, RunError, typed_line
 from async_rl.learner.moe_settings import settings_error
 from async_rl.models.tiny import model_is_vision, model_routing, resolve_model_path
 from async_rl.tasks.registry import load_task
@@ -327,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             return cause.exit_code
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"async_rl-crash-{os.getpid()}.log"
         log.write_text(traceback.format_exc())
-        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-        print(f"error: {type(exc).__name__}: {last} (traceback in {log})", file=sys.stderr)
+        from ray.exceptions import RayError
+
+        line = cause_line(exc) if isinstance(exc, RayError) else typed_line(exc)
+        print(f"error: {line} (traceback in {log})", file=sys.stderr)
         return 1
 
 

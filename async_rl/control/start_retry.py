@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from async_rl.errors import RunError, first_line
+from async_rl.control.remote_cause import cause_line
+from async_rl.errors import RunError
 
 T = TypeVar("T")
 
@@ -41,7 +42,7 @@ class StartRetry:
                 return start()
             except self.retry_on as exc:
                 self.failed += 1
-                cause = first_line(exc)
+                cause = cause_line(exc)  # the remote exception, not Ray's wrapping
                 if attempt == self.attempts:
                     raise StartsSpent(f"{what}: {self.attempts} start(s) failed, the last with: {cause}") from exc
                 wait = self.backoff_s * 2 ** (attempt - 1)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from async_rl.serving import engine_routes
+from async_rl.serving import core_start, engine_routes
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.prompt_images import prompt_images
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -60,8 +60,15 @@ class ServedModel:
         self._unanswered = False  # a request was given up on since the last answer
 
     async def start(self) -> None:
-        """Make the vLLM engine (paused until `open` or `resume`)."""
-        self._llm = vc.make_engine(self.spec)
+        """Make the vLLM engine (paused until `open` or `resume`). An engine core that fails to start
+        raises EngineStartError with the root cause its process logged."""
+        logged_from = core_start.stderr_offset()
+        try:
+            self._llm = vc.make_engine(self.spec)
+        except Exception as exc:
+            if (line := core_start.explain(exc, core_start.read_since(logged_from))) is not None:
+                raise core_start.EngineStartError(line) from exc
+            raise
         if self.spec.routes is not None and self.spec.device != "cuda":  # CUDA: vLLM's native capture
             await engine_routes.start(self._llm, self.spec.routes)
         if self.spec.lora is not None:  # every request names the served adapter: it exists from the start

@@ -195,3 +195,31 @@ def test_a_request_decodes_bit_for_bit_the_same_in_any_batch_of_two_or_more(engi
         assert c.logprobs == first.logprobs, (k, max(abs(a - b) for a, b in zip(c.logprobs, first.logprobs, strict=True)))
     shared = next((i for i, (a, b) in enumerate(zip(alone.token_ids, first.token_ids, strict=True)) if a != b), 32)
     assert shared > 0 and max(abs(a - b) for a, b in zip(alone.logprobs[:shared], first.logprobs[:shared], strict=True)) < 1e-3
+
+
+def test_an_engine_core_that_cannot_start_says_why(model_dir, tmp_path):
+    """vLLM raises "Engine core initialization failed. See root cause above" in the process that made
+    the engine; the cause was logged by the engine core, a child writing to the same stderr (in a Ray
+    actor: the actor's log). The start reads it back and names the keys that decide it. Here a KV
+    cache of 1 KiB holds no block."""
+    from async_rl.serving.core_start import EngineStartError
+    from async_rl.serving.model import ServedModel
+
+    spec = vc.EngineSpec(model_dir=str(model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=128,
+                         gpu_memory_utilization=0.5, seed=0, max_num_seqs=4, kv_cache_bytes=1024)
+    saved = os.dup(2)
+    try:
+        with (tmp_path / "actor.err").open("w") as log:
+            os.dup2(log.fileno(), 2)  # stderr is a file, as a Ray actor's is; the engine core inherits it
+        with pytest.raises(EngineStartError) as failed:
+            asyncio.run(ServedModel(spec).start())
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    line = str(failed.value)
+    print(line)
+    assert line.startswith("vLLM's engine core failed to start: ValueError: No available memory for the cache blocks")
+    # the keys; then the core's exit code where vLLM saw it exit already (racy: "{}" otherwise)
+    assert ("[async_rl: generators.kv_cache_gib (cpu), generators.gpu_memory_utilization (cuda), "
+            "generators.max_model_len]") in line
+    assert "See root cause above" not in line and "\n" not in line
