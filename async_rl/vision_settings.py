@@ -2,10 +2,10 @@
 
 A VLM trains on the torch backend with sdpa attention and without sequence parallelism; its prompts'
 images reach neither a teacher nor a KL reference model yet, and LoRA's target names would also match
-the vision tower's layers. Multi-turn environments (built in or `pkg.module:factory`) run, and their
-turns may show images (docs/vision.md); agents and verifiers environments (the OpenAI endpoint) do not
-carry images yet. Each refusal is one line naming the setting. A text-only model given prompts with
-images, or in the `zoom` environment, is refused too.
+the vision tower's layers. Multi-turn environments (built in or `pkg.module:factory`) and agents
+(`agent:...`, whose requests may hold image_url parts) run, and their turns may show images
+(docs/vision.md); verifiers environments are not tried with images. Each refusal is one line naming the
+setting. A text-only model given prompts with images, or in the `zoom` environment, is refused too.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def vision_error(cfg: Config, vision: bool) -> str | None:
         return f"learner.lora.enabled: {path}; LoRA does not yet keep its adapters off the vision tower"
     if cfg.teacher.model:
         return f"teacher.model: {path}; the teacher would score its prompts without their images"
-    if cfg.env.name.startswith(("agent:", "verifiers:")):
-        return f"env.name={cfg.env.name}: {path}; agent episodes through the endpoint do not carry images yet"
+    if cfg.env.name.startswith("verifiers:"):
+        return f"env.name={cfg.env.name}: {path}; verifiers environments with images are not tried yet"
     if cfg.algorithm.kl_coef > 0:
         return f"algorithm.kl_coef={cfg.algorithm.kl_coef}: {path}; the KL reference would score its prompts without their images"
     return None

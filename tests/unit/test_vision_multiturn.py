@@ -199,7 +199,9 @@ def test_vision_settings_run_environments_and_refuse_agents_in_one_line(vl_dir):
     cfg = load_config(None, ["model.path=tiny-qwen2.5-vl", "task.name=colour", "env.name=zoom", "vision.max_images_per_prompt=2"])
     assert vision_error(cfg, True) is None
     agent = load_config(None, ["model.path=tiny-qwen2.5-vl", "env.name=agent:examples.calculator_agent:solve"])
-    assert "agent episodes through the endpoint do not carry images yet" in vision_error(agent, True)
+    assert vision_error(agent, True) is None
+    verifiers = load_config(None, ["model.path=tiny-qwen2.5-vl", "env.name=verifiers:vf-arith"])
+    assert "verifiers environments with images are not tried yet" in vision_error(verifiers, True)
     assert "has no vision tower" in vision_error(load_config(None, ["env.name=zoom", "vision.max_images_per_prompt=2"]), False)
     from async_rl.errors import ConfigError
 
