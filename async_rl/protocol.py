@@ -15,6 +15,8 @@ A trajectory message is a ZMQ multipart frame of three parts, with up to two opt
 
 A vision-language group carries its prompt's images in the header (`GroupMeta.images`: the encoded
 files, once per group, not per sample; processed pixels would be 10-100x larger, see docs/vision.md).
+A multi-turn episode whose environment showed the model images (a tool's crop) carries those in its
+sample (`SampleMeta.images`, in the order of their placeholders in its completion).
 
 A multi-turn episode's completion holds the model's turns and the environment's turns (tool results,
 feedback) in order; its sample carries a loss mask (1 byte per completion token: 1 the model's, 0 the
@@ -40,8 +42,9 @@ import numpy as np
 
 # 2: finish reason per sample; 3: multi-turn episodes (loss mask, turns, tool counts); 4: a sample may be
 # one segment of an episode (`episode_index`); 5: teacher log-probs (on-policy distillation: part [3]);
-# 6: MoE routes (the header's `routes` layout, a group's `routed` flag, the last part); 7: a group's images
-SCHEMA_VERSION = 7
+# 6: MoE routes (the header's `routes` layout, a group's `routed` flag, the last part); 7: a group's images;
+# 8: a sample's own images (an episode's environment turns)
+SCHEMA_VERSION = 8
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -128,6 +131,10 @@ class SampleMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     episode_index: int | None = None
     # whether frame part [3] holds this sample's teacher log-probs (a teacher scored its tokens)
     teacher_scored: bool = False
+    # Images the sample's own tokens hold beyond its group's prompt images (encoded files): an episode's
+    # environment turns (a tool's crop), or an agent's calls; in the order of their placeholders, which
+    # lie in environment tokens (loss mask 0) or, for images not in the group's prompt, in the prompt
+    images: list[bytes] = []
 
 
 class GroupMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -245,6 +252,13 @@ class TrajectoryGroup:
     teacher_logprobs: list[np.ndarray | None] | None = None
     # A vision-language prompt's images (encoded files), as on `Prompt.images`; None: a text prompt
     images: list[bytes] | None = None
+    # Per sample, the images its own tokens hold after the group's (`SampleMeta.images`); None: none has any
+    sample_images: list[list[bytes]] | None = None
+
+    def images_of(self, i: int) -> list[bytes]:
+        """Every image sample i's tokens hold, in the order of their placeholders: the group's, then its own."""
+        own = self.sample_images[i] if self.sample_images is not None else []
+        return list(self.images or ()) + list(own)
 
     def teacher_logprob(self, i: int) -> np.ndarray | None:
         """Sample i's teacher log-probs, or None when no teacher scored it."""
@@ -393,6 +407,7 @@ def encode_groups(run_id: str, groups: list[TrajectoryGroup], step: int = -1) ->
                     episode=g.episodes[i] if g.episodes is not None else None,
                     episode_index=g.episode_of[i] if g.episode_of is not None else None,
                     teacher_scored=teacher is not None,
+                    images=list(g.sample_images[i]) if g.sample_images is not None else [],
                 )
             )
         if g.routes is not None and layout is not None:
@@ -509,6 +524,7 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
                 teacher_logprobs=teachers if any(x is not None for x in teachers) else None,
                 routes=[next(routes) for _ in g.samples] if g.routed and routes is not None else None,
                 images=list(g.images) if g.images else None,
+                sample_images=[list(s.images) for s in g.samples] if any(s.images for s in g.samples) else None,
             )
         )
     if tokens.size and int(tokens.min()) < 0:
@@ -521,13 +537,14 @@ def _decode_body(header: GroupsHeader, frames: list[bytes], max_bytes: int) -> l
 
 
 def _check_images(g: GroupMeta) -> None:
-    """A group's images are files an image library can open (their header read, not the pixels): one
-    that cannot be is the counted reason `bad_image`, never a group the learner fails on."""
-    if not g.images:
+    """A group's images (and its samples' own) are files an image library can open (their header read,
+    not the pixels): one that cannot be is the counted reason `bad_image`, never a group the learner fails on."""
+    every = list(g.images) + [data for s in g.samples for data in s.images]
+    if not every:
         return
     from PIL import Image, UnidentifiedImageError
 
-    for i, data in enumerate(g.images):
+    for i, data in enumerate(every):
         try:
             with Image.open(io.BytesIO(data)) as im:
                 im.size  # noqa: B018 (reading the header is the check)

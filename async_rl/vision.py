@@ -87,7 +87,6 @@ class VisionModel:
         user message's text), each image's placeholder expanded. ImageError: an unusable image."""
         for data in images:
             check(data, max_image_pixels)
-        pils = [decode(data) for data in images]
         marked = any(IMAGE_MARKER in content for _, content in chat)
         messages, placed = [], False
         for role, content in chat:
@@ -95,18 +94,23 @@ class VisionModel:
             if not marked and not placed and role == "user":
                 parts += [{"type": "image"} for _ in images]
                 placed = True
-            for i, piece in enumerate(content.split(IMAGE_MARKER)):
-                if i:
-                    parts.append({"type": "image"})
-                if piece:
-                    parts.append({"type": "text", "text": piece})
+            parts += marked_parts(content)
             messages.append({"role": role, "content": parts})
         if not marked and not placed:
             raise ImageError("image_count", f"{len(images)} image(s) but the prompt has no user message to hold them")
+        return self.tokens(messages, images, add_generation_prompt=True)
+
+    def tokens(self, messages: list[dict], images: list[bytes], add_generation_prompt: bool, **template_kwargs) -> list[int]:
+        """Template messages (content parts, `{"type": "image"}` for each of `images` in order) as token
+        ids, each image's placeholder expanded. ImageError: an unusable image, a refused template.
+        `template_kwargs`: the chat template's own (tools)."""
+        pils = [decode(data) for data in images]
         try:
-            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            out = self.processor(text=[text], images=pils, return_tensors="np")
-        except (ValueError, TypeError, KeyError) as exc:
+            text = self.processor.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+            )
+            out = self.processor(text=[text], images=pils or None, return_tensors="np")
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise ImageError("template_error", f"the processor refused the prompt: {first_line(exc)}") from None
         return [int(t) for t in out["input_ids"][0]]
 
@@ -122,6 +126,17 @@ class VisionModel:
     def image_tokens(self, token_ids: np.ndarray | list[int]) -> int:
         """How many image placeholder tokens a token sequence holds."""
         return int(np.count_nonzero(np.asarray(token_ids) == self.image_token_id))
+
+
+def marked_parts(content: str) -> list[dict[str, str]]:
+    """A message's text as content parts: an image part at each `<image>` marker, text between them."""
+    parts: list[dict[str, str]] = []
+    for i, piece in enumerate(content.split(IMAGE_MARKER)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def collapse(token_ids: list[int], image_token_id: int) -> list[int]:

@@ -1,9 +1,11 @@
 """What a vision-language model takes from the rest of the config, decided before anything starts.
 
 A VLM trains on the torch backend with sdpa attention and without sequence parallelism; its prompts'
-images reach neither a teacher, a multi-turn environment nor a KL reference model yet, and LoRA's target
-names would also match the vision tower's layers. Each of these is refused in one line naming the
-setting. A text-only model given prompts with images is refused too.
+images reach neither a teacher nor a KL reference model yet, and LoRA's target names would also match
+the vision tower's layers. Multi-turn environments (built in or `pkg.module:factory`) and agents
+(`agent:...`, whose requests may hold image_url parts) run, and their turns may show images
+(docs/vision.md); verifiers environments are not tried with images. Each refusal is one line naming the
+setting. A text-only model given prompts with images, or in the `zoom` environment, is refused too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from async_rl.config import Config
 def vision_error(cfg: Config, vision: bool) -> str | None:
     """The one line that says why this config cannot run its model (a VLM when `vision`), or None."""
     if not vision:
+        if cfg.env.name == "zoom":
+            return f"env.name=zoom: model.path '{cfg.model.path}' has no vision tower; it shows the model images"
         return None
     path = f"model.path '{cfg.model.path}' is a vision-language model"
     lr = cfg.learner
@@ -27,8 +31,8 @@ def vision_error(cfg: Config, vision: bool) -> str | None:
         return f"learner.lora.enabled: {path}; LoRA does not yet keep its adapters off the vision tower"
     if cfg.teacher.model:
         return f"teacher.model: {path}; the teacher would score its prompts without their images"
-    if cfg.env.name:
-        return f"env.name={cfg.env.name}: {path}; multi-turn episodes do not carry images yet"
+    if cfg.env.name.startswith("verifiers:"):
+        return f"env.name={cfg.env.name}: {path}; verifiers environments with images are not tried yet"
     if cfg.algorithm.kl_coef > 0:
         return f"algorithm.kl_coef={cfg.algorithm.kl_coef}: {path}; the KL reference would score its prompts without their images"
     return None

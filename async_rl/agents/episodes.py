@@ -113,7 +113,7 @@ class AgentEpisodes:
             base_url=self.endpoint.base_url(episode_id),
             api_key=self.endpoint.key,
             model=self.endpoint.backend.model_name,
-            prompt=job_prompt(messages),
+            prompt=job_prompt(messages, list(prompt.images)),
             answer=prompt.answer,
             metadata=dict(prompt.metadata),
             timeout_s=self.cfg.agent_timeout_s,
@@ -192,6 +192,9 @@ class AgentEpisodes:
             episodes=episodes,
             episode_of=[e for e, _, _ in rows] if split else None,
             routes=segment_routes([s for _, _, s in rows]),
+            # a vision-language model's: every image a segment holds is its own (the group's prompt is
+            # the segments' common prefix, whose images the samples carry each)
+            sample_images=[list(s.images) for _, _, s in rows] if any(s.images for _, _, s in rows) else None,
         )
 
 

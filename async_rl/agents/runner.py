@@ -13,7 +13,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -28,7 +28,7 @@ class AgentJob(msgspec.Struct, frozen=True, kw_only=True):
     base_url: str
     api_key: str
     model: str
-    prompt: list[dict[str, str]]  # the chat messages the agent starts from
+    prompt: list[dict[str, Any]]  # the chat messages the agent starts from (OpenAI's: images as image_url parts)
     answer: str = ""
     metadata: dict = {}
     timeout_s: float = 300.0
@@ -88,5 +88,37 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def job_prompt(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def job_prompt(messages: list[ChatMessage], images: list[bytes] | None = None) -> list[dict[str, Any]]:
+    """The agent's prompt: OpenAI chat messages. A vision-language prompt's images become image_url
+    parts with data URLs where its text has `<image>` markers (none: before the first user message's
+    text), so the agent can send them on as they are."""
+    if not images:
+        return [{"role": m.role, "content": m.content} for m in messages]
+    from async_rl.images import IMAGE_MARKER
+
+    urls = iter(data_url(data) for data in images)
+    marked = any(IMAGE_MARKER in m.content for m in messages)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        parts: list[dict[str, Any]] = []
+        if not marked and m.role == "user" and not any(o["role"] == "user" for o in out):
+            parts += [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+        for i, piece in enumerate(m.content.split(IMAGE_MARKER)):
+            if i:
+                parts.append({"type": "image_url", "image_url": {"url": next(urls)}})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({"role": m.role, "content": parts})
+    return out
+
+
+def data_url(data: bytes) -> str:
+    """An encoded image as a data URL (its format from its header; PNG when PIL does not say)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        kind = (im.format or "png").lower()
+    return f"data:image/{kind};base64,{base64.b64encode(data).decode()}"

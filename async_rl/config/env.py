@@ -21,7 +21,8 @@ class EnvConfig(_Section):
         str,
         _f("'' = single-turn (one completion per sample); 'tools' (the model may call env.tools before it "
            "answers; task.reward scores the final answer); 'guess' (guess-the-number game, prompts from "
-           "task.name 'async_rl.envs.guess:GuessNumberTask'); 'verifiers:ID' (a verifiers 0.4 environment, "
+           "task.name 'async_rl.envs.guess:GuessNumberTask'); 'zoom' (a vision-language model answers, sees a crop "
+           "of the prompt's image, answers again: docs/vision.md); 'verifiers:ID' (a verifiers 0.4 environment, "
            "run as an agent in env.python: docs/agents.md); 'agent:pkg.module:fn' (a user agent written "
            "against the openai SDK, served by the "
            "engine's OpenAI-compatible endpoint: docs/agents.md); or a factory 'pkg.module:make_env', called as "

@@ -226,7 +226,7 @@ def validate_lora(cfg: Config) -> None:
         raise ConfigError("learner.lora.target_modules: name at least one module")
 
 
-_ENV_BUILTINS = ("tools", "guess")
+_ENV_BUILTINS = ("tools", "guess", "zoom")
 
 
 def validate_env(cfg: Config) -> None:
@@ -248,6 +248,11 @@ def validate_env(cfg: Config) -> None:
         raise ConfigError("env.name=tools with an empty env.tools: give at least one tool (calculator, python)")
     if e.name == "tools" and len(set(e.tools)) != len(e.tools):
         raise ConfigError(f"env.tools={e.tools} names a tool twice")
+    if e.name == "zoom" and cfg.vision.max_images_per_prompt < 2:
+        raise ConfigError(
+            f"env.name=zoom with vision.max_images_per_prompt={cfg.vision.max_images_per_prompt}: an episode shows the "
+            "prompt's image and its crop (set 2 or more)"
+        )
     g = cfg.generators
     if e.max_total_tokens > g.max_model_len:
         raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} is above generators.max_model_len={g.max_model_len}")

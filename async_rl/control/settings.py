@@ -80,13 +80,15 @@ def frame_limit(cfg: Config, routing: MoeRouting | None, vision: bool = False) -
     log-prob: a teacher's log-prob (`teacher.model`) and the routes of `routing`'s MoE model (where recorded).
     The launcher checks it before anything starts (launch.check_inputs), with the same routing.
     `vision`: a vision-language model's group also carries its prompt's images, each at most
-    vision.max_image_pixels RGB pixels (an encoded file is rarely larger than its raw pixels)."""
+    vision.max_image_pixels RGB pixels (an encoded file is rarely larger than its raw pixels), and with
+    an `env` each of its sequences may carry images of its own (an episode's, up to the same count)."""
     sequences = cfg.generators.group_size * sequences_per_episode(cfg)
     routes = recorded_routes(cfg, routing)
     extra = (routes.bytes_per_token if routes is not None else 0) + (LOGPROB_DTYPE.itemsize if cfg.teacher.model else 0)
     need = frame_limit_bytes(0, sequences, cfg.generators.max_model_len, extra)
     if vision and not cfg.buffer.max_frame_mb:
-        images = cfg.vision.max_images_per_prompt * (cfg.vision.max_image_pixels or 4096 * 4096) * 3
+        holders = 1 + (sequences if cfg.env.name else 0)
+        images = holders * cfg.vision.max_images_per_prompt * (cfg.vision.max_image_pixels or 4096 * 4096) * 3
         return -(-(need + images) // (1 << 20)) << 20
     if cfg.buffer.max_frame_mb and cfg.buffer.max_frame_mb << 20 < need:
         with_routes = f" with their routes ({routes.layers} MoE layers x top-{routes.top_k})" if routes is not None else ""
@@ -134,7 +136,7 @@ def engine_images(cfg: Config, model_dir: Path) -> EngineImages | None:
     if not is_vision_model(model_dir):
         return None
     v = cfg.vision
-    return EngineImages(image_token_id(model_dir), v.max_images_per_prompt, v.processor_kwargs())
+    return EngineImages(image_token_id(model_dir), v.max_images_per_prompt, v.processor_kwargs(), v.max_image_pixels)
 
 
 def engine_cores(plan: PlacementPlan, engine_id: int) -> list[int]:

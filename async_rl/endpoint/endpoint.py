@@ -23,9 +23,12 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from async_rl.endpoint.episode_log import CallRecord, Choice, EpisodeLog, Reply
+from async_rl.endpoint.images import ImagePartError, request_images
 from async_rl.endpoint.openai_types import ChatRequest, CompletionRequest
 from async_rl.endpoint.rendering import ChatRenderer, parse_reply
 from async_rl.endpoint.streaming import StreamFlags, chat_completion_chunks, sse_body
+from async_rl.errors import first_line
+from async_rl.images import ImageError
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
 from async_rl.serving.sampling import SamplingSpec, turn_sampling
@@ -43,6 +46,14 @@ class CallSampling(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] = []
 
 
+class CallImages(msgspec.Struct, frozen=True):
+    """A vision-language call's images (encoded files, in the order of their placeholders) and its
+    tokens up to the last image's placeholders (`PromptImages.span`)."""
+
+    images: list[bytes]
+    span: int
+
+
 class ModelBackend(abc.ABC):
     """What the endpoint generates with: the engine's vLLM (one class per process boundary)."""
 
@@ -51,10 +62,10 @@ class ModelBackend(abc.ABC):
 
     @abc.abstractmethod
     async def complete(
-        self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str
+        self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str, images: CallImages | None = None
     ) -> list[Choice]:
         """Sample `call.n` completions of `prompt_ids` with `base` as changed by `call` (log-probs and
-        policy versions recorded)."""
+        policy versions recorded); `images`: the prompt's images."""
 
 
 class ServedModelBackend(ModelBackend):
@@ -67,7 +78,9 @@ class ServedModelBackend(ModelBackend):
         self.model_name = model_name
         self.max_model_len = max_model_len
 
-    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str) -> list[Choice]:
+    async def complete(
+        self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str, images: CallImages | None = None
+    ) -> list[Choice]:
         spec = msgspec.structs.replace(
             base,
             n=call.n,
@@ -76,7 +89,11 @@ class ServedModelBackend(ModelBackend):
             top_p=base.top_p if call.top_p is None else call.top_p,
             stop=list(base.stop) + [s for s in call.stop if s not in base.stop],
         )
-        out = await self.model.generate(prompt_ids, vc.params_for(spec), request_id)
+        shown = images or CallImages([], 0)
+        out = await self.model.generate(prompt_ids, vc.params_for(spec), request_id, "", shown.images, shown.span)
+        if shown.images and out.prompt_ids != prompt_ids:
+            # vLLM expanded an image to another token count than the endpoint's processor (vision.* bounds)
+            raise RequestError(500, "vLLM generated from other tokens than the rendered prompt with its images", "server_error")
         return [Choice(token_ids=c.token_ids, logprobs=c.logprobs, text=c.text, finish_reason=c.finish_reason,
                        version_first=out.version_first, version_last=out.version_last, routes=c.routes)
                 for c in out.completions]
@@ -87,6 +104,10 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.kind = kind
+
+
+def _last_index(ids: list[int], token: int) -> int:
+    return len(ids) - 1 - ids[::-1].index(token)
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -103,9 +124,11 @@ class ChatEndpoint:
         key: str,
         host: str = "127.0.0.1",
         unrecorded: SamplingSpec | None = None,
+        max_images: int = 0,
     ) -> None:
         """`unrecorded`: serve calls that name no episode too, each on its own with these sampling
-        defaults and recorded nowhere (a served model that is never trained: the LLM judge)."""
+        defaults and recorded nowhere (a served model that is never trained: the LLM judge).
+        `max_images`: most images one call may hold (a vision-language model's vision.max_images_per_prompt)."""
         if not key:
             raise ValueError("the endpoint needs a key")
         if host in ("0.0.0.0", "::", ""):
@@ -116,6 +139,7 @@ class ChatEndpoint:
         self._key = key.encode()
         self.host = host
         self.unrecorded = unrecorded
+        self.max_images = max_images
         self.port = 0
         self.episodes: dict[str, EpisodeLog] = {}
         self._ids = itertools.count()
@@ -244,23 +268,19 @@ class ChatEndpoint:
         req = msgspec.json.decode(body, type=ChatRequest)
         if not req.messages:
             raise RequestError(400, "messages is empty")
-        spliced = log.splice(req.messages, req.tools)
-        if spliced is not None:
-            head, _, start = spliced
-            prompt_ids = head + self.renderer.render_after_reply(req.messages[start:])
-        else:
-            prompt_ids = self.renderer.render(req.messages, req.tools)
+        prompt_ids, images = self._render_chat(log, req)
         sampling = self._sampling(
             log, req.n, req.max_completion_tokens or req.max_tokens, len(prompt_ids), req.temperature, req.top_p, req.stop
         )
         rid = self._request_id(log)
-        choices = await self.backend.complete(prompt_ids, self._seeded(log), sampling, rid)
+        choices = await self.backend.complete(prompt_ids, self._seeded(log), sampling, rid, images)
         self.calls += 1
         use_tools = req.tools if req.tool_choice != "none" else None
         replies = [parse_reply(c.text, use_tools, f"call-{rid}-{j}") for j, c in enumerate(choices)]
         eot = self.renderer.end_of_turn_id
         log.record_chat(
-            CallRecord(prompt_ids=prompt_ids, choices=choices),
+            CallRecord(prompt_ids=prompt_ids, choices=choices, images=images.images if images else [],
+                       images_span=images.span if images else 0),
             req.messages,
             req.tools,
             [Reply(content=r.content, tool_calls=r.tool_calls) for r in replies],
@@ -277,6 +297,40 @@ class ChatEndpoint:
                 entry["logprobs"] = {"content": self._token_logprobs(c)}
             out_choices.append(entry)
         return self._envelope("chat.completion", rid, prompt_ids, choices, out_choices)
+
+    def _render_chat(self, log: EpisodeLog, req: ChatRequest) -> tuple[list[int], CallImages | None]:
+        """The call's prompt ids (spliced after the last call's reply when the messages extend it) and
+        its images (None: none). A bad image part, or images for a text-only model: 400."""
+        r = self.renderer
+        try:
+            images = request_images(req.messages, r.max_image_pixels)
+        except ImagePartError as exc:
+            raise RequestError(400, str(exc)) from None
+        if images and r.vision is None:
+            raise RequestError(400, f"the request holds {len(images)} image(s) but model '{self.backend.model_name}' has no vision tower")
+        if len(images) > self.max_images:
+            raise RequestError(400, f"the request holds {len(images)} images, more than vision.max_images_per_prompt={self.max_images}")
+        spliced = log.splice(req.messages, req.tools)
+        if spliced is not None and len(images) > len(log.calls[-1].images):
+            last = log.calls[-1]  # the messages before the new ones hold its images
+            if r.image_token_id in spliced[0][last.images_span:]:
+                # vLLM gives images to placeholders in order: a placeholder the model sampled would take the
+                # new image's place. Rendered whole instead (the reply's text has no such token): a new segment
+                spliced = None
+        try:
+            if spliced is not None:
+                head, _, start = spliced
+                last = log.calls[-1]
+                new = len(images) - len(last.images)
+                delta = r.render_after_reply(req.messages[start:], images[len(last.images):])
+                prompt_ids = head + delta
+                span = last.images_span if not new else len(head) + _last_index(delta, r.image_token_id) + 1
+            else:
+                prompt_ids = r.render(req.messages, req.tools, images)
+                span = _last_index(prompt_ids, r.image_token_id) + 1 if images else 0
+        except (ValueError, ImageError) as exc:  # markers and images that disagree, a template that refuses them
+            raise RequestError(400, f"messages: {first_line(exc)}") from None
+        return prompt_ids, CallImages(images, span) if images else None
 
     async def _completions(self, log: EpisodeLog, body: bytes) -> dict:
         req = msgspec.json.decode(body, type=CompletionRequest)

@@ -33,6 +33,8 @@ class CallRecord(msgspec.Struct, kw_only=True):
     prompt_ids: list[int]
     choices: list[Choice]
     chosen: int = 0  # the choice the episode went on with (set when a later call extends one of them)
+    images: list[bytes] = []  # a vision-language call's images, in the order of their placeholders
+    images_span: int = 0  # its prompt's tokens up to the last image's placeholders (0: no images)
 
 
 class Segment(msgspec.Struct, kw_only=True):
@@ -47,6 +49,7 @@ class Segment(msgspec.Struct, kw_only=True):
     finish_reason: str = "stop"  # the last call's
     # MoE routes: each model part's call input ids and routes (serving/engine_routes.sequence_routes)
     turn_routes: list[tuple[list[int], np.ndarray]] = []
+    images: list[bytes] = []  # its images, in the order of their placeholders (its last call's)
 
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
@@ -84,7 +87,12 @@ def build_segments(calls: list[CallRecord]) -> list[Segment]:
     for k, call in enumerate(calls):
         choice = call.choices[chosen_choice(calls, k)]
         current = segments[-1] if segments else None
-        if current is not None and _extends(call.prompt_ids, so_far := current.tokens()):
+        # extends the segment: its tokens, and its images (equal placeholders may hold other pixels)
+        if (
+            current is not None
+            and _extends(call.prompt_ids, so_far := current.tokens())
+            and call.images[: len(current.images)] == current.images
+        ):
             env = call.prompt_ids[len(so_far) :]
             current.completion_ids += env
             current.loss_mask += [0] * len(env)
@@ -92,6 +100,7 @@ def build_segments(calls: list[CallRecord]) -> list[Segment]:
         else:
             current = Segment(prompt_ids=list(call.prompt_ids))
             segments.append(current)
+        current.images = list(call.images)
         current.add_model_part(choice, call.prompt_ids)
     return segments
 

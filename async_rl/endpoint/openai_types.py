@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from async_rl.images import IMAGE_MARKER
+
 
 class FunctionSpec(msgspec.Struct, kw_only=True):
     name: str
@@ -30,9 +32,15 @@ class ToolCallOut(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str  # only data: URLs are served (endpoint/images.py): the endpoint fetches nothing
+    detail: str = "auto"
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
+    type: str  # 'text' | 'image_url' (a vision-language model's); other parts are ignored
     text: str = ""
+    image_url: ImageUrl | None = None
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -49,6 +57,13 @@ class Message(msgspec.Struct, kw_only=True):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content if p.type == "text")
+
+    def marked_text(self) -> str:
+        """The content with an `<image>` marker at each image part (how a vision-language model's
+        renderer places them: `async_rl.vision.marked_parts`)."""
+        if not isinstance(self.content, list):
+            return self.text()
+        return "".join(IMAGE_MARKER if p.type == "image_url" else p.text for p in self.content if p.type in ("text", "image_url"))
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):

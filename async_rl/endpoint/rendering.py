@@ -11,6 +11,10 @@ An episode's later calls are not re-rendered from their messages when they exten
 (`EpisodeLog.splice`): their prompt is the previous prompt, the sampled tokens, then only the new
 messages rendered by `ChatDelta` (what the built-in environments do). Re-rendering the assistant's
 text would re-tokenize it, which is where multi-turn token drift comes from.
+
+A vision-language model's renderer (`vision` set) renders through its processor: each `image_url` part
+is an image content part whose placeholder is expanded to the image's tokens, as the prompt source and
+the environments render images (`async_rl.vision`, `envs/vision_delta.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from async_rl.endpoint.openai_types import FunctionCall, Message, ToolCallOut, T
 from async_rl.envs.episode import ChatDelta, first_that_renders
 from async_rl.envs.tool_calls import parse_turn, without_hermes_calls
 from async_rl.protocol import ChatMessage
+from async_rl.vision import VisionModel, marked_parts
 
 
 def tools_paragraph(tools: list[ToolSpec]) -> str:
@@ -77,29 +82,49 @@ def parse_reply(text: str, tools: list[ToolSpec] | None, call_id_prefix: str) ->
 
 
 class ChatRenderer:
-    """Renders OpenAI messages with the model's tokenizer (one per engine)."""
+    """Renders OpenAI messages with the model's tokenizer (one per engine); a vision-language model's
+    (`vision`) with its processor, images included."""
 
-    def __init__(self, tokenizer, end_of_turn_id: int) -> None:
+    def __init__(self, tokenizer, end_of_turn_id: int, vision: VisionModel | None = None, max_image_pixels: int = 0) -> None:
         self.tokenizer = tokenizer
-        template = getattr(tokenizer, "chat_template", None) or ""
+        self.vision = vision
+        template = (getattr(vision.processor, "chat_template", None) if vision is not None else None) or getattr(
+            tokenizer, "chat_template", None
+        ) or ""
         if not template:
             raise ValueError("the model's tokenizer has no chat template: /v1/chat/completions cannot render messages")
         self.native_tools = "tools" in template
-        self.delta = ChatDelta(tokenizer, end_of_turn_id)
+        if vision is not None:
+            from async_rl.envs.vision_delta import VisionChatDelta
+
+            self.delta: ChatDelta = VisionChatDelta(vision, end_of_turn_id, max_image_pixels)
+        else:
+            self.delta = ChatDelta(tokenizer, end_of_turn_id)
         self.end_of_turn_id = end_of_turn_id
+        self.max_image_pixels = max_image_pixels
 
     @classmethod
-    def for_model(cls, tokenizer, stop_ids: list[int], who: str) -> ChatRenderer:
+    def for_model(
+        cls, tokenizer, stop_ids: list[int], who: str, vision: VisionModel | None = None, max_image_pixels: int = 0
+    ) -> ChatRenderer:
         """A renderer whose end-of-turn token is the first of the model's stop tokens that its chat
         template ends an assistant turn with (as the built-in environments pick it). `who` names the
         user in the error ('env=agent', 'the judge')."""
-        return first_that_renders(lambda token: cls(tokenizer, token), stop_ids, who)
+        return first_that_renders(lambda token: cls(tokenizer, token, vision, max_image_pixels), stop_ids, who)
+
+    @property
+    def image_token_id(self) -> int:
+        """The image placeholder token (-1: a text-only model)."""
+        return self.vision.image_token_id if self.vision is not None else -1
+
+    def _content(self, m: Message) -> str:
+        return m.marked_text() if self.vision is not None else m.text()
 
     def _as_template_messages(self, messages: list[Message], tools: list[ToolSpec] | None) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for m in messages:
             if self.native_tools:
-                d: dict[str, Any] = {"role": m.role, "content": m.text()}
+                d: dict[str, Any] = {"role": m.role, "content": self._content(m)}
                 if m.tool_calls:
                     d["tool_calls"] = [
                         {"type": "function", "id": c.id,
@@ -110,7 +135,7 @@ class ChatRenderer:
                     d["tool_call_id"] = m.tool_call_id
                 out.append(d)
             else:
-                text = m.text()
+                text = self._content(m)
                 if m.tool_calls:
                     text = "\n".join(p for p in (text, tool_call_text(m.tool_calls)) if p)
                 out.append({"role": m.role, "content": text})
@@ -120,22 +145,26 @@ class ChatRenderer:
                 out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + paragraph}
             else:
                 out.insert(0, {"role": "system", "content": paragraph})
+        if self.vision is not None:  # the processor's template takes content parts, images among them
+            out = [{**d, "content": marked_parts(d["content"])} for d in out]
         return out
 
-    def render(self, messages: list[Message], tools: list[ToolSpec] | None) -> list[int]:
-        """The whole conversation through the template, the assistant turn opened."""
+    def render(self, messages: list[Message], tools: list[ToolSpec] | None, images: list[bytes] | None = None) -> list[int]:
+        """The whole conversation through the template, the assistant turn opened (`images`: those of
+        the messages' image parts, in order, for a vision-language model)."""
         kwargs: dict[str, Any] = {"tools": [msg_tool(t) for t in tools]} if tools and self.native_tools else {}
-        out = self.tokenizer.apply_chat_template(
-            self._as_template_messages(messages, tools), add_generation_prompt=True, tokenize=True, **kwargs
-        )
+        template_messages = self._as_template_messages(messages, tools)
+        if self.vision is not None:
+            return self.vision.tokens(template_messages, list(images or []), True, **kwargs)
+        out = self.tokenizer.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
 
-    def render_after_reply(self, messages: list[Message]) -> list[int]:
+    def render_after_reply(self, messages: list[Message], images: list[bytes] | None = None) -> list[int]:
         """Tokens after a finished assistant turn for `messages` (tool results, a user turn) plus the
-        next assistant header; the template's own rendering of those roles."""
-        return self.delta([ChatMessage(m.role, m.text()) for m in messages])
+        next assistant header; the template's own rendering of those roles (`images`: their images)."""
+        return self.delta([ChatMessage(m.role, self._content(m)) for m in messages], list(images or []))
 
 
 def msg_tool(t: ToolSpec) -> dict[str, Any]:

@@ -19,6 +19,9 @@ class EnvTurn(msgspec.Struct, frozen=True, kw_only=True):
     """The environment's answer to one model turn."""
 
     messages: list[ChatMessage] = []  # appended to the conversation (rendered by the chat template)
+    # Images the model sees next (a vision-language model: a tool's crop, a re-render), encoded files
+    # (PNG, ...), one per `<image>` marker in `messages`, in order
+    images: list[bytes] = []
     done: bool = False
     reward: float | None = None  # a per-turn reward (None: only the episode's final reward counts)
     tool_calls: int = 0  # well-formed calls of known tools in the model's turn

@@ -4,6 +4,10 @@ The conversation is never re-tokenized: the prompt is rendered once, each model 
 tokens the model sampled (loss mask 1, with their behaviour log-probs and the policy version that
 produced them), and each environment turn appends only the new messages rendered by the chat
 template (`ChatDelta`: loss mask 0, no log-probs). So the learner trains on exactly what the model saw.
+
+A vision-language model's environment may show it images (`EnvTurn.images`): the delta renders them with
+the model's processor (`envs/vision_delta.py`, each placeholder expanded) and the episode keeps them
+(`EpisodeImages`): every later model turn is generated from all the images so far.
 """
 
 from __future__ import annotations
@@ -32,6 +36,29 @@ class ModelTurn(msgspec.Struct, frozen=True):
 GenerateTurn = Callable[[list[int], int], Awaitable[ModelTurn]]
 
 
+class EpisodeImages:
+    """The images an episode's environment has shown so far, shared by the episode runner (which adds
+    them) and the caller's `generate` (which sends them with each turn, after the prompt's).
+
+    vLLM gives an image's features to the placeholders of the token ids in order, so no placeholder the
+    policy sampled may come before an image's: an environment turn with images after a model turn that
+    sampled the placeholder token ends the episode (`placeholder_sampled`) instead of being shown."""
+
+    def __init__(self, image_token_id: int, prompt_len: int, max_images: int) -> None:
+        self.image_token_id = image_token_id
+        self.images: list[bytes] = []
+        self.span = prompt_len  # tokens up to the last image's placeholders (the prompt's, at first)
+        self.max_images = max_images  # the episode's own images at most (vLLM's per-request limit, less the prompt's)
+
+    def refusal(self, images: list[bytes], completion: list[int], mask: list[int]) -> str | None:
+        """Why a turn's images cannot be shown after `completion` so far (the finish reason), or None."""
+        if len(self.images) + len(images) > self.max_images:
+            return "max_images"
+        if any(t == self.image_token_id and m for t, m in zip(completion, mask, strict=True)):
+            return "placeholder_sampled"
+        return None
+
+
 class EpisodeResult(msgspec.Struct, kw_only=True):
     prompt_ids: list[int]
     completion_ids: list[int]  # every token after the prompt: model and environment turns
@@ -43,8 +70,11 @@ class EpisodeResult(msgspec.Struct, kw_only=True):
     tool_errors: int
     tool_outcomes: dict[str, int]
     reward: float  # final reward plus the sum of per-turn rewards
-    finish_reason: str  # 'stop' (environment done), 'max_turns', 'length' (token budget), 'abort'
+    # 'stop' (environment done), 'max_turns', 'length' (token budget), 'abort'; with images:
+    # 'max_images' or 'placeholder_sampled' (an environment turn's images could not be shown)
+    finish_reason: str
     transcript: list[ChatMessage]
+    images: list[bytes] = []  # the environment's images, in the order of their placeholders
 
 
 R = TypeVar("R")
@@ -67,15 +97,18 @@ class ChatDelta:
     generation prompt of the next assistant turn. Rendered against a fixed two-message context, so
     the cost does not grow with the conversation."""
 
-    def __init__(self, tokenizer, end_of_turn_id: int) -> None:
+    def __init__(self, tokenizer, end_of_turn_id: int, open_turns: bool = False) -> None:
+        """`open_turns`: a template that writes no end-of-turn token after an assistant turn (the tiny
+        vision preset's, which has no roles) is accepted: the model's stop token, which it sampled, ends
+        its turn, and the delta is everything the template renders after the assistant's text."""
         self.tokenizer = tokenizer
         self.end_of_turn_id = end_of_turn_id
         self._context = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         base = self._render(self._context, add_generation_prompt=False)
         ends = [i for i, t in enumerate(base) if t == end_of_turn_id]
-        if not ends:
+        if not ends and not open_turns:
             raise ValueError(f"the chat template does not end an assistant turn with token {end_of_turn_id}")
-        self._prefix = base[: ends[-1] + 1]  # up to and including the assistant's end-of-turn token
+        self._prefix = base[: ends[-1] + 1] if ends else base  # up to and including the assistant's end-of-turn token
 
     @classmethod
     def for_model(cls, tokenizer, stop_ids: list[int], who: str) -> ChatDelta:
@@ -89,7 +122,9 @@ class ChatDelta:
             out = out["input_ids"]
         return list(out)
 
-    def __call__(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def __call__(self, messages: Sequence[ChatMessage], images: Sequence[bytes] = ()) -> list[int]:
+        if images:
+            raise ValueError(f"an environment turn with {len(images)} image(s) for a model without a vision tower")
         full = self._render(
             self._context + [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
         )
@@ -103,14 +138,16 @@ async def run_episode(
     prompt_ids: list[int],
     prompt_messages: list[ChatMessage],
     generate: GenerateTurn,
-    render_delta: Callable[[Sequence[ChatMessage]], list[int]],
+    render_delta: Callable[[Sequence[ChatMessage], Sequence[bytes]], list[int]],
     max_turns: int,
     max_total_tokens: int,
+    images: EpisodeImages | None = None,
 ) -> EpisodeResult:
     """Alternate model and environment turns until the environment is done or a limit is reached.
 
     `max_total_tokens` bounds prompt + everything appended; an environment turn that would not leave
-    room for one more model token ends the episode ('length')."""
+    room for one more model token ends the episode ('length'). `images`: a vision-language model's
+    episode, which keeps the environment's images (None: an environment turn with images is an error)."""
     ids = list(prompt_ids)
     completion: list[int] = []
     mask: list[int] = []
@@ -148,10 +185,18 @@ async def run_episode(
         if env.done:
             finish = "stop"
             break
-        delta = render_delta(env.messages)
+        if env.images and images is not None and (why := images.refusal(env.images, completion, mask)):
+            finish = why
+            break
+        delta = render_delta(env.messages, env.images)
         if len(ids) + len(delta) >= max_total_tokens:
             finish = "length"
             break
+        if env.images and images is not None:
+            images.images += env.images
+            # the new placeholders are the delta's last image tokens: every later turn keeps them whole
+            last = max(i for i, t in enumerate(delta) if t == images.image_token_id)
+            images.span = len(ids) + last + 1
         ids += delta
         completion += delta
         mask += [0] * len(delta)
@@ -171,6 +216,7 @@ async def run_episode(
         reward=reward,
         finish_reason=finish,
         transcript=transcript,
+        images=list(images.images) if images is not None else [],
     )
 
 

@@ -1,6 +1,6 @@
 """The environment named by the `env` config section, built in each generator engine.
 
-'' is no environment (single-turn samples); 'tools' and 'guess' are built in; 'verifiers:ID' (a
+'' is no environment (single-turn samples); 'tools', 'guess' and 'zoom' (vision-language) are built in; 'verifiers:ID' (a
 verifiers 0.4 environment) and 'agent:pkg.module:fn' run as agents, not Environments: here they are
 only checked (`async_rl.envs.verifiers_env`, imported only then, checks the interpreter); anything
 else is a factory 'pkg.module:make_env' called as make_env(env_config, reward) -> Environment.
@@ -52,6 +52,10 @@ def build_environment(cfg: EnvConfig, reward: RewardFn) -> Environment | None:
         from async_rl.envs.guess import GuessNumberEnvironment
 
         return GuessNumberEnvironment()
+    if cfg.name == "zoom":
+        from async_rl.envs.zoom import ZoomEnvironment
+
+        return ZoomEnvironment(reward)
     if cfg.name.startswith(AGENT_PREFIX):
         # Agents are not Environments: the engine runs them against its endpoint (async_rl/agents/).
         # Checked here so that a bad name fails at startup, in the prompt source, with one line.
@@ -65,7 +69,7 @@ def build_environment(cfg: EnvConfig, reward: RewardFn) -> Environment | None:
             raise ConfigError(f"env.name '{cfg.name}': verifiers environments are not available ({exc})") from None
         return module.build(cfg.name.removeprefix(VERIFIERS_PREFIX), cfg, reward)
     if ":" not in cfg.name:
-        raise ConfigError(f"env.name '{cfg.name}' is not 'tools', 'guess', 'verifiers:<id>' nor 'pkg.module:factory'")
+        raise ConfigError(f"env.name '{cfg.name}' is not 'tools', 'guess', 'zoom', 'verifiers:<id>' nor 'pkg.module:factory'")
     from async_rl.config.loading import load_callable
 
     factory = load_callable("env.name", cfg.name)

@@ -42,11 +42,19 @@ class AgentRollout(Rollout):
         from transformers import AutoTokenizer
 
         spec = self.model.spec
-        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         max_len = min(spec.max_model_len, self.cfg.max_total_tokens or spec.max_model_len)
-        renderer = ChatRenderer.for_model(tokenizer, self.sampling.stop_token_ids, "env=agent")
+        stops = self.sampling.stop_token_ids
+        if spec.images is not None:  # a vision-language model: requests' image parts rendered by its processor
+            from async_rl.config import VisionConfig
+            from async_rl.vision import VisionModel
+
+            vision = VisionModel(spec.model_dir, VisionConfig(**spec.images.processor_kwargs))
+            renderer = ChatRenderer.for_model(vision.processor.tokenizer, stops, "env=agent", vision, spec.images.max_image_pixels)
+        else:
+            renderer = ChatRenderer.for_model(AutoTokenizer.from_pretrained(spec.model_dir), stops, "env=agent")
         backend = ServedModelBackend(self.model, spec.model_dir, max_len)
-        endpoint = ChatEndpoint(backend, renderer, secrets.token_urlsafe(32), self.host)
+        max_images = spec.images.max_images if spec.images is not None else 0
+        endpoint = ChatEndpoint(backend, renderer, secrets.token_urlsafe(32), self.host, max_images=max_images)
         await endpoint.start()
         self.episodes = AgentEpisodes(self.cfg, endpoint, self.rewards.score, self.engine_id)
 

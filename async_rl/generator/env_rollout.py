@@ -3,7 +3,10 @@ multi-turn episodes (`envs/episode.py`). Every model turn is one request from th
 started only while the served model runs (a turn waits out a pause before it starts); a turn cut by
 an abort-mode pause is resubmitted from where it stopped like a single-turn completion (its rest
 comes from the new weights), so an episode survives every pause mode. The episode's final reward
-goes through the reward worker processes."""
+goes through the reward worker processes.
+
+A vision-language model's episode sends every turn with all its images so far (the prompt's, then the
+environment's: `EpisodeImages`), and each sample carries the environment's images to the learner."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import numpy as np
 
 from async_rl.config import EnvConfig
 from async_rl.envs.base import Environment
-from async_rl.envs.episode import ChatDelta, EpisodeResult, ModelTurn, run_episode
+from async_rl.envs.episode import ChatDelta, EpisodeImages, EpisodeResult, ModelTurn, run_episode
 from async_rl.envs.tool_env import RewardFn
 from async_rl.evaluation.scores import EvalParams, EvalResult
 from async_rl.generator.rewards import RewardRunner
@@ -124,6 +127,8 @@ class EnvironmentEpisodes(Rollout):
                 for r in results
             ],
             routes=routes if all(r is not None for r in routes) else None,
+            images=list(prompt.images) or None,
+            sample_images=[list(r.images) for r in results] if any(r.images for r in results) else None,
         )
 
     async def _episode(
@@ -136,14 +141,24 @@ class EnvironmentEpisodes(Rollout):
         last_version = [self.model.version]
         turns = [0]
         turn_routes: list[tuple[list[int], np.ndarray]] = []  # per model turn: its input ids, its rows
+        served = self.model.spec.images  # a vision-language model: every turn goes with the images so far
+        images = None
+        if served is not None:
+            images = EpisodeImages(served.image_token_id, len(prompt.token_ids), served.max_images - len(prompt.images))
 
         async def generate(ids: list[int], budget: int) -> ModelTurn:
             turns[0] += 1
             self._counters.model_turns += 1
             turn = msgspec.structs.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, budget))
             params = vc.params_for(turn_sampling(turn, turns[0]))
+            shown = list(prompt.images) + (images.images if images is not None else [])
             # starts only while the model runs (not in the middle of a weight update)
-            out = await self.model.generate(ids, params, f"{request_id}-t{turns[0]}")
+            out = await self.model.generate(
+                ids, params, f"{request_id}-t{turns[0]}", "", shown, images.span if images is not None else 0
+            )
+            if shown and out.prompt_ids != ids:
+                # vLLM expanded an image to another token count than the processor here (vision.* bounds)
+                raise RuntimeError(f"prompt {prompt.prompt_id}: vLLM generated turn {turns[0]} from other tokens than the episode's")
             last_version[0] = out.version_last
             (c,) = out.completions
             if c.routes is not None:
@@ -152,7 +167,8 @@ class EnvironmentEpisodes(Rollout):
 
         self._counters.episodes += 1
         result = await run_episode(
-            self.env.start(prompt), list(prompt.token_ids), messages, generate, self.delta, self.cfg.max_turns, limit
+            self.env.start(prompt), list(prompt.token_ids), messages, generate, self.delta, self.cfg.max_turns, limit,
+            images,
         )
         routes = None
         if self.model.spec.routes is not None:

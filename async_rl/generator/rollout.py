@@ -18,8 +18,12 @@ from async_rl.serving.sampling import SamplingSpec
 SINGLE_TURN, ENVIRONMENT, AGENT = "single-turn", "environment", "agent"
 
 # An episode's finish -> the wire's: the environment ended it or its turns ran out ('stop'), the
-# token budget cut it ('length'), a turn was aborted and not resumed ('abort').
-EPISODE_FINISH = {"stop": FINISH_STOP, "max_turns": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_REASONS["abort"]}
+# token budget cut it ('length'), a turn was aborted and not resumed ('abort'); an environment turn's
+# images could not be shown ('max_images', 'placeholder_sampled': `envs/episode.EpisodeImages`).
+EPISODE_FINISH = {
+    "stop": FINISH_STOP, "max_turns": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_REASONS["abort"],
+    "max_images": FINISH_STOP, "placeholder_sampled": FINISH_STOP,
+}
 
 
 def finish_code(reason: str, prompt_id: int) -> int:

@@ -31,9 +31,26 @@ def make_rollout(
 
         # An environment turn's messages (and the next assistant header) as tokens; the model's turn
         # ends with the first of its stop tokens that the chat template ends an assistant turn with.
-        tokenizer = AutoTokenizer.from_pretrained(model.spec.model_dir)
-        delta = ChatDelta.for_model(tokenizer, sampling.stop_token_ids, f"env={env.name}")
+        if model.spec.images is not None:  # a vision-language model: its processor renders turns with images
+            delta = vision_delta(model, sampling, env.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(model.spec.model_dir)
+            delta = ChatDelta.for_model(tokenizer, sampling.stop_token_ids, f"env={env.name}")
         return EnvironmentEpisodes(model, env, delta, rewards, engine_id, sampling)
     from async_rl.generator.single_turn import SingleTurn
 
     return SingleTurn(model, rewards, engine_id, sampling)
+
+
+def vision_delta(model: ServedModel, sampling: SamplingSpec, env_name: str):
+    """A vision-language model's environment turns, rendered by its processor at the engine's pixel bounds."""
+    from async_rl.config import VisionConfig
+    from async_rl.envs.vision_delta import VisionChatDelta
+    from async_rl.vision import VisionModel
+
+    served = model.spec.images
+    assert served is not None
+    bounds = VisionConfig(**served.processor_kwargs)  # the run's vision.min_pixels/max_pixels
+    return VisionChatDelta.for_vision(
+        VisionModel(model.spec.model_dir, bounds), sampling.stop_token_ids, served.max_image_pixels, f"env={env_name}"
+    )

@@ -149,7 +149,6 @@ def shard_samples(
     row = 0
     for g in groups:
         prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
-        images = vision.of(g) if vision is not None else None
         for i, (comp, lp) in enumerate(zip(g.completions, g.logprobs, strict=True)):
             col, n = len(prompt) - 1, len(comp)
             p = prepared
@@ -165,7 +164,7 @@ def shard_samples(
                     in_loss=bool(p.mask[row].any()) if p else True,
                     loss_mask=g.loss_mask(i) if g.loss_masks is not None else None,
                     routes=g.routes[i] if moe is not None and g.routes is not None else None,
-                    vision=images,
+                    vision=vision.of_sample(g, i) if vision is not None else None,
                 )
             )
             row += 1
@@ -573,7 +572,8 @@ class LearnerDriver(LearnerRank):
             logprobs=[v[k].tolist() for v, k in zip(values, keep, strict=True)],
             # the engine scores a vision-language sample with its images (its prompt's first x.start tokens)
             images=images if any(images) else [],
-            prompt_lens=[x.start for x in samples] if any(images) else [],
+            # (an episode with images of its own: its tokens up to its last image's placeholders)
+            prompt_lens=[(x.vision.span if x.vision is not None else 0) or x.start for x in samples] if any(images) else [],
         )
 
     # ---- weights under HF names ------------------------------------------------------------------

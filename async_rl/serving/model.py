@@ -88,14 +88,16 @@ class ServedModel:
         await self._running.wait()
 
     async def generate(
-        self, token_ids: list[int], params: Any, request_id: str, text: str = "", images: list[bytes] | None = None
+        self, token_ids: list[int], params: Any, request_id: str, text: str = "", images: list[bytes] | None = None,
+        images_span: int = 0,
     ) -> Generation:
         """One request, started only while the model runs (never in the middle of a weight update).
         `params`: vLLM's sampling parameters (`vc.params_for`); `token_ids` empty: vLLM renders `text`;
-        `images`: a vision-language prompt's encoded images (`token_ids` hold their expanded placeholders)."""
+        `images`: a vision-language prompt's encoded images (`token_ids` hold their expanded placeholders);
+        `images_span`: a multi-turn episode's tokens up to its last image's placeholders (0: the prompt's)."""
         await self._running.wait()
         start = self.version
-        pixels = prompt_images(images or [], self.spec.images)
+        pixels = prompt_images(images or [], self.spec.images, images_span)
         prompt_ids, completions = await self._answered(
             vc.generate(self._llm, vc.generation_input(token_ids, text, pixels), params, request_id, pixels)
         )

@@ -45,15 +45,18 @@ def real_config(overrides: list[str]) -> Config:
 
 
 @contextmanager
-def real_controller(cfg: Config, run_dir: Path, env_vars: dict[str, str]) -> Iterator[tuple[Controller, MetricsSink]]:
+def real_controller(
+    cfg: Config, run_dir: Path, env_vars: dict[str, str], model_dir: Path | None = None
+) -> Iterator[tuple[Controller, MetricsSink]]:
     """A controller and a metrics sink on a fresh local Ray (4 CPUs) whose workers get `env_vars` and
-    import this checkout; the controller, the sink and Ray are stopped on the way out."""
+    import this checkout; the controller, the sink and Ray are stopped on the way out. `model_dir`:
+    the model's folder (default: the real preset's)."""
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **FAST_ENGINE_ENV, **env_vars}})
     controller = None
     sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
     try:
-        controller = Controller(cfg, Path(smollm2_dir()), run_dir, plan_placement(cfg))
+        controller = Controller(cfg, model_dir or Path(smollm2_dir()), run_dir, plan_placement(cfg))
         yield controller, sink
     finally:
         if controller is not None:

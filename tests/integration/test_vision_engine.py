@@ -2,7 +2,10 @@
 sizes (and a text prompt beside them) generate from the rendered tokens, which vLLM expands back to
 exactly the rendered ones; the learner scores the engine's samples, in one packed micro-batch, with the
 engine's log-probs as closely as on text (fp32); and a placeholder token sampled in a completion is text
-to both (the mismatch probe's scoring path, with the images)."""
+to both (the mismatch probe's scoring path, with the images). Then two short runs on real Ray (the
+module's model folder, one engine and one learner each, one after the other): the `zoom` environment
+and a user agent over the endpoint each show the model a second image in its episode; its tokens are
+masked and engine and learner log-probs agree."""
 
 from __future__ import annotations
 
@@ -167,3 +170,106 @@ def test_a_sync_sends_only_what_trains_and_the_served_checksum_covers_every_weig
     out = loop.run_until_complete(model.generate(p.token_ids, params, "vl-after-sync", "", list(PROMPTS[0].images)))
     (ours, *_) = learner.compute_logprobs([group_of(PROMPTS[0], out)], 1.0)
     assert np.abs(ours - np.asarray(out.completions[0].logprobs)).max() < 1e-4
+
+
+# ---- multi-turn: an environment or a user agent shows the model an image (real Ray, engine, learner) ----
+
+MT_STEPS, MT_PROMPTS, MT_GROUP = 2, 2, 4
+
+
+def _multi_turn_run(served, run_dir, overrides: list[str]):
+    """A 2-step run of the `colour` task (tiny Qwen2.5-VL) whose episodes show the model a second image;
+    the probe after each step is the trained batch (its tokens, the positions its loss kept, its images)."""
+    from tests.integration._real_run import read_jsonl, real_config, real_controller
+
+    _, _, model_dir = served
+    cfg = real_config([
+        "model.path=tiny-qwen2.5-vl",
+        f"model.cache_dir={model_dir.parent}",
+        "task.name=colour",
+        "env.max_turns=2",
+        "vision.max_images_per_prompt=2",
+        f"train.total_steps={MT_STEPS}",
+        f"train.prompts_per_step={MT_PROMPTS}",
+        f"train.mismatch_probe_samples={MT_PROMPTS * MT_GROUP}",
+        f"generators.group_size={MT_GROUP}",
+        # a turn ends at a colour's letter (or EOS): the random model's 52-token vocabulary ends most turns
+        # within 24 tokens, so most episodes reach their second image
+        "generators.stop=[r, g, b, y]",
+        "generators.max_tokens=24",
+        "generators.max_model_len=160",
+        "generators.max_inflight_prompts=4",
+        "learner.lr=1e-3",
+        *overrides,
+    ])
+    probes = []
+    with real_controller(cfg, run_dir, {}, model_dir) as (controller, sink):
+        controller.run(sink, lambda step: probes.append(
+            controller.learner.call(lambda a: a.probe_logprobs.remote(MT_PROMPTS * MT_GROUP))[0]))
+        for e in controller.generators.stats():  # an agent's failure, in its own words
+            if e.agents is not None and e.agents.last_error:
+                print(f"engine {e.engine_id}: agent error: {e.agents.last_error}")
+        final = controller.shutdown()
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    for r in records:  # shown with -s: the numbers behind the assertions
+        print(f"{run_dir.name} step {r['step']}: mismatch {r['logprob_mismatch']:.2e} turns {r['turns_mean']:.2f} max "
+              f"{r['turns_max']} env share {r['env_token_share']:.2f} reward {r['reward_mean']:.3f} "
+              f"agent errors {r.get('agent_errors')} prefix breaks {r.get('agent_prefix_breaks')}")
+    return records, probes, final, image_token_id(model_dir)
+
+
+def _second_images_masked(probes, tid: int) -> tuple[int, int]:
+    """Checks each probed sample: a second image's 4 placeholders lie in tokens the loss left out, and the
+    engine was told where the images end (the probe's span). Returns how many samples held a second image,
+    and how many of those held it after a model turn in the same sequence (an agent's episode split at a
+    prefix break has the second image in its second segment's prompt)."""
+    shown = after_a_turn = 0
+    for probe in probes:
+        for i, (ids, kept) in enumerate(zip(probe.token_ids, probe.positions, strict=True)):
+            images, span = probe.images_of(i)
+            masked = [k for k in range(len(ids)) if k not in set(kept) and ids[k] == tid]  # prompt and environment
+            if len(images) == 2:
+                shown += 1
+                after_a_turn += any(k > min(kept) for k in masked)
+                assert len(masked) == 8 and span == masked[-1] + 1, (len(masked), span)
+            else:
+                assert len(images) == 1 and len(masked) == 4
+    print(f"probed samples with a second image: {shown}, after a model turn: {after_a_turn}")
+    return shown, after_a_turn
+
+
+@pytest.fixture(scope="module")
+def zoom_run(served, tmp_path_factory):
+    """The `zoom` environment: the model answers, sees a crop of its image, answers again."""
+    return _multi_turn_run(served, tmp_path_factory.mktemp("zoom_run"), ["env.name=zoom"])
+
+
+@pytest.fixture(scope="module")
+def agent_run(served, tmp_path_factory, zoom_run):  # after the zoom run: one Ray at a time
+    """A user agent on the openai SDK (`examples/vision_agent.py`) sends the prompt's image and then a
+    crop of it as image_url parts over the engine's endpoint."""
+    return _multi_turn_run(served, tmp_path_factory.mktemp("agent_run"), [
+        "env.name=agent:examples.vision_agent:look_twice", "env.agent_timeout_s=120"])
+
+
+def test_a_zoom_episodes_crop_reaches_the_next_turn_masked_and_engine_and_learner_agree(zoom_run):
+    records, probes, final, tid = zoom_run
+    mismatch = [r["logprob_mismatch"] for r in records]
+    assert len(mismatch) == MT_STEPS and all(m is not None and m < 1e-4 for m in mismatch), mismatch  # fp32: ~1e-6
+    assert not final.rejected_frames and final.accounts.balanced()
+    assert max(r["turns_max"] for r in records) == 2 and all(r["env_token_share"] > 0 for r in records)
+    shown, after_a_turn = _second_images_masked(probes, tid)
+    assert shown > 0 and after_a_turn == shown  # the crop follows the model's first answer in its episode
+
+
+def test_a_user_agents_images_over_the_endpoint_train_with_engine_and_learner_agreeing(agent_run):
+    records, probes, final, tid = agent_run
+    mismatch = [r["logprob_mismatch"] for r in records]
+    assert len(mismatch) == MT_STEPS and all(m is not None and m < 1e-4 for m in mismatch), mismatch
+    assert not final.rejected_frames and final.accounts.balanced()
+    assert all(r["agent_errors"] == 0 and r["agent_timeouts"] == 0 and r["agent_crashes"] == 0 for r in records)
+    # The random model's answers end at a stop string, not at the end-of-turn token, so the agent's second
+    # call is rendered whole and its prompt re-tokenizes the answer's text (special tokens dropped): mostly a
+    # prefix break, whose second segment holds both images in its prompt. Every segment trains.
+    shown, _ = _second_images_masked(probes, tid)
+    assert shown > 0

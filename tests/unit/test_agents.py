@@ -48,7 +48,8 @@ class ScriptedModel(ModelBackend):
         self.prompts: list[list[int]] = []
         self.version = 0
 
-    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str) -> list[Choice]:
+    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str,
+                       images=None) -> list[Choice]:
         self.prompts.append(list(prompt_ids))
         out = []
         for _ in range(call.n):
@@ -247,7 +248,8 @@ class RecoveringModel(ScriptedModel):
     """Serves version 31 for the first call and 30 after it: a learner recovery synced its older
     checkpoint between the agent's two calls."""
 
-    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str) -> list[Choice]:
+    async def complete(self, prompt_ids: list[int], base: SamplingSpec, call: CallSampling, request_id: str,
+                       images=None) -> list[Choice]:
         self.version = 31 if not self.prompts else 30
         return await super().complete(prompt_ids, base, call, request_id)
 

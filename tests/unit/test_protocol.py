@@ -485,7 +485,7 @@ def test_header_types_are_array_like():
     # per-sample metadata is positional on the wire (compact headers)
     raw = msgspec.msgpack.encode(SampleMeta(2, 1.0, 3, 4, REWARD_OK))
     # then finish reason (stop), loss mask, episode counts and episode index (none: a single-turn sample),
-    # teacher-scored (no)
-    assert msgspec.msgpack.decode(raw) == [2, 1.0, 3, 4, 0, 0, None, None, None, False]
+    # teacher-scored (no), its own images (none)
+    assert msgspec.msgpack.decode(raw) == [2, 1.0, 3, 4, 0, 0, None, None, None, False, []]
     raw = msgspec.msgpack.encode(GroupMeta(1, 2, 3, []))
     assert msgspec.msgpack.decode(raw) == [1, 2, 3, [], False, []]  # then `routed`: no routes; no images

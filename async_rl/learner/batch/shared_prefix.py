@@ -49,7 +49,11 @@ from async_rl.models.cost import CostModel, Layout
 
 
 def _prompt_key(s: SeqSample) -> bytes:
-    """A prompt's identity: its tokens, and its images (equal placeholder tokens may hold other pixels)."""
+    """A prompt's identity: its tokens, and its images (equal placeholder tokens may hold other pixels).
+    A sample with images of its own (an episode's environment turns) shares with no other: its block
+    places its own images, which only its own sequence holds."""
+    if s.vision is not None and s.vision.own:
+        return b"own:" + id(s).to_bytes(8, "little")
     images = s.vision.key if s.vision is not None else b""
     return np.asarray(s.tokens[: s.start], dtype=np.int64).tobytes() + images
 

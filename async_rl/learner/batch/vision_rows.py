@@ -5,13 +5,18 @@ order of `input_ids` [B, T] (row by row, left to right). So a micro-batch's pixe
 prompts' images in that order: once per placed prompt, which under the shared-prompt layout is once per
 block (one vision forward per group), and once per sequence otherwise.
 
+A multi-turn episode whose environment showed images (`SampleVision.columns`) has its own images: its
+prompt's, then its environment turns', each at its placeholders in the completion; such a sample is
+never shared with another (`SampleVision.own`), so its images are placed once per sequence.
+
 Models with multimodal rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: 3-D positions, temporal,
 height, width) get them per token from the 1-D positions the layout already gave (restarting at 0 for
-every sequence, continuing after a shared prefix): a position p inside the prompt takes the prompt's
-3-D position p, a position past it continues from the prompt's largest position + 1 on all three axes
-(as the model's own `get_rope_index` counts text after the last image). Rows without images take p on
-all three axes. The model receives [4, B, T]: the 1-D positions first (its packed-sequence mask reads
-them), then the three axes.
+every sequence, continuing after a shared prefix): a position p inside the stretch the model's own
+`get_rope_index` covered (the prompt, or an episode's whole sequence when it has images of its own)
+takes that 3-D position p, a position past it continues from the largest position + 1 on all three axes
+(as `get_rope_index` counts text after the last image). Rows without images take p on all three axes.
+The model receives [4, B, T]: the 1-D positions first (its packed-sequence mask reads them), then the
+three axes.
 """
 
 from __future__ import annotations
@@ -24,14 +29,32 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class SampleVision:
-    """The images of one sample's prompt (shared by every sample of its group)."""
+    """The images of one sample's prompt (shared by every sample of its group), or of one episode whose
+    environment showed images too (`columns` set: its own)."""
 
     key: bytes  # digest of the prompt's image bytes: samples with equal tokens and key share a prompt
     pixel_values: torch.Tensor  # [patches, patch_dim]
     image_grid_thw: torch.Tensor  # long [images, 3]
-    rope: np.ndarray | None  # int64 [3, prompt_len]: the prompt's 3-D positions; None: 1-D positions
+    # int64 [3, n]: the 3-D positions of the sequence's first n tokens (the prompt's, or with `columns` the
+    # whole episode's); None: 1-D positions
+    rope: np.ndarray | None
     image_token_id: int  # the placeholder token (inside the prompt: an image's; in a completion: text)
     images: tuple[bytes, ...] = ()  # the encoded files (the mismatch probe sends them to an engine)
+    # An episode with images of its own: the columns (from the sequence's start) of every image
+    # placeholder, the prompt's and the environment's (a placeholder the policy sampled is not one);
+    # None: the prompt's placeholders, shared by its group
+    columns: np.ndarray | None = None
+
+    @property
+    def own(self) -> bool:
+        """Images of this sample alone (an episode's environment images): never a shared prompt's."""
+        return self.columns is not None
+
+    @property
+    def span(self) -> int:
+        """With `columns`: tokens up to the last image placeholder (every placeholder before it is an
+        image's, which vLLM's prompt is cut back to: `PromptImages`); 0: the prompt."""
+        return int(self.columns[-1]) + 1 if self.columns is not None and len(self.columns) else 0
 
 
 @dataclass
@@ -47,13 +70,13 @@ class VisionBatch:
 
 
 def rope_of(vision: SampleVision, positions: torch.Tensor) -> torch.Tensor:
-    """long [3, n]: the 3-D positions of 1-D positions `positions` [n] of a sequence with `vision`'s prompt."""
+    """long [3, n]: the 3-D positions of 1-D positions `positions` [n] of a sequence with `vision`'s images."""
     assert vision.rope is not None
     rope = torch.from_numpy(vision.rope)
-    prompt_len = rope.shape[1]
-    inside = rope[:, positions.clamp(max=prompt_len - 1)]
-    after = (positions - prompt_len + int(rope.max()) + 1).expand(3, -1)
-    return torch.where(positions < prompt_len, inside, after)
+    covered = rope.shape[1]
+    inside = rope[:, positions.clamp(max=covered - 1)]
+    after = (positions - covered + int(rope.max()) + 1).expand(3, -1)
+    return torch.where(positions < covered, inside, after)
 
 
 class VisionRows:
@@ -80,7 +103,9 @@ class VisionRows:
         grid = torch.cat([v.image_grid_thw for v in seen])
         mask = torch.zeros(input_ids.shape, dtype=torch.bool)
         for row, start, _, prompt_end, v in placed:
-            if v is not None:
+            if v is not None and v.columns is not None:
+                mask[row, start + torch.from_numpy(v.columns)] = True
+            elif v is not None:
                 mask[row, start:prompt_end] = input_ids[row, start:prompt_end] == v.image_token_id
         rope = None
         if any(v.rope is not None for v in seen):

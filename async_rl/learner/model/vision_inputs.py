@@ -5,6 +5,11 @@ processor (`async_rl.vision`, loaded from the same folder with the same `vision.
 engine's) turns them into pixel values and grids. The prompt's tokens must hold exactly as many image
 tokens as those grids make: otherwise the engine saw other pixels, and the step stops in one line.
 Qwen-VL families also get their prompt's 3-D rotary positions from the model's own `get_rope_index`.
+
+An episode whose environment showed images (a tool's crop: `TrajectoryGroup.sample_images`) has images
+of its own: its features go at the prompt's placeholders and at the placeholders of its environment
+turns (loss mask 0), never at one the policy sampled, and `get_rope_index` covers its whole sequence
+with only those marked as images (`of_sample`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,40 @@ class VisionInputs:
         # Qwen2-VL, Qwen2.5-VL, Qwen3-VL: 3-D positions from the model itself; other families: 1-D
         self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
         self._cache: dict[tuple[bytes, bytes], SampleVision] = {}
+
+    def of_sample(self, group: TrajectoryGroup, i: int) -> SampleVision | None:
+        """The images of `group`'s sample i: its own (`of_episode`) when it has any, else its group's."""
+        if group.sample_images is not None and group.sample_images[i]:
+            return self.of_episode(group, i)
+        return self.of(group)
+
+    def of_episode(self, group: TrajectoryGroup, i: int) -> SampleVision:
+        """Sample i's images, the group's then its own, at the prompt's placeholders and at those of the
+        completion's environment tokens; its 3-D positions over the whole sequence."""
+        images = group.images_of(i)
+        completion = np.asarray(group.completions[i], dtype=np.int64)
+        tokens = np.concatenate([np.asarray(group.prompt_tokens, dtype=np.int64), completion])
+        image_id = self.vision.image_token_id
+        in_prompt = np.flatnonzero(tokens[: len(group.prompt_tokens)] == image_id)
+        env = (completion == image_id) & (group.loss_mask(i) == 0)  # a sampled placeholder stays text
+        columns = np.concatenate([in_prompt, len(group.prompt_tokens) + np.flatnonzero(env)])
+        pixels = self.vision.pixels(images)
+        want = sum(pixels.tokens_per_image)
+        if len(columns) != want:
+            raise RunError(
+                f"prompt {group.prompt_id} sample {i} (engine {group.engine_id}): its prompt and environment turns hold "
+                f"{len(columns)} image tokens, its {len(images)} image(s) make {want} here: the engine processed other "
+                "pixels (vision.min_pixels/max_pixels)"
+            )
+        rope = None
+        if self._rope_index is not None:
+            ids = torch.from_numpy(tokens).unsqueeze(0)
+            kinds = torch.zeros_like(ids, dtype=torch.int32)
+            kinds[0, torch.from_numpy(columns)] = 1  # 1: an image token (the policy's own placeholders: text)
+            positions, _ = self._rope_index(ids, kinds, pixels.image_grid_thw)
+            rope = positions[:, 0].to(torch.int64).numpy().copy()
+        key = images_key(images) + completion.tobytes()
+        return SampleVision(key, pixels.pixel_values, pixels.image_grid_thw, rope, image_id, tuple(images), columns)
 
     def of(self, group: TrajectoryGroup) -> SampleVision | None:
         """The images of `group`'s prompt for its samples (None: a text prompt)."""
