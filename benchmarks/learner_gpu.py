@@ -13,7 +13,18 @@ loads them into fp32 master weights). MoE: `--shapes qwen3-30b-a3b-4l`, Qwen3-30
 128 experts top-8, 4 of its 48 layers (2.7B parameters, ~0.9B active), every sample with random routes
 that `combined` replays (`combined_live`: the live router; `combined_eager_experts`: HF's loop over the
 experts instead of grouped GEMMs); its `trl` row is plain HF with transformers' default experts (grouped_mm
-in 5.19) and the live router; MFU counts the active parameters. Batch: the 1-GPU recipe's shape, `--batch PROMPTSxSAMPLES`
+in 5.19) and the live router; MFU counts the active parameters. VLM: `--shapes qwen2.5-vl-3b`, Qwen2.5-VL-3B's
+language model (36 layers of 2048) and vision tower (32 blocks of 1280, patch 14, 2x2 merger) at random init, the
+tokenizer the tiny character one with Qwen's vision tokens and the processor the tiny preset's (models/tiny_vl.py:
+the 3B's patch and merge sizes) under the GPU recipe's pixel bounds (configs/gpu/1gpu_qwen2.5_vl_3b_geo3k.yaml:
+256 to 1,280 image tokens); every prompt holds one image of random size (160-1000 pixels a side), its placeholder
+expanded by that processor exactly as the learner checks it, then 90-200 characters of text. As the recipe: the
+vision tower frozen but for its merger, activation checkpointing. `combined` is our learner; `trl` is plain HF
+(padded rows, left-padded prompts, pixel_values, image_grid_thw and mm_token_type_ids to the HF model as its
+processor returns them, logits_to_keep, log-softmax + gather, bf16 autocast, the same frozen tower and
+gradient checkpointing, fused AdamW). Target: ours (combined) >= 2.0x the plain HF step. MFU counts the language
+model's parameters over the tokens (the vision tower's patches not counted: an underestimate). `--dry-run
+--shapes tiny-vl`: the tiny preset's widths, 28-112 pixel images. Batch: the 1-GPU recipe's shape, `--batch PROMPTSxSAMPLES`
 (default 64x8), prompts 90-200 tokens, completions long-tailed (log-normal, median 220, capped at 512:
 mean ~264), random tokens. Each (shape, variant) runs in its own process with a timeout, rounds
 interleaved (A B C A B C): one warm-up step on two groups, then `--steps` timed steps of the whole
@@ -62,6 +73,9 @@ entropy in scoring passes) are in every row of ours: they have no switch. Its pe
 of eager, compiled and triton measured at start-up, learner/model/head_probe.py; megatron at TP = PP = 1), eager
 in `today` and the single-switch rows; the three `combined_*_head` rows fix it, so the probe's choice can be
 checked against whole steps.
+
+The children run on the CPU too (`learner_child(a, "cpu")`, `trl_child(a, "cpu")`: tests/unit/test_bench_learner_vlm.py
+runs the tiny VLM's rows so).
 """
 
 from __future__ import annotations
@@ -99,7 +113,22 @@ SHAPES = {
     "tiny-moe": dict(family="qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256,
                      moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True),
+    # Qwen2.5-VL-3B-Instruct's widths (its config.json): the language model at the top, the vision tower in `vision`;
+    # `pixels`: the GPU recipe's bounds (min, max) per image; `sides`: the images' random heights and widths
+    "qwen2.5-vl-3b": dict(family="qwen2_5_vl", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                          num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True,
+                          vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                      out_hidden_size=2048, fullatt_block_indexes=[7, 15, 23, 31], window_size=112,
+                                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                          pixels=(256 * 28 * 28, 1280 * 28 * 28), sides=(160, 1000)),
+    "tiny-vl": dict(family="qwen2_5_vl", vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                    vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                                fullatt_block_indexes=[1], window_size=112, patch_size=14, spatial_merge_size=2,
+                                temporal_patch_size=2),
+                    pixels=(28 * 28, 112 * 112), sides=(28, 112)),
 }
+VL_LEARNER = {"freeze_vision": True, "activation_checkpointing": True}  # the GPU recipe's, on every VLM row
 TODAY = {"mixed_precision": "bf16", "kernels": "none", "attention": "sdpa", "head_kernel": "eager",
          "logprob_keep_logits": False}
 VARIANTS: dict[str, dict] = {
@@ -133,7 +162,8 @@ VARIANTS: dict[str, dict] = {
 # the two head kernels against the eager head.
 DEFAULT_VARIANTS = {"qwen2.5-0.5b": "combined,combined_eager_head,combined_triton_head,trl,fp32", "qwen2.5-1.5b": "combined,trl,fp32",
                     "qwen3-30b-a3b-4l": "combined,combined_live,combined_eager_experts,trl,fp32",
-                    "tiny-moe": "combined,combined_live,combined_eager_experts,trl,fp32"}
+                    "tiny-moe": "combined,combined_live,combined_eager_experts,trl,fp32",
+                    "qwen2.5-vl-3b": "combined,trl,fp32", "tiny-vl": "combined,trl,fp32"}
 # The issue's targets (one H100, same batch and token budget, same run).
 MFU_TARGET = {"qwen2.5-0.5b": 0.40, "qwen2.5-1.5b": 0.45}
 SPEEDUP_TARGET = 2.0
@@ -146,7 +176,7 @@ MEGATRON_TARGET = 1.5  # megatron's step (no TE) over the torch backend's, same 
 def moe_of(shape: str) -> tuple[int, int, int] | None:
     """(MoE layers, experts, top-k) of an MoE shape, None for a dense one."""
     s = SHAPES[shape]
-    return (s["num_hidden_layers"], s["num_experts"], s["num_experts_per_tok"]) if s.get("family") else None
+    return (s["num_hidden_layers"], s["num_experts"], s["num_experts_per_tok"]) if s.get("family") == "qwen3_moe" else None
 
 
 def random_routes(rng, tokens: int, moe: tuple[int, int, int]):
@@ -203,6 +233,8 @@ def score_groups(groups: list, samples: int) -> list:
 def make_model(dest: Path, shape: str, max_positions: int = 4096) -> int:
     """A random-init model of `shape` saved in bf16 at `dest` (once); returns its parameter count (an
     MoE's active parameters: what MFU counts). `max_positions`: its config's max_position_embeddings."""
+    if is_vl(shape):
+        return make_vl_model(dest, shape, max_positions)
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
@@ -225,6 +257,110 @@ def make_model(dest: Path, shape: str, max_positions: int = 4096) -> int:
         build_tokenizer().save_pretrained(dest)
     del model
     return params
+
+
+def is_vl(shape: str) -> bool:
+    return SHAPES[shape].get("family") == "qwen2_5_vl"
+
+
+def vision_settings(shape: str):
+    """The run's `vision` section for a VLM shape: its pixel bounds, one image a prompt (the recipe's)."""
+    from async_rl.config import VisionConfig
+
+    lo, hi = SHAPES[shape]["pixels"]
+    return VisionConfig(min_pixels=lo, max_pixels=hi, max_images_per_prompt=1)
+
+
+def make_vl_model(dest: Path, shape: str, max_positions: int) -> int:
+    """A random-init Qwen2.5-VL of `shape` with the tiny preset's tokenizer and processor (models/tiny_vl.py)
+    saved in bf16 at `dest` (once); returns the language model's parameter count (what MFU counts)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from async_rl.models import tiny, tiny_vl
+
+    s = SHAPES[shape]
+    tokenizer = tiny_vl.build_tokenizer(tiny.build_tokenizer())
+    processor = tiny_vl.build_processor(tokenizer)
+    images = processor.image_processor
+    vision = s["vision"]
+    # the preset's processor must cut the 3B's patches: same patch, merge and temporal sizes as its tower
+    got = (images.patch_size, images.merge_size, images.temporal_patch_size)
+    want = (vision["patch_size"], vision["spatial_merge_size"], vision["temporal_patch_size"])
+    if got != want:
+        raise RuntimeError(f"{shape}: the tiny preset's processor cuts patches {got}, the tower expects {want}")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny_vl.VISION_TOKENS}
+    half = s["hidden_size"] // s["num_attention_heads"] // 2
+    section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]  # Qwen's 16:24:24 at head_dim 128
+    text = {k: v for k, v in s.items() if k not in ("family", "vision", "pixels", "sides")}
+    text.update(max_position_embeddings=max_positions, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section})
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=s["tie_word_embeddings"],
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16)
+    params = sum(p.numel() for n, p in model.named_parameters() if ".visual." not in f".{n}")
+    if not (dest / "config.json").exists():
+        model.save_pretrained(dest, safe_serialization=True)
+        processor.save_pretrained(dest)
+    del model
+    return params
+
+
+def image_png(rng, height: int, width: int) -> bytes:
+    """A random 8x8 colour grid scaled to height x width (PNG: compresses like a diagram, decodes fast)."""
+    import numpy as np
+    from PIL import Image
+
+    from async_rl.images import encode_png
+
+    grid = Image.fromarray(rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8))
+    return encode_png(grid.resize((width, height), Image.Resampling.NEAREST))
+
+
+def make_vl_groups(model_dir: Path, shape: str, prompts: int, group_size: int, max_completion: int,
+                   seed: int = 0) -> list:
+    """`make_groups` for a VLM: every prompt one image of random size, rendered by the model's processor at the
+    shape's pixel bounds (the learner's own `VisionModel`: the placeholder expanded to the image's tokens as
+    the learner checks), then 90-200 random characters; completions as make_groups', never a vision token."""
+    import numpy as np
+
+    from async_rl.models.tiny_vl import VISION_TOKENS
+    from async_rl.protocol import TrajectoryGroup
+    from async_rl.vision import VisionModel
+
+    vision = VisionModel(model_dir, vision_settings(shape))
+    special = np.array(vision.processor.tokenizer.convert_tokens_to_ids(VISION_TOKENS))
+    rng = np.random.default_rng(seed)
+    lo, hi = SHAPES[shape]["sides"]
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz0123456789 +-=?"))
+    out = []
+    for pid in range(prompts):
+        image = image_png(rng, int(rng.integers(lo, hi + 1)), int(rng.integers(lo, hi + 1)))
+        question = "".join(rng.choice(letters, size=int(rng.integers(90, 201))))
+        prompt = np.array(vision.render([("user", "<image>" + question)], [image], 0), dtype=np.int32)
+        lengths = np.clip(rng.lognormal(np.log(220), 0.6, size=group_size), 16, max_completion).astype(int)
+        comps = [rng.integers(10, SHAPES[shape]["vocab_size"], size=int(n)).astype(np.int32) for n in lengths]
+        comps = [np.where(np.isin(c, special), 10, c).astype(np.int32) for c in comps]  # a sampled placeholder is text
+        out.append(TrajectoryGroup(
+            prompt_id=pid, engine_id=0, prompt_tokens=prompt, completions=comps,
+            logprobs=[(-2.0 + 0.1 * rng.standard_normal(len(c))).astype(np.float32) for c in comps],
+            rewards=[float(r) for r in rng.permutation([i % 2 for i in range(group_size)])],
+            version_first=[0] * group_size, version_last=[0] * group_size, reward_status=[0] * group_size,
+            images=[image],
+        ))
+    return out
+
+
+def groups_of(shape: str, model_dir: Path, prompts: int, group_size: int, max_completion: int) -> list:
+    """The batch of `shape` (the same in every child: seeded)."""
+    if is_vl(shape):
+        return make_vl_groups(model_dir, shape, prompts, group_size, max_completion)
+    return make_groups(SHAPES[shape]["vocab_size"], prompts, group_size, max_completion, moe=moe_of(shape))
 
 
 def matmul_rate() -> float:
@@ -273,8 +409,10 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
     from async_rl.config.spec import LearnerSpec
     from async_rl.learner.driver import LearnerDriver
 
-    groups = make_groups(SHAPES[a.shape]["vocab_size"], a.prompts, a.group_size, a.max_completion, moe=moe_of(a.shape))
+    groups = groups_of(a.shape, Path(a.model_dir), a.prompts, a.group_size, a.max_completion)
     fields, notes = learner_overrides(a.variant, a.tokens)
+    if is_vl(a.shape):
+        fields.update(VL_LEARNER)
     if a.variant in ("varlen", "flex") and "attention" not in fields:
         return {"skipped": notes[0]}
     dtype = "float32"
@@ -296,6 +434,7 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
         weight_sync=WeightSyncConfig(backend="gloo", bucket_mb=1, host="127.0.0.1", timeout_s=10.0),
         run_id="bench_learner_gpu", model_dir=a.model_dir, reference_model_dir=a.model_dir,
         buffer_address="tcp://127.0.0.1:1", batch_timeout_s=1.0,
+        **({"vision": vision_settings(a.shape)} if is_vl(a.shape) else {}),
     )
     rank = LearnerDriver(spec, 0, 1, f"127.0.0.1:{free_port()}", [])
     rank.setup()
@@ -331,19 +470,34 @@ def learner_child(a: argparse.Namespace, device: str) -> dict:
     if a.profile_file:
         profile_step(a.profile_file, lambda: rank.train_on_shard(a.steps + 1, groups))
     rank.shutdown()
-    return {**ran, "notes": notes, "steps_s": steps, "peak_gib": peak, "micro_batches": m.micro_batches}
+    return {**ran, "notes": notes, "steps_s": steps, "peak_gib": peak, "micro_batches": m.micro_batches,
+            "loss": float(m.loss)}
 
 
-def trl_rows(groups: list) -> list[tuple]:
+def trl_rows(groups: list, processor=None) -> list[tuple]:
+    """(prompt, completion, old log-probs, advantage, images) per sample; images: the HF processor's
+    pixel_values and image_grid_thw of the group's images (`processor`: a VLM's), else None."""
     import numpy as np
 
     rows = []
     for g in groups:
         r = np.asarray(g.rewards, np.float32)
         adv = (r - r.mean()) / (r.std() + 1e-4)
+        images = trl_images(processor, g.images) if processor is not None and g.images else None
         for c, lp, a in zip(g.completions, g.logprobs, adv, strict=True):
-            rows.append((g.prompt_tokens, c, lp, float(a)))
+            rows.append((g.prompt_tokens, c, lp, float(a), images))
     return rows
+
+
+def trl_images(processor, images: list[bytes]) -> dict:
+    """What HF's processor gives the model for a prompt's images (as TRL passes them on)."""
+    import io
+
+    from PIL import Image
+
+    pils = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    out = processor.image_processor(images=pils, return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
 def trl_micro_batches(rows: list[tuple], tokens: int) -> list[list[tuple]]:
@@ -369,7 +523,7 @@ def trl_logp(model, mb: list[tuple], device: str):
     att = torch.zeros_like(ids)
     comp = torch.zeros(len(mb), c_w, dtype=torch.long)
     cmask, old, adv = torch.zeros(len(mb), c_w), torch.zeros(len(mb), c_w), torch.zeros(len(mb), 1)
-    for i, (p, c, lp, a) in enumerate(mb):
+    for i, (p, c, lp, a, _) in enumerate(mb):
         ids[i, p_w - len(p) : p_w] = torch.as_tensor(p)
         ids[i, p_w : p_w + len(c)] = torch.as_tensor(c)
         att[i, p_w - len(p) : p_w + len(c)] = 1
@@ -378,59 +532,85 @@ def trl_logp(model, mb: list[tuple], device: str):
         old[i, : len(c)] = torch.as_tensor(lp)
         adv[i] = a
     ids, att, comp, cmask, old, adv = (t.to(device) for t in (ids, att, comp, cmask, old, adv))
+    images = [r[4] for r in mb if r[4] is not None]
+    kw = {}
+    if images:  # the rows' images in row order; the model finds their placeholders in input_ids
+        image_id = model.config.image_token_id
+        kw = {"pixel_values": torch.cat([x["pixel_values"] for x in images]).to(device),
+              "image_grid_thw": torch.cat([x["image_grid_thw"] for x in images]).to(device),
+              "mm_token_type_ids": (ids == image_id).int()}
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-        logits = model(input_ids=ids, attention_mask=att, logits_to_keep=c_w + 1).logits[:, :-1]
+        logits = model(input_ids=ids, attention_mask=att, logits_to_keep=c_w + 1, **kw).logits[:, :-1]
     logp = torch.stack([torch.gather(torch.log_softmax(row.float(), -1), -1, t[:, None])[:, 0]
                         for row, t in zip(logits, comp, strict=True)])
     return logp, cmask, old, adv
 
 
-def trl_step(model, opt, groups: list, tokens: int, device: str) -> float:
+def trl_step(model, opt, rows: list[tuple], tokens: int, device: str) -> float:
+    """One step on `rows` (trl_rows); returns the loss (summed over micro-batches: the batch's)."""
     import torch
 
-    rows = trl_rows(groups)
     n_tok = sum(len(r[1]) for r in rows)
-    loss = torch.zeros(())
+    total = 0.0
     for mb in trl_micro_batches(rows, tokens):
         logp, cmask, old, adv = trl_logp(model, mb, device)
         ratio = torch.exp(logp - old)
         per_token = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
         loss = (per_token * cmask).sum() / n_tok
         loss.backward()
+        total += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return total
+
+
+def trl_model(a: argparse.Namespace):
+    """The plain HF model (fp32 weights, SDPA) and, for a VLM, HF's processor at the shape's pixel bounds,
+    the tower frozen but for its merger and gradient checkpointing on (as our rows: the GPU recipe's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+    if not is_vl(a.shape):
+        return AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa"), None
+    processor = AutoProcessor.from_pretrained(a.model_dir, **vision_settings(a.shape).processor_kwargs())
+    model = AutoModelForImageTextToText.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    for name, p in model.named_parameters():
+        p.requires_grad_(".visual." not in f".{name}" or ".merger." in name)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, processor
 
 
 def trl_child(a: argparse.Namespace, device: str) -> dict:
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
 
-    groups = make_groups(SHAPES[a.shape]["vocab_size"], a.prompts, a.group_size, a.max_completion)
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    groups = groups_of(a.shape, Path(a.model_dir), a.prompts, a.group_size, a.max_completion)
+    model, processor = trl_model(a)
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, fused=device == "cuda")
+    rows, warm = trl_rows(groups, processor), trl_rows(groups[:2], processor)  # images processed before the clock
     with torch.no_grad():  # the scored samples, in the batch's order (one micro-batch per sample)
         logp = [trl_logp(model, [r], device)[0][0, : len(r[1])].float().cpu().numpy()
-                for r in trl_rows(score_groups(groups, a.score_samples))]
+                for r in trl_rows(score_groups(groups, a.score_samples), processor)]
     np.save(a.score_file, np.concatenate(logp))
-    trl_step(model, opt, groups[:2], a.tokens, device)
+    trl_step(model, opt, warm, a.tokens, device)
     steps = []
     for _ in range(a.steps):
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        trl_step(model, opt, groups, a.tokens, device)
+        loss = trl_step(model, opt, rows, a.tokens, device)
         if device == "cuda":
             torch.cuda.synchronize()
         steps.append(time.perf_counter() - t)
+        if loss != loss:
+            raise RuntimeError("NaN loss")
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     if a.profile_file:
-        profile_step(a.profile_file, lambda: trl_step(model, opt, groups, a.tokens, device))
-    return {"steps_s": steps, "peak_gib": peak, "notes": []}
+        profile_step(a.profile_file, lambda: trl_step(model, opt, rows, a.tokens, device))
+    return {"steps_s": steps, "peak_gib": peak, "notes": [], "loss": loss}
 
 
 def run_child(a: argparse.Namespace) -> None:
@@ -625,10 +805,10 @@ def main(argv: list[str]) -> int:
         print("SKIP: no CUDA device (torch.cuda.is_available() is False)", flush=True)
         return SKIP_RC
     t_start = time.perf_counter()
-    if a.dry_run:  # the tiny shapes asked for; else tiny-moe for an MoE shape, tiny for a dense one
-        asked = a.shapes.split(",")
+    if a.dry_run:  # the tiny shapes asked for; else tiny-vl for a VLM, tiny-moe for an MoE shape, tiny for a dense one
+        asked = [s for s in a.shapes.split(",") if s in SHAPES]
         tiny = [s for s in asked if s.startswith("tiny")] or [
-            "tiny-moe" if any(s in SHAPES and moe_of(s) for s in asked) else "tiny"]
+            "tiny-vl" if any(is_vl(s) for s in asked) else "tiny-moe" if any(moe_of(s) for s in asked) else "tiny"]
         a.shapes, a.prompts, a.group_size, a.max_completion = ",".join(tiny), 4, 4, 64
         a.tokens, a.score_samples, a.variant_timeout = 2048, 8, 120.0
     cuda = torch.cuda.is_available()
@@ -653,7 +833,7 @@ def main(argv: list[str]) -> int:
         model_dir = tmp / shape
         params = make_model(model_dir, shape)
         torch.cuda.empty_cache() if cuda else None
-        groups = make_groups(SHAPES[shape]["vocab_size"], a.prompts, a.group_size, a.max_completion, moe=moe_of(shape))
+        groups = groups_of(shape, model_dir, a.prompts, a.group_size, a.max_completion)
         counts = batch_counts(groups)
         print(f"{shape}: {params / 1e6:.0f}M parameters (made in {time.perf_counter() - t:.0f} s), {counts}", flush=True)
         runs: dict[str, list[dict]] = {}
