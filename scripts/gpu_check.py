@@ -6,17 +6,31 @@ On the device (its image has torch with CUDA, CuPy and transformers; no Ray, no 
      liger-kernel) with `pip install --no-index --no-deps`;
   2. runs part A of the GPU tier (`pytest tests/gpu -m "gpu and not gpu_e2e"`);
   3. runs the GPU learner benchmark (`benchmarks/bench_learner.py --device cuda`);
-  4. runs the weight-sync benchmark on CUDA tensors (`benchmarks/bench_weight_sync.py --device cuda`);
-  5. finds the longest sequence one GPU trains per model shape (`benchmarks/bench_learner.py --longest`);
+  4. runs its VLM row: Qwen2.5-VL-3B's shape at the GPU recipe's image sizes, our learner (`combined`) against
+     a plain HF step (`trl`) and the fp32 scoring reference (`--shapes qwen2.5-vl-3b --batch 8x8`);
+  5. runs the weight-sync benchmark on CUDA tensors (`benchmarks/bench_weight_sync.py --device cuda`);
+  6. finds the longest sequence one GPU trains per model shape (`benchmarks/bench_learner.py --longest`);
 
 each in its own process under its own timeout (a hang costs only that part), all within a total
-budget (8 minutes by default), and writes `benchmarks/results/gpu/<date>-gpu-check.json` and
+budget (`--budget-s`, 560 s: one device call is at most 600 s, and the check needs a few seconds
+outside its budget to start, write its summary and pack), and writes `benchmarks/results/gpu/<date>-gpu-check.json` and
 `.md` (each part: status, seconds, the reason of a skip or failure, its log file) beside what the
 benchmarks write there. A part that exits 3 was skipped; its last `SKIP: <reason>` line says why.
 
 `--dry-run` (`make gpu-check DRY=1`): wheels found but not installed, part A only collected, the
 benchmarks in their dry modes (a tiny model, one small transfer); where CUDA is absent every CUDA
 part skips with its reason. It runs on the CPU machines in seconds (tests/unit/test_gpu_check.py).
+
+The budget's arithmetic (seconds on an H200; * = estimated, never run): wheels 1-3, part A ~200 (202 on
+2026-11-28 alone), learner 170 (its timeout; its rows stop at its own budget, 30 s less), VLM 240* (its
+timeout: the parent builds and saves the 3.75B model, ~30 s*, then 3 children load it, ~60 s* each), weight-sync
+~60*, longest 300*: ~970 s in all. One default call of 560 s runs wheels, part A and the learner, then the VLM
+row in what is left (~170 s: its budget may skip its last child, fp32, so no log-prob differences), and names
+the rest `not run` (the budget spent). A benchmark part's own `--budget-s` is the time it really has (its timeout or what is left of
+the check's, 30 s less), so a part started late stops its rows itself instead of being killed. To measure
+one part in a call, skip the others, e.g. the VLM row and the GPU tests (~460 s):
+
+    make gpu-check ARGS="--skip learner --skip weight-sync --skip longest"
 
 Only the standard library here: the script runs under the device's Python before anything is
 installed; everything that needs torch runs in the parts' own processes.
@@ -64,6 +78,15 @@ class Part:
     argv: list[str]
     timeout_s: float
     writes: list[Path] = field(default_factory=list)  # the result files it is expected to write
+    # A benchmark that stops its own rows: its `--budget-s` value is set when it starts, to the seconds it
+    # really has (its timeout, or what is left of the check's budget) less this margin
+    budget_margin_s: float | None = None
+
+
+def with_budget(argv: list[str], seconds: float) -> list[str]:
+    """`argv` with the value after its `--budget-s` set to `seconds` (at least 10)."""
+    i = argv.index("--budget-s")
+    return [*argv[: i + 1], f"{max(seconds, 10):.0f}", *argv[i + 2 :]]
 
 
 @dataclass
@@ -100,6 +123,9 @@ def run_part(part: Part, python_env: dict[str, str], budget_left_s: float, log_d
     if budget_left_s <= 1:
         return Outcome(part.name, "not run", 0.0, command, reason="the check's total time budget was spent")
     timeout = min(part.timeout_s, budget_left_s)
+    if part.budget_margin_s is not None:
+        part = Part(part.name, with_budget(part.argv, timeout - part.budget_margin_s), part.timeout_s, part.writes)
+        command = " ".join(part.argv)
     log = log_dir / f"{tag}-{part.name}.log"
     print(f"== {part.name} (timeout {timeout:.0f} s): {command}", flush=True)
     t0 = time.monotonic()
@@ -144,26 +170,33 @@ def install_wheels(python: str, wheels: list[Path], missing: list[str], dry_run:
 
 
 def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[str, float],
-          learner_args: list[str], longest_args: list[str]) -> list[Part]:
+          learner_args: list[str], longest_args: list[str], vlm_args: list[str] = ()) -> list[Part]:
     junit = out_dir / f"{tag}-part-a.xml"
     part_a = [python, "-m", "pytest", "tests/gpu", "-m", "gpu and not gpu_e2e", "-rs", "-p", "no:cacheprovider"]
     # -v: the log names each test as it starts, so a hang is named; faulthandler dumps its stack at 60 s.
     part_a += ["-v", "-o", "faulthandler_timeout=60", "--exit-3-without-cuda", f"--junitxml={junit}"]
     # The learner benchmark's contract: --out is relative to benchmarks/results.
     learner_out = RESULTS / "gpu" / f"{tag}-learner"
-    # Its own budget ends before the part's timeout, so it writes what it measured instead of being killed.
-    learner_budget = f"{max(timeouts['learner'] - 30, 10):.0f}"
+    # Its own budget ends before the part's timeout, so it writes what it measured instead of being killed
+    # (set when it starts: Part.budget_margin_s).
     learner = [python, "benchmarks/bench_learner.py", "--device", "cuda", "--out", f"gpu/{tag}-learner",
-               "--budget-s", learner_budget, *learner_args]
+               "--budget-s", "0", *learner_args]
+    # The VLM row: a small batch (8 prompts x 8 samples, each prompt one image of 256-1,280 tokens) so that
+    # its three children (combined, trl, fp32), each loading the 3.75B model, fit its short timeout.
+    vlm_out = RESULTS / "gpu" / f"{tag}-vlm"
+    vlm = [python, "benchmarks/bench_learner.py", "--device", "cuda", "--out", f"gpu/{tag}-vlm", "--shapes",
+           "qwen2.5-vl-3b", "--batch", "8x8", "--score-samples", "8", "--variant-timeout", "150",
+           "--budget-s", "0", *vlm_args]
     # The longest sequence per shape: its own budget ends before the part's timeout, as the learner's.
     longest_out = RESULTS / "gpu" / f"{tag}-longest"
     longest = [python, "benchmarks/bench_learner.py", "--longest", "--device", "cuda", "--out", f"gpu/{tag}-longest",
-               "--budget-s", f"{max(timeouts['longest'] - 30, 10):.0f}", *longest_args]
+               "--budget-s", "0", *longest_args]
     sync_out = out_dir / f"{tag}-weight-sync.json"
     sync = [python, "benchmarks/bench_weight_sync.py", "--device", "cuda", "--out", str(sync_out)]
     if dry_run:
         part_a.append("--collect-only")
         learner.append("--dry-run")
+        vlm.append("--dry-run")  # the tiny VLM shape
         longest.append("--dry-run")
         sync.append("--dry-run")
     else:  # 1 GB of bf16-like tensors into one receiver process (~60 s on an H100), no bucket sweep
@@ -171,9 +204,12 @@ def parts(python: str, tag: str, dry_run: bool, out_dir: Path, timeouts: dict[st
         sync += ["--sweep-buckets-mb"]
     return [
         Part("part-a", part_a, timeouts["part-a"], [junit]),
-        Part("learner", learner, timeouts["learner"], [learner_out.with_suffix(".json"), learner_out.with_suffix(".md")]),
+        Part("learner", learner, timeouts["learner"], [learner_out.with_suffix(".json"), learner_out.with_suffix(".md")],
+             budget_margin_s=30),
+        Part("vlm", vlm, timeouts["vlm"], [vlm_out.with_suffix(".json"), vlm_out.with_suffix(".md")], budget_margin_s=30),
         Part("weight-sync", sync, timeouts["weight-sync"], [sync_out]),
-        Part("longest", longest, timeouts["longest"], [longest_out.with_suffix(".json"), longest_out.with_suffix(".md")]),
+        Part("longest", longest, timeouts["longest"], [longest_out.with_suffix(".json"), longest_out.with_suffix(".md")],
+             budget_margin_s=30),
     ]
 
 
@@ -237,19 +273,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"), help="the folder make gpu-wheels filled")
     ap.add_argument("--out-dir", default=str(RESULTS / "gpu"), help="where the summary and the logs go")
     ap.add_argument("--tag", default="", help="file name prefix (default: today's UTC date, '-dry' added in a dry run)")
-    ap.add_argument("--budget-s", type=float, default=480, help="the whole check's time limit")
+    ap.add_argument("--budget-s", type=float, default=560, help="the whole check's time limit (a device call: 600 s)")
     # 38 of part A's 44 tests ran in 150 s on an H200 (2026-11-27d), the compiles being most of it
     ap.add_argument("--part-a-timeout-s", type=float, default=240)
-    ap.add_argument("--learner-timeout-s", type=float, default=200)
+    ap.add_argument("--learner-timeout-s", type=float, default=170)
+    # the VLM row: the 3.75B model built, then 3 children loading it (estimated, not yet run)
+    ap.add_argument("--vlm-timeout-s", type=float, default=240)
     ap.add_argument("--weight-sync-timeout-s", type=float, default=100)
     # covers the 0.5B and 1.5B shapes (estimated, not yet run); all three ~8 minutes: alone in a call, --skip the others
     ap.add_argument("--longest-timeout-s", type=float, default=300)
-    ap.add_argument("--skip", action="append", default=[], choices=["part-a", "learner", "weight-sync", "longest"],
+    ap.add_argument("--skip", action="append", default=[], choices=["part-a", "learner", "vlm", "weight-sync", "longest"],
                     help="leave this part out (repeatable), e.g. a part measured by an earlier call")
     ap.add_argument("--archive", default="", help="also pack every file this check wrote into this .tgz (a device "
                     "call returns at most 8 files: `--archive $OUT/gpu-check.tgz` brings them all back as one)")
     ap.add_argument("--learner-args", default="", help="more options for bench_learner.py --device cuda, one "
                     "string, e.g. \"--variants 'qwen2.5-0.5b=trl,combined' --profile combined --steps 2\"")
+    ap.add_argument("--vlm-args", default="", help="more options for the VLM row's bench_learner.py, one string, "
+                    "e.g. \"--batch 16x8 --steps 2\"")
     ap.add_argument("--longest-args", default="", help="more options for bench_learner.py --longest, one string, "
                     "e.g. \"--shapes qwen2.5-7b --checkpointing on --time-cap-s 90\"")
     args = ap.parse_args(argv)
@@ -270,10 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== wheels: {install.status}: {install.reason}", flush=True)
     machine = environment(args.python, env)
     print(f"== machine: {machine}", flush=True)
-    timeouts = {"part-a": args.part_a_timeout_s, "learner": args.learner_timeout_s,
+    timeouts = {"part-a": args.part_a_timeout_s, "learner": args.learner_timeout_s, "vlm": args.vlm_timeout_s,
                 "weight-sync": args.weight_sync_timeout_s, "longest": args.longest_timeout_s}
     for part in parts(args.python, tag, args.dry_run, out_dir, timeouts, shlex.split(args.learner_args),
-                      shlex.split(args.longest_args)):
+                      shlex.split(args.longest_args), shlex.split(args.vlm_args)):
         if part.name in args.skip:
             outcomes.append(Outcome(part.name, "not run", 0.0, " ".join(part.argv), reason="--skip"))
             continue

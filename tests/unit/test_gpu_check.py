@@ -45,10 +45,11 @@ def test_dry_run_finds_the_wheels_starts_every_part_and_the_cuda_parts_skip_with
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads((out / "t-gpu-check.json").read_text())
     parts = {p["name"]: p for p in report["parts"]}
-    assert list(parts) == ["wheels", "part-a", "learner", "weight-sync", "longest"]
+    assert list(parts) == ["wheels", "part-a", "learner", "vlm", "weight-sync", "longest"]
     assert parts["wheels"]["status"] == "passed" and all(name in parts["wheels"]["reason"] for name in WHEELS)
     assert "--no-index --no-deps" in parts["wheels"]["command"]
-    for name in ("part-a", "learner", "weight-sync", "longest"):
+    assert "--shapes qwen2.5-vl-3b" in parts["vlm"]["command"] and "--dry-run" in parts["vlm"]["command"]
+    for name in ("part-a", "learner", "vlm", "weight-sync", "longest"):
         part = parts[name]
         assert "--device cuda" in part["command"] or name == "part-a"
         assert (part["status"], part["returncode"]) == ("skipped", 3), part
@@ -58,7 +59,7 @@ def test_dry_run_finds_the_wheels_starts_every_part_and_the_cuda_parts_skip_with
     assert "| part-a | skipped |" in summary and "(dry run)" in summary
     with tarfile.open(archive) as tar:  # one file carries every result back from a device call
         names = set(tar.getnames())
-    assert {"t-gpu-check.json", "t-gpu-check.md", "t-part-a.log", "t-learner.log", "t-longest.log"} <= names, names
+    assert {"t-gpu-check.json", "t-gpu-check.md", "t-part-a.log", "t-learner.log", "t-vlm.log", "t-longest.log"} <= names, names
 
 
 def test_missing_wheels_are_named_with_the_command_that_fetches_them(tmp_path):
@@ -89,3 +90,21 @@ def test_a_part_is_skipped_only_with_its_reason_and_a_hang_costs_only_its_timeou
     hung = run("import time; print('started', flush=True); time.sleep(600)", timeout_s=1)
     assert (hung.status, hung.returncode) == ("timed out", None) and "started" in (tmp_path / "t-p.log").read_text()
     assert run("print('x')", budget_s=0).status == "not run"  # the check's budget is spent
+
+
+def test_a_benchmark_part_is_given_the_seconds_it_really_has_as_its_own_budget(tmp_path):
+    """A benchmark stops its own rows at its --budget-s: set when it starts, to its timeout or what is left of
+    the check's budget, less its margin; the default parts fit one 600 s device call."""
+    gc = gpu_check_module()
+    timeouts = {"part-a": 240, "learner": 170, "vlm": 240, "weight-sync": 100, "longest": 300}
+    by_name = {p.name: p for p in gc.parts("python3", "t", False, tmp_path, timeouts, [], [], [])}
+    vlm = by_name["vlm"]
+    assert vlm.budget_margin_s == 30 and "qwen2.5-vl-3b" in vlm.argv and vlm.timeout_s == 240
+    code = "import sys; print('BUDGET', sys.argv[sys.argv.index('--budget-s') + 1])"
+    part = gc.Part("b", [sys.executable, "-c", code, "--budget-s", "0"], 240, budget_margin_s=30)
+    for left, want in ((1000, "210"), (100, "70"), (20, "10")):
+        outcome = gc.run_part(part, {}, left, tmp_path, f"t{left}")
+        assert outcome.status == "passed" and f"--budget-s {want}" in outcome.command
+        assert f"BUDGET {want}" in (tmp_path / f"t{left}-b.log").read_text()
+    # what a caller passes later (--learner-args "... --budget-s 370") still wins: argparse takes the last
+    assert gc.with_budget(["x", "--budget-s", "0", "--budget-s", "370"], 50)[-2:] == ["--budget-s", "370"]
