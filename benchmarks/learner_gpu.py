@@ -271,20 +271,17 @@ def vision_settings(shape: str):
     return VisionConfig(min_pixels=lo, max_pixels=hi, max_images_per_prompt=1)
 
 
-def make_vl_model(dest: Path, shape: str, max_positions: int) -> int:
-    """A random-init Qwen2.5-VL of `shape` with the tiny preset's tokenizer and processor (models/tiny_vl.py)
-    saved in bf16 at `dest` (once); returns the language model's parameter count (what MFU counts)."""
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def vl_parts(shape: str, max_positions: int = 4096):
+    """(config, processor) of VLM `shape`: its Qwen2_5_VLConfig with the tiny preset's tokenizer's vision token
+    ids, and the tiny preset's processor (models/tiny_vl.py), checked to cut the tower's patches."""
+    from transformers import Qwen2_5_VLConfig
 
     from async_rl.models import tiny, tiny_vl
 
     s = SHAPES[shape]
     tokenizer = tiny_vl.build_tokenizer(tiny.build_tokenizer())
-    processor = tiny_vl.build_processor(tokenizer)
-    images = processor.image_processor
-    vision = s["vision"]
-    # the preset's processor must cut the 3B's patches: same patch, merge and temporal sizes as its tower
+    processor = tiny_vl.build_processor(tokenizer)  # its pixel bounds: the run's (vision_settings) override them
+    images, vision = processor.image_processor, s["vision"]
     got = (images.patch_size, images.merge_size, images.temporal_patch_size)
     want = (vision["patch_size"], vision["spatial_merge_size"], vision["temporal_patch_size"])
     if got != want:
@@ -300,10 +297,25 @@ def make_vl_model(dest: Path, shape: str, max_positions: int) -> int:
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=s["tie_word_embeddings"],
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return cfg, processor
+
+
+def language_params(model) -> int:
+    """The parameters outside the vision tower (what MFU counts for a VLM)."""
+    return sum(p.numel() for n, p in model.named_parameters() if ".visual." not in f".{n}")
+
+
+def make_vl_model(dest: Path, shape: str, max_positions: int) -> int:
+    """A random-init Qwen2.5-VL of `shape` (vl_parts) saved in bf16 with its processor at `dest` (once);
+    returns the language model's parameter count."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    cfg, processor = vl_parts(shape, max_positions)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16)
-    params = sum(p.numel() for n, p in model.named_parameters() if ".visual." not in f".{n}")
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16)
+    params = language_params(model)
     if not (dest / "config.json").exists():
         model.save_pretrained(dest, safe_serialization=True)
         processor.save_pretrained(dest)

@@ -57,3 +57,24 @@ def test_combined_trl_and_fp32_children_run_on_the_cpu_with_the_same_log_probs(m
     diff = lg.logp_difference(scores)
     assert set(diff) == {"combined", "trl"}
     assert all(d["max_abs"] < 1e-4 for d in diff.values()), diff  # fp32 everywhere on the CPU: the same scores
+
+
+def test_the_3b_shape_has_qwen2_5_vl_3bs_widths_and_its_images_the_recipes_token_counts(tmp_path):
+    """The 3B shape on the meta device (no memory: never built on the CPU) and its batch at the recipe's pixel
+    bounds: 256 to 1,280 tokens an image, images of several sizes, every prompt's count as the learner checks."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    cfg, processor = lg.vl_parts("qwen2.5-vl-3b")
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    assert 3.70e9 < total < 3.80e9 and 3.05e9 < lg.language_params(model) < 3.15e9  # HF: 3.75B, the LM 3.09B
+    processor.save_pretrained(tmp_path)  # what the learner and the HF step read (no weights needed here)
+    from async_rl.vision import VisionModel
+
+    vision = VisionModel(tmp_path, lg.vision_settings("qwen2.5-vl-3b"))
+    groups = lg.make_vl_groups(tmp_path, "qwen2.5-vl-3b", 8, 2, 64)
+    tokens = [vision.image_tokens(g.prompt_tokens) for g in groups]
+    assert all(256 <= t <= 1280 for t in tokens) and len(set(tokens)) > 4, tokens
+    assert [sum(vision.pixels(g.images).tokens_per_image) for g in groups] == tokens
