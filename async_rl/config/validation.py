@@ -93,8 +93,8 @@ def validate_deterministic(cfg: Config) -> None:
     elif cfg.algorithm.dynamic_sampling:
         why = "algorithm.dynamic_sampling fills a batch with whichever groups pass first"
     elif cfg.env.name.startswith(("agent:", "verifiers:")):
-        why = (f"env.name={cfg.env.name!r}: agent calls are seeded one by one, but no agent run has yet "
-               "been shown to repeat")
+        why = (f"env.name={cfg.env.name!r}: agent calls are seeded one by one and repeat their tokens, but their "
+               "log-probs differ in the last bits between two runs (measured; docs/determinism.md)")
     elif cfg.task.reward.startswith((JUDGE_PREFIX, CLASSIFIER_PREFIX)):
         why = f"task.reward={cfg.task.reward!r}: a reward model's answers are not yet seeded"
     elif cfg.teacher.model:

@@ -27,6 +27,7 @@ from async_rl.control import checkpoint
 from async_rl.control.autoscale import ScaleSignal
 from async_rl.control.metrics import EpisodeStats, LengthStats, MetricsSink, StepRecord
 from async_rl.control.runtime import START_TIMEOUT_S, Runtime
+from async_rl.control.start_retry import engine_starts
 from async_rl.control.supervisor import LearnerRestarted, PromptsExhausted, Supervisor
 from async_rl.errors import RunError
 from async_rl.evaluation.phase import Evaluation, eval_prompts
@@ -78,6 +79,7 @@ class Controller:
         self._last_logged_step = -1  # the highest step logged (a step logged again after a recovery is marked)
         self.teacher_meter = TeacherMeter()  # teacher.model: per-step rates from the engines' counters
         self.runtime = Runtime(cfg, self.run_id, self.model_dir, run_dir, plan, self.initial_model_dir, LearnerDriver)
+        self.engine_starts = engine_starts(cfg)  # the first start and every replacement: one bound, one count
         self.supervisor: Supervisor | None = None
         eval_set = eval_prompts(cfg, self.model_dir) if cfg.eval.enabled else []  # rendered once, here
         self.evaluation = Evaluation(cfg.eval, eval_set, cfg.generators.max_tokens, cfg.train.total_steps)
@@ -105,7 +107,7 @@ class Controller:
         rt = self.runtime
         runners = versions.record_model_runners(self.run_dir, rt.generators.model_runners())
         print(f"model runner: {runners}", file=metrics.stream, flush=True)
-        sup = self.supervisor = Supervisor(rt, self.cfg, self.run_dir, self.run_id, metrics.stream)
+        sup = self.supervisor = Supervisor(rt, self.cfg, self.run_dir, self.run_id, metrics.stream, self.engine_starts)
         sup.start()  # every process watched from here on, whatever the loop does (death_watch.py)
         print(
             f"ready in {time.perf_counter() - t_ready:.0f}s: {len(rt.generators.engines)} engine(s), "
@@ -321,7 +323,7 @@ class Controller:
         resuming = self.resume_from is not None
         # before any lease: accounting and prompt position go on; engines start paused (version 0 = the checkpoint)
         state = checkpoint.load_state(self.resume_from).buffer if resuming else None
-        self.runtime.start(state, engines_paused=resuming)
+        self.runtime.start(state, engines_paused=resuming, starts=self.engine_starts)
         if resuming:
             self._resume()
 

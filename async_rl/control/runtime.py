@@ -25,6 +25,7 @@ from async_rl.cluster.resources import PoolShare, ResourcePool, WorkerGroup
 from async_rl.config import Config
 from async_rl.config.spec import LEARNER_ENV, LearnerSpec
 from async_rl.control import settings
+from async_rl.control.start_retry import StartRetry
 from async_rl.generator.pool import GeneratorPool
 from async_rl.reward_models.pool import RewardModelPool
 from async_rl.reward_models.server import RewardEndpoint
@@ -123,9 +124,11 @@ class Runtime:
 
     # ---- start and stop --------------------------------------------------------------------------
 
-    def start(self, resume_state: BufferState | None, engines_paused: bool) -> None:
+    def start(self, resume_state: BufferState | None, engines_paused: bool, starts: StartRetry) -> None:
         """Buffer first (restored from `resume_state` before any lease), then the learner ranks and
-        the engines, started side by side; then the weight broadcast group."""
+        the engines, started side by side; then the weight broadcast group. The engines' start is
+        retried as a replacement's is (`starts`: generators.start_attempts): a fresh run and a resume
+        meet the same failed starts (on a GPU, the previous run's memory not yet freed)."""
         cfg = self.cfg
         if cfg.security.curve:
             self.keys = make_run_keys()
@@ -157,21 +160,26 @@ class Runtime:
         self._teacher = teacher_pool(cfg, cfg.generators.max_model_len)
         if self._teacher is not None:
             self._teacher.start()
+        n = cfg.generators.num_engines
+        say = lambda line: print(f"[start] {line}", flush=True)  # noqa: E731
         if cfg.placement == "colocated":
             # One GPU for both: vLLM sizes its KV cache from what it sees allocated while it starts,
             # so the engines start alone, then the learner sets up in what they left.
             self._learner = self._make_learner()
-            self._generators.add(cfg.generators.num_engines, paused=engines_paused)
+            starts.run(lambda: self._generators.add(n, paused=engines_paused), f"{n} engine(s)", say)
             ray.get([a.setup.remote() for a in self._learner.actors], timeout=START_TIMEOUT_S)
         else:
-            # The learner's ranks are made and set up while vLLM starts (~20-30 s on CPU).
+            # The learner's ranks are made and set up while vLLM starts (~20-30 s on CPU), once: a
+            # failed start of the engines is tried again without them.
             setup: list[ray.ObjectRef] = []
 
             def make_learner() -> None:
-                self._learner = self._make_learner()
-                setup.extend(a.setup.remote() for a in self._learner.actors)
+                if self._learner is None:
+                    self._learner = self._make_learner()
+                    setup.extend(a.setup.remote() for a in self._learner.actors)
 
-            self._generators.add(cfg.generators.num_engines, paused=engines_paused, while_starting=make_learner)
+            starts.run(lambda: self._generators.add(n, paused=engines_paused, while_starting=make_learner),
+                       f"{n} engine(s)", say)
             ray.get(setup, timeout=START_TIMEOUT_S)
         self._generators.rebuild_membership(self._learner.actors[0])
 

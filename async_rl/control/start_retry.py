@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from async_rl.config import Config
 from async_rl.control.remote_cause import cause_line
 from async_rl.errors import RunError
 
@@ -49,3 +50,12 @@ class StartRetry:
                 say(f"{what}: start {attempt} of {self.attempts} failed ({cause}); starting again in {wait:.0f}s")
                 self._sleep(wait)
         raise AssertionError("unreachable: attempts >= 1")
+
+
+def engine_starts(cfg: Config) -> StartRetry:
+    """The engines' start retries (generators.start_attempts, start_backoff_s): a start that raises a
+    Ray error (the actor or its engine core died, an out-of-memory at load) or times out."""
+    import ray
+
+    g = cfg.generators
+    return StartRetry(g.start_attempts, g.start_backoff_s, (ray.exceptions.RayError, TimeoutError))

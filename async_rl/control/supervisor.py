@@ -53,7 +53,7 @@ from async_rl.control.failure_watch import Failing, FailureWatch, reward_name
 from async_rl.control.operator_requests import ControlInbox, ScaleReply, ScaleRequest
 from async_rl.control.recovery import LearnerRecovery
 from async_rl.control.runtime import Runtime
-from async_rl.control.start_retry import StartRetry, StartsSpent
+from async_rl.control.start_retry import StartRetry, StartsSpent, engine_starts
 from async_rl.errors import RunError, first_line
 from async_rl.evaluation.scores import EvalRecord
 from async_rl.generator.pool import LEARNER
@@ -132,14 +132,17 @@ class LearnerRestarted(Exception):
 class Supervisor:
     """Detects dead processes and recovers them through the Runtime; resizes the pool between steps."""
 
-    def __init__(self, rt: Runtime, cfg: Config, run_dir: Path, run_id: str, stream: TextIO) -> None:
+    def __init__(self, rt: Runtime, cfg: Config, run_dir: Path, run_id: str, stream: TextIO,
+                 starts: StartRetry | None = None) -> None:
+        """`starts`: the engines' start retries the run began with (their failures count in
+        failed_starts); None: a fresh count."""
         self.rt = rt
         self.cfg = cfg
         self.run_dir = run_dir
         self.stream = stream
         self.target = cfg.generators.num_engines
         g = cfg.generators
-        self.starts = StartRetry(g.start_attempts, g.start_backoff_s, (ray.exceptions.RayError, TimeoutError))
+        self.starts = starts if starts is not None else engine_starts(cfg)
         # a reward model's or teacher's replicas: a failed start comes back as a RunError (RewardModelPool)
         self.served_starts = StartRetry(
             g.start_attempts, g.start_backoff_s, (RunError, ray.exceptions.RayError, TimeoutError)

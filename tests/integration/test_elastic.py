@@ -176,10 +176,37 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
 
 def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_path, model_cache, monkeypatch):
     """Rank 1 of 2 dies mid-step 4 (index 3); the group restarts on fresh actors from step_2, steps
-    3 and 4 are trained again, and the run ends with every step, the engines on the learner's weights."""
+    3 and 4 are trained again, and the run ends with every step, the engines on the learner's weights.
+    A second fault during that recovery: the run's only engine is SIGKILLed once the new group is up,
+    before the recovery's weight sync; the sync finds it dead, a replacement starts and gets the
+    restored weights, and the recovery goes on. And before all that, the run's first start of its engine
+    fails (its actor killed while vLLM starts): it is started again (generators.start_attempts)."""
     killed: list[tuple[int, float]] = []  # (pid, wall time) of the rank killed
     ranks: list[int] = []  # the pids of every rank of the first group
     real_start = Runtime.start_train_step
+    real_restart = Runtime.restart_learner
+    engine_killed: list[float] = []
+
+    real_add = GeneratorPool.add
+    first_start: list[int] = []  # the engine killed while the run's first start was under way
+
+    def add_and_kill_the_first_start(pool, count, paused, while_starting=None):
+        if not first_start:
+            def kill_when_started():
+                if while_starting is not None:
+                    while_starting()
+                (engine_id,) = pool.engines
+                first_start.append(engine_id)
+                ray.kill(pool.engines[engine_id].actor, no_restart=True)
+            return real_add(pool, count, paused, kill_when_started)
+        return real_add(pool, count, paused, while_starting)
+
+    def restart_then_kill_the_engine(rt, checkpoint_dir, from_step):
+        real_restart(rt, checkpoint_dir, from_step)
+        if not engine_killed:
+            (pids,) = rt.generators.pids().values()  # the run's one engine (1: its first start failed)
+            engine_killed.append(time.time())
+            os.kill(pids.actor, signal.SIGKILL)
 
     def strike_mid_step(rt, step):
         refs = real_start(rt, step)
@@ -191,6 +218,8 @@ def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_pa
         return refs
 
     monkeypatch.setattr(Runtime, "start_train_step", strike_mid_step)
+    monkeypatch.setattr(Runtime, "restart_learner", restart_then_kill_the_engine)
+    monkeypatch.setattr(GeneratorPool, "add", add_and_kill_the_first_start)
     overrides = [*SHORT, "train.total_steps=4", "learner.world_size=2", "train.checkpoint_every=2"]
     cfg, summary, learner_ck, engine_cks, final, records = run_short(tmp_path, model_cache, overrides)
     # Every step, the replayed one logged again (marked); the policy version ends where it would have.
@@ -205,15 +234,23 @@ def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_pa
     # acknowledged batch leaves the buffer, a batch never acknowledged is served again), none twice.
     batch, group = 4 * 4, 4
     a = final.accounts
-    assert a.balanced() and (a.in_flight, a.trained, a.filtered, a.requeued) == (0, 5 * batch, 0, 0)
-    assert (a.lost + a.dropped_stale) % group == 0
+    assert a.balanced() and (a.in_flight, a.trained, a.filtered) == (0, 5 * batch, 0)
+    assert (a.lost + a.dropped_stale) % group == 0 and a.requeued % group == 0  # the dead engine's leases: again
     assert a.leased == a.trained + a.dropped_stale + a.filtered + a.lost + a.requeued + a.waiting
     log = events(tmp_path)
     found = next(e for e in log if e["source"] == "watch" and e["reason"].startswith("learner 1 found dead"))
     assert 0 <= found["at"] - killed[0][1] < DETECT_S, (found, killed)
-    recovered = [e["reason"] for e in log if e["source"] == "recovery"]
-    assert len(recovered) == 1 and recovered[0].startswith("learner rank 1 died ("), recovered
-    assert f"restarting the learner group from {tmp_path / 'checkpoints' / 'step_2'} (step 2, recovery 1)" in recovered[0]
+    recovered = [e for e in log if e["source"] == "recovery"]
+    reasons = [e["reason"] for e in recovered]
+    assert len(reasons) == 3 and reasons[0].startswith("learner rank 1 died ("), reasons
+    assert f"restarting the learner group from {tmp_path / 'checkpoints' / 'step_2'} (step 2, recovery 1)" in reasons[0]
+    # the first start failed once and was started again: engine 1 ran the run until the recovery
+    assert first_start == [0] and records[-1]["failed_starts"] == 1
+    # the second fault: the engine killed during the recovery is replaced (engine 2) and serves the weights
+    assert reasons[1].startswith("engine 1 died") and reasons[2] == "started engine(s) [2] in its place", reasons
+    assert sorted(engine_cks) == [2]
+    print(f"learner rank killed -> recovery begun: {recovered[0]['at'] - killed[0][1]:.1f}s; engine killed in the "
+          f"recovery -> replacement started: {recovered[2]['at'] - engine_killed[0]:.1f}s")
     # No process of the first group is left behind (the survivor, stuck in the step's collective, too).
     for pid in ranks:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
