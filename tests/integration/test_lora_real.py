@@ -2,10 +2,13 @@
 with max_lag 2, where every engine's adapter (read back from vLLM's LoRA slot) equals the learner's
 after each sync; a run whose learner is killed (SIGKILL) after a checkpoint resumes from its PEFT-format
 adapter checkpoint; a delivery into the wrong adapter slot stops the sync loudly; the merged export,
-served by vLLM as a plain model, scores like vLLM serving the adapter.
+served by vLLM as a plain model, scores like vLLM serving the adapter. And a short LoRA run of the tiny
+Qwen2.5-VL on the colour task (prompts with images): the adapter is on its language model only, vLLM
+serves it (the same values read back, log-probs of the multimodal samples agree), the vision tower and
+its projector stay as loaded.
 
-One Ray cluster for the module; two controllers (the killed run, then its resume), then one engine
-serving the merged export."""
+One Ray cluster for the SmolLM2 run: two controllers (the killed run, then its resume), then one engine
+serving the merged export; a second Ray for the VLM's run (its own controller)."""
 
 from __future__ import annotations
 
@@ -31,8 +34,8 @@ from async_rl.learner.model.lora import load_adapter, served_tensors
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from tests.integration._chat_task import MAX_TOKENS_ENV, MODEL_ENV, STOP
 from tests.integration._engine_env import FAST_ENGINE_ENV
-from tests.integration._lora_strike import deliver_into_another_slot
-from tests.integration._real_run import REPO, read_jsonl, real_config, smollm2_dir
+from tests.integration._lora_strike import base_probe, deliver_into_another_slot
+from tests.integration._real_run import REPO, read_jsonl, real_config, real_controller, smollm2_dir
 
 pytestmark = pytest.mark.integration
 
@@ -330,3 +333,96 @@ def test_vllm_and_learner_logprobs_agree_with_the_adapter(run):
     mismatch = [r["logprob_mismatch"] for r in run.killed_records + run.records[2:]]  # every sync once
     print("mismatch after each sync:", [f"{m:.1e}" for m in mismatch], "sync s:", [r["sync_s"] for r in run.records])
     assert all(m is not None and m < 1e-4 for m in mismatch), mismatch
+
+
+# ---- a vision-language model: LoRA on its language model --------------------------------------------
+
+VL_STEPS = 3
+
+
+class VlmLoraRun(msgspec.Struct):
+    records: list[dict]
+    after_sync: list[Served]  # per step
+    sent: list[str]  # the names of one adapter update
+    vision_moved: list[str]  # learner parameters of the vision tower (projector included) that moved
+    vision_params: int  # how many there are
+    final_learner: ParamChecksum  # the learner's adapter after the last step (as served)
+    probe_images: int  # images among the probe's samples (the last batch's)
+    served_vs_learner: float  # mean |vLLM serving the adapter - the learner| on the probe's tokens
+    served_vs_base: float  # mean |vLLM serving the adapter - the learner's base (adapter disabled)|
+    checkpoint_learner: ParamChecksum  # the run's last checkpoint's adapter (as served)
+
+
+@pytest.fixture(scope="module")
+def vlm_run(tmp_path_factory) -> VlmLoraRun:
+    from transformers import AutoModelForImageTextToText
+
+    from async_rl.config import load_config
+    from async_rl.models.tiny import resolve_model_path
+    from tests._presets import model_cache
+
+    model_dir = str(resolve_model_path("tiny-qwen2.5-vl", model_cache()))
+    run_dir = tmp_path_factory.mktemp("vlm_lora_run")
+    cfg = load_config(REPO / "configs" / "vision_colour.yaml", [
+        f"model.cache_dir={model_cache()}",
+        "logging.wandb.mode=disabled",
+        f"logging.run_dir={run_dir}",
+        "generators.kv_cache_gib=0.25",
+        f"train.total_steps={VL_STEPS}",
+        "train.prompts_per_step=2",
+        "generators.group_size=4",
+        "generators.max_inflight_prompts=4",
+        "train.mismatch_probe_samples=4",
+        "eval.enabled=false",
+        "learner.lr=0.01",  # so that the adapter moves visibly in a few steps
+        "learner.lora.enabled=true",
+        f"learner.lora.rank={RANK}",
+    ])
+    after_sync: list[Served] = []
+    with real_controller(cfg, run_dir, {}, Path(model_dir)) as (controller, sink):
+        controller.run(sink, lambda step: after_sync.append(served(controller)))
+        learner = controller.learner.actors[0]
+        manifest = ray.get(learner.weight_manifest.remote())
+        vision = ray.get(learner.__ray_call__.remote(
+            lambda d: {n: p.detach().clone() for n, p in d.backend.model.named_parameters() if n.startswith("model.visual.")}
+        ))
+        final_learner = served(controller)[0]
+        # the last batch's samples scored by vLLM (the adapter served) against the learner with and
+        # without its adapter: the adapter matters on these multimodal tokens, and vLLM applies it
+        probe = ray.get(learner.probe_logprobs.remote(4))
+        base_lps = ray.get(learner.__ray_call__.remote(base_probe, 4))
+        served_lps = ray.get(controller.generators.actors[0].logprobs.remote(probe))
+    base = dict(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    tensors, config = load_adapter(checkpoint_adapter_dir(run_dir / "checkpoints" / f"step_{VL_STEPS}"))
+    return VlmLoraRun(
+        records=read_jsonl(run_dir / "metrics.jsonl"),
+        after_sync=after_sync,
+        sent=[t.name for b in manifest.buckets for t in b.tensors],
+        vision_moved=[n for n, t in vision.items() if not torch.equal(t, base[n])],
+        vision_params=len(vision),
+        final_learner=final_learner,
+        probe_images=sum(len(i) for i in probe.images),
+        served_vs_learner=probe.mean_abs_diff(served_lps),
+        served_vs_base=base_lps.mean_abs_diff(served_lps),
+        checkpoint_learner=checksum_of(served_tensors(tensors, config)),
+    )
+
+
+def test_vlm_engine_serves_the_learners_language_model_adapter(vlm_run):
+    assert [r["version"] for r in vlm_run.records] == list(range(1, VL_STEPS + 1))
+    # after every sync each engine's LoRA slots hold the learner's adapter (same values and count: every
+    # adapter tensor, sent under PEFT's HF names, landed on a module of vLLM's language model), and it trains
+    check_every_engine_serves_the_learners(vlm_run.after_sync)
+    assert vlm_run.sent and all(n.startswith("base_model.model.model.language_model.layers.") for n in vlm_run.sent)
+    # vLLM and the learner score the same multimodal samples (the colour task's, images sent along)
+    mismatch = [r["logprob_mismatch"] for r in vlm_run.records]
+    print("VLM LoRA mismatch after each sync:", [f"{m:.1e}" for m in mismatch])
+    assert all(m is not None and m < 1e-4 for m in mismatch), mismatch
+    print(f"VLM LoRA probe: vLLM vs learner {vlm_run.served_vs_learner:.1e}, vLLM vs the base {vlm_run.served_vs_base:.1e}")
+    assert vlm_run.probe_images > 0 and vlm_run.served_vs_learner < 1e-4
+    assert vlm_run.served_vs_base > 100 * vlm_run.served_vs_learner  # the adapter matters, and vLLM serves it
+
+
+def test_vlm_lora_leaves_the_vision_tower_as_loaded_and_checkpoints_the_adapter(vlm_run):
+    assert vlm_run.vision_params > 0 and not vlm_run.vision_moved, vlm_run.vision_moved[:3]
+    assert vlm_run.checkpoint_learner.close_to(vlm_run.final_learner)
