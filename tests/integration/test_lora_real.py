@@ -5,10 +5,11 @@ adapter checkpoint; a delivery into the wrong adapter slot stops the sync loudly
 served by vLLM as a plain model, scores like vLLM serving the adapter. And a short LoRA run of the tiny
 Qwen2.5-VL on the colour task (prompts with images): the adapter is on its language model only, vLLM
 serves it (the same values read back, log-probs of the multimodal samples agree), the vision tower and
-its projector stay as loaded.
+its projector stay as loaded, and its merged export (a VLM folder) served by vLLM scores like the adapter.
 
 One Ray cluster for the SmolLM2 run: two controllers (the killed run, then its resume), then one engine
-serving the merged export; a second Ray for the VLM's run (its own controller)."""
+serving the merged export; a second Ray for the VLM's run (its own controller, then one engine serving
+its merged export)."""
 
 from __future__ import annotations
 
@@ -350,6 +351,7 @@ class VlmLoraRun(msgspec.Struct):
     probe_images: int  # images among the probe's samples (the last batch's)
     served_vs_learner: float  # mean |vLLM serving the adapter - the learner| on the probe's tokens
     served_vs_base: float  # mean |vLLM serving the adapter - the learner's base (adapter disabled)|
+    merged_vllm_vs_served: float  # mean |vLLM serving the merged export - vLLM serving the adapter|
     checkpoint_learner: ParamChecksum  # the run's last checkpoint's adapter (as served)
 
 
@@ -358,6 +360,7 @@ def vlm_run(tmp_path_factory) -> VlmLoraRun:
     from transformers import AutoModelForImageTextToText
 
     from async_rl.config import load_config
+    from async_rl.export_merged import export_merged
     from async_rl.models.tiny import resolve_model_path
     from tests._presets import model_cache
 
@@ -392,8 +395,14 @@ def vlm_run(tmp_path_factory) -> VlmLoraRun:
         probe = ray.get(learner.probe_logprobs.remote(4))
         base_lps = ray.get(learner.__ray_call__.remote(base_probe, 4))
         served_lps = ray.get(controller.generators.actors[0].logprobs.remote(probe))
+        engine_settings = controller.generators.make_settings(0)
+        engine_cpus = controller.generators.cpus_per_engine
+        controller.shutdown()  # one engine at a time: the run's, then one serving the merged export
+        # the last checkpoint merged into a VLM folder, served by vLLM as a plain model on the same samples
+        last = run_dir / "checkpoints" / f"step_{VL_STEPS}"
+        merged_lps = vllm_logprobs_of(export_merged(last, run_dir / "merged"), engine_settings, engine_cpus, probe)
     base = dict(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
-    tensors, config = load_adapter(checkpoint_adapter_dir(run_dir / "checkpoints" / f"step_{VL_STEPS}"))
+    tensors, config = load_adapter(checkpoint_adapter_dir(last))
     return VlmLoraRun(
         records=read_jsonl(run_dir / "metrics.jsonl"),
         after_sync=after_sync,
@@ -404,6 +413,7 @@ def vlm_run(tmp_path_factory) -> VlmLoraRun:
         probe_images=sum(len(i) for i in probe.images),
         served_vs_learner=probe.mean_abs_diff(served_lps),
         served_vs_base=base_lps.mean_abs_diff(served_lps),
+        merged_vllm_vs_served=mean_abs(merged_lps, served_lps),
         checkpoint_learner=checksum_of(served_tensors(tensors, config)),
     )
 
@@ -426,3 +436,9 @@ def test_vlm_engine_serves_the_learners_language_model_adapter(vlm_run):
 def test_vlm_lora_leaves_the_vision_tower_as_loaded_and_checkpoints_the_adapter(vlm_run):
     assert vlm_run.vision_params > 0 and not vlm_run.vision_moved, vlm_run.vision_moved[:3]
     assert vlm_run.checkpoint_learner.close_to(vlm_run.final_learner)
+
+
+def test_vlm_merged_export_served_by_vllm_scores_like_the_adapter(vlm_run):
+    print(f"VLM merged export, vLLM vs vLLM serving the adapter: {vlm_run.merged_vllm_vs_served:.1e}")
+    assert vlm_run.merged_vllm_vs_served < 1e-5
+    assert vlm_run.served_vs_base > 100 * vlm_run.merged_vllm_vs_served
