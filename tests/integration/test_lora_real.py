@@ -5,11 +5,12 @@ adapter checkpoint; a delivery into the wrong adapter slot stops the sync loudly
 served by vLLM as a plain model, scores like vLLM serving the adapter. And a short LoRA run of the tiny
 Qwen2.5-VL on the colour task (prompts with images): the adapter is on its language model only, vLLM
 serves it (the same values read back, log-probs of the multimodal samples agree), the vision tower and
-its projector stay as loaded, and its merged export (a VLM folder) served by vLLM scores like the adapter.
+its projector stay as loaded, a resume from its adapter checkpoint serves that adapter, and its merged
+export (a VLM folder) served by vLLM scores like the adapter.
 
 One Ray cluster for the SmolLM2 run: two controllers (the killed run, then its resume), then one engine
-serving the merged export; a second Ray for the VLM's run (its own controller, then one engine serving
-its merged export)."""
+serving the merged export; a second Ray for the VLM's run (its controller, its resume's, then one engine
+serving its merged export)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import io
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -92,11 +94,14 @@ def cfg_for(run_dir: Path):
     )
 
 
-def make_controller(cfg, run_dir: Path, resume_from: Path | None = None) -> tuple[Controller, MetricsSink]:
+def make_controller(
+    cfg, run_dir: Path, resume_from: Path | None = None, model_dir: str | None = None
+) -> tuple[Controller, MetricsSink]:
     from async_rl.cluster.placement import plan_placement
 
     sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
-    return Controller(cfg, Path(smollm2_dir()), run_dir, plan_placement(cfg), resume_from=resume_from), sink
+    model = Path(model_dir or smollm2_dir())
+    return Controller(cfg, model, run_dir, plan_placement(cfg), resume_from=resume_from), sink
 
 
 def served(controller: Controller) -> Served:
@@ -348,6 +353,8 @@ class VlmLoraRun(msgspec.Struct):
     vision_moved: list[str]  # learner parameters of the vision tower (projector included) that moved
     vision_params: int  # how many there are
     final_learner: ParamChecksum  # the learner's adapter after the last step (as served)
+    at_resume: Served  # `--resume` from the last checkpoint: after its first sync, before its first step
+    resumed_records: list[dict]  # the run directory's metrics after the resumed run's one more step
     probe_images: int  # images among the probe's samples (the last batch's)
     served_vs_learner: float  # mean |vLLM serving the adapter - the learner| on the probe's tokens
     served_vs_base: float  # mean |vLLM serving the adapter - the learner's base (adapter disabled)|
@@ -366,7 +373,7 @@ def vlm_run(tmp_path_factory) -> VlmLoraRun:
 
     model_dir = str(resolve_model_path("tiny-qwen2.5-vl", model_cache()))
     run_dir = tmp_path_factory.mktemp("vlm_lora_run")
-    cfg = load_config(REPO / "configs" / "vision_colour.yaml", [
+    overrides = [
         f"model.cache_dir={model_cache()}",
         "logging.wandb.mode=disabled",
         f"logging.run_dir={run_dir}",
@@ -380,8 +387,10 @@ def vlm_run(tmp_path_factory) -> VlmLoraRun:
         "learner.lr=0.01",  # so that the adapter moves visibly in a few steps
         "learner.lora.enabled=true",
         f"learner.lora.rank={RANK}",
-    ])
+    ]
+    cfg = load_config(REPO / "configs" / "vision_colour.yaml", overrides)
     after_sync: list[Served] = []
+    t0 = time.monotonic()
     with real_controller(cfg, run_dir, {}, Path(model_dir)) as (controller, sink):
         controller.run(sink, lambda step: after_sync.append(served(controller)))
         learner = controller.learner.actors[0]
@@ -397,14 +406,30 @@ def vlm_run(tmp_path_factory) -> VlmLoraRun:
         served_lps = ray.get(controller.generators.actors[0].logprobs.remote(probe))
         engine_settings = controller.generators.make_settings(0)
         engine_cpus = controller.generators.cpus_per_engine
-        controller.shutdown()  # one engine at a time: the run's, then one serving the merged export
-        # the last checkpoint merged into a VLM folder, served by vLLM as a plain model on the same samples
+        controller.shutdown()  # one engine at a time: the run's, its resume's, one serving the merged export
+        # `--resume` from the last checkpoint, one step more: the learner loads the adapter, the engines
+        # are sent it before they generate
         last = run_dir / "checkpoints" / f"step_{VL_STEPS}"
+        more = load_config(REPO / "configs" / "vision_colour.yaml", [*overrides, f"train.total_steps={VL_STEPS + 1}"])
+        resumed, resumed_sink = make_controller(more, run_dir, last, model_dir)
+        t1 = time.monotonic()
+        at_resume: list[Served] = []
+        read_at_start(resumed, at_resume)
+        try:
+            resumed.run(resumed_sink)
+        finally:
+            resumed.shutdown()
+            resumed_sink.close()
+        # the last checkpoint merged into a VLM folder, served by vLLM as a plain model on the same samples
+        t2 = time.monotonic()
         merged_lps = vllm_logprobs_of(export_merged(last, run_dir / "merged"), engine_settings, engine_cpus, probe)
+        print(f"VLM LoRA fixture: run {t1 - t0:.0f} s, resume {t2 - t1:.0f} s, merged export served {time.monotonic() - t2:.0f} s")
     base = dict(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     tensors, config = load_adapter(checkpoint_adapter_dir(last))
     return VlmLoraRun(
-        records=read_jsonl(run_dir / "metrics.jsonl"),
+        records=read_jsonl(run_dir / "metrics.jsonl")[:VL_STEPS],
+        resumed_records=read_jsonl(run_dir / "metrics.jsonl"),
+        at_resume=at_resume[0],
         after_sync=after_sync,
         sent=[t.name for b in manifest.buckets for t in b.tensors],
         vision_moved=[n for n, t in vision.items() if not torch.equal(t, base[n])],
@@ -433,9 +458,15 @@ def test_vlm_engine_serves_the_learners_language_model_adapter(vlm_run):
     assert vlm_run.served_vs_base > 100 * vlm_run.served_vs_learner  # the adapter matters, and vLLM serves it
 
 
-def test_vlm_lora_leaves_the_vision_tower_as_loaded_and_checkpoints_the_adapter(vlm_run):
+def test_vlm_lora_leaves_the_vision_tower_as_loaded_and_resumes_from_the_adapter_checkpoint(vlm_run):
     assert vlm_run.vision_params > 0 and not vlm_run.vision_moved, vlm_run.vision_moved[:3]
     assert vlm_run.checkpoint_learner.close_to(vlm_run.final_learner)
+    # the resume's learner holds the checkpoint's adapter and every engine serves it before any step
+    learner, engines = vlm_run.at_resume
+    assert learner.close_to(vlm_run.checkpoint_learner)
+    assert engines and all(e.close_to(learner) for e in engines), (learner, engines)
+    assert [r["version"] for r in vlm_run.resumed_records] == list(range(1, VL_STEPS + 2))
+    assert vlm_run.resumed_records[-1]["logprob_mismatch"] < 1e-4
 
 
 def test_vlm_merged_export_served_by_vllm_scores_like_the_adapter(vlm_run):
