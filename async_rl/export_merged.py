@@ -19,6 +19,7 @@ from async_rl.errors import RunError
 from async_rl.learner.base import checkpoint_adapter_dir
 from async_rl.learner.hf_io import read_model_files, write_hf_folder
 from async_rl.learner.model.lora import ADAPTER_CONFIG
+from async_rl.vision import is_vision_model
 
 
 def base_model_dir(ckpt: Path) -> Path:
@@ -31,13 +32,16 @@ def base_model_dir(ckpt: Path) -> Path:
 
 def export_merged(ckpt: Path, out: Path, base: Path | None = None, dtype: torch.dtype = torch.float32) -> Path:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     adapter = checkpoint_adapter_dir(ckpt)
     if not (adapter / ADAPTER_CONFIG).is_file():
         raise RunError(f"checkpoint '{ckpt}': no LoRA adapter in '{adapter}' (a full-weight checkpoint is already a model folder: model/)")
     base = base or base_model_dir(ckpt)
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+    # A VLM as the learner loads it (its vision tower and projector are the base's: the adapter is on
+    # its language model only), so that its parameter names are those of its own checkpoints.
+    auto = AutoModelForImageTextToText if is_vision_model(base) else AutoModelForCausalLM
+    model = auto.from_pretrained(str(base), dtype=dtype)
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     # named_parameters lists a tied output embedding once, as every checkpoint writes it
     write_hf_folder(out, read_model_files(base), {n: p.detach() for n, p in merged.named_parameters()})

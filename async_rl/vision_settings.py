@@ -1,11 +1,12 @@
 """What a vision-language model takes from the rest of the config, decided before anything starts.
 
 A VLM trains on the torch backend with sdpa attention and without sequence parallelism; its prompts'
-images reach neither a teacher nor a KL reference model yet, and LoRA's target names would also match
-the vision tower's layers. Multi-turn environments (built in or `pkg.module:factory`) and agents
-(`agent:...`, whose requests may hold image_url parts) run, and their turns may show images
-(docs/vision.md); verifiers environments are not tried with images. Each refusal is one line naming the
-setting. A text-only model given prompts with images, or in the `zoom` environment, is refused too.
+images reach neither a teacher nor a KL reference model yet. With LoRA the adapter goes on the language
+model alone, so a trained vision tower (learner.freeze_vision=false) is not on offer. Multi-turn
+environments (built in or `pkg.module:factory`) and agents (`agent:...`, whose requests may hold
+image_url parts) run, and their turns may show images (docs/vision.md); verifiers environments are not
+tried with images. Each refusal is one line naming the setting. A text-only model given prompts with
+images, or in the `zoom` environment, is refused too.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def vision_error(cfg: Config, vision: bool) -> str | None:
         return f"learner.sequence_parallel_size={lr.sequence_parallel_size}: {path}; they train without sequence parallelism (set 1)"
     if lr.attention in ("varlen", "flex"):
         return f"learner.attention={lr.attention}: {path}; they train with sdpa (set sdpa or auto)"
-    if lr.lora.enabled:
-        return f"learner.lora.enabled: {path}; LoRA does not yet keep its adapters off the vision tower"
+    if lr.lora.enabled and not lr.freeze_vision:
+        return (f"learner.freeze_vision=false: {path}; with learner.lora its language model's adapter alone trains "
+                "(the vision tower and its projector stay as loaded): set learner.freeze_vision=true")
     if cfg.teacher.model:
         return f"teacher.model: {path}; the teacher would score its prompts without their images"
     if cfg.env.name.startswith("verifiers:"):

@@ -53,7 +53,8 @@ class LoraConfig(_Section):
                   "learner's log-probs comparable with vLLM's)", ge=0, lt=1)
     ] = 0.0
     target_modules: Annotated[
-        list[str], _f("names of the linear modules that get an adapter (PEFT target_modules)")
+        list[str], _f("names of the linear modules that get an adapter (PEFT target_modules); on a vision-language model "
+           "only those of its language model (docs/lora.md)")
     ] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
     init: Annotated[
         Literal["default", "gaussian"],
@@ -252,7 +253,8 @@ class LearnerConfig(_Section):
     freeze_vision: Annotated[
         bool,
         _f("vision-language models: the vision tower stays as loaded (no gradient, not in the optimizer, not "
-           "sent at a weight sync); the projector (patch merger) and the language model train. false: all train"),
+           "sent at a weight sync); the projector (patch merger) and the language model train. false: all train. "
+           "With lora the projector stays frozen too (only the language model's adapter trains) and false is refused"),
     ] = True
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)

@@ -146,8 +146,10 @@ class TorchBackend(ModelBackend):
             from async_rl.learner.model.lora import adapter_config_dict, apply_lora
 
             # PEFT injects its layers into self.model in place; the rest of the backend keeps using the
-            # HF model (now with the adapter), and only the adapter requires grad.
-            self.peft = apply_lora(self.model, self.cfg.lora)
+            # HF model (now with the adapter), and only the adapter requires grad. A VLM's adapter goes
+            # on its language model alone (what vLLM serves LoRA on); the vision tower and its projector
+            # stay frozen with the rest of the base.
+            self.peft = apply_lora(self.model, self.cfg.lora, vision=self.vision_inputs is not None)
             self._adapter_config = adapter_config_dict(self.peft, model_dir)
         if self.cfg.activation_checkpointing:
             # Non-reentrant: gradients reach the layers' weights even when the layer's input needs none

@@ -54,10 +54,25 @@ def install_adapter(worker, tensors: dict[str, torch.Tensor], config: dict, lora
     dtype = dtype if isinstance(dtype, torch.dtype) else worker.model_runner.model_config.dtype
     # Copies: the received tensors are views into the weight channel's buckets (reused next update).
     own = {name: t.to(dtype=dtype, copy=True) for name, t in tensors.items()}
-    lora = LoRAModel.from_lora_tensors(lora_id, own, PEFTHelper.from_dict(config), device="cpu", dtype=dtype)
+    lora = LoRAModel.from_lora_tensors(
+        lora_id, own, PEFTHelper.from_dict(config), device="cpu", dtype=dtype, **model_name_mapping(am.model)
+    )
     am.remove_adapter(lora_id)
     am.add_adapter(lora)
     am.activate_adapter(lora_id)
+
+
+def model_name_mapping(model) -> dict:
+    """How vLLM's own LoRA loader (`worker_manager.WorkerLoRAManager._load_adapter`) maps an adapter's
+    HF names onto `model`'s modules: its `hf_to_vllm_mapper`, renames only, and the prefixes it skips.
+    A text model's renames nothing (Qwen2/Llama's mapper only stacks q/k/v, which the rename mapper
+    drops); Qwen2.5-VL's renames 'model.language_model.' to 'language_model.model.', without which no
+    tensor of its adapter would land on a module (the read-back then finds none and the sync stops)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return {
+        "weights_mapper": mapper.get_rename_mapper() if mapper is not None else None,
+        "skip_prefixes": getattr(model, "lora_skip_prefixes", None),
+    }
 
 
 def install_zero_adapter(worker, rank: int, lora_id: int) -> None:

@@ -2,10 +2,15 @@
 with max_lag 2, where every engine's adapter (read back from vLLM's LoRA slot) equals the learner's
 after each sync; a run whose learner is killed (SIGKILL) after a checkpoint resumes from its PEFT-format
 adapter checkpoint; a delivery into the wrong adapter slot stops the sync loudly; the merged export,
-served by vLLM as a plain model, scores like vLLM serving the adapter.
+served by vLLM as a plain model, scores like vLLM serving the adapter. And a short LoRA run of the tiny
+Qwen2.5-VL on the colour task (prompts with images): the adapter is on its language model only, vLLM
+serves it (the same values read back, log-probs of the multimodal samples agree), the vision tower and
+its projector stay as loaded, a resume from its adapter checkpoint serves that adapter, and its merged
+export (a VLM folder) served by vLLM scores like the adapter.
 
-One Ray cluster for the module; two controllers (the killed run, then its resume), then one engine
-serving the merged export."""
+One Ray cluster for the SmolLM2 run: two controllers (the killed run, then its resume), then one engine
+serving the merged export; a second Ray for the VLM's run (its controller, its resume's, then one engine
+serving its merged export)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import io
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -31,8 +37,8 @@ from async_rl.learner.model.lora import load_adapter, served_tensors
 from async_rl.weight_sync.checksum import ParamChecksum, checksum_of
 from tests.integration._chat_task import MAX_TOKENS_ENV, MODEL_ENV, STOP
 from tests.integration._engine_env import FAST_ENGINE_ENV
-from tests.integration._lora_strike import deliver_into_another_slot
-from tests.integration._real_run import REPO, read_jsonl, real_config, smollm2_dir
+from tests.integration._lora_strike import base_probe, deliver_into_another_slot
+from tests.integration._real_run import REPO, read_jsonl, real_config, real_controller, smollm2_dir
 
 pytestmark = pytest.mark.integration
 
@@ -88,11 +94,14 @@ def cfg_for(run_dir: Path):
     )
 
 
-def make_controller(cfg, run_dir: Path, resume_from: Path | None = None) -> tuple[Controller, MetricsSink]:
+def make_controller(
+    cfg, run_dir: Path, resume_from: Path | None = None, model_dir: str | None = None
+) -> tuple[Controller, MetricsSink]:
     from async_rl.cluster.placement import plan_placement
 
     sink = MetricsSink(run_dir, WandbConfig(mode="disabled"), {}, cfg.train.total_steps, stream=io.StringIO())
-    return Controller(cfg, Path(smollm2_dir()), run_dir, plan_placement(cfg), resume_from=resume_from), sink
+    model = Path(model_dir or smollm2_dir())
+    return Controller(cfg, model, run_dir, plan_placement(cfg), resume_from=resume_from), sink
 
 
 def served(controller: Controller) -> Served:
@@ -330,3 +339,137 @@ def test_vllm_and_learner_logprobs_agree_with_the_adapter(run):
     mismatch = [r["logprob_mismatch"] for r in run.killed_records + run.records[2:]]  # every sync once
     print("mismatch after each sync:", [f"{m:.1e}" for m in mismatch], "sync s:", [r["sync_s"] for r in run.records])
     assert all(m is not None and m < 1e-4 for m in mismatch), mismatch
+
+
+# ---- a vision-language model: LoRA on its language model --------------------------------------------
+
+VL_STEPS = 3
+
+
+class VlmLoraRun(msgspec.Struct):
+    records: list[dict]
+    after_sync: list[Served]  # per step
+    sent: list[str]  # the names of one adapter update
+    vision_moved: list[str]  # learner parameters of the vision tower (projector included) that moved
+    vision_params: int  # how many there are
+    final_learner: ParamChecksum  # the learner's adapter after the last step (as served)
+    at_resume: Served  # `--resume` from the last checkpoint: after its first sync, before its first step
+    resumed_records: list[dict]  # the run directory's metrics after the resumed run's one more step
+    probe_images: int  # images among the probe's samples (the last batch's)
+    served_vs_learner: float  # mean |vLLM serving the adapter - the learner| on the probe's tokens
+    served_vs_base: float  # mean |vLLM serving the adapter - the learner's base (adapter disabled)|
+    merged_vllm_vs_served: float  # mean |vLLM serving the merged export - vLLM serving the adapter|
+    checkpoint_learner: ParamChecksum  # the run's last checkpoint's adapter (as served)
+
+
+@pytest.fixture(scope="module")
+def vlm_run(tmp_path_factory) -> VlmLoraRun:
+    from transformers import AutoModelForImageTextToText
+
+    from async_rl.config import load_config
+    from async_rl.export_merged import export_merged
+    from async_rl.models.tiny import resolve_model_path
+    from tests._presets import model_cache
+
+    model_dir = str(resolve_model_path("tiny-qwen2.5-vl", model_cache()))
+    run_dir = tmp_path_factory.mktemp("vlm_lora_run")
+    overrides = [
+        f"model.cache_dir={model_cache()}",
+        "logging.wandb.mode=disabled",
+        f"logging.run_dir={run_dir}",
+        "generators.kv_cache_gib=0.25",
+        f"train.total_steps={VL_STEPS}",
+        "train.prompts_per_step=2",
+        "generators.group_size=4",
+        "generators.max_inflight_prompts=4",
+        "train.mismatch_probe_samples=4",
+        "eval.enabled=false",
+        "learner.lr=0.01",  # so that the adapter moves visibly in a few steps
+        "learner.lora.enabled=true",
+        f"learner.lora.rank={RANK}",
+    ]
+    cfg = load_config(REPO / "configs" / "vision_colour.yaml", overrides)
+    after_sync: list[Served] = []
+    t0 = time.monotonic()
+    with real_controller(cfg, run_dir, {}, Path(model_dir)) as (controller, sink):
+        controller.run(sink, lambda step: after_sync.append(served(controller)))
+        learner = controller.learner.actors[0]
+        manifest = ray.get(learner.weight_manifest.remote())
+        vision = ray.get(learner.__ray_call__.remote(
+            lambda d: {n: p.detach().clone() for n, p in d.backend.model.named_parameters() if n.startswith("model.visual.")}
+        ))
+        final_learner = served(controller)[0]
+        # the last batch's samples scored by vLLM (the adapter served) against the learner with and
+        # without its adapter: the adapter matters on these multimodal tokens, and vLLM applies it
+        probe = ray.get(learner.probe_logprobs.remote(4))
+        base_lps = ray.get(learner.__ray_call__.remote(base_probe, 4))
+        served_lps = ray.get(controller.generators.actors[0].logprobs.remote(probe))
+        engine_settings = controller.generators.make_settings(0)
+        engine_cpus = controller.generators.cpus_per_engine
+        controller.shutdown()  # one engine at a time: the run's, its resume's, one serving the merged export
+        # `--resume` from the last checkpoint, one step more: the learner loads the adapter, the engines
+        # are sent it before they generate
+        last = run_dir / "checkpoints" / f"step_{VL_STEPS}"
+        more = load_config(REPO / "configs" / "vision_colour.yaml", [*overrides, f"train.total_steps={VL_STEPS + 1}"])
+        resumed, resumed_sink = make_controller(more, run_dir, last, model_dir)
+        t1 = time.monotonic()
+        at_resume: list[Served] = []
+        read_at_start(resumed, at_resume)
+        try:
+            resumed.run(resumed_sink)
+        finally:
+            resumed.shutdown()
+            resumed_sink.close()
+        # the last checkpoint merged into a VLM folder, served by vLLM as a plain model on the same samples
+        t2 = time.monotonic()
+        merged_lps = vllm_logprobs_of(export_merged(last, run_dir / "merged"), engine_settings, engine_cpus, probe)
+        print(f"VLM LoRA fixture: run {t1 - t0:.0f} s, resume {t2 - t1:.0f} s, merged export served {time.monotonic() - t2:.0f} s")
+    base = dict(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    tensors, config = load_adapter(checkpoint_adapter_dir(last))
+    return VlmLoraRun(
+        records=read_jsonl(run_dir / "metrics.jsonl")[:VL_STEPS],
+        resumed_records=read_jsonl(run_dir / "metrics.jsonl"),
+        at_resume=at_resume[0],
+        after_sync=after_sync,
+        sent=[t.name for b in manifest.buckets for t in b.tensors],
+        vision_moved=[n for n, t in vision.items() if not torch.equal(t, base[n])],
+        vision_params=len(vision),
+        final_learner=final_learner,
+        probe_images=sum(len(i) for i in probe.images),
+        served_vs_learner=probe.mean_abs_diff(served_lps),
+        served_vs_base=base_lps.mean_abs_diff(served_lps),
+        merged_vllm_vs_served=mean_abs(merged_lps, served_lps),
+        checkpoint_learner=checksum_of(served_tensors(tensors, config)),
+    )
+
+
+def test_vlm_engine_serves_the_learners_language_model_adapter(vlm_run):
+    assert [r["version"] for r in vlm_run.records] == list(range(1, VL_STEPS + 1))
+    # after every sync each engine's LoRA slots hold the learner's adapter (same values and count: every
+    # adapter tensor, sent under PEFT's HF names, landed on a module of vLLM's language model), and it trains
+    check_every_engine_serves_the_learners(vlm_run.after_sync)
+    assert vlm_run.sent and all(n.startswith("base_model.model.model.language_model.layers.") for n in vlm_run.sent)
+    # vLLM and the learner score the same multimodal samples (the colour task's, images sent along)
+    mismatch = [r["logprob_mismatch"] for r in vlm_run.records]
+    print("VLM LoRA mismatch after each sync:", [f"{m:.1e}" for m in mismatch])
+    assert all(m is not None and m < 1e-4 for m in mismatch), mismatch
+    print(f"VLM LoRA probe: vLLM vs learner {vlm_run.served_vs_learner:.1e}, vLLM vs the base {vlm_run.served_vs_base:.1e}")
+    assert vlm_run.probe_images > 0 and vlm_run.served_vs_learner < 1e-4
+    assert vlm_run.served_vs_base > 100 * vlm_run.served_vs_learner  # the adapter matters, and vLLM serves it
+
+
+def test_vlm_lora_leaves_the_vision_tower_as_loaded_and_resumes_from_the_adapter_checkpoint(vlm_run):
+    assert vlm_run.vision_params > 0 and not vlm_run.vision_moved, vlm_run.vision_moved[:3]
+    assert vlm_run.checkpoint_learner.close_to(vlm_run.final_learner)
+    # the resume's learner holds the checkpoint's adapter and every engine serves it before any step
+    learner, engines = vlm_run.at_resume
+    assert learner.close_to(vlm_run.checkpoint_learner)
+    assert engines and all(e.close_to(learner) for e in engines), (learner, engines)
+    assert [r["version"] for r in vlm_run.resumed_records] == list(range(1, VL_STEPS + 2))
+    assert vlm_run.resumed_records[-1]["logprob_mismatch"] < 1e-4
+
+
+def test_vlm_merged_export_served_by_vllm_scores_like_the_adapter(vlm_run):
+    print(f"VLM merged export, vLLM vs vLLM serving the adapter: {vlm_run.merged_vllm_vs_served:.1e}")
+    assert vlm_run.merged_vllm_vs_served < 1e-5
+    assert vlm_run.served_vs_base > 100 * vlm_run.merged_vllm_vs_served

@@ -163,3 +163,100 @@ def test_merged_export_scores_like_the_adapter(model_dir, tmp_path):
     assert (got - want).abs().mean() < 1e-5
     assert (unmerged - want).abs().mean() > 1e-3  # the adapter matters here
     assert not any(".lora_" in n for n, _ in merged.named_parameters())
+
+
+# ---- a vision-language model: the adapter on its language model only -------------------------------
+
+VL_LM = "model.language_model."  # the tiny Qwen2.5-VL's language model (its vision tower: model.visual.)
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    from async_rl.models.tiny import resolve_model_path
+
+    return resolve_model_path("tiny-qwen2.5-vl", str(tmp_path_factory.mktemp("models")))
+
+
+def make_vl_rank(vl_dir) -> LearnerDriver:
+    from async_rl.config import VisionConfig
+
+    return make_rank(vl_dir, vision=VisionConfig())
+
+
+def test_a_vlm_adapter_is_on_its_language_model_only_and_is_sent_under_peft_names(vl_dir):
+    rank = make_vl_rank(vl_dir)
+    model = rank.backend.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = adapter_names(rank)
+    layers = int(model.config.get_text_config().num_hidden_layers)
+    # every target of every language-model layer, A and B; the ViT blocks' gate/up/down_proj get none
+    assert len(names) == 2 * layers * len(LORA.target_modules)
+    assert all(n.startswith(VL_LM + "layers.") for n in names), sorted(names)[:3]
+    assert any(n.startswith("model.visual.blocks.") and n.endswith("mlp.gate_proj.weight") for n in before)
+    # the base is frozen, the vision tower and its projector (the merger) included
+    assert not [n for n, p in model.named_parameters() if p.requires_grad and n not in names]
+    # the names a sync sends: PEFT's saved names, which vLLM maps with Qwen2.5-VL's hf_to_vllm_mapper
+    # ('model.language_model.' -> 'language_model.model.')
+    sent = sorted(rank.backend.adapter().tensors)
+    assert sent[0] == "base_model.model.model.language_model.layers.0.mlp.down_proj.lora_A.weight", sent[0]
+    assert all(s.startswith("base_model.model." + VL_LM) and ".default." not in s for s in sent)
+    assert all(len(b.tensors) for b in rank.weight_manifest().buckets)
+    assert {t.name for b in rank.weight_manifest().buckets for t in b.tensors} == set(sent)
+    rank.train_on_shard(0, groups(1))
+    for n, p in model.named_parameters():
+        if n not in names:
+            assert torch.equal(p, before[n]), f"frozen base weight {n} changed"
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_a_vlm_adapter_checkpoint_resumes_and_merges_into_a_vlm_folder(vl_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from async_rl.export_merged import export_merged
+
+    a = make_vl_rank(vl_dir)
+    a.train_on_shard(0, groups(4))
+    with torch.no_grad():  # a large adapter, so that a wrong merge shows
+        for n, p in a.backend.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    folder = checkpoint_adapter_dir(tmp_path / "ckpt")
+    assert (folder / ADAPTER_WEIGHTS).is_file() and not (tmp_path / "ckpt" / "model").exists()
+    b = make_vl_rank(vl_dir)
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    for (name, p), (_, q) in zip(a.backend.model.named_parameters(), b.backend.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    # PEFT loads the adapter onto the VLM (the target regex in adapter_config.json picks the same modules)
+    peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(str(vl_dir)), str(folder))
+    theirs = dict(peft.named_parameters())
+    assert {n for n in theirs if ".lora_" in n} == {"base_model.model." + n for n in adapter_names(a)}
+    # the merged export is a VLM folder transformers loads: its vision tower is the base's, its language
+    # model scores like the learner's with the adapter
+    out = export_merged(tmp_path / "ckpt", tmp_path / "merged", base=vl_dir)
+    merged = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32)
+    base = AutoModelForImageTextToText.from_pretrained(str(vl_dir), dtype=torch.float32)
+    base_params = dict(base.named_parameters())
+    for n, p in merged.named_parameters():
+        if n.startswith("model.visual."):
+            assert torch.equal(p, base_params[n]), n
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        want = torch.log_softmax(a.backend.model(input_ids=ids).logits, -1)
+        got = torch.log_softmax(merged(input_ids=ids).logits, -1)
+        unmerged = torch.log_softmax(base(input_ids=ids).logits, -1)
+    assert (got - want).abs().mean() < 1e-5
+    assert (unmerged - want).abs().mean() > 1e-3  # the adapter matters here
+
+
+def test_lora_on_a_vlm_with_a_trained_vision_tower_is_refused_in_one_line():
+    from async_rl.config import load_config
+    from async_rl.vision_settings import vision_error
+
+    cfg = load_config(None, ["model.path=tiny-qwen2.5-vl", "learner.lora.enabled=true"])
+    assert vision_error(cfg, True) is None
+    cfg = load_config(None, ["model.path=tiny-qwen2.5-vl", "learner.lora.enabled=true", "learner.freeze_vision=false"])
+    why = vision_error(cfg, True)
+    assert why and why.startswith("learner.freeze_vision=false:") and "\n" not in why

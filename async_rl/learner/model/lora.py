@@ -2,6 +2,9 @@
 as vLLM serves it, and its files (adapter_model.safetensors + adapter_config.json).
 
 The base weights stay frozen and are the KL reference (the adapter disabled: no second copy).
+On a vision-language model the adapter goes on its language model only (`language_model_targets`):
+its vision tower has modules of the same names (Qwen2.5-VL's ViT blocks have gate/up/down_proj), and
+vLLM puts LoRA layers on the language model alone.
 The adapter crosses every boundary (the weight sync, checkpoints, vLLM) under the names of
 `peft.get_peft_model_state_dict` ("base_model.model.<module>.lora_A.weight"), which vLLM's
 `LoRAModel.from_lora_tensors` and `PeftModel.from_pretrained` read.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -24,26 +28,49 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def peft_config(cfg: LoraConfig):
+def peft_config(cfg: LoraConfig, target_modules: list[str] | str | None = None):
+    """PEFT's config of learner.lora; `target_modules`: PEFT's own form of the targets where they are not
+    the configured names as they are (a VLM's: `language_model_targets`)."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
+        target_modules=list(cfg.target_modules) if target_modules is None else target_modules,
         init_lora_weights=True if cfg.init == "default" else "gaussian",
         bias="none",
         task_type="CAUSAL_LM",
     )
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    """The PEFT model around `model`: base weights frozen, only the adapter requires grad."""
+def language_model_prefix(model: torch.nn.Module) -> str:
+    """The module name of a vision-language model's language model (transformers' `get_decoder()`;
+    Qwen2.5-VL: 'model.language_model')."""
+    decoder = model.get_decoder()
+    for name, module in model.named_modules():
+        if module is decoder and name:
+            return name
+    raise ConfigError(f"learner.lora: {type(model).__name__} names no language model (get_decoder) to put the adapter on")
+
+
+def language_model_targets(model: torch.nn.Module, targets: list[str]) -> str:
+    """PEFT's target_modules for the language model of a VLM alone: a regular expression PEFT matches
+    against whole module names, e.g. `^model\\.language_model\\.(?:.*\\.)?(?:q_proj|k_proj)$`. It is
+    saved as is in adapter_config.json, from which PEFT picks the same modules again."""
+    names = "|".join(re.escape(t) for t in targets)
+    return rf"^{re.escape(language_model_prefix(model))}\.(?:.*\.)?(?:{names})$"
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, vision: bool = False) -> torch.nn.Module:
+    """The PEFT model around `model`: base weights frozen (a VLM's vision tower and projector included),
+    only the adapter requires grad; `vision`: `model` is a VLM, whose adapter goes on its language
+    model only."""
     from peft import get_peft_model
 
+    targets = language_model_targets(model, list(cfg.target_modules)) if vision else None
     try:
-        return get_peft_model(model, peft_config(cfg))
+        return get_peft_model(model, peft_config(cfg, targets))
     except ValueError as exc:  # e.g. a target module the model does not have
         raise ConfigError(f"learner.lora.target_modules: {first_line(exc, limit=500)}") from None
 
