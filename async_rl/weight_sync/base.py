@@ -171,6 +171,7 @@ RECEIVE_WINDOW = 2  # buckets a receiver has posted ahead of its loader
 # version of a delta update (-1: a full update)
 _HEADER_BYTES = 40
 FULL = -1
+NEEDS_FULL_UPDATE = "it needs a full update"  # ends a receiver's refusal of a delta (the caller retries full)
 
 
 def _header(version: int, manifest: Manifest, seed: int, base: int = FULL) -> torch.Tensor:
@@ -408,7 +409,7 @@ class WeightReceiver:
             # Never patch a baseline the delta was not made against: the engine would serve a mix.
             rejected = (
                 f"update v{version} is a delta from v{base_version}, but this worker holds "
-                f"{'no baseline' if held is None else f'v{held}'}: it needs a full update"
+                f"{'no baseline' if held is None else f'v{held}'}: {NEEDS_FULL_UPDATE}"
             )
         if rejected:
             # Take the rest of the update off the group without loading it, so the sender and the
