@@ -96,7 +96,7 @@ def diff_bucket(bucket: Bucket, new: dict[str, torch.Tensor], base: dict[str, to
     out = []
     for spec in bucket.tensors:
         mask = _bits(new[spec.name]) != _bits(base[spec.name])
-        changed = int(mask.sum())
+        changed = int(mask.count_nonzero())  # a bool sum() is ~15x slower on the CPU
         itemsize = to_dtype(spec.dtype).itemsize
         out.append((choose(spec.nbytes // itemsize, changed, itemsize), changed, mask))
     return out
@@ -118,8 +118,10 @@ def write_bucket(
             out[start : start + spec.nbytes].view(flat.dtype).copy_(flat)
             used = start + spec.nbytes
             continue
+        # numpy's flatnonzero and an index gather: torch's nonzero and boolean indexing are ~2x and
+        # ~8x slower on the CPU (measured, 20M elements, one thread)
+        idx = torch.from_numpy(np.flatnonzero(mask.numpy()))
         if kind == INDEX:
-            idx = mask.nonzero().reshape(-1)
             head = _aligned(4 * changed)
             out[start : start + 4 * changed].view(torch.int32).copy_(idx)
         else:
@@ -127,9 +129,8 @@ def write_bucket(
             head = _aligned(nbits)
             packed = np.packbits(mask.numpy(), bitorder="little")
             out[start : start + nbits].copy_(torch.from_numpy(packed))
-            idx = mask
         values = out[start + head : start + head + changed * itemsize].view(flat.dtype)
-        values.copy_(flat[idx])
+        torch.index_select(flat, 0, idx, out=values)
         used = start + head + changed * itemsize
     n = max(used, MIN_BUCKET_BYTES)
     if used < n:
@@ -153,18 +154,22 @@ def apply_bucket(bucket: Bucket, plan: np.ndarray, first: int, buf: torch.Tensor
             continue
         if kind == INDEX:
             head = _aligned(4 * changed)
-            where: torch.Tensor = buf[start : start + 4 * changed].view(torch.int32).long()
+            where = buf[start : start + 4 * changed].view(torch.int32).numpy()
+            if changed and (int(where.min()) < 0 or int(where.max()) >= flat.numel()):
+                raise ValueError(f"delta patch of '{spec.name}': an index outside its {flat.numel()} elements")
         elif kind == MASK:
             nbits = -(-flat.numel() // 8)
             head = _aligned(nbits)
             bits = np.unpackbits(buf[start : start + nbits].numpy(), count=flat.numel(), bitorder="little")
-            where = torch.from_numpy(bits.view(np.bool_))
+            where = np.flatnonzero(bits)
+            if where.size != changed:
+                raise ValueError(f"delta patch of '{spec.name}': its mask marks {where.size} elements, the plan {changed}")
         else:
             raise ValueError(f"delta plan: unknown kind {kind} for '{spec.name}'")
-        values = buf[start + head : start + head + changed * itemsize].view(flat.dtype)
-        if kind == MASK and int(where.sum()) != changed:
-            raise ValueError(f"delta patch of '{spec.name}': its mask marks another count than the plan's {changed}")
-        flat[where] = values
+        values = buf[start + head : start + head + changed * itemsize]
+        # as same-width integers in numpy (no bf16 there): a fancy-index put, ~8x faster than a torch bool put
+        word = _INT_OF_SIZE[itemsize]
+        flat.view(word).numpy()[where] = values.view(word).numpy()
         used = start + head + changed * itemsize
 
 
