@@ -32,11 +32,13 @@ from async_rl.vision_settings import images_error, vision_error
 
 def weight_sync_line(cfg: Config) -> str:
     """The weight-sync backend the run uses (`auto` resolved), shown under the placement plan."""
-    from async_rl.control.settings import resolve_backend
+    from async_rl.control.settings import resolve_backend, resolve_delta
 
     chosen = resolve_backend(cfg)
     how = " (auto)" if cfg.weight_sync.backend == "auto" else ""
-    return f"weight sync: {chosen}{how}, buckets of {cfg.weight_sync.bucket_mb} MB"
+    delta = resolve_delta(cfg)
+    delta_how = " (auto)" if cfg.weight_sync.delta == "auto" else ""
+    return f"weight sync: {chosen}{how}, buckets of {cfg.weight_sync.bucket_mb} MB, delta {delta}{delta_how}"
 
 
 def deterministic_line(cfg: Config) -> str:
@@ -291,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         view = cluster_view(cfg)
         cfg = resolve_devices(cfg, view)  # generators.device / learner.device: auto -> cuda or cpu
         plan = plan_placement(cfg, view=view)  # a plan the cluster cannot hold: one line, exit 2
+        from async_rl.control.settings import resolve_delta
+
+        resolve_delta(cfg)  # weight_sync.delta=on where it cannot work: one line, exit 2
         resume_from = None
         if args.resume:
             from async_rl.control.checkpoint import choose, latest, resume_run_dir

@@ -30,6 +30,15 @@ GPU (a colocated learner and its generators), and the rows are:
 
     .venv/bin/python benchmarks/bench_weight_sync.py [--sizes-mb 50 500 2000] [--repeats 3]
     .venv/bin/python benchmarks/bench_weight_sync.py --device cuda --sizes-mb 500 2000 --receivers 1
+    .venv/bin/python benchmarks/bench_weight_sync.py --delta [--delta-steps 6] [--backends shm gloo]
+
+`--delta` (weight_sync.delta): SmolLM2-135M (preset smollm2-135m) trained by AdamW (lr 2e-5, clip 1.0,
+16 arithmetic answers a step, as benchmarks/bench_delta_density.py), its weights on a bf16 wire to one
+receiver process that loads every tensor into its own bf16 parameters. After each optimizer step the
+same weights go twice: as a delta against the step before, then full; per step and backend the table
+gives the bf16 elements changed, the bytes over the channel and the seconds of each (header to the
+barrier after the receiver loaded everything; the delta's time includes finding the changes on the
+sender and patching the baseline on the receiver). Writes results/weight_sync_delta.json.
 
 `--dry-run`: one 8 MB state, one receiver, one repetition, no bucket sweep (seconds). Where
 `--device cuda` finds no CUDA the last line printed is `SKIP: <reason>` and the exit status 3 (the
@@ -407,6 +416,136 @@ def run_cuda(args, report, failed) -> None:
             report(summarize("ours-cuda_ipc-ckoff", args.sweep_size_mb, 1, size, times, bucket_mb=bucket_mb, sweep=True))
 
 
+# ---- weight_sync.delta on a real model ----------------------------------------------------------
+
+
+def _delta_receiver(info_bytes: bytes, rank: int, manifest_bytes: bytes, updates: int) -> None:
+    import msgspec
+
+    from async_rl.weight_sync.base import WeightGroupInfo
+    from async_rl.weight_sync.bucketing import Manifest
+    from async_rl.weight_sync.delta import baseline_like
+    from async_rl.weight_sync.transport import join_receiver
+
+    torch.set_num_threads(1)
+    info = msgspec.msgpack.decode(info_bytes, type=WeightGroupInfo)
+    manifest = msgspec.msgpack.decode(manifest_bytes, type=Manifest)
+    params = baseline_like(manifest)  # the engine's weights (what vLLM's reload copies into)
+    receiver = join_receiver(info, rank, manifest)
+
+    def load(named):
+        for name, t in named:
+            params[name].copy_(t)
+
+    for v in range(updates):
+        receiver.group.barrier()
+        receiver.receive(v, load)
+        receiver.group.barrier()
+    receiver.close()
+
+
+def smollm2_steps(steps: int) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """SmolLM2-135M's weights before and after each of `steps` AdamW steps (fp32 master weights, kept
+    as their bf16 rounding: what the wire carries), and each step's loss."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_delta_density import batch
+    from bench_engine_dtype import PROMPTS, smollm2_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir = smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+
+    def served() -> dict[str, torch.Tensor]:  # the HF names the learner sends; tied weights once
+        return {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
+
+    states, losses = [served()], []
+    for step in range(steps):
+        out = model(**batch(tok, rows[step * 16 : (step + 1) * 16]))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        states.append(served())
+        losses.append(float(out.loss.detach()))
+        print(f"trained step {step + 1}: loss {losses[-1]:.3f}", flush=True)
+    torch.set_num_threads(1)
+    return states, losses
+
+
+def bench_delta_backend(states: list[dict[str, torch.Tensor]], backend: str, bucket_mb: int) -> list[dict]:
+    """Version 0: the initial weights, full. Then per step: the step's weights as a delta, then full."""
+    import msgspec
+
+    from async_rl.weight_sync.bucketing import build_manifest
+    from async_rl.weight_sync.transport import join_sender, open_membership
+
+    manifest = build_manifest(states[0].items(), bucket_mb << 20, torch.bfloat16)
+    updates = 1 + 2 * (len(states) - 1)
+    info, store = open_membership("127.0.0.1", 0, 2, 300, backend, manifest, "sampled", 1, delta=True)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_delta_receiver, args=(msgspec.msgpack.encode(info), 1, msgspec.msgpack.encode(manifest), updates))
+    proc.start()
+    rows = []
+    sender = None
+    try:
+        sender = join_sender(info, store, manifest)
+
+        def timed(state, version, full):
+            sender.group.barrier()
+            t0 = time.perf_counter()
+            receipt = sender.send(state, version, full=full)
+            sender.group.barrier()
+            return receipt, time.perf_counter() - t0
+
+        timed(states[0], 0, True)
+        for step in range(1, len(states)):
+            before, after = states[step - 1], states[step]
+            changed = sum(int((after[n].view(torch.int16) != before[n].view(torch.int16)).sum()) for n in after)
+            elements = sum(t.numel() for t in after.values())
+            delta, delta_s = timed(after, 2 * step - 1, False)
+            full, full_s = timed(after, 2 * step, True)
+            assert delta.delta and not full.delta
+            rows.append({
+                "backend": backend, "step": step, "density": changed / elements, "delta_bytes": delta.sent_bytes,
+                "full_bytes": full.sent_bytes, "bytes_ratio": delta.sent_bytes / full.sent_bytes,
+                "delta_s": delta_s, "full_s": full_s, "time_ratio": delta_s / full_s,
+            })
+            r = rows[-1]
+            print(f"{backend:<5} step {step}: changed {r['density']:.2%} | delta {r['delta_bytes'] / 2**20:7.1f} MiB "
+                  f"{r['delta_s']:.3f} s | full {r['full_bytes'] / 2**20:7.1f} MiB {r['full_s']:.3f} s | bytes "
+                  f"{r['bytes_ratio']:.1%} time {r['time_ratio']:.2f}x", flush=True)
+    finally:
+        proc.join(timeout=120)
+        if proc.is_alive():
+            proc.terminate()
+        if sender is not None:
+            sender.close()
+    return rows
+
+
+def run_delta(args) -> None:
+    states, losses = smollm2_steps(args.delta_steps)
+    rows = []
+    for backend in args.backends or ["shm", "gloo"]:
+        rows += bench_delta_backend(states, backend, args.bucket_mb)
+    out = Path(args.out or RESULTS / "weight_sync_delta.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
+    command = "benchmarks/bench_weight_sync.py --delta --delta-steps " + str(args.delta_steps)
+    out.write_text(json.dumps({"command": command, "machine": machine, "model": "smollm2-135m", "wire": "bfloat16",
+                               "bucket_mb": args.bucket_mb, "lr": 2e-5, "losses": losses, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the tensors live")
@@ -419,7 +558,12 @@ def main() -> None:
     ap.add_argument("--sweep-buckets-mb", type=int, nargs="*", default=[4, 16, 64, 256], help="none: no sweep")
     ap.add_argument("--out", help="default: results/weight_sync.json (cpu), results/weight_sync_cuda.json (cuda)")
     ap.add_argument("--dry-run", action="store_true", help="8 MB, 1 receiver, 1 repetition, no sweep: seconds")
+    ap.add_argument("--delta", action="store_true", help="weight_sync.delta on SmolLM2-135M (bf16 wire): delta vs full")
+    ap.add_argument("--delta-steps", type=int, default=6, help="--delta: optimizer steps measured")
     args = ap.parse_args()
+    if args.delta:
+        run_delta(args)
+        return
     cuda = args.device == "cuda"
     if cuda and (missing := cuda_missing()):
         print(f"SKIP: {missing}", flush=True)

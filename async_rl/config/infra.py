@@ -52,6 +52,15 @@ class WeightSyncConfig(_Section):
         _f("update checksum: the sender hashes every MiB (xxh3-64) and sends the table; receivers check "
            "every chunk (full) or the last chunk of each bucket plus a random 1/32 (sampled, ~4x cheaper)"),
     ] = "sampled"
+    delta: Annotated[
+        Literal["auto", "on", "off"],
+        _f("send only the weights whose value at the engines' precision changed since the version every engine "
+           "holds (sparse patches, or dense where smaller); every new membership's first update, and the fall-back "
+           "after a delta whose served checksum disagrees, are full. Costs one model at the wire dtype on the "
+           "sender and in every engine worker. auto = on where the engines serve a lower precision than the "
+           "learner's master weights (bf16 engines), off for fp32 engines, LoRA and the CUDA backends; on with "
+           "the nccl or cuda_ipc backend, learner.lora or no lower-precision wire dtype is refused"),
+    ] = "auto"
 
 
 class SecurityConfig(_Section):

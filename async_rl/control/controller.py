@@ -173,6 +173,9 @@ class Controller:
         elapsed = time.perf_counter() - t0
         record = make_record(step, self.version, per_rank, buffer, elapsed, sync_s, mismatch, t_start)
         record.settle_s = settle_s
+        if sync_s:
+            record.sync_bytes, record.sync_delta = rt.generators.last_sync.sent_bytes, rt.generators.last_sync.delta
+        record.delta_fallbacks = rt.generators.delta_fallbacks
         record.num_engines = len(rt.generators.engines)
         record.recoveries = sup.recovery.recoveries
         record.failed_starts = sup.failed_starts

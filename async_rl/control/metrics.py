@@ -58,6 +58,11 @@ class StepRecord(msgspec.Struct, kw_only=True):
     learner_wait_s: float
     learner_compute_s: float
     sync_s: float
+    # the step's weight sync (weight_sync.delta): bytes over the channel, whether the engines resumed on a delta,
+    # and the deltas so far whose served checksum disagreed (each followed by a full update)
+    sync_bytes: int = 0
+    sync_delta: bool = False
+    delta_fallbacks: int = 0
     generator_version: int
     buffer_waiting_groups: int
     lag_max: int

@@ -50,6 +50,34 @@ def resolve_backend(cfg: Config) -> str:
     return "gloo" if cfg.ray.address else "shm"
 
 
+def resolve_delta(cfg: Config) -> str:
+    """weight_sync.delta, 'on' or 'off'. auto: on where the engines hold a lower precision than the
+    learner's master weights (a bf16 wire dtype to fp32 masters: after an optimizer step most bf16
+    values round to what they were, docs/weight-sync.md measures 4-15% changing), off where every
+    element changes (fp32 engines), for LoRA (its sync is the adapter alone) and on the CUDA backends
+    (no delta there yet). 'on' where it cannot work is a one-line error naming the key."""
+    requested = cfg.weight_sync.delta
+    if requested == "off":
+        return "off"
+    backend, wire = resolve_backend(cfg), wire_dtype(cfg)
+    lower = bool(wire) and _itemsize(wire) < _itemsize(cfg.model.dtype)
+    why_not = ""
+    if cfg.learner.lora.enabled:
+        why_not = "learner.lora.enabled syncs the adapter alone"
+    elif backend not in ("gloo", "shm"):
+        why_not = f"weight_sync.backend={backend} sends full updates only (delta works over gloo and shm)"
+    elif not lower:
+        why_not = (f"the engines hold the learner's precision ({wire or cfg.model.dtype}): nearly every element "
+                   "changes each step; delta needs bf16/fp16 engines (generators.dtype) under fp32 master weights")
+    if why_not and requested == "on":
+        raise ConfigError(f"weight_sync.delta=on: {why_not}")
+    return "off" if why_not else "on"
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+
+
 def with_absolute_paths(data: DataConfig) -> DataConfig:
     """Data file paths as the launch directory sees them: the buffer actor may run elsewhere."""
 
@@ -245,7 +273,7 @@ def learner_spec(
         generators=msgspec.structs.replace(cfg.generators, device=device_of(cfg.generators.device)),
         train=cfg.train,
         weight_sync=msgspec.structs.replace(
-            cfg.weight_sync, backend=resolve_backend(cfg), wire_dtype=wire_dtype(cfg)
+            cfg.weight_sync, backend=resolve_backend(cfg), wire_dtype=wire_dtype(cfg), delta=resolve_delta(cfg)
         ),
         run_id=run_id,
         model_dir=str(model_dir),

@@ -58,6 +58,7 @@ from async_rl.errors import RunError, first_line
 from async_rl.evaluation.scores import EvalRecord
 from async_rl.generator.pool import LEARNER
 from async_rl.learner.base import StepMetrics
+from async_rl.weight_sync.base import NEEDS_FULL_UPDATE
 
 SYNC_ATTEMPTS = 3
 # A failed sync whose members all still look alive waits this long for the death that broke it: the
@@ -515,6 +516,11 @@ class Supervisor:
                 self.sync_owed = False
                 break
             except (RunError, ray.exceptions.RayError, TimeoutError) as exc:
+                if NEEDS_FULL_UPDATE in str(exc) and attempt < SYNC_ATTEMPTS:
+                    # weight_sync.delta: a receiver refused a delta from a version it does not hold;
+                    # the retry forms a new membership, whose first update is full for every engine.
+                    self.rt.generators.fell_back(f"weight sync v{version}: {str(exc).strip().splitlines()[-1]}")
+                    continue
                 grace = SYNC_DEATH_GRACE_S if attempt < SYNC_ATTEMPTS else 0.0
                 dead = self._dead_after_failed_sync(version - 1, exc, grace)
                 if not dead or attempt == SYNC_ATTEMPTS:

@@ -9,6 +9,7 @@ only after it received the current weights.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,9 +21,10 @@ from ray.actor import ActorHandle
 from async_rl.cluster.resources import PoolShare, ResourcePool, actor_key, unhealthy_actors
 from async_rl.errors import RunError
 from async_rl.generator.engine import EnginePids, EngineSettings, EngineStats, GeneratorEngine
-from async_rl.weight_sync.base import WeightGroupInfo
+from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
 from async_rl.weight_sync.checksum import ParamChecksum, ShardChecksum
 from async_rl.weight_sync.gloo import abort_membership
+from async_rl.weight_sync.verify import SyncOutcome, verified_update
 
 TIMEOUT_S = 600.0
 LEARNER = -1  # the learner's rank 0 (the sender), as a member in abort_sync
@@ -76,6 +78,8 @@ class GeneratorPool:
         # this lock: a late abandon (the loop replaced the engine first) must not outlive the engine,
         # or every later sync gives up on a member that is gone and finds nothing to replace.
         self._members = threading.Lock()
+        self.last_sync = SyncOutcome()  # what the last sync moved (the step's record)
+        self.delta_fallbacks = 0  # delta updates whose served checksum disagreed, so far (a full one followed)
 
     @property
     def actors(self) -> list[ActorHandle]:
@@ -220,7 +224,26 @@ class GeneratorPool:
             self.rebuild_membership(sender)
         actors = self.actors
         self._gather([a.pause.remote() for a in actors], TIMEOUT_S, "pausing")  # also wakes a sleeping engine
-        sent, received = self._broadcast(sender, actors, version)
+
+        def update(full: bool) -> tuple[UpdateReceipt, dict[int, list[UpdateReceipt]]]:
+            # the first try as tests may strike it (their _broadcast takes no `full`)
+            started = self._broadcast(sender, actors, version, full=True) if full else self._broadcast(sender, actors, version)
+            return self._update(*started, version)
+
+        self.last_sync = verified_update(update, version, self.fell_back)
+        ray.get([a.resume.remote(version) for a in actors], timeout=TIMEOUT_S)
+        return time.perf_counter() - t0
+
+    def fell_back(self, message: str) -> None:
+        """weight_sync.delta: a delta was refused or served wrong and a full update follows (counted)."""
+        self.delta_fallbacks += 1
+        print(f"[weight-sync] {message} ({self.delta_fallbacks} so far)", file=sys.stderr, flush=True)
+
+    def _update(
+        self, sent: ray.ObjectRef, received: list[ray.ObjectRef], version: int
+    ) -> tuple[UpdateReceipt, dict[int, list[UpdateReceipt]]]:
+        """Wait for one update's sender and receivers and check every receipt; returns the sender's
+        receipt and every engine's (one per TP worker), by engine id."""
         try:
             ours, *per_engine = self._gather([sent, *received], TIMEOUT_S, f"weight update v{version}")
         except ray.exceptions.RayTaskError as exc:
@@ -228,14 +251,14 @@ class GeneratorPool:
             # it), or a member died and the others abandoned it (SyncAborted).
             self.membership_stale = True
             raise RunError(f"weight update v{version} failed: {str(exc).strip().splitlines()[-1]}") from None
-        for engine_id, receipts in zip(self.engines, per_engine, strict=True):
+        engines: dict[int, list[UpdateReceipt]] = dict(zip(self.engines, per_engine, strict=True))
+        for engine_id, receipts in engines.items():
             for r in receipts:
                 if (r.checksum, r.manifest_digest) != (ours.checksum, ours.manifest_digest):
                     raise RunError(f"weight update v{version}: engine {engine_id} received a corrupt update")
                 if ours.served is not None and (r.served is None or not r.served.close_to(ours.served)):
                     raise RunError(adapter_mismatch(version, engine_id, ours.served, r.served))
-        ray.get([a.resume.remote(version) for a in actors], timeout=TIMEOUT_S)
-        return time.perf_counter() - t0
+        return ours, engines
 
     def _gather(self, refs: list[ray.ObjectRef], timeout_s: float, what: str) -> list:
         """ray.get of every ref, but the first failure (a dead engine or engine core, a refused
@@ -266,9 +289,10 @@ class GeneratorPool:
             raise
         return ray.get(refs)
 
-    def _broadcast(self, sender: ActorHandle, actors: list[ActorHandle], version: int):
-        """Start the sender and every receiver (one method, so a test can strike in the middle)."""
-        return sender.broadcast_weights.remote(version), [a.receive_weights.remote(version) for a in actors]
+    def _broadcast(self, sender: ActorHandle, actors: list[ActorHandle], version: int, full: bool = False):
+        """Start the sender and every receiver (one method, so a test can strike in the middle).
+        `full`: a full update even where a delta could go (the fall-back)."""
+        return sender.broadcast_weights.remote(version, full), [a.receive_weights.remote(version) for a in actors]
 
     def pids(self) -> dict[int, EnginePids]:
         return dict(zip(self.engines, ray.get([a.pids.remote() for a in self.actors], timeout=TIMEOUT_S), strict=True))

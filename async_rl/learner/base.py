@@ -217,8 +217,9 @@ class LearnerRank(abc.ABC):
         """Rank 0: block until every receiver joined."""
 
     @abc.abstractmethod
-    def broadcast_weights(self, version: int) -> UpdateReceipt:
-        """Rank 0, after `gather_weights`: send `hf_weights()` as policy `version`."""
+    def broadcast_weights(self, version: int, full: bool = False) -> UpdateReceipt:
+        """Rank 0, after `gather_weights`: send `hf_weights()` as policy `version` (`full`: never as a
+        delta, weight_sync.delta)."""
 
     @abc.abstractmethod
     def param_checksum(self) -> ParamChecksum:

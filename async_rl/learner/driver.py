@@ -608,8 +608,9 @@ class LearnerDriver(LearnerRank):
     def join_weight_group(self) -> None:
         self.weights.join()
 
-    def broadcast_weights(self, version: int) -> UpdateReceipt:
-        receipt = self.weights.broadcast(version)  # the caller pinned the weights (pin_weights)
+    def broadcast_weights(self, version: int, full: bool = False) -> UpdateReceipt:
+        """`full`: every byte, even where weight_sync.delta could send a delta (the fall-back)."""
+        receipt = self.weights.broadcast(version, full)  # the caller pinned the weights (pin_weights)
         adapter = self.backend.adapter()
         if adapter is None:
             return receipt

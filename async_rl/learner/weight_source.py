@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import torch
 
 from async_rl.cluster.net import advertised_host
@@ -31,7 +32,8 @@ class WeightSource:
         self.cfg = cfg
         self._named_tensors = named_tensors
         self._served = served or named_tensors
-        self._adopt = adopt
+        # weight_sync.delta keeps the sender's own wire-dtype baseline: the parameters stay where they are
+        self._adopt = adopt and cfg.delta != "on"
         self._store = None
         self._sender: WeightSender | None = None
         self._info: WeightGroupInfo | None = None
@@ -70,6 +72,7 @@ class WeightSource:
             self.cfg.checksum,
             self._generation,
             store=self._store,
+            delta=self.cfg.delta == "on",
         )
         return self._info
 
@@ -80,11 +83,15 @@ class WeightSource:
             # (a sharded backend gathers fresh full tensors for every sync: nothing to keep there).
             self._sender.adopt(self._named_tensors())
 
-    def broadcast(self, version: int) -> UpdateReceipt:
+    def broadcast(self, version: int, full: bool = False) -> UpdateReceipt:
+        """`full`: never a delta (weight_sync.delta's fall-back)."""
         if self._sender is None:
             raise RuntimeError("broadcast_weights before join_weight_group")
         with torch.no_grad():
-            return self._sender.send(self._named_tensors(), version)
+            receipt = self._sender.send(self._named_tensors(), version, full)
+        if receipt.delta:  # checked as served by every engine (weight_sync/verify.py)
+            receipt = msgspec.structs.replace(receipt, expected=self.checksum())
+        return receipt
 
     def checksum(self) -> ParamChecksum:
         """Of the weights as they go on the wire (cast to weight_sync.wire_dtype, e.g. bf16 for bf16

@@ -59,7 +59,13 @@ class WeightReceiverExtension:
             _refresh_tied_cpu_gemm(self.model_runner.get_model())
             _repack_cpu_experts(self.model_runner.get_model())
 
-        return msgspec.msgpack.encode(self._async_rl_receiver.receive(version, load))
+        receipt = self._async_rl_receiver.receive(version, load)
+        if receipt.delta:
+            # A delta is checked as served, not only as received: the controller compares what this
+            # worker computes with against the learner's weights, and falls back to a full update.
+            parts = shard_checksum(loaded_weight_parts(self.model_runner.get_model()))
+            receipt = msgspec.structs.replace(receipt, served_parts=parts)
+        return msgspec.msgpack.encode(receipt)
 
     def async_rl_receive_adapter(self, version: int, config: dict, lora_id: int) -> bytes:
         """learner.lora: the update is the adapter alone; it goes into LoRA slot `lora_id` (in place, the

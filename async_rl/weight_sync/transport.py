@@ -17,6 +17,9 @@ from async_rl.weight_sync.gloo import GlooChannel, GlooGroup, host_store
 from async_rl.weight_sync.shm import ShmChannel, create_region_file, new_shm_path
 
 BACKENDS = ("gloo", "shm", "nccl", "cuda_ipc")
+# Backends whose updates may be deltas: the host channels. The CUDA ones (nccl, cuda_ipc) would need
+# the patches built and applied on the device, not written or verified yet (docs/weight-sync.md).
+DELTA_BACKENDS = ("gloo", "shm")
 # Channels whose members map one region at join: the sender waits until every receiver has.
 _MAPPED = ("shm", "cuda_ipc")
 
@@ -31,9 +34,13 @@ def open_membership(
     checksum: str,
     generation: int,
     store: dist.TCPStore | None = None,
+    delta: bool = False,
 ) -> tuple[WeightGroupInfo, dist.TCPStore]:
+    """`delta`: updates after the membership's first may be deltas (weight_sync/delta.py)."""
     if backend not in BACKENDS:
         raise ValueError(f"weight_sync backend '{backend}' is not one of {BACKENDS}")
+    if delta and backend not in DELTA_BACKENDS:
+        raise ValueError(f"weight_sync.delta=on: the {backend} backend sends full updates only (delta: {DELTA_BACKENDS})")
     store = store or host_store(host, port, world_size, timeout_s)
     shm_path, nccl_id = "", b""
     if backend == "nccl":
@@ -53,6 +60,7 @@ def open_membership(
         shm_path=shm_path,
         checksum=checksum,
         nccl_id=nccl_id,
+        delta=delta,
     )
     return info, store
 
@@ -81,7 +89,9 @@ def join_sender(
         group = GlooGroup(
             info.host, info.port, 0, info.world_size, info.timeout_s, store=store, generation=info.generation
         )
-        sender = WeightSender(group, _channel(info, group, manifest), manifest, info.checksum, on_bucket)
+        sender = WeightSender(
+            group, _channel(info, group, manifest), manifest, info.checksum, on_bucket, delta=info.delta
+        )
         if info.backend in _MAPPED:
             group.barrier()  # every receiver has mapped the file or region
     finally:
@@ -92,7 +102,7 @@ def join_sender(
 
 def join_receiver(info: WeightGroupInfo, rank: int, manifest: Manifest) -> WeightReceiver:
     group = GlooGroup(info.host, info.port, rank, info.world_size, info.timeout_s, generation=info.generation)
-    receiver = WeightReceiver(group, _channel(info, group, manifest), manifest, info.checksum)
+    receiver = WeightReceiver(group, _channel(info, group, manifest), manifest, info.checksum, delta=info.delta)
     if info.backend in _MAPPED:
         group.barrier()
     return receiver

@@ -276,3 +276,33 @@ def test_autoscaler_grows_a_starved_pool(tmp_path, model_cache):
     assert [(e["source"], e["engines_before"], e["engines_after"]) for e in log] == [("autoscale", 1, 2)]
     assert "learner starved (learner wait" in log[0]["reason"]
     assert [r["num_engines"] for r in out[-1]][-1] == 2
+
+
+def test_delta_sync_serves_the_learners_bf16_weights_with_an_engine_joined_and_one_replaced(tmp_path, model_cache):
+    """weight_sync.delta=on with bf16 engines: after every sync (full or delta) each engine computes with
+    exactly the learner's weights rounded to bf16 (checksum.engine_checksum against the learner's). A
+    joined and a replaced engine each make a new membership, whose first update is full for everyone."""
+    seen: list[tuple[int, list[int], bool]] = []
+
+    def between(controller, step):
+        learner, engines = controller.checksums()
+        seen.append((step, sorted(engines), all(ck.close_to(learner) for ck in engines.values())))
+        if step == 0:
+            controller.add_engines(1)  # joins: the next sync is full
+        if step == 2:
+            controller.remove_engine(0)  # replaced by a fresh engine: the next sync is full again
+            controller.add_engines(1)
+
+    overrides = [
+        "train.total_steps=5", "train.max_lag=1", "train.prompts_per_step=4", "generators.group_size=4",
+        "generators.dtype=bfloat16", "weight_sync.delta=on", "weight_sync.bucket_mb=1",
+    ]
+    cfg, summary, learner_ck, engine_cks, final, records = run_short(tmp_path, model_cache, overrides, between)
+    assert [r["version"] for r in records] == [1, 2, 3, 4, 5] and summary.final_version == 5
+    assert all(e.version == 5 for e in summary.engines) and final.accounts.balanced()
+    assert [r["sync_delta"] for r in records] == [False, False, True, False, True]
+    full = max(r["sync_bytes"] for r in records)
+    assert all(0 < r["sync_bytes"] < full for r in records if r["sync_delta"])
+    assert all(r["delta_fallbacks"] == 0 for r in records)
+    assert seen == [(0, [0], True), (1, [0, 1], True), (2, [0, 1], True), (3, [1, 2], True), (4, [1, 2], True)]
+    assert sorted(engine_cks) == [1, 2] and all(ck.close_to(learner_ck) for ck in engine_cks.values())

@@ -292,3 +292,106 @@ def test_controller_abort_frees_a_sender_waiting_for_a_member_that_never_joins()
         with pytest.raises(SyncAborted, match="engine 3 died"):
             joining.result(timeout=30)
     assert time.monotonic() - t0 < 5
+
+
+# ---- weight_sync.delta: updates as patches against the version every receiver holds --------------------
+
+
+def run_delta(backend, receivers, steps, tamper=None, full_at=()):
+    """A membership with delta on: the sender sends `steps[v-1]` as version v (fp32 state, bf16 wire);
+    `tamper(rank, rx, v)` runs on each receiver before it takes version v; versions in `full_at` are
+    sent full. Returns the sender's receipts and, per receiver, (loaded tensors or the refusal) per version."""
+    manifest = build_manifest(steps[0].items(), bucket_bytes=4096, wire_dtype=torch.bfloat16)
+    info, store = open_membership("127.0.0.1", 0, receivers + 1, 30, backend, manifest, "full", 1, delta=True)
+
+    def receiver(rank):
+        rx = join_receiver(info, rank, manifest)
+        out = []
+        for v in range(1, len(steps) + 1):
+            if tamper is not None:
+                tamper(rank, rx, v)
+            got: dict[str, torch.Tensor] = {}
+            try:
+                receipt = rx.receive(v, lambda it, got=got: got.update((n, t.clone()) for n, t in it))
+                out.append((got, receipt))
+            except CorruptUpdate as e:
+                out.append((None, e))
+        return out
+
+    with ThreadPoolExecutor(receivers) as pool:
+        futures = [pool.submit(receiver, r) for r in range(1, receivers + 1)]
+        sender = join_sender(info, store, manifest)
+        sent = [sender.send(state, v, full=v in full_at) for v, state in enumerate(steps, start=1)]
+        results = [f.result(timeout=60) for f in futures]
+    return sent, results
+
+
+def optimizer_like_steps(n: int) -> list[dict[str, torch.Tensor]]:
+    """fp32 states as an optimizer leaves them: each step moves every element by ~1e-3 (most bf16 values stay)."""
+    states = [model_state()]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(n - 1):
+        prev = states[-1]
+        states.append({k: (t + 1e-3 * torch.randn(t.shape, generator=g) if t.is_floating_point() else t + 1)
+                       for k, t in prev.items()})
+    return states
+
+
+def bf16(state):
+    return {k: (t.to(torch.bfloat16) if t.is_floating_point() else t) for k, t in state.items()}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_delta_updates_leave_receivers_holding_the_senders_bf16_weights_bit_for_bit(backend):
+    steps = optimizer_like_steps(4)
+    sent, results = run_delta(backend, 2, steps)
+    assert [r.delta for r in sent] == [False, True, True, True]  # the membership's first update is full
+    full_bytes = sent[0].sent_bytes
+    assert all(r.sent_bytes < full_bytes for r in sent[1:])
+    for per_version in results:
+        for (got, receipt), ours, state in zip(per_version, sent, steps, strict=True):
+            assert got is not None, receipt
+            assert receipt.delta == ours.delta and receipt.checksum == ours.checksum and receipt.sent_bytes == ours.sent_bytes
+            want = bf16(state)
+            assert got.keys() == want.keys()
+            for name, t in want.items():
+                assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_a_receiver_that_missed_a_version_refuses_the_delta_and_takes_the_full_update():
+    steps = optimizer_like_steps(4)
+
+    def miss_v3(rank, rx, v):
+        if rank == 2 and v == 3:
+            rx.base_version = 1  # as if v2 never reached this worker's baseline
+
+    sent, results = run_delta("gloo", 2, steps, tamper=miss_v3, full_at=(4,))
+    assert [r.delta for r in sent] == [False, True, True, False]
+    (got3, refusal) = results[1][2]
+    assert got3 is None and isinstance(refusal, CorruptUpdate)
+    assert "delta from v2, but this worker holds v1: it needs a full update" in str(refusal)
+    assert results[0][2][0] is not None  # the other receiver took v3 as a delta
+    for per_version in results:  # after the full update both hold v4 exactly
+        got, receipt = per_version[3]
+        assert not receipt.delta
+        for name, t in bf16(steps[3]).items():
+            assert torch.equal(got[name], t), name
+
+
+def test_after_a_refused_delta_the_next_delta_is_refused_too_until_a_full_update():
+    steps = optimizer_like_steps(3)
+
+    def corrupt_v2(rank, rx, v):
+        if v == 2:
+            rx.base_version = 99
+
+    _, results = run_delta("shm", 1, steps, tamper=corrupt_v2)
+    assert isinstance(results[0][1][1], CorruptUpdate)
+    # the refusal left this worker without a baseline: v3, a delta from v2, is refused as well
+    assert isinstance(results[0][2][1], CorruptUpdate) and "holds no baseline" in str(results[0][2][1])
+
+
+def test_delta_on_a_cuda_backend_is_refused_in_one_line():
+    manifest = build_manifest(model_state().items(), bucket_bytes=4096)
+    with pytest.raises(ValueError, match=r"weight_sync.delta=on: the nccl backend sends full updates only"):
+        open_membership("127.0.0.1", 0, 2, 30, "nccl", manifest, "full", 1, delta=True)
