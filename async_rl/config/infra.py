@@ -58,7 +58,8 @@ class WeightSyncConfig(_Section):
            "holds (sparse patches, or dense where smaller); every new membership's first update, and the fall-back "
            "after a delta whose served checksum disagrees, are full. Costs one model at the wire dtype on the "
            "sender and in every engine worker. auto = on where the engines serve a lower precision than the "
-           "learner's master weights (bf16 engines), off for fp32 engines, LoRA and the CUDA backends; on with "
+           "learner's master weights (bf16 engines) and the weights cross hosts (gloo to a Ray cluster); off on "
+           "one host (measured slower there than a full sync), for fp32 engines, LoRA and the CUDA backends; on with "
            "the nccl or cuda_ipc backend, learner.lora or no lower-precision wire dtype is refused"),
     ] = "auto"
 

@@ -156,11 +156,16 @@ def _cfg(*overrides: str):
     return load_config(None, ["generators.device=cpu", "learner.device=cpu", *overrides])
 
 
-def test_delta_auto_is_on_for_bf16_engines_under_fp32_masters_and_off_otherwise():
+def test_delta_auto_is_on_for_bf16_engines_across_hosts_and_off_otherwise():
     from async_rl.control.settings import resolve_delta
 
-    assert resolve_delta(_cfg("generators.dtype=bfloat16")) == "on"
-    assert resolve_delta(_cfg("generators.dtype=bfloat16", "weight_sync.backend=gloo")) == "on"
+    across = ("generators.dtype=bfloat16", "ray.address=10.0.0.1:6379")  # gloo to a Ray cluster (auto)
+    assert resolve_delta(_cfg(*across)) == "on"
+    # one host: measured slower than a full sync (shm, and gloo on one host), so off unless asked for
+    assert resolve_delta(_cfg("generators.dtype=bfloat16")) == "off"
+    assert resolve_delta(_cfg("generators.dtype=bfloat16", "weight_sync.backend=gloo")) == "off"
+    assert resolve_delta(_cfg("generators.dtype=bfloat16", "weight_sync.delta=on")) == "on"
+    assert resolve_delta(_cfg(*across, "generators.dtype=float32")) == "off"  # every element changes
     assert resolve_delta(_cfg("generators.dtype=float32")) == "off"  # every element changes
     assert resolve_delta(_cfg("generators.dtype=bfloat16", "learner.lora.enabled=true")) == "off"
     assert resolve_delta(_cfg("generators.dtype=bfloat16", "weight_sync.delta=off")) == "off"
