@@ -93,7 +93,7 @@ def validate_deterministic(cfg: Config) -> None:
     elif cfg.algorithm.dynamic_sampling:
         why = "algorithm.dynamic_sampling fills a batch with whichever groups pass first"
     elif cfg.env.name.startswith(("agent:", "verifiers:")):
-        why = (f"env.name={cfg.env.name!r}: agent calls are seeded one by one and repeat their tokens, but their "
+        why = (f"env.name={cfg.env.name!r}: agent calls are seeded one by one and their rewards repeat, but their "
                "log-probs differ in the last bits between two runs (measured; docs/determinism.md)")
     elif cfg.task.reward.startswith((JUDGE_PREFIX, CLASSIFIER_PREFIX)):
         why = f"task.reward={cfg.task.reward!r}: a reward model's answers are not yet seeded"
