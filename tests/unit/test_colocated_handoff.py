@@ -13,6 +13,7 @@ import torch
 
 from async_rl.config import Config, SecurityConfig
 from async_rl.control import runtime as runtime_mod
+from async_rl.control.start_retry import StartRetry
 from async_rl.learner import gpu_memory
 
 
@@ -67,7 +68,7 @@ def runtime_with(monkeypatch, placement: str) -> tuple[runtime_mod.Runtime, Reco
     cfg = Config(placement=placement, security=SecurityConfig(curve=False))
     rt = runtime_mod.Runtime.__new__(runtime_mod.Runtime)
     rt.cfg, rt.plan, rt.keys, rt.run_id, rt.model_dir = cfg, None, None, "r", None
-    rt._pools, rt._generators_version, rt._acked_step = [], 0, -1
+    rt._pools, rt._generators_version, rt._acked_step, rt._learner = [], 0, -1, None
     ranks = [StubActor(rec, f"rank{r}") for r in range(2)]
     monkeypatch.setattr(runtime_mod.ray, "get", lambda x, timeout=None: x)
     monkeypatch.setattr(runtime_mod, "warn_insecure", lambda: None)
@@ -80,7 +81,7 @@ def runtime_with(monkeypatch, placement: str) -> tuple[runtime_mod.Runtime, Reco
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_colocated_engines_start_before_the_learner_sets_up(monkeypatch, placement):
     rt, rec = runtime_with(monkeypatch, placement)
-    rt.start(None, engines_paused=False)
+    rt.start(None, engines_paused=False, starts=StartRetry(1, 0.0, (RuntimeError,)))
     order = [e for e in rec.log if e.startswith("engines start") or e.endswith(".setup")]
     if placement == "colocated":
         assert order == ["engines starting", "engines started", "rank0.setup", "rank1.setup"]

@@ -158,6 +158,7 @@ def test_weight_reload_runs_inside_vllms_config_context():
     from vllm.v1.worker.gpu_worker import Worker
 
     from async_rl.serving.worker_extension import WeightReceiverExtension
+    from async_rl.weight_sync.base import UpdateReceipt
 
     seen = []
 
@@ -171,7 +172,7 @@ def test_weight_reload_runs_inside_vllms_config_context():
     class Receiver:
         def receive(self, version, load):
             load(iter([("w", torch.zeros(1))]))
-            return []
+            return UpdateReceipt(version=version, manifest_digest="", checksum="", nbytes=4, seconds=0.0)
 
     class StubWorker(WeightReceiverExtension):
         reload_weights = Worker.reload_weights  # vLLM's, as the real worker class has it
