@@ -278,24 +278,37 @@ class WeightSender:
             if self._base is not None:  # what the receivers will hold: the next delta's baseline
                 for name, t in unpack(bucket, buf):
                     self._base[name].copy_(t)
-            if pending is not None:
-                self.group.wait(pending)
-                self._moved(version, k)
-            pending = self.channel.start_send(k, buf)
-            if checker:
-                checker.hash_bucket(k, buf)
+            pending = self._send_bucket(version, k, buf, pending, checker)
+        table = self._finish(version, self.manifest, pending, checker)
+        checked = checker.chunks_checked if checker else 0
+        return _receipt(version, self.manifest, table if checker else None, t0, checked)
+
+    def _send_bucket(self, version: int, k: int, buf: torch.Tensor, pending: Pending | None,
+                     checker: ChunkChecker | None) -> Pending:
+        """Start sending bucket k once bucket k-1 has left (packing k overlapped its transfer); hash it
+        while it travels."""
         if pending is not None:
             self.group.wait(pending)
-            self._moved(version, len(self.manifest.buckets))
-        table = ChunkTable(self.manifest)
+            self._moved(version, k)
+        pending = self.channel.start_send(k, buf)
+        if checker:
+            checker.hash_bucket(k, buf)
+        return pending
+
+    def _finish(self, version: int, manifest: Manifest, pending: Pending | None,
+                checker: ChunkChecker | None) -> ChunkTable:
+        """After the last bucket: the chunk table (of `manifest`, the buckets as sent), then the barrier."""
+        if pending is not None:
+            self.group.wait(pending)
+            self._moved(version, len(manifest.buckets))
+        table = ChunkTable(manifest)
         if checker:
             table.fill(checker)
         self.group.broadcast(torch.frombuffer(bytearray(table.to_bytes()), dtype=torch.uint8))
         # Every receiver has loaded (or refused) the update: only now may the caller change the
         # tensors, which matters when they live in the channel itself (`adopt`).
         self.group.barrier()
-        checked = checker.chunks_checked if checker else 0
-        return _receipt(version, self.manifest, table if checker else None, t0, checked)
+        return table
 
     def _send_delta(self, tensors: dict[str, torch.Tensor], version: int, base_version: int) -> UpdateReceipt:
         """The same sequence as `_send`, with a plan after the header and patches for buckets. Two
@@ -329,20 +342,8 @@ class WeightSender:
                 for spec, (kind, _, _) in zip(bucket.tensors, diffs, strict=True):
                     if kind != dl.SAME:
                         base[spec.name].copy_(new[spec.name])
-                if pending is not None:
-                    self.group.wait(pending)
-                    self._moved(version, k)
-                pending = self.channel.start_send(k, buf)
-                if checker:
-                    checker.hash_bucket(k, buf)
-            if pending is not None:
-                self.group.wait(pending)
-                self._moved(version, len(buckets))
-            table = ChunkTable(update)
-            if checker:
-                table.fill(checker)
-            self.group.broadcast(torch.frombuffer(bytearray(table.to_bytes()), dtype=torch.uint8))
-            self.group.barrier()
+                pending = self._send_bucket(version, k, buf, pending, checker)
+            table = self._finish(version, update, pending, checker)
         checked = checker.chunks_checked if checker else 0
         receipt = _receipt(version, self.manifest, table if checker else None, t0, checked)
         return msgspec.structs.replace(receipt, delta=True, sent_bytes=sum(sizes) + plan.nbytes)
