@@ -181,7 +181,20 @@ class Runtime:
             starts.run(lambda: self._generators.add(n, paused=engines_paused, while_starting=make_learner),
                        f"{n} engine(s)", say)
             ray.get(setup, timeout=START_TIMEOUT_S)
-        self._generators.rebuild_membership(self._learner.actors[0])
+        # Joining the weight group is the engines' last step of starting: an engine (or its core) that
+        # dies in it is replaced and the group formed again, within the same start attempts.
+        tries = iter(range(starts.attempts))
+        starts.run(lambda: self._join_first_group(n, engines_paused, retry=next(tries) > 0),
+                   f"{n} engine(s) joining the weight group", say)
+
+    def _join_first_group(self, n: int, paused: bool, retry: bool) -> None:
+        pool = self._generators
+        if retry:  # what died in the previous try goes, and new engines take its place
+            for engine_id in pool.find_dead():
+                pool.drop_dead(engine_id)
+            if len(pool.engines) < n:
+                pool.add(n - len(pool.engines), paused=paused)
+        pool.rebuild_membership(self._learner.actors[0])
 
     def learner_spec(self, serve: str) -> LearnerSpec:
         """What every learner rank is started with; `serve`: the buffer's batch-serving address."""

@@ -276,7 +276,7 @@ class GeneratorEngine:
         next health check."""
         while self._stop or not self.model.started or self.healthy():
             await asyncio.sleep(vc.DEATH_POLL_S)
-        return "vLLM's engine core died" if self.model.dead() else "its reward pool makes no progress"
+        return self.model.death_line() if self.model.dead() else "its reward pool makes no progress"
 
     def healthy(self) -> bool:
         """False once vLLM's engine core died (the actor alone cannot generate any more), or once its

@@ -47,7 +47,7 @@ class ServedModelReplica(RewardModelServer):
                 self._hung = f"vLLM's engine core answered no request for {stalled:.0f}s (hung); killed pids {pids}"
                 break
             await asyncio.sleep(vc.DEATH_POLL_S)
-        return self._hung or "vLLM's engine core died"
+        return self._hung or self.model.death_line()
 
     def pids(self) -> ReplicaPids:
         return ReplicaPids(actor=os.getpid(), engine_core=self.model.engine_core_pids())

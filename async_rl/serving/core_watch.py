@@ -12,6 +12,8 @@ import weakref
 
 import psutil
 
+from async_rl.serving.core_start import exit_words
+
 # one entry per AsyncLLM: its engine-core processes, found once (the lookup walks vLLM's objects)
 _cores: weakref.WeakKeyDictionary[object, list[psutil.Process]] = weakref.WeakKeyDictionary()
 
@@ -71,3 +73,22 @@ def exited_core(llm) -> int | None:
         except psutil.NoSuchProcess:
             return proc.pid
     return None
+
+
+def exit_code(llm) -> int | None:
+    """The exit code of an engine-core process of `llm` that exited, as multiprocessing reports it
+    (negative: the signal that ended it), or None while every one runs or where it is not known."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    for proc in getattr(manager, "processes", None) or []:
+        code = getattr(proc, "exitcode", None)  # a zombie is reaped by this look
+        if isinstance(code, int):
+            return code
+    return None
+
+
+def death_line(llm) -> str:
+    """That vLLM's engine core died, and how where its exit code is known (SIGKILL: most often the
+    out-of-memory killer; the kernel's log says which process it chose)."""
+    code = exit_code(llm)
+    return "vLLM's engine core died" + (f" ({exit_words(code)})" if code is not None else "")

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from async_rl.serving import core_start, engine_routes
+from async_rl.serving import core_start, core_watch, engine_routes
 from async_rl.serving import vllm_compat as vc
 from async_rl.serving.prompt_images import prompt_images
 from async_rl.weight_sync.base import UpdateReceipt, WeightGroupInfo
@@ -219,6 +219,10 @@ class ServedModel:
     def dead(self) -> bool:
         """True once vLLM's engine core died (the process holding this object cannot generate any more)."""
         return vc.is_dead(self._llm)
+
+    def death_line(self) -> str:
+        """That vLLM's engine core died, with its exit code in words where known."""
+        return core_watch.death_line(self._llm)
 
     def engine_core_pids(self) -> list[int]:
         return vc.engine_core_pids(self._llm) if self._llm is not None else []

@@ -55,7 +55,7 @@ async def watched(llm, call: Awaitable[T], what: str) -> T:
             if done:
                 return task.result()
             if is_dead(llm):
-                raise EngineDied(f"{what}: vLLM's engine core died")
+                raise EngineDied(f"{what}: {core_watch.death_line(llm)}")
     finally:
         task.cancel()  # no request goes on unowned (a no-op once it is done)
 

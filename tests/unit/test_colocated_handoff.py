@@ -121,3 +121,49 @@ def test_release_drops_gradients_between_steps_only():
     assert all(p.grad is not None for p in model.parameters())
     gpu_memory.release(gpu_memory.optimizers_of(owner), drop_grads=True)
     assert all(p.grad is None for p in model.parameters())
+
+
+class PoolWhoseEngineDiesInTheJoin(StubPool):
+    """Engine 0's core dies while the first weight group forms (seen in CI: EngineDied in
+    join_weight_group); it is found dead, dropped and started again, and the group formed anew."""
+
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__(rec)
+        self.engines: dict[int, str] = {}
+        self.joins = 0
+        self._next_id = 0  # engine ids are never reused
+
+    def add(self, count: int, paused: bool, while_starting=None) -> list[int]:
+        new = list(range(self._next_id, self._next_id + count))
+        self._next_id += count
+        self.engines.update({i: "engine" for i in new})
+        super().add(count, paused, while_starting)
+        return new
+
+    def rebuild_membership(self, sender) -> None:
+        self.joins += 1
+        if self.joins == 1:
+            raise RuntimeError("join_weight_group: vLLM's engine core died (killed by SIGKILL)")
+        self._rec.log.append(f"membership of {sorted(self.engines)}")
+
+    def find_dead(self) -> list[int]:
+        return [0]
+
+    def drop_dead(self, engine_id: int) -> int:
+        del self.engines[engine_id]
+        self._rec.log.append(f"dropped {engine_id}")
+        return 0
+
+
+def test_an_engine_that_dies_while_the_first_group_forms_is_replaced(monkeypatch):
+    rt, rec = runtime_with(monkeypatch, "disaggregated")
+    pool = PoolWhoseEngineDiesInTheJoin(rec)
+    monkeypatch.setattr(runtime_mod, "GeneratorPool", lambda *a, **k: pool)
+    rt.cfg.generators.num_engines = 2
+    said: list[str] = []
+    monkeypatch.setattr("builtins.print", lambda line, **k: said.append(line))
+    starts = StartRetry(2, 0.0, (RuntimeError,))
+    rt.start(None, engines_paused=False, starts=starts)
+    assert rec.log[-4:] == ["dropped 0", "engines starting", "engines started", "membership of [1, 2]"]
+    assert pool.joins == 2 and starts.failed == 1
+    assert any("joining the weight group: start 1 of 2 failed (" in s and "SIGKILL" in s for s in said)

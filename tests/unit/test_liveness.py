@@ -68,3 +68,33 @@ def test_an_engine_core_that_exited_is_seen_at_once_without_vllms_flag():
         core.wait()
     # a vLLM that keeps its processes elsewhere: only its flag tells
     assert core_watch.core_pids(CoreClient()) == [] and not vc.is_dead(CoreClient())
+
+
+def test_a_call_into_a_killed_core_says_how_it_ended():
+    """The death line carries the core's exit code in words (vLLM keeps its cores as multiprocessing
+    processes): a SIGKILL names the out-of-memory killer as the usual sender."""
+    import multiprocessing
+    import signal
+    from types import SimpleNamespace
+
+    from async_rl.serving import core_watch
+
+    core = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    core.start()
+    llm = CoreClient()
+    llm.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=[core])))
+
+    async def scenario():
+        never = asyncio.get_running_loop().create_future()
+        with pytest.raises(vc.EngineDied) as died:
+            await vc.watched(llm, never, "join_weight_group")
+        return str(died.value)
+
+    try:
+        assert core_watch.death_line(llm) == "vLLM's engine core died"  # alive: no code yet
+        core.kill()
+        line = asyncio.run(scenario())
+    finally:
+        core.kill()
+        core.join()
+    assert line == f"join_weight_group: vLLM's engine core died (killed by {signal.SIGKILL.name} (the out-of-memory killer, or a kill))"
