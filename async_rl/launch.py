@@ -24,10 +24,10 @@ from async_rl.control.remote_cause import cause_line
 from async_rl.control.resume_config import check_given, saved_config, saved_with_overrides, split_positionals
 from async_rl.errors import ConfigError, RunError, typed_line
 from async_rl.learner.moe_settings import settings_error
-from async_rl.models.tiny import model_is_vision, model_routing, resolve_model_path
+from async_rl.models.tiny import model_routing, model_vision_type, resolve_model_path
 from async_rl.tasks.registry import load_task
 from async_rl.tasks.rewards import load_reward
-from async_rl.vision_settings import images_error, vision_error
+from async_rl.vision_settings import family_settings_error, images_error, vision_error
 
 
 def weight_sync_line(cfg: Config) -> str:
@@ -80,7 +80,10 @@ def check_inputs(cfg: Config) -> None:
     if why := settings_error(cfg.learner, routing.num_experts if routing is not None else 0):
         raise ConfigError(why)  # an MoE (or dense) model's learner settings (learner/moe_settings.py)
     task = load_task(cfg.task.name)
-    vision = model_is_vision(cfg.model.path, cfg.model.cache_dir)
+    kind = model_vision_type(cfg.model.path, cfg.model.cache_dir)  # '': a text model
+    vision = bool(kind)
+    if vision and (why := family_settings_error(cfg, kind)):
+        raise ConfigError(why)  # a family not built (Gemma3, ...), or settings its processor does not take
     first = None if cfg.data.train_files else next(iter(task.prompts(cfg.task.seed)), None)
     if why := vision_error(cfg, vision) or images_error(cfg, vision, first is not None and bool(first.images)):
         raise ConfigError(why)

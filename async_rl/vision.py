@@ -24,6 +24,7 @@ import numpy as np
 from async_rl.config import VisionConfig
 from async_rl.errors import RunError, first_line
 from async_rl.images import IMAGE_MARKER, ImageError, check, decode
+from async_rl.vision_family import VisionFamily, family_error, family_of, model_type
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
@@ -53,9 +54,12 @@ def image_token_id(model_dir: str | Path) -> int:
 class Pixels:
     """A group's images as the learner's forward takes them."""
 
-    pixel_values: Any  # torch.Tensor [patches, patch_dim], the images' patches back to back
-    image_grid_thw: Any  # torch.LongTensor [images, 3]: each image's (frames, rows, columns) of patches
-    tokens_per_image: list[int]  # each image's placeholder tokens after the merger
+    # torch.Tensor, the images back to back: Qwen [patches, patch_dim]; LLaVA [images, 3, height, width]
+    pixel_values: Any
+    # torch.LongTensor [images, 3]: each image's (frames, rows, columns) of patches; None: a family whose
+    # images all have one size (`VisionFamily.image_grid`)
+    image_grid_thw: Any
+    tokens_per_image: list[int]  # each image's placeholder tokens (Qwen's: after the merger)
 
 
 class VisionModel:
@@ -64,18 +68,36 @@ class VisionModel:
 
         self.model_dir = str(model_dir)
         self.settings = settings
+        kind = model_type(model_dir)
+        family = family_of(kind)
+        if family is None:
+            raise RunError(family_error(kind, self.model_dir))
+        self.family: VisionFamily = family
         if not any((Path(model_dir) / f).is_file() for f in PROCESSOR_FILES):
             raise RunError(
                 f"model '{model_dir}' is a vision-language model without a processor (no {' or '.join(PROCESSOR_FILES)})"
             )
         try:
-            self.processor = AutoProcessor.from_pretrained(self.model_dir, **settings.processor_kwargs())
+            self.processor = AutoProcessor.from_pretrained(self.model_dir, **self.processor_kwargs())
         except Exception as exc:  # noqa: BLE001 (any loader error: named in one line)
             raise RunError(f"model '{model_dir}': its processor does not load: {first_line(exc)}") from None
         tokenizer = self.processor.tokenizer
         self.image_token = getattr(self.processor, "image_token", None) or "<image>"
         self.image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
         self.merge = int(getattr(self.processor.image_processor, "merge_size", 1) or 1)
+        # a fixed-size family: every image makes the tokens one image makes (counted by the processor itself)
+        self._fixed_tokens = 0 if family.image_grid else self._tokens_of_one_image()
+
+    def processor_kwargs(self) -> dict[str, int]:
+        """The run's pixel bounds for a family whose processor takes them (the launcher refuses them for
+        the others: `vision_settings.vision_error`)."""
+        return self.settings.processor_kwargs() if self.family.pixel_bounds else {}
+
+    def _tokens_of_one_image(self) -> int:
+        from PIL import Image
+
+        out = self.processor(text=[self.image_token], images=[Image.new("RGB", (8, 8))], return_tensors="np")
+        return self.image_tokens(out["input_ids"][0])
 
     @classmethod
     def of(cls, model_dir: str | Path, settings: VisionConfig) -> VisionModel | None:
@@ -119,6 +141,8 @@ class VisionModel:
         import torch
 
         out = self.processor.image_processor(images=[decode(data) for data in images], return_tensors="pt")
+        if not self.family.image_grid:
+            return Pixels(torch.as_tensor(out["pixel_values"]), None, [self._fixed_tokens] * len(images))
         grid = torch.as_tensor(out["image_grid_thw"], dtype=torch.long)
         per_image = [int(g.prod()) // (self.merge * self.merge) for g in grid]
         return Pixels(torch.as_tensor(out["pixel_values"]), grid, per_image)

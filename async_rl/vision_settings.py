@@ -6,12 +6,15 @@ model alone, so a trained vision tower (learner.freeze_vision=false) is not on o
 environments (built in or `pkg.module:factory`) and agents (`agent:...`, whose requests may hold
 image_url parts) run, and their turns may show images (docs/vision.md); verifiers environments are not
 tried with images. Each refusal is one line naming the setting. A text-only model given prompts with
-images, or in the `zoom` environment, is refused too.
+images, or in the `zoom` environment, is refused too. So is a VLM of a family not built
+(`vision_family`: Qwen2-VL/Qwen2.5-VL and LLaVA are), and pixel bounds for a family whose processor
+resizes every image to one size (LLaVA).
 """
 
 from __future__ import annotations
 
 from async_rl.config import Config
+from async_rl.vision_family import family_error, family_of
 
 
 def vision_error(cfg: Config, vision: bool) -> str | None:
@@ -37,6 +40,18 @@ def vision_error(cfg: Config, vision: bool) -> str | None:
         return f"env.name={cfg.env.name}: {path}; verifiers environments with images are not tried yet"
     if cfg.algorithm.kl_coef > 0:
         return f"algorithm.kl_coef={cfg.algorithm.kl_coef}: {path}; the KL reference would score its prompts without their images"
+    return None
+
+
+def family_settings_error(cfg: Config, kind: str) -> str | None:
+    """A vision-language model of model_type `kind`: the one line that refuses a family not built, or
+    pixel bounds that its processor does not take (LLaVA resizes every image to one size), or None."""
+    family = family_of(kind)
+    if family is None:
+        return family_error(kind, cfg.model.path)
+    if not family.pixel_bounds and (cfg.vision.min_pixels or cfg.vision.max_pixels):
+        return (f"vision.min_pixels/max_pixels: model.path '{cfg.model.path}' is a {family.name} model, whose processor "
+                "resizes every image to one fixed size: leave them 0")
     return None
 
 

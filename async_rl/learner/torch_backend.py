@@ -220,7 +220,7 @@ class TorchBackend(ModelBackend):
 
     def _vision_model(self, model_dir: str, sp: int) -> torch.nn.Module:
         """A vision-language model (its image-text-to-text class), its vision tower frozen by
-        learner.freeze_vision (the projector, the patch merger, trains); the settings it cannot take
+        learner.freeze_vision (the projector trains: Qwen's patch merger, LLaVA's multi_modal_projector); the settings it cannot take
         refused in one line each."""
         from transformers import AutoModelForImageTextToText
 
@@ -229,9 +229,9 @@ class TorchBackend(ModelBackend):
         if self.cfg.attention in ("varlen", "flex"):
             raise RunError(f"learner.attention={self.cfg.attention}: vision-language models train with sdpa (set sdpa or auto)")
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=self.dtype)
+        self.vision_inputs = VisionInputs(model, model_dir, self.vision)  # refuses a family not built
         if self.cfg.freeze_vision:
-            frozen_vision_tower(model)
-        self.vision_inputs = VisionInputs(model, model_dir, self.vision)
+            frozen_vision_tower(model, self.vision_inputs.vision.family)
         return model
 
     def _check_sequence_parallel(self, config) -> int:

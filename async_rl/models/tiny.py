@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from async_rl.errors import ConfigError
-from async_rl.models import smollm2, tiny_moe, tiny_vl, upcycle
+from async_rl.models import smollm2, tiny_llava, tiny_moe, tiny_vl, upcycle
 from async_rl.models.moe import MoeRouting, read_routing
 from async_rl.vision import is_vision_model
+from async_rl.vision_family import model_type
 
 _PRESET_VERSION = "v1"
 
@@ -37,10 +38,13 @@ SHAPES: dict[str, PresetShape] = {
     "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
 }
 # Mixture-of-experts presets (models/tiny_moe.py: their sizes by name) and vision-language ones
-# (models/tiny_vl.py), the same tokenizer (the VLMs' with their vision tokens added).
-PRESETS = (*SHAPES, *tiny_moe.PRESETS, *tiny_vl.PRESETS)  # created offline from code
+# (models/tiny_vl.py: Qwen2.5-VL; models/tiny_llava.py: LLaVA), the same tokenizer (the VLMs' with their
+# vision tokens added).
+PRESETS = (*SHAPES, *tiny_moe.PRESETS, *tiny_vl.PRESETS, *tiny_llava.PRESETS)  # created offline from code
 # every name model.path accepts besides a folder (config.MODEL_PRESETS)
-ALL_PRESETS = (*SHAPES, *tiny_moe.PRESETS, smollm2.NAME, upcycle.NAME, *tiny_vl.PRESETS)
+ALL_PRESETS = (*SHAPES, *tiny_moe.PRESETS, smollm2.NAME, upcycle.NAME, *tiny_vl.PRESETS, *tiny_llava.PRESETS)
+# the vision-language presets' model_type (config.json's), known without building them
+VISION_PRESETS = {**dict.fromkeys(tiny_vl.PRESETS, "qwen2_5_vl"), **dict.fromkeys(tiny_llava.PRESETS, "llava")}
 
 # Characters the built-in tasks use; every one is its own token.
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?,. ")
@@ -95,6 +99,8 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
     try:
         if name in tiny_vl.PRESETS:
             tiny_vl.write(name, tmp, build_tokenizer())  # weights, tokenizer and processor
+        elif name in tiny_llava.PRESETS:
+            tiny_llava.write(name, tmp, build_tokenizer())
         else:
             tokenizer = build_tokenizer()
             ids = (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -142,10 +148,12 @@ def model_routing(path: str, cache_dir: str) -> MoeRouting | None:
     return read_routing(resolve_model_path(path, cache_dir))
 
 
-def model_is_vision(path: str, cache_dir: str) -> bool:
-    """Whether `model.path` is a vision-language model, without building a preset (launch checks)."""
-    if path in tiny_vl.PRESETS:
-        return True
+def model_vision_type(path: str, cache_dir: str) -> str:
+    """The model_type of `model.path`'s vision-language model ('' for a text model), without building a
+    preset: the launcher checks that async_rl trains its family (`vision_family`)."""
+    if path in VISION_PRESETS:
+        return VISION_PRESETS[path]
     if path in ALL_PRESETS:
-        return False
-    return is_vision_model(resolve_model_path(path, cache_dir))
+        return ""
+    folder = resolve_model_path(path, cache_dir)
+    return (model_type(folder) or "unknown") if is_vision_model(folder) else ""

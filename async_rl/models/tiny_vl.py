@@ -20,13 +20,19 @@ PIXELS = 56 * 56  # the preset processor's default budget: min_pixels = max_pixe
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # The prompt text that stands for one image: the processor expands the pad to the image's tokens.
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-# The processor's chat template: the messages' parts in order, no roles (the character tokenizer has
-# no tokens for them), images as their placeholder.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
-    "{% if c.type == 'image' %}" + IMAGE_PLACEHOLDER + "{% else %}{{ c.text }}{% endif %}"
-    "{% endfor %}{% endif %}{% endfor %}"
-)
+
+
+def chat_template(image_placeholder: str) -> str:
+    """A tiny VLM processor's chat template: the messages' parts in order, no roles (the character
+    tokenizer has no tokens for them), each image as `image_placeholder` (which the processor expands)."""
+    return (
+        "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+        "{% if c.type == 'image' %}" + image_placeholder + "{% else %}{{ c.text }}{% endif %}"
+        "{% endfor %}{% endif %}{% endfor %}"
+    )
+
+
+CHAT_TEMPLATE = chat_template(IMAGE_PLACEHOLDER)
 
 
 class TinyVl(NamedTuple):

@@ -134,7 +134,9 @@ class MicroBatch:
         if self.vision is None:
             return inputs
         v = self.vision.to(device)  # the learner's forward embeds them (`model/vision_embed.py`)
-        inputs["pixel_values"], inputs["image_grid_thw"], inputs["image_mask"] = v.pixel_values, v.image_grid_thw, v.image_mask
+        inputs["pixel_values"], inputs["image_mask"] = v.pixel_values, v.image_mask
+        if v.image_grid_thw is not None:  # Qwen-VL's per-image grids; a fixed-size family has none
+            inputs["image_grid_thw"] = v.image_grid_thw
         if v.rope is not None:
             flat = inputs.get("position_ids")
             if flat is None:  # the padded layout: positions count from 0 in every row

@@ -33,8 +33,8 @@ class SampleVision:
     environment showed images too (`columns` set: its own)."""
 
     key: bytes  # digest of the prompt's image bytes: samples with equal tokens and key share a prompt
-    pixel_values: torch.Tensor  # [patches, patch_dim]
-    image_grid_thw: torch.Tensor  # long [images, 3]
+    pixel_values: torch.Tensor  # Qwen-VL [patches, patch_dim]; LLaVA [images, 3, height, width]
+    image_grid_thw: torch.Tensor | None  # long [images, 3]; None: a fixed-size family's (LLaVA)
     # int64 [3, n]: the 3-D positions of the sequence's first n tokens (the prompt's, or with `columns` the
     # whole episode's); None: 1-D positions
     rope: np.ndarray | None
@@ -60,13 +60,14 @@ class SampleVision:
 @dataclass
 class VisionBatch:
     pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
+    image_grid_thw: torch.Tensor | None  # None: a fixed-size family's images (no grid)
     image_mask: torch.Tensor  # bool [B, T]: the placed prompts' placeholders (where the images' features go)
     rope: torch.Tensor | None  # long [3, B, T]
 
     def to(self, device: torch.device) -> VisionBatch:
         rope = None if self.rope is None else self.rope.to(device)
-        return VisionBatch(self.pixel_values.to(device), self.image_grid_thw.to(device), self.image_mask.to(device), rope)
+        grid = None if self.image_grid_thw is None else self.image_grid_thw.to(device)
+        return VisionBatch(self.pixel_values.to(device), grid, self.image_mask.to(device), rope)
 
 
 def rope_of(vision: SampleVision, positions: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,8 @@ class VisionRows:
         if not seen:
             return None
         pixels = torch.cat([v.pixel_values for v in seen])
-        grid = torch.cat([v.image_grid_thw for v in seen])
+        grids = [v.image_grid_thw for v in seen if v.image_grid_thw is not None]
+        grid = torch.cat(grids) if grids else None  # one model's images: all with grids, or none
         mask = torch.zeros(input_ids.shape, dtype=torch.bool)
         for row, start, _, prompt_end, v in placed:
             if v is not None and v.columns is not None:

@@ -4,7 +4,8 @@ The group's images arrive as the encoded files the engine read (`TrajectoryGroup
 processor (`async_rl.vision`, loaded from the same folder with the same `vision.*` pixel bounds as the
 engine's) turns them into pixel values and grids. The prompt's tokens must hold exactly as many image
 tokens as those grids make: otherwise the engine saw other pixels, and the step stops in one line.
-Qwen-VL families also get their prompt's 3-D rotary positions from the model's own `get_rope_index`.
+Qwen-VL families also get their prompt's 3-D rotary positions from the model's own `get_rope_index`
+(`VisionFamily.rope_3d`); LLaVA's prompts keep the layout's 1-D positions.
 
 An episode whose environment showed images (a tool's crop: `TrajectoryGroup.sample_images`) has images
 of its own: its features go at the prompt's placeholders and at the placeholders of its environment
@@ -24,6 +25,7 @@ from async_rl.errors import RunError
 from async_rl.learner.batch.vision_rows import SampleVision
 from async_rl.protocol import TrajectoryGroup
 from async_rl.vision import VisionModel
+from async_rl.vision_family import VisionFamily
 
 _CACHE_GROUPS = 4096  # a step's groups are scored, then trained: process each group's images once
 
@@ -40,8 +42,8 @@ def images_key(images: list[bytes]) -> bytes:
 class VisionInputs:
     def __init__(self, model: torch.nn.Module, model_dir: str, settings: VisionConfig) -> None:
         self.vision = VisionModel(model_dir, settings)
-        # Qwen2-VL, Qwen2.5-VL, Qwen3-VL: 3-D positions from the model itself; other families: 1-D
-        self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
+        # Qwen2-VL, Qwen2.5-VL: 3-D positions from the model itself (its base model's); LLaVA: 1-D
+        self._rope_index = model.base_model.get_rope_index if self.vision.family.rope_3d else None
         self._cache: dict[tuple[bytes, bytes], SampleVision] = {}
 
     def of_sample(self, group: TrajectoryGroup, i: int) -> SampleVision | None:
@@ -107,14 +109,14 @@ class VisionInputs:
         return out
 
 
-def frozen_vision_tower(model: torch.nn.Module) -> int:
+def frozen_vision_tower(model: torch.nn.Module, family: VisionFamily) -> int:
     """learner.freeze_vision: the vision tower's parameters stop requiring grad, but for its projector
     (Qwen-VL: `visual.merger`; LLaVA: `multi_modal_projector`, outside the tower); returns how many froze."""
     frozen = 0
     for name, p in model.named_parameters():
-        if (".visual." in f".{name}" or "vision_tower." in name) and ".merger." not in name:
+        if family.in_tower(name):
             p.requires_grad_(False)
             frozen += 1
     if not frozen:
-        raise RunError("learner.freeze_vision: the model names no vision tower ('visual'): set it false")
+        raise RunError(f"learner.freeze_vision: the {family.name} model names no vision tower {family.tower}: set it false")
     return frozen
