@@ -127,7 +127,8 @@ class VisionConfig(_Section):
     engines and the learner. A text-only model takes no images."""
 
     min_pixels: Annotated[
-        int, _f("the processor's lower pixel bound per image, for engines and learner alike (0: the model's processor's own)", ge=0)
+        int, _f("the processor's lower pixel bound per image, for engines and learner alike (0: the model's processor's own); "
+                "Qwen-VL only (LLaVA resizes every image to one size: refused)", ge=0)
     ] = 0
     max_pixels: Annotated[
         int, _f("the processor's upper pixel bound per image (an image is resized into [min_pixels, max_pixels]); 0: the processor's own", ge=0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,9 @@ def test_the_vlm_batch_holds_each_images_tokens_as_the_learner_counts_them(model
     from async_rl.learner.model.vision_inputs import VisionInputs
 
     groups = lg.groups_of("tiny-vl", model_dir, 3, 2, 24)
-    vision = VisionInputs(object(), str(model_dir), lg.vision_settings("tiny-vl"))
+    # the batch's images alone, no forward: a stand-in model whose positions are not asked for
+    stand_in = types.SimpleNamespace(base_model=types.SimpleNamespace(get_rope_index=None))
+    vision = VisionInputs(stand_in, str(model_dir), lg.vision_settings("tiny-vl"))
     sizes = {vision.vision.image_tokens(g.prompt_tokens) for g in groups}
     assert len(sizes) > 1, sizes  # images of several sizes
     for g in groups:  # the learner's own check (a mismatch raises) and one image per prompt
@@ -71,6 +74,7 @@ def test_the_3b_shape_has_qwen2_5_vl_3bs_widths_and_its_images_the_recipes_token
     total = sum(p.numel() for p in model.parameters())
     assert 3.70e9 < total < 3.80e9 and 3.05e9 < lg.language_params(model) < 3.15e9  # HF: 3.75B, the LM 3.09B
     processor.save_pretrained(tmp_path)  # what the learner and the HF step read (no weights needed here)
+    cfg.save_pretrained(tmp_path)  # its model_type: the learner's processor is chosen by family
     from async_rl.vision import VisionModel
 
     vision = VisionModel(tmp_path, lg.vision_settings("qwen2.5-vl-3b"))
