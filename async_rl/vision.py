@@ -90,7 +90,7 @@ class VisionModel:
 
     def processor_kwargs(self) -> dict[str, int]:
         """The run's pixel bounds for a family whose processor takes them (the launcher refuses them for
-        the others: `vision_settings.vision_error`)."""
+        the others: `vision_settings.family_settings_error`)."""
         return self.settings.processor_kwargs() if self.family.pixel_bounds else {}
 
     def _tokens_of_one_image(self) -> int:
