@@ -29,6 +29,12 @@ class VisionFamily:
     pixel_bounds: bool  # the processor takes vision.min_pixels/max_pixels; False: one fixed image size
     tower: tuple[str, ...]  # module names whose parameters are the vision tower (learner.freeze_vision)
     projector: tuple[str, ...] = ()  # modules inside the tower that train anyway (Qwen's patch merger)
+    # Whether the tower may train (learner.freeze_vision=false): its weights' names in the learner are the
+    # ones vLLM loads. LLaVA's are not: transformers 5's CLIP tower drops the `vision_model.` level.
+    tower_trains: bool = True
+    # The tower's features come from an inner layer (LLaVA's config.vision_feature_layer): the layers after
+    # it and the final norm are never used (and vLLM does not load them)
+    feature_layer: bool = False
 
     def in_tower(self, parameter: str) -> bool:
         """Whether parameter `parameter` (a full name) is the vision tower's and not its projector's."""
@@ -38,7 +44,8 @@ class VisionFamily:
 
 QWEN_VL = VisionFamily("Qwen2-VL/Qwen2.5-VL", ("qwen2_vl", "qwen2_5_vl"), rope_3d=True, image_grid=True,
                        pixel_bounds=True, tower=("visual",), projector=("visual.merger",))
-LLAVA = VisionFamily("LLaVA", ("llava",), rope_3d=False, image_grid=False, pixel_bounds=False, tower=("vision_tower",))
+LLAVA = VisionFamily("LLaVA", ("llava",), rope_3d=False, image_grid=False, pixel_bounds=False, tower=("vision_tower",),
+                     tower_trains=False, feature_layer=True)
 FAMILIES = (QWEN_VL, LLAVA)
 SUPPORTED = tuple(t for f in FAMILIES for t in f.model_types)
 

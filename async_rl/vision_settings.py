@@ -8,7 +8,7 @@ image_url parts) run, and their turns may show images (docs/vision.md); verifier
 tried with images. Each refusal is one line naming the setting. A text-only model given prompts with
 images, or in the `zoom` environment, is refused too. So is a VLM of a family not built
 (`vision_family`: Qwen2-VL/Qwen2.5-VL and LLaVA are), and pixel bounds for a family whose processor
-resizes every image to one size (LLaVA).
+resizes every image to one size (LLaVA), and a trained LLaVA tower.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ def family_settings_error(cfg: Config, kind: str) -> str | None:
     if not family.pixel_bounds and (cfg.vision.min_pixels or cfg.vision.max_pixels):
         return (f"vision.min_pixels/max_pixels: model.path '{cfg.model.path}' is a {family.name} model, whose processor "
                 "resizes every image to one fixed size: leave them 0")
+    if not family.tower_trains and not cfg.learner.freeze_vision:
+        return (f"learner.freeze_vision=false: model.path '{cfg.model.path}' is a {family.name} model, whose vision "
+                "tower's weights the learner cannot send to vLLM under its names yet: set it true")
     return None
 
 

@@ -197,6 +197,11 @@ class ModelBackend(abc.ABC):
         tower: the engines hold them from the same folder). The served checksum still covers every weight."""
         return self.hf_weights()
 
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """What an engine holds after a sync, which the served checksum covers: `hf_weights`, less weights
+        the model never uses and vLLM does not load (a LLaVA tower's layers past its feature layer)."""
+        return self.hf_weights()
+
     def adapter(self) -> Adapter | None:
         """learner.lora, rank 0, after `gather_weights`: the adapter (what a weight sync sends instead
         of `hf_weights`). None: the backend trains every weight."""

@@ -277,7 +277,7 @@ class LearnerDriver(LearnerRank):
             print(f"[learner] learner.share_prompt: learner.backend={s.learner.backend} takes no block attention "
                   "mask; every sample carries its prompt", file=sys.stderr, flush=True)
         self.weights = WeightSource(s.weight_sync, self._named_tensors, adopt=self.backend.weights_are_live,
-                                    served=self.backend.hf_weights)
+                                    served=self.backend.served_weights)
         from transformers import AutoConfig
 
         # a vision-language model's language model sets the budgets and costs (its images are not counted)

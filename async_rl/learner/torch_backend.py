@@ -31,7 +31,7 @@ from async_rl.learner.model.head_probe import HeadProbe, agreed_measure, chosen
 from async_rl.learner.model.kernels import apply_kernels, compile_layers, decoder_layers
 from async_rl.learner.model.moe import MoeShape, RouterReplay, moe_shape, set_experts
 from async_rl.learner.model.precision import WorkingCopy, all_reduce_grads
-from async_rl.learner.model.vision_inputs import VisionInputs, frozen_vision_tower
+from async_rl.learner.model.vision_inputs import VisionInputs, frozen_vision_tower, unused_tower_weights
 from async_rl.learner.moe_settings import settings_error
 from async_rl.learner.optimizer import adamw
 from async_rl.learner.rendezvous import join_group
@@ -437,6 +437,13 @@ class TorchBackend(ModelBackend):
             return weights
         trains = {name for name, p in self.model.named_parameters() if p.requires_grad}
         return {name: t for name, t in weights.items() if name in trains}
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        weights = self.hf_weights()
+        if self.vision_inputs is None:
+            return weights
+        unused = unused_tower_weights(self.model, self.vision_inputs.vision.family)
+        return {name: t for name, t in weights.items() if not unused(name)}
 
     def weights_gathered(self) -> bool:
         return not self.sharded or self._full is not None

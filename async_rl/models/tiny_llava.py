@@ -12,6 +12,7 @@ the weights, so vLLM and the learner load the same one.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 from async_rl.models.tiny_vl import TinyVl, chat_template
@@ -109,4 +110,17 @@ def write(name: str, folder, base_tokenizer) -> None:
     tokenizer = build_tokenizer(base_tokenizer)
     model = build_model(shape, tokenizer)
     model.save_pretrained(folder, safe_serialization=True)
+    published_layout(Path(folder) / "model.safetensors")
     build_processor(tokenizer, shape).save_pretrained(folder)
+
+
+def published_layout(weights: Path) -> None:
+    """Rename the CLIP tower's weights in `weights` to the layout of published LLaVA checkpoints
+    (`vision_tower.vision_model.*`). transformers 5 saves its flattened CLIPVisionModel without the
+    `vision_model.` level (and loads either); vLLM's loader knows only the published one."""
+    from safetensors.torch import load_file, save_file
+
+    tower = "vision_tower."
+    state = load_file(weights)
+    renamed = {(tower + "vision_model." + k[len(tower):] if k.startswith(tower) else k): v for k, v in state.items()}
+    save_file(renamed, weights, metadata={"format": "pt"})

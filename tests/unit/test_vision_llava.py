@@ -21,7 +21,7 @@ from async_rl.learner.batch.packing import packed, padded
 from async_rl.learner.batch.shared_prefix import shared
 from async_rl.learner.driver import shard_samples
 from async_rl.learner.model.head import model_scores
-from async_rl.learner.model.vision_inputs import VisionInputs, frozen_vision_tower
+from async_rl.learner.model.vision_inputs import VisionInputs, frozen_vision_tower, unused_tower_weights
 from async_rl.models.tiny import model_vision_type, resolve_model_path
 from async_rl.models.tiny_llava import PRESETS
 from async_rl.protocol import Prompt
@@ -52,6 +52,11 @@ def test_the_preset_is_a_llava_whose_processor_has_no_video_part_and_any_image_m
     processor = AutoProcessor.from_pretrained(llava_dir)
     assert type(processor).__name__ == "LlavaProcessor" and not hasattr(processor, "video_processor")
     assert json.loads((llava_dir / "config.json").read_text())["text_config"]["head_dim"] >= 32  # vLLM's CPU attention
+    from safetensors import safe_open
+
+    with safe_open(llava_dir / "model.safetensors", "pt") as f:  # the published layout, which vLLM loads
+        tower = [k for k in f.keys() if "vision_tower" in k]  # noqa: SIM118 (a safetensors handle)
+    assert tower and all(k.startswith("vision_tower.vision_model.") for k in tower)
     tid = image_token_id(llava_dir)
     renderer = PromptRenderer(llava_dir, vision=VisionConfig(max_images_per_prompt=2))
     ids = renderer.render(Prompt(prompt_id=0, text="a<image>b<image>:", images=[image(112, 84), image(20, 300, 1)]))
@@ -67,6 +72,7 @@ def test_the_preset_is_a_llava_whose_processor_has_no_video_part_and_any_image_m
         ("gemma3", [], "model.path 'x' is a vision-language model of type 'gemma3', not built yet: async_rl trains"),
         ("idefics3", [], "of type 'idefics3', not built yet"),
         ("llava", ["vision.max_pixels=3136"], "vision.min_pixels/max_pixels: model.path 'x' is a LLaVA model"),
+        ("llava", ["learner.freeze_vision=false"], "learner.freeze_vision=false: model.path 'x' is a LLaVA model"),
     ],
 )
 def test_a_family_not_built_and_pixel_bounds_llava_does_not_take_are_one_line(kind, overrides, words):
@@ -126,3 +132,13 @@ def test_freeze_vision_keeps_llavas_projector_and_language_model_training(llava_
     assert not any("vision_tower" in n for n in training)
     with pytest.raises(RunError, match="names no vision tower"):  # Qwen's tower name on a LLaVA: one line
         frozen_vision_tower(AutoModelForImageTextToText.from_pretrained(llava_dir), QWEN_VL)
+
+
+def test_the_served_checksum_leaves_out_the_tower_layers_llava_never_uses(llava_model):
+    """vision_feature_layer -2 of 2 CLIP layers: the second layer and the final norm change nothing the
+    model computes, and vLLM does not load them (the engine's checksum covers the rest)."""
+    unused = unused_tower_weights(llava_model, LLAVA)
+    names = {n for n, _ in llava_model.named_parameters() if unused(n)}
+    assert names and all(".encoder.layers.1." in n or ".post_layernorm." in n for n in names)
+    assert not any(unused(n) for n, _ in llava_model.named_parameters() if ".layers.0." in n or "language_model" in n)
+    assert not any(unused_tower_weights(llava_model, QWEN_VL)(n) for n in names)  # a family reading the last layer

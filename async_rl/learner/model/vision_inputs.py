@@ -16,6 +16,7 @@ with only those marked as images (`of_sample`).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -120,3 +121,19 @@ def frozen_vision_tower(model: torch.nn.Module, family: VisionFamily) -> int:
     if not frozen:
         raise RunError(f"learner.freeze_vision: the {family.name} model names no vision tower {family.tower}: set it false")
     return frozen
+
+
+def unused_tower_weights(model: torch.nn.Module, family: VisionFamily) -> Callable[[str], bool]:
+    """Whether a weight (its HF name) is one the model never uses: a tower that reads the features of an
+    inner layer (LLaVA's `vision_feature_layer`, -2: the second-to-last) never uses the layers after it,
+    nor its final norm, and vLLM does not load them, so the served checksum leaves them out."""
+    if not family.feature_layer:
+        return lambda name: False
+    config = model.config
+    layers = int(config.vision_config.num_hidden_layers)
+    chosen = config.vision_feature_layer
+    # hidden_states[i] is the output of layer i - 1 (0: the embeddings): layers from the deepest one read on are unused
+    deepest = max(i if i >= 0 else layers + 1 + i for i in (chosen if isinstance(chosen, list) else [chosen]))
+    unused = tuple(f".{family.tower[0]}.encoder.layers.{i}." for i in range(deepest, layers))
+    unused += (f".{family.tower[0]}.post_layernorm.",)
+    return lambda name: any(u in f".{name}" for u in unused)
