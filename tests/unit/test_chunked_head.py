@@ -256,6 +256,9 @@ class _StubBackend:
     def hf_weights(self) -> dict[str, torch.Tensor]:
         return {}  # the weight source's served checksum is never asked for here
 
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        return {}
+
 
 def test_reference_and_critic_take_the_backends_device(model_dir, monkeypatch):
     monkeypatch.setattr(driver_mod, "make_backend", lambda *a, **k: _StubBackend())

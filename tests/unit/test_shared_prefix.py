@@ -147,6 +147,9 @@ class _MaskFreeBackend:
     def hf_weights(self) -> dict[str, torch.Tensor]:
         return {}
 
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        return {}
+
 
 def test_a_backend_without_block_masks_falls_back_with_a_note(model_dir, monkeypatch, capsys):
     from async_rl.learner import driver as driver_mod
