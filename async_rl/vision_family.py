@@ -8,6 +8,11 @@ and a family not listed is refused in one line before anything starts (docs/visi
   (`vision.min_pixels`/`max_pixels`) and gives each image's patch grid (`image_grid_thw`, which the
   vision tower takes with the pixels); 3-D rotary positions from the model's own `get_rope_index`; the
   tower is `visual`, whose patch merger (`visual.merger`) is the projector that trains.
+- Qwen3-VL: as Qwen2.5-VL (16-pixel patches, its own `get_rope_index`), and DeepStack: mergers that take
+  the features of inner tower blocks, whose outputs the language model adds to its first layers' hidden
+  states at the image tokens; they train with the patch merger (`visual.deepstack_merger_list`, vLLM's
+  connector too), and the learner hands them to the language model itself where its tower gives them
+  (`learner/model/vision_embed.py`).
 - LLaVA: the processor resizes and crops every image to one fixed size (no grid, no pixel bounds: every
   image makes the same number of tokens); plain 1-D positions; the tower is `vision_tower`, the
   projector (`multi_modal_projector`) lies outside it.
@@ -44,9 +49,11 @@ class VisionFamily:
 
 QWEN_VL = VisionFamily("Qwen2-VL/Qwen2.5-VL", ("qwen2_vl", "qwen2_5_vl"), rope_3d=True, image_grid=True,
                        pixel_bounds=True, tower=("visual",), projector=("visual.merger",))
+QWEN3_VL = VisionFamily("Qwen3-VL", ("qwen3_vl",), rope_3d=True, image_grid=True, pixel_bounds=True, tower=("visual",),
+                        projector=("visual.merger", "visual.deepstack_merger_list"))
 LLAVA = VisionFamily("LLaVA", ("llava",), rope_3d=False, image_grid=False, pixel_bounds=False, tower=("vision_tower",),
                      tower_trains=False, feature_layer=True)
-FAMILIES = (QWEN_VL, LLAVA)
+FAMILIES = (QWEN_VL, QWEN3_VL, LLAVA)
 SUPPORTED = tuple(t for f in FAMILIES for t in f.model_types)
 
 

@@ -7,7 +7,7 @@ environments (built in or `pkg.module:factory`) and agents (`agent:...`, whose r
 image_url parts) run, and their turns may show images (docs/vision.md); verifiers environments are not
 tried with images. Each refusal is one line naming the setting. A text-only model given prompts with
 images, or in the `zoom` environment, is refused too. So is a VLM of a family not built
-(`vision_family`: Qwen2-VL/Qwen2.5-VL and LLaVA are), and pixel bounds for a family whose processor
+(`vision_family`: Qwen2-VL/Qwen2.5-VL, Qwen3-VL and LLaVA are), and pixel bounds for a family whose processor
 resizes every image to one size (LLaVA), and a trained LLaVA tower.
 """
 

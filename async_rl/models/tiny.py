@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from async_rl.errors import ConfigError
-from async_rl.models import smollm2, tiny_llava, tiny_moe, tiny_vl, upcycle
+from async_rl.models import smollm2, tiny_llava, tiny_moe, tiny_qwen3_vl, tiny_vl, upcycle
 from async_rl.models.moe import MoeRouting, read_routing
 from async_rl.vision import is_vision_model
 from async_rl.vision_family import model_type
@@ -38,13 +38,15 @@ SHAPES: dict[str, PresetShape] = {
     "tiny-qwen2-wide": PresetShape(512, 1536, 4, 8, 4),
 }
 # Mixture-of-experts presets (models/tiny_moe.py: their sizes by name) and vision-language ones
-# (models/tiny_vl.py: Qwen2.5-VL; models/tiny_llava.py: LLaVA), the same tokenizer (the VLMs' with their
-# vision tokens added).
-PRESETS = (*SHAPES, *tiny_moe.PRESETS, *tiny_vl.PRESETS, *tiny_llava.PRESETS)  # created offline from code
+# (models/tiny_vl.py: Qwen2.5-VL; models/tiny_llava.py: LLaVA; models/tiny_qwen3_vl.py: Qwen3-VL), the same
+# tokenizer (the VLMs' with their vision tokens added).
+VLM_PRESETS = (*tiny_vl.PRESETS, *tiny_llava.PRESETS, *tiny_qwen3_vl.PRESETS)
+PRESETS = (*SHAPES, *tiny_moe.PRESETS, *VLM_PRESETS)  # created offline from code
 # every name model.path accepts besides a folder (config.MODEL_PRESETS)
-ALL_PRESETS = (*SHAPES, *tiny_moe.PRESETS, smollm2.NAME, upcycle.NAME, *tiny_vl.PRESETS, *tiny_llava.PRESETS)
+ALL_PRESETS = (*SHAPES, *tiny_moe.PRESETS, smollm2.NAME, upcycle.NAME, *VLM_PRESETS)
 # the vision-language presets' model_type (config.json's), known without building them
-VISION_PRESETS = {**dict.fromkeys(tiny_vl.PRESETS, "qwen2_5_vl"), **dict.fromkeys(tiny_llava.PRESETS, "llava")}
+VISION_PRESETS = {**dict.fromkeys(tiny_vl.PRESETS, "qwen2_5_vl"), **dict.fromkeys(tiny_llava.PRESETS, "llava"),
+                  **dict.fromkeys(tiny_qwen3_vl.PRESETS, "qwen3_vl")}
 
 # Characters the built-in tasks use; every one is its own token.
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?,. ")
@@ -101,6 +103,8 @@ def ensure_preset(name: str, cache_dir: str | os.PathLike) -> Path:
             tiny_vl.write(name, tmp, build_tokenizer())  # weights, tokenizer and processor
         elif name in tiny_llava.PRESETS:
             tiny_llava.write(name, tmp, build_tokenizer())
+        elif name in tiny_qwen3_vl.PRESETS:
+            tiny_qwen3_vl.write(name, tmp, build_tokenizer())
         else:
             tokenizer = build_tokenizer()
             ids = (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)

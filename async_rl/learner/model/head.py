@@ -19,7 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from async_rl.learner.model import head_fused
-from async_rl.learner.model.vision_embed import with_image_embeds
+from async_rl.learner.model.vision_embed import DEEPSTACK_KEYS, trunk, with_image_embeds
 
 # What the no-grad scoring passes and training use when `learner.logprob_chunk_tokens` is not set
 # (kept equal to the config default).
@@ -249,12 +249,16 @@ def model_scores(
     `chunk` 0: the full head at every position (the former path, kept for comparison).
     Images in `inputs` (a vision-language micro-batch) are embedded first (`vision_embed`)."""
     inputs = with_image_embeds(model, inputs)
+    if chunk <= 0 and DEEPSTACK_KEYS[0] in inputs:  # Qwen3-VL: the language model, then the full head
+        last = trunk(model, inputs)(**inputs).last_hidden_state
+        logp, entropy = full_token_scores(model.get_output_embeddings()(last), targets, temperature)
+        return logp, entropy, last if hidden else None
     if chunk <= 0:
         out = model(**inputs, output_hidden_states=hidden)
         logp, entropy = full_token_scores(out.logits, targets, temperature)
         return logp, entropy, out.hidden_states[-1] if hidden else None
     with record_function("learner.trunk"):  # a profiler's region (benchmarks/learner_gpu.py --profile)
-        last = model.base_model(**inputs).last_hidden_state  # after the final norm: what the head reads
+        last = trunk(model, inputs)(**inputs).last_hidden_state  # after the final norm: what the head reads
     if not head:
         return None, None, last
     weight = model.get_output_embeddings().weight
