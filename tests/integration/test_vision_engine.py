@@ -6,7 +6,8 @@ to both (the mismatch probe's scoring path, with the images). Then two short run
 module's model folder, one engine and one learner each, one after the other): the `zoom` environment
 and a user agent over the endpoint each show the model a second image in its episode; its tokens are
 masked and engine and learner log-probs agree. The tiny LLaVA (one image size, 1-D positions, no video
-processor) gets the same agreement and sync checks on an engine of its own."""
+processor) and the tiny Qwen3-VL (DeepStack, 16-pixel patches) get the same agreement and sync checks on
+an engine of their own each."""
 
 from __future__ import annotations
 
@@ -226,6 +227,36 @@ def test_a_llava_engine_and_the_learner_agree_on_its_images_and_after_a_sync(tmp
         sent = _sync_and_agree(llava, learner, LLAVA_VISION, LLAVA_PROMPTS[0])
         assert any("multi_modal_projector" in n for n in sent) and any("language_model" in n for n in sent)
         assert not any("vision_tower" in n for n in sent)
+    finally:
+        next(engine, None)  # shut the engine down
+
+
+# ---- Qwen3-VL: DeepStack features added at the image tokens of the language model's first layers ----
+
+Q3_VISION = VisionConfig(min_pixels=32 * 32, max_pixels=96 * 96, max_images_per_prompt=2)
+
+
+def test_a_qwen3_vl_engine_and_the_learner_agree_on_its_images_and_after_a_sync(tmp_path_factory):
+    """The tiny Qwen3-VL on an engine of its own, shut down at the test's end: vLLM expands each image to
+    the renderer's count at 16-pixel patches, the learner (its DeepStack features handed to the language
+    model at the prompts' placeholders, Qwen3-VL's own 3-D positions) scores the engine's samples in one
+    packed micro-batch as closely as on text, and a sync sends the patch merger, the DeepStack mergers and
+    the language model under names vLLM loads, not the tower, with the engine serving the new weights."""
+    model_dir = resolve_model_path("tiny-qwen3-vl", str(tmp_path_factory.mktemp("qwen3_vl")))
+    engine = _serve(model_dir, Q3_VISION)
+    qwen3 = next(engine)
+    try:
+        groups = _engine_groups(qwen3, Q3_VISION, PROMPTS)
+        tid = image_token_id(model_dir)
+        # 112x84 within 96x96 -> 96x64 (6x4 patches of 16: 6 tokens); 28x56 -> 32x64: 2; 56x56 -> 64x64: 4
+        assert [int((g.prompt_tokens == tid).sum()) for g in groups] == [6 + 2, 4, 0]
+        learner = make_rank(model_dir, vision=Q3_VISION, micro_batch_tokens=4096)
+        assert learner.backend.vision_inputs.vision.family.name == "Qwen3-VL"
+        _learner_agrees(learner, groups)
+        sent = _sync_and_agree(qwen3, learner, Q3_VISION, PROMPTS[0])
+        assert any(".visual.merger." in n for n in sent) and any("deepstack_merger_list" in n for n in sent)
+        assert any("language_model" in n for n in sent)
+        assert not any(".visual.blocks." in n or "patch_embed" in n or "pos_embed" in n for n in sent)
     finally:
         next(engine, None)  # shut the engine down
 
