@@ -164,3 +164,16 @@ def test_freeze_vision_keeps_the_mergers_and_the_language_model_training(q3_dir)
     assert any(".visual.merger." in n for n in training) and any("language_model" in n for n in training)
     assert any(".visual.deepstack_merger_list.1." in n for n in training)  # DeepStack's mergers: vLLM's connector too
     assert not any(".visual.blocks." in n or "patch_embed" in n or "pos_embed" in n for n in training)
+
+
+def test_every_weight_the_learner_may_send_has_a_name_vllm_loads(q3_dir, q3_model):
+    """What a sync sends is `named_parameters()` (a tied weight once): every name is one the preset's
+    safetensors hold, the names vLLM's Qwen3-VL loader maps at start-up (model.visual.*, including the
+    DeepStack mergers, and model.language_model.*), so learner.freeze_vision=false sends names it knows too."""
+    from safetensors import safe_open
+
+    with safe_open(q3_dir / "model.safetensors", "pt") as f:
+        saved = set(f.keys())  # noqa: SIM118 (a safetensors handle)
+    names = {n for n, _ in q3_model.named_parameters()}
+    assert names <= saved and "lm_head.weight" not in names  # tied to the embeddings: sent once
+    assert all(n.startswith(("model.visual.", "model.language_model.")) for n in names)
