@@ -22,20 +22,29 @@ from async_rl.cluster.net import free_port  # noqa: E402
 from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from async_rl.models.tiny import resolve_model_path  # noqa: E402
 from tests.unit._megatron_ranks import run_backend_rank  # noqa: E402
+from tests.unit._spawn_jobs import spawn_jobs  # noqa: E402
+
+LAYOUTS = [(2, 1), (1, 2)]  # (tp, pp)
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def run(request, tmp_path_factory):
-    import torch.multiprocessing as mp
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> tuple[str, dict[tuple[int, int], list[dict]]]:
+    """Both layouts' two ranks, from one spawn (each layout a job with a group of its own)."""
+    model_dir = str(resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models"))))
+    outs = {layout: tmp_path_factory.mktemp("backend") for layout in LAYOUTS}
+    spawn_jobs([(run_backend_rank, (2, free_port(), model_dir, *layout, str(out))) for layout, out in outs.items()], 2)
+    return model_dir, {layout: [torch.load(out / f"backend{r}.pt", weights_only=False) for r in range(2)]
+                       for layout, out in outs.items()}
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=["tp2", "pp2"])
+def run(request, layouts):
     from transformers import AutoModelForCausalLM
 
+    model_dir, ranks = layouts
     tp, pp = request.param
-    model_dir = resolve_model_path("tiny-qwen2", str(tmp_path_factory.mktemp("models")))
-    out = tmp_path_factory.mktemp("backend")
-    mp.spawn(run_backend_rank, args=(2, free_port(), str(model_dir), tp, pp, str(out)), nprocs=2, join=True)
-    ranks = [torch.load(out / f"backend{r}.pt", weights_only=False) for r in range(2)]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return tp, pp, ranks, hf
+    return tp, pp, ranks[request.param], hf
 
 
 def _hf_scores(hf, mb):

@@ -17,17 +17,24 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from async_rl.cluster.net import free_port  # noqa: E402
 from tests.unit._megatron_models import tiny_qwen3_moe  # noqa: E402
 from tests.unit._megatron_moe_ranks import run_moe_backend_rank  # noqa: E402
+from tests.unit._spawn_jobs import spawn_jobs  # noqa: E402
+
+ATTENTIONS = ["sdpa", "varlen"]
 
 
-@pytest.fixture(scope="module", params=["sdpa", "varlen"])
-def run(request, tmp_path_factory):
-    import torch.multiprocessing as mp
-
+@pytest.fixture(scope="module")
+def attentions(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """Both attentions' two ranks, from one spawn (each a job with a group of its own)."""
     model_dir = tmp_path_factory.mktemp("tiny-qwen3-moe")
     tiny_qwen3_moe().save_pretrained(model_dir)
-    out: Path = tmp_path_factory.mktemp("megatron-moe-backend")
-    mp.spawn(run_moe_backend_rank, args=(2, free_port(), str(model_dir), 2, request.param, str(out)), nprocs=2, join=True)
-    return request.param, {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}
+    outs: dict[str, Path] = {a: tmp_path_factory.mktemp("megatron-moe-backend") for a in ATTENTIONS}
+    spawn_jobs([(run_moe_backend_rank, (2, free_port(), str(model_dir), 2, a, str(out))) for a, out in outs.items()], 2)
+    return {a: {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)} for a, out in outs.items()}
+
+
+@pytest.fixture(scope="module", params=ATTENTIONS)
+def run(request, attentions):
+    return request.param, attentions[request.param]
 
 
 def test_the_layout_is_the_attentions(run):

@@ -26,6 +26,7 @@ from async_rl.cluster.net import free_port  # noqa: E402
 from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_models import hf_routes, tiny_moe  # noqa: E402
 from tests.unit._megatron_moe_ranks import run_moe_rank  # noqa: E402
+from tests.unit._spawn_jobs import spawn_jobs  # noqa: E402
 
 LAYOUTS = [
     pytest.param(("qwen3_moe", 2, 1, 1), id="tp2"),
@@ -36,14 +37,17 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
-def run(request, tmp_path_factory):
-    import torch.multiprocessing as mp
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[tuple, dict[int, dict]]:
+    """Every layout's two ranks, from one spawn (each layout a job with a group of its own)."""
+    outs: dict[tuple, Path] = {p.values[0]: tmp_path_factory.mktemp("megatron-moe") for p in LAYOUTS}
+    spawn_jobs([(run_moe_rank, (2, free_port(), *layout, str(out))) for layout, out in outs.items()], 2)
+    return {layout: {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)} for layout, out in outs.items()}
 
-    kind, tp, ep, pp = request.param
-    out: Path = tmp_path_factory.mktemp("megatron-moe")
-    mp.spawn(run_moe_rank, args=(2, free_port(), kind, tp, ep, pp, str(out)), nprocs=2, join=True)
-    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}, tiny_moe(kind).eval()
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def run(request, layouts):
+    return layouts[request.param], tiny_moe(request.param[0]).eval()
 
 
 def _output_ranks(ranks: dict[int, dict]) -> list[dict]:

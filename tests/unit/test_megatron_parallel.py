@@ -12,8 +12,6 @@ Starts torch.distributed (two gloo ranks on loopback).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,6 +20,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from async_rl.cluster.net import free_port  # noqa: E402
 from async_rl.learner.rl.algorithms import token_logprobs  # noqa: E402
 from tests.unit._megatron_ranks import hf_model, run_rank  # noqa: E402
+from tests.unit._spawn_jobs import spawn_jobs  # noqa: E402
 
 LAYOUTS = [
     pytest.param(("tiny-qwen2", 2, 1), id="tiny-qwen2-tp2"),
@@ -30,21 +29,25 @@ LAYOUTS = [
 ]
 
 
-def _spawn(kind: str, tp: int, pp: int, out: Path) -> dict[int, dict]:
-    import torch.multiprocessing as mp
-
-    world = tp * pp
-    mp.spawn(run_rank, args=(world, free_port(), kind, tp, pp, str(out)), nprocs=world, join=True)
-    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)}
+@pytest.fixture(scope="module")
+def layouts(smollm2, tmp_path_factory) -> dict[tuple, dict[int, dict]]:
+    """Every layout's ranks, from one spawn of two ranks (each layout a job of its own group)."""
+    outs = {p.values[0]: tmp_path_factory.mktemp("megatron") for p in LAYOUTS}
+    world = 2  # every layout's tp * pp
+    jobs = []
+    for (kind, tp, pp), out in outs.items():
+        assert tp * pp == world
+        # smollm2: the preset's folder, fetched into the model cache when absent (as the integration tier does)
+        model = str(smollm2) if kind == "smollm2" else kind
+        jobs.append((run_rank, (world, free_port(), model, tp, pp, str(out))))
+    spawn_jobs(jobs, world)
+    return {layout: {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)} for layout, out in outs.items()}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
-def run(request, tmp_path_factory):
-    kind, tp, pp = request.param
-    if kind == "smollm2":  # fetched into the model cache when absent (a fresh machine), as the integration tier does
-        kind = str(request.getfixturevalue("smollm2"))
-    ranks = _spawn(kind, tp, pp, tmp_path_factory.mktemp("megatron"))
-    return kind, ranks, hf_model(kind)
+def run(request, layouts, smollm2):
+    kind = str(smollm2) if request.param[0] == "smollm2" else request.param[0]
+    return kind, layouts[request.param], hf_model(kind)
 
 
 def _hf_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
