@@ -51,7 +51,7 @@ from async_rl.control.autoscale import ScaleDecision, ScaleSignal, decide
 from async_rl.control.death_watch import DeathNotice, DeathWatch, Target, Watched
 from async_rl.control.failure_watch import Failing, FailureWatch, reward_name
 from async_rl.control.operator_requests import ControlInbox, ScaleReply, ScaleRequest
-from async_rl.control.recovery import LearnerRecovery
+from async_rl.control.recovery import LearnerRecovery, RestartPlan
 from async_rl.control.runtime import Runtime
 from async_rl.control.start_retry import StartRetry, StartsSpent, engine_starts
 from async_rl.errors import RunError, first_line
@@ -356,11 +356,15 @@ class Supervisor:
         self._event(step, "recovery", n, n, f"{what}; restarting the learner group from {origin} "
                     f"(step {plan.step}, recovery {plan.recoveries})")
         t0 = time.perf_counter()
-        self._learner_starting = True
-        try:
-            self.rt.restart_learner(plan.checkpoint, plan.step)
-        finally:
-            self._learner_starting = False
+        while (failure := self._restart_learner(plan)) is not None:
+            # A second fault: a rank of the new group died (or hung) while it started. Another recovery,
+            # counted against train.max_recoveries like the first; the group starts again from the same place.
+            what = f"a rank of the restarting learner group failed ({failure})"
+            plan = self.recovery.decide(step, what, ckpt, ckpt_step)
+            if isinstance(plan, RunError):
+                raise plan
+            self._event(step, "recovery", n, n, f"{what}; restarting the learner group again from {origin} "
+                        f"(step {plan.step}, recovery {plan.recoveries})")
         # the old group is gone: a checkpoint it was writing stays a `.tmp-` folder, never restored
         checkpoint.discard_partial(self.run_dir, "[recovery] learner group restarted", self.stream)
         self._step_times = []  # the new group's steps set the hang limit afresh
@@ -372,6 +376,18 @@ class Supervisor:
             print(f"[recovery] the learning of {lost} step(s) was lost with the group and is trained again from "
                   f"step {plan.step}{bound}", file=self.stream, flush=True)
         raise LearnerRestarted(plan.step, plan.recoveries)
+
+    def _restart_learner(self, plan: RestartPlan) -> str | None:
+        """Restart the learner group as `plan` says. None: it is up; else one line saying how a rank of the
+        new group died or did not answer while it started (the caller decides whether to try again)."""
+        self._learner_starting = True
+        try:
+            self.rt.restart_learner(plan.checkpoint, plan.step)
+            return None
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            return first_line(exc, limit=300)
+        finally:
+            self._learner_starting = False
 
     # ---- checks ------------------------------------------------------------------------------------
 

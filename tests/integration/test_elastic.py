@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -177,15 +178,18 @@ def test_engine_sigkill_mid_generation_and_mid_weight_sync(tmp_path, model_cache
 def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_path, model_cache, monkeypatch):
     """Rank 1 of 2 dies mid-step 4 (index 3); the group restarts on fresh actors from step_2, steps
     3 and 4 are trained again, and the run ends with every step, the engines on the learner's weights.
-    A second fault during that recovery: the run's only engine is SIGKILLed once the new group is up,
-    before the recovery's weight sync; the sync finds it dead, a replacement starts and gets the
-    restored weights, and the recovery goes on. And before all that, the run's first start of its engine
-    fails (its actor killed while vLLM starts): it is started again (generators.start_attempts)."""
+    Second faults during that recovery: a rank of the new group is SIGKILLed while it starts (another
+    recovery, within train.max_recoveries: the group starts again); then the run's only engine is
+    SIGKILLed once the new group is up, before the recovery's weight sync; the sync finds it dead, a
+    replacement starts and gets the restored weights, and the recovery goes on. And before all that, the
+    run's first start of its engine fails (its actor killed while vLLM starts): it is started again
+    (generators.start_attempts)."""
     killed: list[tuple[int, float]] = []  # (pid, wall time) of the rank killed
     ranks: list[int] = []  # the pids of every rank of the first group
     real_start = Runtime.start_train_step
     real_restart = Runtime.restart_learner
     engine_killed: list[float] = []
+    new_rank_killed: list[tuple[int, float]] = []  # a rank of the restarting group, killed while it starts
 
     real_add = GeneratorPool.add
     first_start: list[int] = []  # the engine killed while the run's first start was under way
@@ -201,8 +205,32 @@ def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_pa
             return real_add(pool, count, paused, kill_when_started)
         return real_add(pool, count, paused, while_starting)
 
+    def kill_a_starting_rank() -> None:
+        """SIGKILL the first learner rank of a new group (a process of this test's Ray, not of the first
+        group) as soon as its actor exists: it dies in its start-up (imports, model load), seconds long."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for proc in psutil.Process().children(recursive=True):  # this test's Ray only
+                try:
+                    title = proc.cmdline()[:1]
+                except psutil.Error:
+                    continue
+                if title and title[0].startswith("ray::LearnerDriver") and proc.pid not in ranks:
+                    new_rank_killed.append((proc.pid, time.time()))
+                    os.kill(proc.pid, signal.SIGKILL)
+                    return
+            time.sleep(0.02)
+
     def restart_then_kill_the_engine(rt, checkpoint_dir, from_step):
-        real_restart(rt, checkpoint_dir, from_step)
+        if not new_rank_killed:  # the first restart: one of its new ranks dies while it starts
+            killer = threading.Thread(target=kill_a_starting_rank, daemon=True)
+            killer.start()
+            try:
+                real_restart(rt, checkpoint_dir, from_step)
+            finally:
+                killer.join(timeout=130)
+        else:
+            real_restart(rt, checkpoint_dir, from_step)
         if not engine_killed:
             (pids,) = rt.generators.pids().values()  # the run's one engine (1: its first start failed)
             engine_killed.append(time.time())
@@ -224,7 +252,7 @@ def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_pa
     cfg, summary, learner_ck, engine_cks, final, records = run_short(tmp_path, model_cache, overrides)
     # Every step, the replayed one logged again (marked); the policy version ends where it would have.
     assert [(r["step"], r["version"], r["replayed"], r["recoveries"]) for r in records] == [
-        (0, 1, False, 0), (1, 2, False, 0), (2, 3, False, 0), (2, 3, True, 1), (3, 4, False, 1)
+        (0, 1, False, 0), (1, 2, False, 0), (2, 3, False, 0), (2, 3, True, 2), (3, 4, False, 2)
     ]
     assert (summary.steps, summary.final_version) == (4, 4)
     assert all(e.version == 4 for e in summary.engines)
@@ -242,15 +270,21 @@ def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_pa
     assert 0 <= found["at"] - killed[0][1] < DETECT_S, (found, killed)
     recovered = [e for e in log if e["source"] == "recovery"]
     reasons = [e["reason"] for e in recovered]
-    assert len(reasons) == 3 and reasons[0].startswith("learner rank 1 died ("), reasons
+    assert len(reasons) == 4 and reasons[0].startswith("learner rank 1 died ("), reasons
     assert f"restarting the learner group from {tmp_path / 'checkpoints' / 'step_2'} (step 2, recovery 1)" in reasons[0]
+    # a rank of the new group killed while it started: the group started again, recovery 2 of max_recoveries
+    assert len(new_rank_killed) == 1 and new_rank_killed[0][0] not in ranks
+    assert reasons[1].startswith("a rank of the restarting learner group failed ("), reasons
+    assert reasons[1].endswith(f"restarting the learner group again from {tmp_path / 'checkpoints' / 'step_2'} "
+                               "(step 2, recovery 2)"), reasons
     # the first start failed once and was started again: engine 1 ran the run until the recovery
     assert first_start == [0] and records[-1]["failed_starts"] == 1
     # the second fault: the engine killed during the recovery is replaced (engine 2) and serves the weights
-    assert reasons[1].startswith("engine 1 died") and reasons[2] == "started engine(s) [2] in its place", reasons
+    assert reasons[2].startswith("engine 1 died") and reasons[3] == "started engine(s) [2] in its place", reasons
     assert sorted(engine_cks) == [2]
-    print(f"learner rank killed -> recovery begun: {recovered[0]['at'] - killed[0][1]:.1f}s; engine killed in the "
-          f"recovery -> replacement started: {recovered[2]['at'] - engine_killed[0]:.1f}s")
+    print(f"learner rank killed -> recovery begun: {recovered[0]['at'] - killed[0][1]:.1f}s; a new rank killed while "
+          f"it started -> the group started again: {recovered[1]['at'] - new_rank_killed[0][1]:.1f}s; engine killed "
+          f"in the recovery -> replacement started: {recovered[3]['at'] - engine_killed[0]:.1f}s")
     # No process of the first group is left behind (the survivor, stuck in the step's collective, too).
     for pid in ranks:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+import ray
 
 from async_rl.buffer.ledger import Accounts
 from async_rl.buffer.snapshot import BufferState
@@ -153,6 +154,7 @@ class Runtime:
         self.step_refs = [Ref("rank0", answer="metrics0"), Ref("rank1", answer="metrics1")]
         self.dead_rank: int | None = None  # what dead_learner_rank finds
         self.targets_while_restarting: dict = {}
+        self.restart_failures: list[BaseException] = []  # what the next restarts of the learner group raise
         self.supervisor: Supervisor | None = None  # set by the fixture: what restart_learner looks at
 
     def dead_learner_rank(self) -> int | None:
@@ -179,6 +181,8 @@ class Runtime:
     def restart_learner(self, checkpoint_dir: str | None, from_step: int) -> None:
         self.log.append(f"restart learner from {checkpoint_dir} at step {from_step}")
         self.learner = SimpleNamespace(actors=[Actor("rank0 again"), Actor("rank1 again")])
+        if self.restart_failures:  # a rank of the new group dies (or hangs) while it starts
+            raise self.restart_failures.pop(0)
         if self.supervisor is not None:  # what the watcher reads while the new ranks start
             self.targets_while_restarting = self.supervisor._targets()
 
@@ -285,6 +289,36 @@ def test_with_recover_off_a_dead_learner_rank_stops_the_run_with_one_line(setup)
     with pytest.raises(RunError, match=r"^learner rank 1 died \(its actor died\); no checkpoint was written, .* is off\)$"):
         sup.act_on_deaths(2, 3)
     assert rt.log == []
+
+
+def test_a_rank_that_dies_while_the_group_restarts_is_another_recovery_within_the_bound(setup):
+    rt, sup = setup
+    rt.restart_failures = [ray.exceptions.ActorDiedError(), ray.exceptions.GetTimeoutError("Get timed out")]
+    deliver(sup, notice("learner", 1, rt.learner.actors[1]))
+    with pytest.raises(LearnerRestarted) as info:
+        sup.act_on_deaths(3, 4)
+    # the first death, then a rank of each new group: three recoveries, the third group up and synced
+    assert (info.value.step, info.value.recoveries) == (0, 3)
+    assert rt.log == ["restart learner from None at step 0"] * 3 + ["sync 0 False"]
+    reasons = [json.loads(line)["reason"] for line in (sup.run_dir / "scaling.jsonl").read_text().splitlines()]
+    assert reasons[-2:] == [
+        "a rank of the restarting learner group failed (The actor died unexpectedly before finishing this task.); "
+        "restarting the learner group again from the initial weights (step 0, recovery 2)",
+        "a rank of the restarting learner group failed (Get timed out); restarting the learner group again from "
+        "the initial weights (step 0, recovery 3)",
+    ]
+
+
+def test_a_rank_that_dies_while_the_group_restarts_past_the_bound_stops_the_run_in_one_line(setup):
+    rt, sup = setup
+    sup.recovery = LearnerRecovery("auto", 1, 0)
+    rt.restart_failures = [ray.exceptions.ActorDiedError()]
+    deliver(sup, notice("learner", 0, rt.learner.actors[0]))
+    with pytest.raises(RunError, match=r"^a rank of the restarting learner group failed \(The actor died unexpectedly "
+                       r"before finishing this task\.\); 1 learner recoveries within the run already "
+                       r"\(train.max_recoveries 1\); no checkpoint was written, the run cannot resume$"):
+        sup.act_on_deaths(2, 3)
+    assert rt.log == ["restart learner from None at step 0"]
 
 
 def test_a_death_during_a_step_is_acted_on_before_the_step_returns(monkeypatch, setup):
