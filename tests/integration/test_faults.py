@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 import ray
 from _load import start_burners, stop_burners
@@ -236,10 +237,24 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
     the other engine, the record counts them, every eval prompt is scored once, the dead engine is
     replaced and the buffer restarted: the run goes on. Every death is found within DETECT_S. A second
     fault during the first recovery: engine 0's replacement is killed while it starts; it is started
-    again (generators.start_attempts), counted in failed_starts, and the evaluation goes on."""
+    again (generators.start_attempts), counted in failed_starts, and the evaluation goes on. And a third:
+    while that replacement starts, a reward worker of the engine left is SIGKILLed; its pool starts
+    another (a call it held scores 0, counted), and that engine serves on, never taken for dead."""
     real = Evaluation._dispatch
     real_add = GeneratorPool.add
     struck: list[int] = []  # the replacement engine killed while it started
+    reward_killed: list[tuple[int, int]] = []  # (engine id, pid) of the reward worker killed meanwhile
+
+    def kill_a_reward_worker(engine_id: int, actor) -> None:
+        """SIGKILL one reward worker of an engine: a process its fork server forked (the actor's grandchild)."""
+        actor_pid = ray.get(actor.pids.remote(), timeout=60).actor
+        for child in psutil.Process(actor_pid).children():
+            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
+                workers = child.children()
+                if workers:
+                    reward_killed.append((engine_id, workers[0].pid))
+                    os.kill(workers[0].pid, signal.SIGKILL)
+                    return
 
     def add(self, count, paused, while_starting=None):
         if "engine_core" in kill_times and not struck:  # the first evaluation's dead engine is being replaced
@@ -250,6 +265,8 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
                 while time.monotonic() < deadline and not struck:
                     new = sorted(set(dict(self.engines)) - before)
                     if new:
+                        (left,) = [e for e in before if e in self.engines]  # the engine not being replaced
+                        kill_a_reward_worker(left, self.engines[left].actor)
                         time.sleep(2.0)  # into its start (vLLM takes >10 s to start here): not yet serving
                         kill_times["replacement"] = time.time()
                         struck.append(new[0])
@@ -317,6 +334,12 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
     # Both dead engines were replaced and the run went on to its last step on their successors; engine
     # 0's first replacement (2) was killed while it started, and the second start (3) took its place.
     assert struck == [2] and records[-1]["failed_starts"] == 1
+    # the reward worker of engine 1 killed while engine 0's replacement started: its pool went on (a call
+    # it held, if any, scored 0 as a crash, or the pool was restarted), and engine 1 served on until its
+    # planned death in the last evaluation (no other death of it below)
+    assert [e for e, _ in reward_killed] == [1] and not psutil.pid_exists(reward_killed[0][1])
+    print(f"reward worker killed: crashes {records[-1]['reward_crashes']}, pool restarts {records[-1]['reward_pool_restarts']}")
+    assert records[-1]["reward_crashes"] + records[-1]["reward_pool_restarts"] <= 2, records[-1]
     assert summary.steps == cfg.train.total_steps and sorted(engine_cks) == [3, 4]
     log = events(tmp_path)
     replaced = [e["reason"] for e in log if e["source"] == "recovery" and e["reason"].startswith("engine ")]
