@@ -495,6 +495,12 @@ class Supervisor:
             before -= 1
         missing = self.target - len(pool.engines)
         if missing > 0:
+            if not pool.engines:  # nothing generates until a replacement is up: said once, not per try
+                print(
+                    f"[recovery] step {step + 1}: no engine is left to generate with; the run waits for "
+                    f"{missing} replacement(s) to start (up to {self.starts.attempts} start(s) each)",
+                    file=self.stream, flush=True,
+                )
             try:
                 new = self.start_engines(step, missing, f"engine(s) replacing {dead}")
             except StartsSpent as spent:

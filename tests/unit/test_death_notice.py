@@ -617,3 +617,57 @@ def test_a_sync_that_fails_with_every_member_alive_stops_after_the_grace(setup, 
     with pytest.raises(RunError, match="weight update v3 failed"):
         sup.sync(3)
     assert time.monotonic() - t0 >= 0.5 and not any(line.startswith("replace") for line in rt.log)
+
+
+class ReplacementsFailing:
+    """A generator pool whose engines all died and whose replacements' starts fail `failures` times."""
+
+    def __init__(self, engines: list[int], failures: int) -> None:
+        self.engines = {eid: SimpleNamespace(actor=Actor(f"engine{eid}"), started=True) for eid in engines}
+        self.failures, self.starts, self.next_id = failures, 0, max(engines) + 1
+
+    def drop_dead(self, engine_id: int) -> int:
+        del self.engines[engine_id]
+        return 2  # leased prompts handed back
+
+    def add(self, count: int, paused: bool) -> list[int]:
+        self.starts += 1
+        if self.starts <= self.failures:
+            raise TimeoutError("engine core killed while it initialized")
+        new = list(range(self.next_id, self.next_id + count))
+        self.engines.update({eid: SimpleNamespace(actor=Actor(f"engine{eid}"), started=True) for eid in new})
+        return new
+
+
+def test_with_no_engine_left_the_run_waits_for_the_replacement_and_says_so_once(tmp_path):
+    rt = Runtime()
+    cfg = load_config(None, ["generators.num_engines=2", "generators.start_backoff_s=0", "generators.start_attempts=3"])
+    stream = io.StringIO()
+    sup = Supervisor(rt, cfg, tmp_path, "run", stream)
+    rt.generators = ReplacementsFailing([0, 1], failures=2)
+    try:
+        sup.replace(4, [0, 1])
+    finally:
+        sup.close()
+    lines = stream.getvalue().splitlines()
+    waiting = [line for line in lines if "no engine is left" in line]
+    assert waiting == [
+        "[recovery] step 5: no engine is left to generate with; the run waits for 2 replacement(s) to start "
+        "(up to 3 start(s) each)"
+    ]
+    assert sum("starting again" in line for line in lines) == 2  # one line a failed start, the wait said once
+    assert sorted(rt.generators.engines) == [2, 3] and sup.failed_starts == 2
+    assert lines[-1] == "[recovery] step 5: started engine(s) [2, 3] in its place"
+
+
+def test_a_survivor_left_means_no_waiting_line(tmp_path):
+    rt = Runtime()
+    cfg = load_config(None, ["generators.num_engines=2", "generators.start_backoff_s=0"])
+    stream = io.StringIO()
+    sup = Supervisor(rt, cfg, tmp_path, "run", stream)
+    rt.generators = ReplacementsFailing([0, 1], failures=0)
+    try:
+        sup.replace(0, [1])
+    finally:
+        sup.close()
+    assert "no engine is left" not in stream.getvalue() and sorted(rt.generators.engines) == [0, 2]
