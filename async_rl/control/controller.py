@@ -134,6 +134,7 @@ class Controller:
                 del rewards[max(0, step - self.start_step) :]
                 continue
             step += 1
+        sup.finish_refills(step - 1, self.version)  # replacements still starting join before the end
         if not rewards:
             raise RunError(
                 f"nothing to train: the checkpoint holds step {self.start_step}, train.total_steps is "

@@ -34,9 +34,10 @@ STEP_TIMING_FIELDS = frozenset({
 })
 EVAL_TIMING_FIELDS = frozenset({"elapsed_s", "eval_s"})
 # What a fault did to the processes, not to learning: a run killed and resumed, or one whose engine was
-# replaced, hands leases back (requeued) and counts its restarts; compared with `across_faults`
+# replaced, hands leases back (requeued), counts its restarts, and runs short of an engine while the
+# replacement starts in the background (num_engines); compared with `across_faults`
 FAULT_FIELDS = frozenset({"requeued", "lost", "recoveries", "failed_starts", "replayed", "rejected_frames",
-                          "reassigned_prompts", "dead_engines"})
+                          "reassigned_prompts", "dead_engines", "num_engines"})
 
 
 def read_records(path: Path) -> list[dict]:

@@ -42,14 +42,20 @@ class StartRetry:
             try:
                 return start()
             except self.retry_on as exc:
-                self.failed += 1
-                cause = cause_line(exc)  # the remote exception, not Ray's wrapping
-                if attempt == self.attempts:
-                    raise StartsSpent(f"{what}: {self.attempts} start(s) failed, the last with: {cause}") from exc
-                wait = self.backoff_s * 2 ** (attempt - 1)
-                say(f"{what}: start {attempt} of {self.attempts} failed ({cause}); starting again in {wait:.0f}s")
-                self._sleep(wait)
+                self._sleep(self.failed_start(attempt, what, exc, say))
         raise AssertionError("unreachable: attempts >= 1")
+
+    def failed_start(self, attempt: int, what: str, exc: BaseException, say: Callable[[str], None]) -> float:
+        """Start `attempt` (1-based) of `what` failed with `exc`: it is counted, and the seconds to wait
+        before the next start are returned (a line says so); StartsSpent when it was the last allowed.
+        A start made in the background (Supervisor.poll_refills) reports its failure here too."""
+        self.failed += 1
+        cause = cause_line(exc)  # the remote exception, not Ray's wrapping
+        if attempt >= self.attempts:
+            raise StartsSpent(f"{what}: {self.attempts} start(s) failed, the last with: {cause}") from exc
+        wait = self.backoff_s * 2 ** (attempt - 1)
+        say(f"{what}: start {attempt} of {self.attempts} failed ({cause}); starting again in {wait:.0f}s")
+        return wait
 
 
 def engine_starts(cfg: Config) -> StartRetry:

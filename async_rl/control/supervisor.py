@@ -52,6 +52,7 @@ from async_rl.control.death_watch import DeathNotice, DeathWatch, Target, Watche
 from async_rl.control.failure_watch import Failing, FailureWatch, reward_name
 from async_rl.control.operator_requests import ControlInbox, ScaleReply, ScaleRequest
 from async_rl.control.recovery import LearnerRecovery, RestartPlan
+from async_rl.control.refills import Refills
 from async_rl.control.runtime import Runtime
 from async_rl.control.start_retry import StartRetry, StartsSpent, engine_starts
 from async_rl.errors import RunError, first_line
@@ -148,6 +149,10 @@ class Supervisor:
         self.served_starts = StartRetry(
             g.start_attempts, g.start_backoff_s, (RunError, ray.exceptions.RayError, TimeoutError)
         )
+        # a dead engine's replacement starts in the background while the survivors generate; colocated
+        # engines share the learner's GPUs, so theirs start while the loop waits (see replace)
+        self.refills = Refills(self.starts, self._say)
+        self.background_starts = cfg.placement != "colocated"
         self.inbox = ControlInbox(run_dir, run_id)
         self.signals: list[ScaleSignal] = []
         self.steps_since_change = 0
@@ -281,6 +286,7 @@ class Supervisor:
         started anew; a dead learner rank restarts the learner group (recover_learner: with
         `train.recover: off`, or past `train.max_recoveries`, it stops the run). A notice about a
         process already replaced (by a failed call's path, an evaluation) is dropped."""
+        self.poll_refills(step)
         dead_engines: list[int] = []
         found, self._found = [*self._found, *self.deaths.take()], []
         for notice in found:
@@ -466,9 +472,8 @@ class Supervisor:
             return
         n = len(self.rt.generators.engines)
         self._event(step, "recovery", n, n, f"{pool.name} replica(s) {dead} died; restarting them")
-        say = lambda line: print(f"[recovery] {line}", file=self.stream, flush=True)  # noqa: E731
         try:
-            self.served_starts.run(lambda: pool.restart(dead), f"{pool.name} replica(s) {dead}", say)
+            self.served_starts.run(lambda: pool.restart(dead), f"{pool.name} replica(s) {dead}", self._say)
         except StartsSpent as spent:  # nothing scores the samples: the run stops, its checkpoint named
             raise RunError(f"{spent}; {self._resume_from()}") from None
         self.rt.served_replicas_moved(kind)
@@ -483,6 +488,9 @@ class Supervisor:
         return {eid: h.actor for eid, h in self.rt.generators.engines.items()}
 
     def replace(self, step: int, dead: list[int]) -> None:
+        """Dead engines leave the pool and replacements start. With survivors they start in the
+        background (Refills; poll_refills lets them join); with none left, the run waits until one
+        joined (says so once). Colocated: the start is waited for, as for an added engine."""
         pool = self.rt.generators
         before = len(pool.engines)
         for engine_id in dead:
@@ -493,14 +501,13 @@ class Supervisor:
             else:
                 self._event(step, "recovery", before, before - 1, f"engine {engine_id} died; {back} leased prompts requeued")
             before -= 1
-        missing = self.target - len(pool.engines)
-        if missing > 0:
-            if not pool.engines:  # nothing generates until a replacement is up: said once, not per try
-                print(
-                    f"[recovery] step {step + 1}: no engine is left to generate with; the run waits for "
-                    f"{missing} replacement(s) to start (up to {self.starts.attempts} start(s) each)",
-                    file=self.stream, flush=True,
-                )
+        missing = self.target - len(pool.engines) - len(self.refills)
+        if missing > 0 and self.background_starts:
+            new = self.refills.launch(pool, missing, f"engine(s) replacing {dead}")
+            meanwhile = f"; meanwhile the run goes on with {before} engine(s)" if before else ""
+            self._event(step, "recovery", before, before, f"starting engine(s) {new} in its place{meanwhile}")
+        elif missing > 0:
+            self._wait_line(step, missing)
             try:
                 new = self.start_engines(step, missing, f"engine(s) replacing {dead}")
             except StartsSpent as spent:
@@ -510,6 +517,50 @@ class Supervisor:
                 self._event(step, "recovery", before, before, f"{spent}; going on with {before} engine(s)")
                 return
             self._event(step, "recovery", before, len(pool.engines), f"started engine(s) {new} in its place")
+        if not pool.engines and self.refills:
+            self._wait_line(step, len(self.refills))
+            while not pool.engines:
+                self.poll_refills(step)
+                if not pool.engines:
+                    time.sleep(WAKE_S)
+
+    def _wait_line(self, step: int, count: int) -> None:
+        """With no engine left the run waits for its replacements: said once, not once a try."""
+        if not self.rt.generators.engines:
+            self._say(f"step {step + 1}: no engine is left to generate with; the run waits for {count} "
+                      f"replacement(s) to start (up to {self.starts.attempts} start(s) each)")
+
+    def _say(self, line: str) -> None:
+        print(f"[recovery] {line}", file=self.stream, flush=True)
+
+    def poll_refills(self, step: int) -> None:
+        """Replacements starting in the background that started join the pool (paused: the sync after
+        this step gives them the weights); those whose starts are all spent are given up, and the run
+        goes on with the engines it has, or with none stops in one line naming its checkpoint."""
+        pool = self.rt.generators
+        polled = self.refills.poll(pool)
+        for engine_id, what in polled.joined:
+            n = len(pool.engines)
+            self._event(step, "recovery", n - 1, n, f"started engine {engine_id} ({what}); it generates after the next sync")
+            self.sync_owed = True
+        for spent in polled.spent:
+            n = len(pool.engines)
+            if not pool.engines and not self.refills:
+                raise RunError(f"{spent}; {self._resume_from()}") from None
+            self.target -= 1
+            self._event(step, "recovery", n, n, f"{spent}; going on with {n} engine(s)")
+
+    def finish_refills(self, step: int, version: int) -> None:
+        """The run's end: replacements still starting are waited for, and given the last weights,
+        so the run ends with the pool it asked for."""
+        if not self.refills:
+            return
+        self._say(f"step {step + 1}: waiting for {len(self.refills)} replacement engine(s) to start before the run ends")
+        while self.refills:
+            self.poll_refills(step)
+            if self.refills:
+                time.sleep(WAKE_S)
+        self.sync(version)
 
     def _resume_from(self) -> str:
         """The end of a stop line: the checkpoint to resume from."""
@@ -655,8 +706,7 @@ class Supervisor:
     def start_engines(self, step: int, count: int, what: str) -> list[int]:
         """`count` new engines, started again with backoff when their start fails (generators.start_attempts);
         StartsSpent when every start failed."""
-        say = lambda line: print(f"[recovery] {line}", file=self.stream, flush=True)  # noqa: E731
-        return self.starts.run(lambda: self.rt.generators.add(count, paused=True), what, say)
+        return self.starts.run(lambda: self.rt.generators.add(count, paused=True), what, self._say)
 
     def remove_engine(self, engine_id: int) -> int:
         """Drain and stop one engine; returns how many of its leases went back to the prompt pool."""
@@ -666,6 +716,7 @@ class Supervisor:
 
     def resize(self, step: int, source: str, engines: int, reason: str) -> None:
         pool, cfg = self.rt.generators, self.cfg
+        self.refills.cancel(pool)  # the pool's new size is counted from the engines it has
         before = len(pool.engines)
         if engines > before:
             need = (engines - before) * cfg.generators.cpus_per_engine

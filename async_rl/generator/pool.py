@@ -40,6 +40,16 @@ class EngineHandle:
     started: bool = False  # its start returned (before, its event loop may be busy starting vLLM)
 
 
+@dataclass
+class StartingEngine:
+    """An engine started in the background (launch): a member once poll_starts finds it started."""
+
+    handle: EngineHandle
+    ready: ray.ObjectRef  # its start call, failed once time.monotonic() passes `deadline`
+    deadline: float
+    buffer: ActorHandle  # the buffer it was made with: one restarted meanwhile is handed over when it joins
+
+
 class GeneratorPool:
     def __init__(
         self,
@@ -68,6 +78,8 @@ class GeneratorPool:
         self.workers_per_engine = workers_per_engine
         self.weight_timeout_s = weight_timeout_s
         self.engines: dict[int, EngineHandle] = {}
+        self.starting: dict[int, StartingEngine] = {}  # launched, not yet members (see launch)
+        self._ingest_address: str | None = None  # the restarted buffer's, for engines that join after it
         self._next_id = 0
         self.membership_stale = True
         self._group: WeightGroupInfo | None = None  # the current broadcast membership
@@ -92,15 +104,8 @@ class GeneratorPool:
         new: list[EngineHandle] = []
         try:
             for _ in range(count):
-                engine_id, self._next_id = self._next_id, self._next_id + 1
-                pool, slot, options = self._room(engine_id)
-                actor = (
-                    ray.remote(self.actor_cls)
-                    .options(**options, max_concurrency=1000)
-                    .remote(self.make_settings(engine_id), self.buffer)
-                )
-                handle = EngineHandle(engine_id, actor, pool, slot)
-                self.engines[engine_id] = handle  # registered first, so shutdown finds a half-started engine
+                handle = self._new_engine()
+                self.engines[handle.engine_id] = handle  # registered first, so shutdown finds a half-started engine
                 new.append(handle)
             starts = [h.actor.start.remote(paused) for h in new]
             if while_starting is not None:
@@ -118,12 +123,65 @@ class GeneratorPool:
         self.membership_stale = True
         return [h.engine_id for h in new]
 
+    def launch(self, count: int, paused: bool) -> list[int]:
+        """Start `count` engines without waiting: each joins the pool (paused until a sync gave it the
+        weights) when poll_starts finds it started. Raises only when there is no room for one."""
+        new: list[int] = []
+        for _ in range(count):
+            h = self._new_engine()
+            deadline = time.monotonic() + TIMEOUT_S
+            self.starting[h.engine_id] = StartingEngine(h, h.actor.start.remote(paused), deadline, self.buffer)
+            new.append(h.engine_id)
+        return new
+
+    def poll_starts(self) -> tuple[list[int], list[tuple[int, BaseException]]]:
+        """Without waiting: launched engines that started join the pool (the next sync rebuilds the
+        membership), those whose start failed or passed TIMEOUT_S stop. Returns (joined, [(id, why)])."""
+        joined: list[int] = []
+        failed: list[tuple[int, BaseException]] = []
+        for engine_id, s in list(self.starting.items()):
+            done, _ = ray.wait([s.ready], timeout=0)
+            if not done and time.monotonic() < s.deadline:
+                continue
+            del self.starting[engine_id]
+            try:
+                if not done:
+                    raise TimeoutError(f"engine {engine_id} did not start within {TIMEOUT_S:.0f}s")
+                ray.get(s.ready)
+                if s.buffer is not self.buffer:  # the buffer was restarted while it started
+                    ray.get(s.handle.actor.reconnect.remote(self.buffer, self._ingest_address), timeout=TIMEOUT_S)
+            except Exception as exc:
+                self._stop(s.handle)
+                failed.append((engine_id, exc))
+                continue
+            s.handle.started = True
+            with self._members:
+                self.engines[engine_id] = s.handle
+            self.membership_stale = True
+            joined.append(engine_id)
+        return joined, failed
+
+    def cancel_starts(self) -> list[int]:
+        """Stop every engine still starting in the background; returns their ids."""
+        cancelled = list(self.starting)
+        for engine_id in cancelled:
+            self._stop(self.starting.pop(engine_id).handle)
+        return cancelled
+
+    def _new_engine(self) -> EngineHandle:
+        """A new engine's actor, in the room for it; not started yet."""
+        engine_id, self._next_id = self._next_id, self._next_id + 1
+        pool, slot, options = self._room(engine_id)
+        actor = ray.remote(self.actor_cls).options(**options, max_concurrency=1000).remote(
+            self.make_settings(engine_id), self.buffer)
+        return EngineHandle(engine_id, actor, pool, slot)
+
     def _room(self, engine_id: int) -> tuple[ResourcePool | None, int, dict]:
         """Where a new engine runs: a pool of its own, or the first free slot of the shared pool."""
         if self.shared is None:
             pool = ResourcePool(f"engine-{engine_id}", [self.bundle])
             return pool, -1, pool.actor_options(0)
-        taken = {h.slot for h in self.engines.values()}
+        taken = {h.slot for h in self.engines.values()} | {s.handle.slot for s in self.starting.values()}
         free = [i for i in range(len(self.shared)) if i not in taken]
         if not free:
             raise RunError(
@@ -170,6 +228,7 @@ class GeneratorPool:
     def reconnect(self, buffer: ActorHandle, ingest_address: str) -> None:
         """A restarted buffer: every engine leases from and pushes to the new one."""
         self.buffer = buffer
+        self._ingest_address = ingest_address
         ray.get([a.reconnect.remote(buffer, ingest_address) for a in self.actors], timeout=TIMEOUT_S)
 
     def rebuild_membership(self, sender: ActorHandle) -> None:
@@ -326,6 +385,7 @@ class GeneratorPool:
             handle.pool.remove()
 
     def shutdown(self) -> None:
+        self.cancel_starts()
         for handle in list(self.engines.values()):
             self._stop(handle)
         self.engines.clear()

@@ -57,7 +57,8 @@ def test_an_asynchronous_run_repeats_with_an_engine_killed_and_another_seed_does
     # the samples are drawn, not greedy: a group whose 8 samples were alike would have no gradient
     assert all(r["grad_norm"] > 0 for r in records)
     # Engine 0 dies with prompts in flight: they go back to the pool, engine 1 generates them again with
-    # the version engine 0 held, and the replacement waits for the next sync. Nothing changes.
+    # the version engine 0 held, and the replacement starts in the background and joins at a later sync
+    # (num_engines, a fault field, is the only count that differs). Nothing learned changes.
     b = deterministic_run(tmp_path, model_cache, "b", lag1, between=kill_engine_after_step_1)
     log = [json.loads(line) for line in (b / "scaling.jsonl").read_text().splitlines()]
     assert any(e["reason"].startswith("engine 0 died") for e in log), log
