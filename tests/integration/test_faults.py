@@ -146,6 +146,10 @@ def held_up(bounds: dict[int, float], ups: list[tuple[float, float]], kills) -> 
 
 
 def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tmp_path, model_cache, monkeypatch):
+    """Engine cores, engine actors and the buffer killed between steps, at random moments and mid-sync:
+    each found and acted on within seconds, the run completes balanced. A second fault in the training
+    loop: the first replacement (engine 0's) is killed while it starts in the background; it is started
+    again, counted in failed_starts, and the run goes on with the other engine meanwhile."""
     rng = random.Random(SEED)
     timed = {3: "engine_actor", 7: "buffer"}  # a random moment after step k: mid-step, a sync, a lease
     at = {k: rng.uniform(0.0, 3.0) for k in timed}
@@ -167,6 +171,24 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
         return real_broadcast(self, sender, actors, version)
 
     monkeypatch.setattr(GeneratorPool, "_broadcast", strike_mid_sync)
+    real_launch = GeneratorPool.launch
+    struck: list[tuple[int, float]] = []  # the first replacement, killed while it starts in the training loop
+    aimed: list[int] = []
+
+    def launch_and_strike(self, count, paused):
+        new = real_launch(self, count, paused)
+        if not aimed:  # engine 0's replacement after its core died (step 2): its actor dies 2 s into its start
+            aimed.append(new[0])  # at once: another replacement may be launched within those 2 s
+            actor = self.starting[new[0]].handle.actor  # vLLM takes >10 s to start here: not yet serving
+
+            def strike():
+                struck.append((new[0], time.time()))
+                ray.kill(actor, no_restart=True)
+
+            threading.Timer(2.0, strike).start()
+        return new
+
+    monkeypatch.setattr(GeneratorPool, "launch", launch_and_strike)
 
     def kill_later(controller, k: int) -> None:
         kind = timed[k]
@@ -218,6 +240,12 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
     went_on = [sum(a < t < b for t in ends.values()) for a, b in ups]
     print(f"steps ended while each replacement started: {went_on}")
     assert any(went_on), (ups, ends)
+    # The first replacement, killed while it started, was started again (counted) and joined the pool.
+    (struck_id, struck_at), = struck
+    assert not [e for e in log if "start(s) failed" in e["reason"]], log  # started again, never given up
+    joined = [e["at"] - struck_at for e in log if e["at"] > struck_at and e["reason"].startswith("started engine ")]
+    print(f"replacement {struck_id} killed while it started: a replacement joined {joined[0]:.1f}s later")
+    assert records[-1]["failed_starts"] == 1 and struck_id not in engine_cks, (records[-1], sorted(engine_cks))
     # Every process is back: two engines hold the learner's weights, every step trained a full batch,
     # the accounting balances and nothing was lost (dead engines' and the dead buffer's leases requeued).
     # A step held up by a recovery lets groups leased before it go stale: dropped in whole groups.
