@@ -539,9 +539,10 @@ class Supervisor:
         goes on with the engines it has, or with none stops in one line naming its checkpoint."""
         pool = self.rt.generators
         polled = self.refills.poll(pool)
+        n = len(pool.engines) - len(polled.joined)  # before these joined (they joined together)
         for engine_id, what in polled.joined:
-            n = len(pool.engines)
-            self._event(step, "recovery", n - 1, n, f"started engine {engine_id} ({what}); it generates after the next sync")
+            self._event(step, "recovery", n, n + 1, f"started engine {engine_id} ({what}); it generates after the next sync")
+            n += 1
             self.sync_owed = True
         for spent in polled.spent:
             n = len(pool.engines)

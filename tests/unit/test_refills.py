@@ -99,6 +99,18 @@ def test_with_a_survivor_the_replacement_starts_in_the_background_and_joins_at_a
     assert "no engine is left" not in stream.getvalue()
 
 
+def test_replacements_that_join_together_are_counted_one_by_one(tmp_path):
+    pool = StartingPool([0, 1, 2])
+    sup, _, _ = supervisor(tmp_path, pool, "generators.num_engines=3")
+    try:
+        sup.replace(0, [1, 2])
+        sup.poll_refills(0)
+    finally:
+        sup.close()
+    joined = [(e.engines_before, e.engines_after) for e in sup.events if e.reason.startswith("started engine")]
+    assert joined == [(1, 2), (2, 3)] and sorted(pool.engines) == [0, 3, 4]
+
+
 def test_a_failed_background_start_is_started_again_and_counted(tmp_path):
     pool = StartingPool([0, 1], failures=2)
     sup, stream, _ = supervisor(tmp_path, pool)
