@@ -1,4 +1,5 @@
-"""A write that failed for lack of space, told apart from other failures and said in one line.
+"""A write that failed for lack of space, or because its place is read-only or gone, told apart from
+other failures and said in one line.
 
 A full disk reaches us in three shapes, each seen on this stack (2026-12-06): an OSError with errno
 ENOSPC (Python's own writes), safetensors' `I/O error: No space left on device (os error 28)`, and
@@ -10,7 +11,9 @@ the exception chain's messages as well as its errnos.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 _SIGNS = ("no space left on device", "os error 28", "unexpected pos ")
@@ -62,3 +65,25 @@ def space_line(what: str, path: Path, needed: int | None) -> str:
     and the bytes free there now."""
     need = f"needs about {size_text(needed)}" if needed else "needs an unknown amount"
     return f"{what}: no space left on the device of {path}: {need}, {size_text(free_bytes(path))} free"
+
+
+def place_problem(folder: Path) -> str | None:
+    """After a write into `folder` failed (not for space): what is wrong with the place itself, found by
+    looking, not by reading error texts: it is gone (removed, or its filesystem unmounted), on a read-only
+    filesystem, or not writable. None when a file can be made there (the failure was something else)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "is gone (removed, or its filesystem unmounted)"
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            return "is on a read-only filesystem"
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return "is not writable (permission denied)"
+        if exc.errno == errno.ENOENT:
+            return "is gone (removed, or its filesystem unmounted)"
+        return None
+    os.close(fd)
+    os.unlink(probe)
+    return None

@@ -95,6 +95,8 @@ def write_snapshot(path: Path, snap: BufferSnapshot) -> None:
         tmp.unlink(missing_ok=True)
         if storage.out_of_space(exc):
             raise RunError(storage.space_line("buffer snapshot", path, len(data))) from None
+        if why := storage.place_problem(path.parent):
+            raise RunError(f"buffer snapshot {path}: its folder {why}") from None
         raise RunError(f"buffer snapshot {path}: {exc}") from None
 
 

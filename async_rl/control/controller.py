@@ -279,9 +279,12 @@ class Controller:
             )
             final = checkpoint.commit(tmp, state, self.cfg.train.checkpoint_keep)
         except Exception as exc:
-            if not storage.out_of_space(exc):
+            if storage.out_of_space(exc):
+                raise checkpoint.out_of_space(self.run_dir, tmp, self.version) from None
+            why = storage.place_problem(self.run_dir)  # read-only, or gone: said as plainly as a full disk
+            if why is None:
                 raise
-            raise checkpoint.out_of_space(self.run_dir, tmp, self.version) from None
+            raise checkpoint.unwritable(self.run_dir, tmp, self.version, why) from None
         checkpoint.discard_partial(self.run_dir, f"checkpoint {final.name}", self.supervisor.stream)  # cut short earlier
         return final
 

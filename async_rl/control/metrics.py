@@ -214,9 +214,12 @@ def _append(fh: BinaryIO, line: bytes, what: str) -> None:
         fh.write(line)
         fh.flush()
     except OSError as exc:
-        if not storage.out_of_space(exc):
+        if storage.out_of_space(exc):
+            raise RunError(storage.space_line(what, Path(fh.name), len(line))) from None
+        why = storage.place_problem(Path(fh.name).parent)
+        if why is None:
             raise
-        raise RunError(storage.space_line(what, Path(fh.name), len(line))) from None
+        raise RunError(f"{what}: writing {fh.name} failed: its folder {why}") from None
 
 
 class MetricsSink:

@@ -111,21 +111,21 @@ def test_replacements_that_join_together_are_counted_one_by_one(tmp_path):
     assert joined == [(1, 2), (2, 3)] and sorted(pool.engines) == [0, 3, 4]
 
 
-def test_a_failed_background_start_is_started_again_and_counted(tmp_path):
-    pool = StartingPool([0, 1], failures=2)
-    sup, stream, _ = supervisor(tmp_path, pool)
+def test_a_background_start_that_fails_three_times_then_works_joins_and_is_counted(tmp_path):
+    pool = StartingPool([0, 1], failures=3)
+    sup, stream, _ = supervisor(tmp_path, pool, "generators.start_attempts=4")
     try:
         sup.replace(3, [1])
         looks = 0
         while sup.refills:
             sup.poll_refills(3)
             looks += 1
-        assert looks == 5  # fail, start again, fail, start again, joined
+        assert looks == 7  # three times: fail, start again; then joined
     finally:
         sup.close()
-    assert sorted(pool.engines) == [0, 4] and sup.failed_starts == 2 and sup.target == 2
+    assert sorted(pool.engines) == [0, 5] and sup.failed_starts == 3 and sup.target == 2
     lines = stream.getvalue().splitlines()
-    assert sum("failed (engine core killed while it initialized); starting again in 0s" in line for line in lines) == 2
+    assert sum("failed (engine core killed while it initialized); starting again in 0s" in line for line in lines) == 3
 
 
 def test_background_starts_all_spent_leave_the_run_going_on_with_the_survivors(tmp_path):

@@ -30,9 +30,9 @@ def test_failed_starts_are_retried_with_doubling_backoff_and_counted():
     waits: list[float] = []
     lines: list[str] = []
     r = retry(4, waits)
-    start = Flaky(2, ConnectionError("Engine core initialization failed. Failed core proc(s): {'EngineCore': -9}\nmore"))
-    assert r.run(start, "engine(s) replacing [0]", lines.append) == [7]
-    assert start.calls == 3 and waits == [5.0, 10.0] and r.failed == 2
+    start = Flaky(3, ConnectionError("Engine core initialization failed. Failed core proc(s): {'EngineCore': -9}\nmore"))
+    assert r.run(start, "engine(s) replacing [0]", lines.append) == [7]  # three failed starts, then one that works
+    assert start.calls == 4 and waits == [5.0, 10.0, 20.0] and r.failed == 3
     assert lines[0] == ("engine(s) replacing [0]: start 1 of 4 failed (Engine core initialization failed. "
                         "Failed core proc(s): {'EngineCore': -9}); starting again in 5s")
 

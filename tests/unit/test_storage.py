@@ -1,5 +1,6 @@
-"""A write that fails for lack of space is told apart and said in one line (async_rl/storage.py), and a
-checkpoint that does not fit stops the run without touching the last complete one."""
+"""A write that fails for lack of space, or because its place is read-only or gone, is told apart and said
+in one line (async_rl/storage.py), and a checkpoint that does not fit stops the run without touching the
+last complete one."""
 
 from __future__ import annotations
 
@@ -77,3 +78,53 @@ def test_a_run_about_to_fill_its_disk_says_so_a_checkpoint_ahead(tmp_path, monke
             continue
         assert line.startswith("checkpoint step_4: ") and expected in line and "\n" not in line
         assert f"({free} bytes) free" in line and f"(step_2) takes {size / 2**10:.1f} KiB ({size} bytes)" in line
+
+
+def _in_a_mount_namespace(script: str) -> subprocess.CompletedProcess:
+    """`script` (sh) in a mount namespace of our own (root, else an unprivileged user namespace): nothing
+    outside the test sees what it mounts. Skips where none can be made."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare: cannot make a filesystem of our own")
+    for flags in (["-m"], ["-rm"]):
+        proc = subprocess.run(["unshare", *flags, "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+        if proc.returncode == 0:
+            return proc
+    pytest.skip(f"cannot mount a tmpfs in a namespace here: {proc.stderr.strip()[-200:]}")
+
+
+def test_a_checkpoint_into_a_read_only_run_directory_stops_with_one_line(tmp_path):
+    mnt = tmp_path / "run"
+    mnt.mkdir()
+    proc = _in_a_mount_namespace(f"mount -t tmpfs -o size=1m tmpfs {mnt} && exec {sys.executable} -m tests.unit._read_only_probe {mnt}")
+    assert proc.stdout.strip() == (
+        f"checkpoint step_6: the run directory {mnt} is on a read-only filesystem; make it writable, then "
+        f"--resume {mnt} (from step_4)"
+    ), proc.stdout + proc.stderr
+
+
+def test_a_place_that_is_gone_or_read_only_is_told_from_a_writable_one(tmp_path):
+    assert storage.place_problem(tmp_path) is None and list(tmp_path.iterdir()) == []  # the probe file went
+    gone = tmp_path / "run"
+    gone.mkdir()
+    shutil.rmtree(gone)
+    assert storage.place_problem(gone) == "is gone (removed, or its filesystem unmounted)"
+    line = str(checkpoint.unwritable(gone, gone / "checkpoints" / ".tmp-x", 3, storage.place_problem(gone)))
+    assert line == f"checkpoint step_3: the run directory {gone} is gone (removed, or its filesystem unmounted); " \
+                   "no checkpoint of this run is left there"
+
+
+def test_a_buffer_snapshot_whose_folder_vanished_says_so(tmp_path):
+    from async_rl.buffer.actor import BufferSettings, ReplayBuffer
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    buf = ReplayBuffer(BufferSettings(
+        run_id="r", host="127.0.0.1", ingest_port=0, serve_port=0, max_lag=1, prompts_per_step=2, group_size=2,
+        filter_uniform_groups=False, max_frame_bytes=1 << 20, task_name="repeat", task_seed=0,
+        snapshot_path=str(folder / "buffer.snapshot"),
+    ))
+    buf.save_snapshot()
+    assert buf.stats().storage_error == ""
+    shutil.rmtree(folder)  # the run directory removed under the running buffer
+    buf.save_snapshot()
+    assert buf.stats().storage_error == f"buffer snapshot {folder / 'buffer.snapshot'}: its folder is gone (removed, or its filesystem unmounted)"
