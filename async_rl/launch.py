@@ -155,7 +155,16 @@ def start_ray(cfg: Config, plan: PlacementPlan) -> None:
 
 
 def _run_dir(cfg: Config, resume_from: Path | None) -> Path:
-    """A new run directory with its config, or the resumed checkpoint's (its later metrics trimmed)."""
+    """A new run directory with its config, or the resumed checkpoint's (its later metrics trimmed). One
+    that cannot be written (read-only, not writable, a full disk) stops the launch in one line."""
+    where = Path(cfg.logging.run_dir) if resume_from is None else resume_from.parent.parent
+    try:
+        return _prepare_run_dir(cfg, resume_from)
+    except OSError as exc:
+        raise RunError(f"logging.run_dir: cannot write the run directory under {where}: {exc.strerror or exc}") from None
+
+
+def _prepare_run_dir(cfg: Config, resume_from: Path | None) -> Path:
     from async_rl.control import checkpoint
     from async_rl.control.metrics import EVAL_FILE
 

@@ -128,3 +128,16 @@ def test_a_buffer_snapshot_whose_folder_vanished_says_so(tmp_path):
     shutil.rmtree(folder)  # the run directory removed under the running buffer
     buf.save_snapshot()
     assert buf.stats().storage_error == f"buffer snapshot {folder / 'buffer.snapshot'}: its folder is gone (removed, or its filesystem unmounted)"
+
+
+def test_a_run_directory_that_cannot_be_made_stops_the_launch_in_one_line(tmp_path):
+    from async_rl.config import load_config
+    from async_rl.errors import RunError
+    from async_rl.launch import _run_dir
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")  # root writes anywhere: a file in the path fails for root too
+    cfg = load_config(None, [f"logging.run_dir={blocker / 'runs'}", "logging.run_name=r"])
+    with pytest.raises(RunError) as err:
+        _run_dir(cfg, None)
+    assert str(err.value) == f"logging.run_dir: cannot write the run directory under {blocker / 'runs'}: Not a directory"
