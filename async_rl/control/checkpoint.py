@@ -117,7 +117,7 @@ def unwritable(run_dir: Path, tmp: Path, step: int, why: str) -> RunError:
     """Checkpoint `step` could not be written because the run directory is read-only or gone
     (storage.place_problem says which): one line naming it and what to resume from."""
     shutil.rmtree(tmp, ignore_errors=True)
-    found = completed(run_dir) if Path(run_dir).is_dir() else []
+    found = completed(run_dir)  # [] when the run directory is gone
     after = (f"make it writable, then --resume {run_dir} (from {found[-1].name})" if found
              else "no checkpoint of this run is left there")
     return RunError(f"checkpoint {_PREFIX}{step}: the run directory {run_dir} {why}; {after}")

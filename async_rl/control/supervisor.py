@@ -519,10 +519,15 @@ class Supervisor:
             self._event(step, "recovery", before, len(pool.engines), f"started engine(s) {new} in its place")
         if not pool.engines and self.refills:
             self._wait_line(step, len(self.refills))
-            while not pool.engines:
-                self.poll_refills(step)
-                if not pool.engines:
-                    time.sleep(WAKE_S)
+            self._poll_refills_until(step, lambda: bool(pool.engines))
+
+    def _poll_refills_until(self, step: int, done: Callable[[], bool]) -> None:
+        """Look at the background starts every WAKE_S until `done()`; poll_refills raises when every
+        start is spent with no engine left, so this never waits on nothing."""
+        while not done():
+            self.poll_refills(step)
+            if not done():
+                time.sleep(WAKE_S)
 
     def _wait_line(self, step: int, count: int) -> None:
         """With no engine left the run waits for its replacements: said once, not once a try."""
@@ -557,10 +562,7 @@ class Supervisor:
         if not self.refills:
             return
         self._say(f"step {step + 1}: waiting for {len(self.refills)} replacement engine(s) to start before the run ends")
-        while self.refills:
-            self.poll_refills(step)
-            if self.refills:
-                time.sleep(WAKE_S)
+        self._poll_refills_until(step, lambda: not self.refills)
         self.sync(version)
 
     def _resume_from(self) -> str:

@@ -161,12 +161,10 @@ class GeneratorPool:
             joined.append(engine_id)
         return joined, failed
 
-    def cancel_starts(self) -> list[int]:
-        """Stop every engine still starting in the background; returns their ids."""
-        cancelled = list(self.starting)
-        for engine_id in cancelled:
+    def cancel_starts(self) -> None:
+        """Stop every engine still starting in the background."""
+        for engine_id in list(self.starting):
             self._stop(self.starting.pop(engine_id).handle)
-        return cancelled
 
     def _new_engine(self) -> EngineHandle:
         """A new engine's actor, in the room for it; not started yet."""

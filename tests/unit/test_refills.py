@@ -53,10 +53,9 @@ class StartingPool:
         self.starting = []
         return joined, failed
 
-    def cancel_starts(self) -> list[int]:
+    def cancel_starts(self) -> None:
         self.cancelled += self.starting
-        cancelled, self.starting = self.starting, []
-        return cancelled
+        self.starting = []
 
     def add(self, count: int, paused: bool) -> list[int]:  # a blocking start (colocated)
         self.launched += 1
