@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import psutil
 import pytest
 import ray
@@ -26,6 +27,8 @@ from test_elastic import SHORT, _kill_after_first_bucket, events
 from test_training_run import check_common, run_short
 
 from async_rl.control import checkpoint as checkpoint_module
+from async_rl.control.remote_cause import cause_line
+from async_rl.control.start_retry import StartRetry
 from async_rl.evaluation.phase import Evaluation
 from async_rl.generator.pool import GeneratorPool
 
@@ -149,7 +152,9 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
     """Engine cores, engine actors and the buffer killed between steps, at random moments and mid-sync:
     each found and acted on within seconds, the run completes balanced. A second fault in the training
     loop: the first replacement (engine 0's) is killed while it starts in the background; it is started
-    again, counted in failed_starts, and the run goes on with the other engine meanwhile."""
+    again, counted in failed_starts, and the run goes on with the other engine meanwhile. A third: the
+    first start after that kill runs out of memory at load (its KV cache larger than the machine's free
+    memory, vLLM's own check); it is started again and counted too."""
     rng = random.Random(SEED)
     timed = {3: "engine_actor", 7: "buffer"}  # a random moment after step k: mid-step, a sync, a lease
     at = {k: rng.uniform(0.0, 3.0) for k in timed}
@@ -175,7 +180,28 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
     struck: list[tuple[int, float]] = []  # the first replacement, killed while it starts in the training loop
     aimed: list[int] = []
 
+    causes: list[str] = []  # the cause of every failed start, as the run's line gives it
+    real_failed_start = StartRetry.failed_start
+
+    def failed_start(self, attempt, what, exc, say):
+        causes.append(cause_line(exc))
+        return real_failed_start(self, attempt, what, exc, say)
+
+    monkeypatch.setattr(StartRetry, "failed_start", failed_start)
+    oom: list[int] = []  # the first start after that kill: out of memory at load (a KV cache bigger than the machine)
+
     def launch_and_strike(self, count, paused):
+        if struck and not oom:
+            real_settings = self.make_settings
+            # vLLM's CPU worker refuses a KV cache larger than the free memory once the model is loaded
+            self.make_settings = lambda engine_id: msgspec.structs.replace(
+                real_settings(engine_id), spec=msgspec.structs.replace(real_settings(engine_id).spec, kv_cache_bytes=2**50))
+            try:
+                new = real_launch(self, count, paused)
+            finally:
+                self.make_settings = real_settings
+            oom.append(new[0])
+            return new
         new = real_launch(self, count, paused)
         if not aimed:  # engine 0's replacement after its core died (step 2): its actor dies 2 s into its start
             aimed.append(new[0])  # at once: another replacement may be launched within those 2 s
@@ -245,7 +271,11 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
     assert not [e for e in log if "start(s) failed" in e["reason"]], log  # started again, never given up
     joined = [e["at"] - struck_at for e in log if e["at"] > struck_at and e["reason"].startswith("started engine ")]
     print(f"replacement {struck_id} killed while it started: a replacement joined {joined[0]:.1f}s later")
-    assert records[-1]["failed_starts"] == 1 and struck_id not in engine_cks, (records[-1], sorted(engine_cks))
+    # The first start after it ran out of memory at load (vLLM's own check, read back from the engine
+    # core's log): started again, counted.
+    assert oom and len(causes) == 2 and "less than requested memory for kv" in causes[1], causes
+    print(f"engine {oom[0]} out of memory at load: {causes[1]}")
+    assert records[-1]["failed_starts"] == 2 and {struck_id, *oom}.isdisjoint(engine_cks), (records[-1], sorted(engine_cks))
     # Every process is back: two engines hold the learner's weights, every step trained a full batch,
     # the accounting balances and nothing was lost (dead engines' and the dead buffer's leases requeued).
     # A step held up by a recovery lets groups leased before it go stale: dropped in whole groups.
@@ -280,16 +310,36 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
     struck: list[int] = []  # the replacement engine killed while it started
     reward_killed: list[tuple[int, int]] = []  # (engine id, pid) of the reward worker killed meanwhile
 
+    def reward_workers(actor_pid: int) -> list[int]:
+        """The pids of an engine's reward workers: the processes its fork server forked (the actor's
+        grandchildren); [] once the actor is gone."""
+        try:
+            return [w.pid for c in psutil.Process(actor_pid).children()
+                    if "multiprocessing.forkserver" in " ".join(c.cmdline()) for w in c.children()]
+        except psutil.Error:
+            return []
+
     def kill_a_reward_worker(engine_id: int, actor) -> None:
-        """SIGKILL one reward worker of an engine: a process its fork server forked (the actor's grandchild)."""
+        """SIGKILL one reward worker of an engine, then watch (on a thread) for its pool to be whole
+        again: as many workers as before, the killed one not among them (pebble replaced it, or the
+        pool was restarted at its next call)."""
         actor_pid = ray.get(actor.pids.remote(), timeout=60).actor
-        for child in psutil.Process(actor_pid).children():
-            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
-                workers = child.children()
-                if workers:
-                    reward_killed.append((engine_id, workers[0].pid))
-                    os.kill(workers[0].pid, signal.SIGKILL)
+        workers = reward_workers(actor_pid)
+        if not workers:
+            return
+        reward_killed.append((engine_id, workers[0]))
+        kill_times["reward_worker"] = time.time()
+        os.kill(workers[0], signal.SIGKILL)
+
+        def watch() -> None:
+            while psutil.pid_exists(actor_pid):
+                now = reward_workers(actor_pid)
+                if len(now) >= len(workers) and workers[0] not in now:
+                    kill_times["reward_pool_whole"] = time.time()
                     return
+                time.sleep(0.1)
+
+        threading.Thread(target=watch, daemon=True).start()
 
     def launch(self, count, paused):
         new = real_launch(self, count, paused)  # started in the background: engine 1 serves meanwhile
@@ -371,7 +421,9 @@ def test_evaluation_survives_an_engine_dying_mid_evaluation(tmp_path, model_cach
     # it held, if any, scored 0 as a crash, or the pool was restarted), and engine 1 served on until its
     # planned death in the last evaluation (no other death of it below)
     assert [e for e, _ in reward_killed] == [1] and not psutil.pid_exists(reward_killed[0][1])
-    print(f"reward worker killed: crashes {records[-1]['reward_crashes']}, pool restarts {records[-1]['reward_pool_restarts']}")
+    assert "reward_pool_whole" in kill_times, "engine 1's reward pool never had its workers again"
+    print(f"reward worker killed: its pool whole again {kill_times['reward_pool_whole'] - kill_times['reward_worker']:.1f}s "
+          f"after the kill; crashes {records[-1]['reward_crashes']}, pool restarts {records[-1]['reward_pool_restarts']}")
     assert records[-1]["reward_crashes"] + records[-1]["reward_pool_restarts"] <= 2, records[-1]
     assert summary.steps == cfg.train.total_steps and sorted(engine_cks) == [3, 4]
     log = events(tmp_path)
