@@ -30,7 +30,9 @@ from async_rl.control import checkpoint as checkpoint_module
 from async_rl.control.remote_cause import cause_line
 from async_rl.control.start_retry import StartRetry
 from async_rl.evaluation.phase import Evaluation
+from async_rl.generator import pool as pool_module
 from async_rl.generator.pool import GeneratorPool
+from tests.integration._never_starts import NeverStarts
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
 
@@ -559,3 +561,28 @@ def test_learner_and_engine_hangs_and_learner_kills_mid_sync_and_mid_checkpoint_
     assert a.balanced() and (a.in_flight, a.trained, a.filtered) == (0, 10 * batch, 0)
     assert (a.lost + a.dropped_stale) % group == 0
     assert a.leased == a.trained + a.dropped_stale + a.filtered + a.lost + a.requeued + a.waiting
+
+
+def test_an_engine_start_that_never_returns_times_out_and_its_actor_is_stopped(monkeypatch):
+    """The background start's own timeout (generator/pool.py TIMEOUT_S: 600 s, 2 s here): an engine
+    whose start never returns (its core wedged while initializing) fails with a TimeoutError naming
+    it, leaves the pool, and its actor and its room are stopped. The supervisor starts it again like
+    any failed start (tests/unit/test_refills.py)."""
+    monkeypatch.setattr(pool_module, "TIMEOUT_S", 2.0)
+    pool = GeneratorPool(lambda engine_id: None, None, 1, 1, 10.0, actor_cls=NeverStarts)
+    (engine_id,) = pool.launch(1, paused=True)
+    actor, room = pool.starting[engine_id].handle.actor, pool.starting[engine_id].handle.pool
+    launched = time.monotonic()
+    joined, failed = pool.poll_starts()
+    while not failed:
+        assert not joined and time.monotonic() - launched < 60, "the start never timed out"
+        time.sleep(0.2)
+        joined, failed = pool.poll_starts()
+    assert time.monotonic() - launched >= 2.0
+    ((failed_id, why),) = failed
+    assert failed_id == engine_id and isinstance(why, TimeoutError), failed
+    assert str(why) == f"engine {engine_id} did not start within 2s"
+    assert not pool.starting and not pool.engines and not joined
+    with pytest.raises(ray.exceptions.RayActorError):  # stopped, not left wedged
+        ray.get(actor.shutdown.remote(), timeout=60)
+    assert ray.util.placement_group_table(room.pg)["state"] == "REMOVED"
