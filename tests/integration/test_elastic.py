@@ -293,16 +293,21 @@ def test_learner_rank_sigkilled_mid_step_is_recovered_from_the_checkpoint(tmp_pa
 
 
 def test_autoscaler_grows_a_starved_pool(tmp_path, model_cache):
-    # Synchronous (max_lag 0): the learner waits for every batch to be generated, i.e. it is starved.
+    # Starved by construction: synchronous (max_lag 0), and every reward takes 0.5 s (16 samples a step on
+    # 4 reward workers: about 2 s a batch, against a learner step of well under 1 s). With the tiny model's
+    # instant rewards the learner waited 0.3-4% of a step in a loaded CI (2026-12-07), under the threshold.
     overrides = [
         *SHORT,
         "train.total_steps=4",
         "train.max_lag=0",
+        "task.name=tests.integration._slow_task:make_task",
+        "task.reward_workers=4",
+        "task.reward_timeout_s=10",
         "generators.autoscale.enabled=true",
         "generators.autoscale.max_engines=2",
         "generators.autoscale.window_steps=1",
         "generators.autoscale.cooldown_steps=0",
-        "generators.autoscale.grow_wait_frac=0.05",
+        "generators.autoscale.grow_wait_frac=0.3",
         "generators.autoscale.shrink_wait_frac=0.0",
         "generators.autoscale.shrink_fill_batches=100",
     ]
@@ -311,6 +316,7 @@ def test_autoscaler_grows_a_starved_pool(tmp_path, model_cache):
     log = events(tmp_path)
     assert [(e["source"], e["engines_before"], e["engines_after"]) for e in log] == [("autoscale", 1, 2)]
     assert "learner starved (learner wait" in log[0]["reason"]
+    print(f"autoscale: {log[0]['reason']}")
     assert [r["num_engines"] for r in out[-1]][-1] == 2
 
 
