@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 # wheel this machine and CI reach is cp311 (on 3.12 pip ends, minutes later, in ResolutionImpossible).
 CPU_PYTHON_VERSION := 3.11
 
-.PHONY: python-version upgrade-check install quickstart test test-unit test-integration test-gpu gpu-wheels gpu-check lint bench bench-quick docs clean verifiers-venv
+.PHONY: python-version upgrade-check install quickstart bytecode test test-unit test-integration test-gpu gpu-wheels gpu-check lint bench bench-quick docs clean verifiers-venv
 
 # pip byte-compiles what it installs (~1.5 of the install's 3.8 minutes). Keep it: this machine and CI set
 # PYTHONDONTWRITEBYTECODE=1, so with `pip install --no-compile` nothing writes a .pyc later and every
@@ -44,14 +44,21 @@ quickstart: $(STAMP)
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-test: $(STAMP)
+test: $(STAMP) bytecode
 	$(PY) -m pytest tests $(XDIST)
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) bytecode
 	$(PY) -m pytest tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) bytecode
 	$(PY) -m pytest tests/integration
+
+# This machine and CI set PYTHONDONTWRITEBYTECODE=1, so nothing caches the checkout's own modules: each
+# process of the suite (Ray actors, engine cores, rank and reward workers) compiled what it imported
+# of async_rl and tests from source (0.15 s for an engine actor's, 0.2 s for a controller's). compileall
+# writes the .pyc files once (under a second); Python checks each against its source, so an edit is never served stale.
+bytecode: $(STAMP)
+	@$(PY) -m compileall -q -j 0 async_rl tests
 
 # A venv of its own for `env.name: verifiers:ID` (its pins conflict with ours): env.python names
 # .venv-verifiers/bin/python; tests/integration/test_verifiers_real.py runs when it exists (~40 s).

@@ -21,4 +21,11 @@ learner ranks of these tests, which use none (learner.kernels=compile and attent
 in tests/unit, outside Ray).
 """
 
+# The KV cache of a tiny model's engine (tiny-qwen2: 1 KiB a token in fp32, so 64 MiB hold 65,536 tokens;
+# a run of the default 16 prompts in flight x 8 samples x 128 tokens holds at most 16,384). vLLM zeroes the whole cache at start, and an
+# EngineSpec without kv_cache_bytes gets vLLM's own CPU choice: half the machine's memory (11 GiB here),
+# which took 19 s of CPU to start against 2 s with 64 MiB (tiny-qwen2, idle 2-core machine).
+TINY_KV_CACHE_BYTES = 2**26
+TINY_KV_CACHE = "generators.kv_cache_gib=0.0625"  # the same for a run's engines (a config override)
+
 FAST_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}

@@ -20,6 +20,7 @@ from async_rl.models.tiny import resolve_model_path
 from async_rl.serving import vllm_compat as vc
 from async_rl.weight_sync.bucketing import build_manifest
 from async_rl.weight_sync.transport import join_sender, open_membership
+from tests.integration._engine_env import TINY_KV_CACHE_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +44,7 @@ def engine(model_dir):
         gpu_memory_utilization=0.5,
         seed=0,
         max_num_seqs=64,
+        kv_cache_bytes=TINY_KV_CACHE_BYTES,
     )
     loop = asyncio.new_event_loop()
     llm = loop.run_until_complete(_make(spec))

@@ -23,6 +23,7 @@ from async_rl.control.controller import Controller
 from async_rl.control.metrics import MetricsSink
 from async_rl.models.tiny import resolve_model_path
 from tests.integration._accounting import check_admission, check_buckets
+from tests.integration._engine_env import TINY_KV_CACHE
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +32,7 @@ STEPS = 30
 K = 5  # steps averaged at each end
 MARGIN = 0.15  # a random policy scores ~0.02; the quickstart reaches ~0.5 by step 30
 BASE = [
+    TINY_KV_CACHE,
     f"train.total_steps={STEPS}",
     "train.max_lag=1",
     "train.prompts_per_step=8",

@@ -33,6 +33,7 @@ from async_rl.control.controller import Controller  # noqa: E402
 from async_rl.control.metrics import MetricsSink  # noqa: E402
 from async_rl.models.tiny import resolve_model_path  # noqa: E402
 from async_rl.weight_sync.checksum import ParamChecksum  # noqa: E402
+from tests.integration._engine_env import TINY_KV_CACHE  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +62,7 @@ LAYOUTS = {
 def config(model_cache: str, layout: str, steps: int = STEPS):
     return load_config(
         None,
-        [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *BASE, *LAYOUTS[layout],
+        [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", TINY_KV_CACHE, *BASE, *LAYOUTS[layout],
          f"train.total_steps={steps}"],
     )
 

@@ -26,6 +26,7 @@ from async_rl.serving.route_capture import RouteCapture
 from async_rl.weight_sync.bucketing import build_manifest
 from async_rl.weight_sync.checksum import checksum_of
 from async_rl.weight_sync.transport import join_sender, open_membership
+from tests.integration._engine_env import TINY_KV_CACHE_BYTES
 from tests.unit._learner_fixtures import make_rank
 from tests.unit._moe_fixtures import experts_calls
 
@@ -42,7 +43,7 @@ def served(request, tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spec = vc.EngineSpec(
         model_dir=str(model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=128,
-        gpu_memory_utilization=0.5, seed=0, max_num_seqs=8,
+        gpu_memory_utilization=0.5, seed=0, max_num_seqs=8, kv_cache_bytes=TINY_KV_CACHE_BYTES,
         routes=RouteCapture(routing.num_experts, routing.top_k, routing.moe_layers),
     )
     model = ServedModel(spec)

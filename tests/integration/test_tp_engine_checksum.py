@@ -16,6 +16,7 @@ from async_rl.control.controller import engine_checksums
 from async_rl.models.tiny import resolve_model_path
 from async_rl.serving import vllm_compat as vc
 from async_rl.weight_sync.checksum import checksum_of
+from tests.integration._engine_env import TINY_KV_CACHE_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def test_tp2_engine_checksum_parts_add_up_to_the_hf_weights(tmp_path, monkeypatc
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread per TP worker
     spec = vc.EngineSpec(
         model_dir=str(model_dir), dtype="float32", tensor_parallel_size=2, max_model_len=128,
-        gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
+        gpu_memory_utilization=0.5, seed=0, max_num_seqs=4, kv_cache_bytes=TINY_KV_CACHE_BYTES,
     )
 
     async def parts():

@@ -17,7 +17,7 @@ from async_rl.control.metrics import MetricsSink
 from async_rl.control.repeat import differences, parameter_differences
 from async_rl.models.tiny import resolve_model_path
 from tests.integration._accounting import check_admission, check_buckets
-from tests.integration._engine_env import FAST_ENGINE_ENV
+from tests.integration._engine_env import FAST_ENGINE_ENV, TINY_KV_CACHE
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]  # one Ray for the module
 
@@ -28,7 +28,7 @@ def run_short(tmp_path, model_cache, overrides, between=None):
     """A run of the tiny preset in this process. It runs on the module's Ray (the `ray_cluster` fixture:
     workers import this checkout and the test's user task, engines start with FAST_ENGINE_ENV), which
     the modules of these runs share between their tests; without one it starts and stops its own."""
-    cfg = load_config(None, [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", *overrides])
+    cfg = load_config(None, [f"model.cache_dir={model_cache}", "logging.wandb.mode=disabled", TINY_KV_CACHE, *overrides])
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     plan = plan_placement(cfg)
     own_ray = not ray.is_initialized()

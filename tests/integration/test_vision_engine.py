@@ -27,6 +27,7 @@ from async_rl.serving import vllm_compat as vc
 from async_rl.serving.model import ServedModel
 from async_rl.serving.prompt_images import EngineImages
 from async_rl.vision import image_token_id
+from tests.integration._engine_env import TINY_KV_CACHE_BYTES
 from tests.unit._learner_fixtures import make_rank
 
 pytestmark = pytest.mark.integration
@@ -41,7 +42,7 @@ def _serve(model_dir, vision: VisionConfig):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spec = vc.EngineSpec(
         model_dir=str(model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=256,
-        gpu_memory_utilization=0.5, seed=0, max_num_seqs=16,
+        gpu_memory_utilization=0.5, seed=0, max_num_seqs=16, kv_cache_bytes=TINY_KV_CACHE_BYTES,
         images=EngineImages(image_token_id(model_dir), vision.max_images_per_prompt, vision.processor_kwargs()),
     )
     model = ServedModel(spec)
