@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -37,6 +37,15 @@ class TaskConfig(_Section):
             "if the pattern has a group, else the whole match), compared normalised to the ground truth"
         ),
     ] = ""
+    math_answer: Annotated[
+        Literal["expression", "number"],
+        _f(
+            "what task.reward=math takes as an answer: 'expression' (math-verify's own rule: any expression "
+            "equal to the ground truth, so a completion restating an arithmetic question, '71 - 44 = ?', "
+            "scores as 27) or 'number' (for numeric ground truths the answer must be written as a number: "
+            "42, -23, 0.5, 1/2, \\frac{1}{2}; an unevaluated expression scores 0)"
+        ),
+    ] = "expression"
     reward_timeout_s: Annotated[
         float,
         _f(

@@ -79,6 +79,28 @@ def math_reward(sample: Sample) -> float:
     return 1.0 if pred and verify(gold, pred) else 0.0
 
 
+# An answer written as a number: digits with an optional sign, decimals or a plain fraction ('1/2', which
+# math-verify keeps as an unevaluated product); LaTeX forms (\frac{1}{2}, 0.5 in \boxed{}) parse to numbers.
+_NUMBER_TEXT = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def math_number_reward(sample: Sample) -> float:
+    """task.math_answer=number: `math_reward`, except that for a numeric ground truth the answer must be
+    written as a number. math-verify keeps an expression unevaluated and compares its value, so under
+    `math_reward` a completion restating the question ('71 - 44 = ?') is right; here it scores 0."""
+    from math_verify import parse, verify
+
+    gold = _parse_gold(sample.prompt.answer)
+    pred = parse(sample.completion)
+    if not pred:
+        return 0.0
+    if getattr(gold[0], "is_Number", False):
+        written = str(pred[1]).replace(" ", "") if len(pred) > 1 else ""
+        if not (getattr(pred[0], "is_Number", False) or _NUMBER_TEXT.fullmatch(written)):
+            return 0.0
+    return 1.0 if verify(gold, pred) else 0.0
+
+
 def _load_user_reward(name: str) -> RewardFn:
     return load_callable("task.reward", name)
 
@@ -99,7 +121,7 @@ def load_reward(cfg: TaskConfig) -> RewardFn | RewardModelCall:
     if not cfg.reward:
         return load_task(cfg.name).reward
     if cfg.reward == "math":
-        return math_reward
+        return math_number_reward if cfg.math_answer == "number" else math_reward
     if cfg.reward == "exact":
         return exact_reward
     if cfg.reward == "regex":

@@ -15,7 +15,7 @@ from async_rl.generator.rewards import RewardRunner
 from async_rl.protocol import REWARD_ERROR, REWARD_OK, Prompt, Sample
 from async_rl.tasks import load_task
 from async_rl.tasks.reasoning_gym import CHUNK, ReasoningGymTask
-from async_rl.tasks.rewards import RegexReward, exact_reward, load_reward, math_reward
+from async_rl.tasks.rewards import RegexReward, exact_reward, load_reward, math_number_reward, math_reward
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,6 +53,28 @@ def sample(answer: str, completion: str) -> Sample:
 )
 def test_math_reward(answer, completion, reward):
     assert math_reward(sample(answer, completion)) == reward
+
+
+@pytest.mark.parametrize(
+    "answer, completion, as_expression, as_number",
+    [
+        # the restated question: math-verify evaluates it (the arithmetic recipe's policy found this)
+        ("27", "71 - 44 = ?", 1.0, 0.0),
+        ("27", "\\boxed{71-44}", 1.0, 0.0),
+        ("111", "Answer: 3*37", 1.0, 0.0),
+        ("27", "71 - 44 = 27", 1.0, 1.0),  # worked, ending on the number
+        ("-23", "The answer is -23", 1.0, 1.0),
+        ("0.5", "The answer is 1/2", 1.0, 1.0),  # a plain fraction is a number
+        ("0.5", "\\boxed{\\frac{1}{2}}", 1.0, 1.0),
+        ("27", "\\boxed{27.0}", 1.0, 1.0),
+        ("27", "\\boxed{26}", 0.0, 0.0),
+        ("x+1", "\\boxed{1 + x}", 1.0, 1.0),  # a symbolic ground truth: an expression is the answer
+        ("27", "", 0.0, 0.0),
+    ],
+)
+def test_math_answer_number_refuses_an_expression_for_a_numeric_answer(answer, completion, as_expression, as_number):
+    assert math_reward(sample(answer, completion)) == as_expression
+    assert math_number_reward(sample(answer, completion)) == as_number
 
 
 def test_math_reward_ground_truth_that_does_not_parse_raises():
@@ -108,6 +130,7 @@ def test_regex_reward_errors():
 
 def test_load_reward_by_name():
     assert load_reward(TaskConfig(reward="math")) is math_reward
+    assert load_reward(TaskConfig(reward="math", math_answer="number")) is math_number_reward
     assert load_reward(TaskConfig(reward="exact")) is exact_reward
     assert isinstance(load_reward(TaskConfig(reward="regex", reward_pattern="a")), RegexReward)
     s = Sample(prompt=Prompt(prompt_id=0, text="c:", answer="c"), completion="cccc")
