@@ -62,6 +62,8 @@ def test_math_reward(answer, completion, reward):
         ("27", "71 - 44 = ?", 1.0, 0.0),
         ("27", "\\boxed{71-44}", 1.0, 0.0),
         ("111", "Answer: 3*37", 1.0, 0.0),
+        # seed 1's policy: math-verify takes the expression after 'The answer to', whatever follows 'is'
+        ("-54", "13 - 67 = 6\n\nThe answer to 13 - 67 is 6.", 1.0, 0.0),
         ("27", "71 - 44 = 27", 1.0, 1.0),  # worked, ending on the number
         ("-23", "The answer is -23", 1.0, 1.0),
         ("0.5", "The answer is 1/2", 1.0, 1.0),  # a plain fraction is a number
