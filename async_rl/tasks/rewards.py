@@ -72,11 +72,14 @@ def math_reward(sample: Sample) -> float:
     is 42', 'Answer: 42'; else its last number or expression), compared to `prompt.answer` by
     symbolic equivalence (1/2 == 0.5 == \\frac{1}{2}). 1 or 0; an answer that does not parse raises
     (counted as a reward error)."""
-    from math_verify import parse, verify
+    return _math_score(sample, numbers_only=False)
 
-    gold = _parse_gold(sample.prompt.answer)
-    pred = parse(sample.completion)
-    return 1.0 if pred and verify(gold, pred) else 0.0
+
+def math_number_reward(sample: Sample) -> float:
+    """task.math_answer=number: `math_reward`, except that for a numeric ground truth the answer must be
+    written as a number. math-verify keeps an expression unevaluated and compares its value, so under
+    `math_reward` a completion restating the question ('71 - 44 = ?') is right; here it scores 0."""
+    return _math_score(sample, numbers_only=True)
 
 
 # An answer written as a number: digits with an optional sign, decimals or a plain fraction ('1/2', which
@@ -84,20 +87,21 @@ def math_reward(sample: Sample) -> float:
 _NUMBER_TEXT = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 
 
-def math_number_reward(sample: Sample) -> float:
-    """task.math_answer=number: `math_reward`, except that for a numeric ground truth the answer must be
-    written as a number. math-verify keeps an expression unevaluated and compares its value, so under
-    `math_reward` a completion restating the question ('71 - 44 = ?') is right; here it scores 0."""
+def _written_as_number(pred: list) -> bool:
+    """math-verify's parse of an answer (value, extracted text) is a number, not an unevaluated expression."""
+    written = str(pred[1]).replace(" ", "") if len(pred) > 1 else ""
+    return bool(getattr(pred[0], "is_Number", False) or _NUMBER_TEXT.fullmatch(written))
+
+
+def _math_score(sample: Sample, numbers_only: bool) -> float:
     from math_verify import parse, verify
 
     gold = _parse_gold(sample.prompt.answer)
     pred = parse(sample.completion)
     if not pred:
         return 0.0
-    if getattr(gold[0], "is_Number", False):
-        written = str(pred[1]).replace(" ", "") if len(pred) > 1 else ""
-        if not (getattr(pred[0], "is_Number", False) or _NUMBER_TEXT.fullmatch(written)):
-            return 0.0
+    if numbers_only and getattr(gold[0], "is_Number", False) and not _written_as_number(pred):
+        return 0.0
     return 1.0 if verify(gold, pred) else 0.0
 
 
